@@ -1,0 +1,18 @@
+import importlib.util
+
+import pytest
+import torch
+
+HAS_FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
+HAS_TORCHREC = importlib.util.find_spec("torchrec") is not None and HAS_FBGEMM
+
+needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm_gpu is not installed")
+needs_torchrec = pytest.mark.skipif(not HAS_TORCHREC, reason="torchrec is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _single_thread_determinism():
+    # Tests compare results bit-for-bit or to tight tolerances; keep them fast and stable.
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
