@@ -1,0 +1,304 @@
+"""EmbeddingBagCollection: pooled lookups of many tables, fused, optimizer in backward.
+
+::
+
+    KeyedJaggedTensor (keys = features)
+        │  select the collection's features, check ids (policy: error | hash | clip)
+        ▼
+    fused kernel per (pooling, dim) group ── one call for all its tables
+        │  backward: exact sparse optimizer updates the looked-up rows in place
+        ▼
+    KeyedTensor [B, sum(D_f)]  (features in ``feature_names`` order)
+
+The weights and optimizer state are not ``nn.Parameter``s of the model: the
+dense optimizer never sees them. They appear in ``state_dict()`` under
+canonical per-table names, ``embedding_bags.<table>.weight``, and in
+``optimizer_state_dict()`` as ``embedding_bags.<table>.<state>``, the same for
+every backend and (in the sharded twin) every layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from enum import StrEnum
+
+import torch
+from torch import nn
+
+from towerrec.modules.kernels import (
+    Backend,
+    EmbeddingKernel,
+    TableSpec,
+    build_kernel,
+    resolve_backend,
+)
+from towerrec.modules.tables import TableConfig, init_table_block
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
+from towerrec.utils import parse_enum
+
+__all__ = [
+    "EmbeddingBagCollection",
+    "IdPolicy",
+    "apply_id_policy",
+    "dense_parameters",
+    "fused_embedding_modules",
+]
+
+
+class IdPolicy(StrEnum):
+    """What to do with an id outside ``[0, num_embeddings)``."""
+
+    ERROR = "error"  # raise, naming the feature, id and table size (default)
+    HASH = "hash"  # id mod num_embeddings
+    CLIP = "clip"  # min(id, num_embeddings - 1)
+
+
+def apply_id_policy(
+    features: KeyedJaggedTensor,
+    rows_per_feature: torch.Tensor,
+    policy: IdPolicy,
+) -> torch.Tensor:
+    """The ids of ``features`` checked or mapped into each feature's table range."""
+    values = features.values()
+    if values.numel() == 0:
+        return values
+    batch = features.stride()
+    per_feature = features.offsets()[::batch].diff()
+    limit = torch.repeat_interleave(rows_per_feature, per_feature, output_size=values.numel())
+    if policy is IdPolicy.HASH:
+        return torch.remainder(values, limit)
+    if policy is IdPolicy.CLIP:
+        return torch.minimum(values, limit - 1)
+    bad = values >= limit
+    if bool(bad.any()):
+        position = int(bad.nonzero()[0])
+        offsets = features.offsets()
+        bag = int(torch.searchsorted(offsets, position, right=True)) - 1
+        feature, sample = divmod(bag, batch)
+        raise ValueError(
+            f"id {int(values[position])} of feature {features.keys()[feature]!r} (sample {sample}) "
+            f"is out of range for its table of {int(rows_per_feature[feature])} rows; fix the "
+            "data or table size, or set embedding.id_policy = 'hash' (id mod rows) or 'clip'"
+        )
+    return values
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Pooled embedding lookups for many tables with a fused optimizer (module doc)."""
+
+    is_fused_embedding = True
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        optimizer: EmbeddingOptimizerConfig | None = None,
+        *,
+        backend: Backend | str = Backend.AUTO,
+        device: torch.device | str | None = None,
+        id_policy: IdPolicy | str = IdPolicy.ERROR,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not tables:
+            raise ValueError("an EmbeddingBagCollection needs at least one table")
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"table names must be unique, got {names}")
+        features = [f for t in tables for f in t.feature_names]
+        if len(set(features)) != len(features):
+            dup = sorted({f for f in features if features.count(f) > 1})
+            raise ValueError(f"features {dup} are assigned to more than one table")
+        self.tables = list(tables)
+        self.optimizer = optimizer or EmbeddingOptimizerConfig()
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.backend = resolve_backend(
+            parse_enum(Backend, backend, "embedding backend"), self.device
+        )
+        self.id_policy = parse_enum(IdPolicy, id_policy, "embedding id_policy")
+        self.seed = seed
+
+        # Group tables that one kernel can serve: same pooling and dim.
+        groups: dict[tuple, list[TableConfig]] = {}
+        for t in self.tables:
+            groups.setdefault((t.pooling, t.embedding_dim), []).append(t)
+        self._groups = list(groups.values())
+        self.feature_names = [f for group in self._groups for t in group for f in t.feature_names]
+        self.embedding_dims = [
+            t.embedding_dim for g in self._groups for t in g for _ in t.feature_names
+        ]
+        self._features_per_group = [sum(len(t.feature_names) for t in g) for g in self._groups]
+        rows = [t.num_embeddings for g in self._groups for t in g for _ in t.feature_names]
+        self._rows_per_feature = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        # Kernels are plain attributes, not submodules: their FBGEMM parameters
+        # must stay out of model.parameters() (the dense optimizer, DDP).
+        self._kernels: list[EmbeddingKernel] = self._build_kernels(self.device)
+        self.reset_parameters()
+
+    def _build_kernels(self, device: torch.device) -> list[EmbeddingKernel]:
+        kernels = []
+        for group in self._groups:
+            feature_table_map = [i for i, t in enumerate(group) for _ in t.feature_names]
+            kernels.append(
+                build_kernel(
+                    self.backend,
+                    [TableSpec(t.num_embeddings, t.embedding_dim) for t in group],
+                    feature_table_map,
+                    group[0].pooling,
+                    self.optimizer,
+                    device,
+                )
+            )
+        return kernels
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Deterministic init from ``seed`` (see ``init_table_block``); state zeroed."""
+        for table, weight in self._table_weights():
+            weight.copy_(init_table_block(table, self.seed))
+        for _, states in self._table_optimizer_states():
+            for s in states.values():
+                s.zero_()
+
+    # ------------------------------------------------------------------ views
+    def _table_weights(self) -> Iterator[tuple[TableConfig, torch.Tensor]]:
+        for group, kernel in zip(self._groups, self._kernels):
+            yield from zip(group, kernel.split_weights())
+
+    def _table_optimizer_states(self) -> Iterator[tuple[TableConfig, dict[str, torch.Tensor]]]:
+        for group, kernel in zip(self._groups, self._kernels):
+            yield from zip(group, kernel.split_optimizer_states())
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """``{table: weight[rows, dim]}`` views; in-place writes reach the kernels."""
+        return {t.name: w for t, w in self._table_weights()}
+
+    @property
+    def num_embedding_parameters(self) -> int:
+        return sum(t.num_parameters for t in self.tables)
+
+    # ------------------------------------------------------------ optimizer
+    def set_learning_rate(self, lr: float) -> None:
+        for kernel in self._kernels:
+            kernel.set_learning_rate(lr)
+
+    def optimizer_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}embedding_bags.{t.name}.{name}": s
+            for t, states in self._table_optimizer_states()
+            for name, s in states.items()
+        }
+
+    @torch.no_grad()
+    def load_optimizer_state_dict(self, state: dict[str, torch.Tensor], prefix: str = "") -> None:
+        expected = self.optimizer_state_dict(prefix)
+        _check_keys(expected, state, "embedding optimizer state")
+        for key, target in expected.items():
+            _copy_checked(target, state[key], key)
+
+    # ---------------------------------------------------------- state dict
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for table, weight in self._table_weights():
+            destination[f"{prefix}embedding_bags.{table.name}.weight"] = weight
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        ours = f"{prefix}embedding_bags."
+        others = {k: v for k, v in state_dict.items() if not k.startswith(ours)}
+        super()._load_from_state_dict(
+            others, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        own = set()
+        with torch.no_grad():
+            for table, weight in self._table_weights():
+                key = f"{prefix}embedding_bags.{table.name}.weight"
+                own.add(key)
+                if key not in state_dict:
+                    missing_keys.append(key)
+                    continue
+                try:
+                    _copy_checked(weight, state_dict[key], key)
+                except ValueError as e:
+                    error_msgs.append(str(e))
+        for key in state_dict:
+            if key.startswith(ours) and key not in own:
+                unexpected_keys.append(key)
+
+    def _apply(self, fn, recurse=True):
+        # .to(device) / .cuda(): rebuild the kernels on the new device, keeping state.
+        target = fn(torch.empty(0, device=self.device)).device
+        if target != self.device:
+            weights = {k: w.to(target) for k, w in self.table_weights().items()}
+            states = {k: s.to(target) for k, s in self.optimizer_state_dict().items()}
+            self._kernels = self._build_kernels(target)
+            self.device = target
+            self._rows_per_feature = self._rows_per_feature.to(target)
+            with torch.no_grad():
+                for name, w in self.table_weights().items():
+                    w.copy_(weights[name])
+            self.load_optimizer_state_dict(states)
+        return super()._apply(fn, recurse)
+
+    # -------------------------------------------------------------- forward
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if features.keys() != self.feature_names:
+            features = features.select(self.feature_names)
+        values = apply_id_policy(features, self._rows_per_feature, self.id_policy)
+        weights = features.weights_or_none()
+        offsets = features.offsets()
+        if len(self._kernels) == 1:
+            pooled = self._kernels[0](values, offsets, weights)
+        else:
+            batch = features.stride()
+            outs, first = [], 0
+            for kernel, count in zip(self._kernels, self._features_per_group):
+                lo, hi = int(offsets[first * batch]), int(offsets[(first + count) * batch])
+                part_offsets = offsets[first * batch : (first + count) * batch + 1] - lo
+                part_weights = weights[lo:hi] if weights is not None else None
+                outs.append(kernel(values[lo:hi], part_offsets, part_weights))
+                first += count
+            pooled = torch.cat(outs, dim=1)
+        return KeyedTensor(self.feature_names, self.embedding_dims, pooled)
+
+    def extra_repr(self) -> str:
+        return (
+            f"tables={len(self.tables)}, features={len(self.feature_names)}, "
+            f"params={self.num_embedding_parameters:,}, backend={self.backend.value}, "
+            f"optimizer={self.optimizer.kind.value}"
+        )
+
+
+def _check_keys(expected: dict, got: dict, what: str) -> None:
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if missing or extra:
+        raise ValueError(
+            f"{what} does not match the model: missing {missing[:5]}, unexpected {extra[:5]}; "
+            "was it saved from a model with other tables or another optimizer?"
+        )
+
+
+def _copy_checked(target: torch.Tensor, source: torch.Tensor, key: str) -> None:
+    if tuple(source.shape) != tuple(target.shape):
+        raise ValueError(
+            f"size mismatch for {key}: checkpoint has {tuple(source.shape)}, model has "
+            f"{tuple(target.shape)}"
+        )
+    target.copy_(source)
+
+
+def fused_embedding_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(fqn, module)`` of every module whose optimizer runs inside backward."""
+    for name, module in model.named_modules():
+        if getattr(module, "is_fused_embedding", False):
+            yield name, module
+
+
+def dense_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Named parameters that the dense optimizer owns (not under fused embeddings)."""
+    fused = [name + "." for name, _ in fused_embedding_modules(model)]
+    for name, param in model.named_parameters():
+        if not any(name.startswith(prefix) for prefix in fused):
+            yield name, param

@@ -1,0 +1,218 @@
+import pytest
+import torch
+from conftest import needs_fbgemm
+
+from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
+from towerrec.modules.tables import TableConfig, init_table_block
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.sparse import KeyedJaggedTensor
+
+TABLES = [
+    TableConfig("a", 50, 8),
+    TableConfig("b", 70, 8, feature_names=("b1", "b2")),  # one table, two features
+    TableConfig("c", 30, 4, pooling="mean"),  # second kernel group
+]
+ROWS = {"a": 50, "b1": 70, "b2": 70, "c": 30}
+
+
+def random_batch(gen, batch=6, max_len=4, keys=("a", "b1", "b2", "c")):
+    lengths = torch.randint(0, max_len, (len(keys) * batch,), generator=gen)
+    values = torch.cat(
+        [
+            torch.randint(0, ROWS[keys[i // batch]], (int(n),), generator=gen)
+            for i, n in enumerate(lengths)
+        ]
+    )
+    return KeyedJaggedTensor(list(keys), values, lengths)
+
+
+def train_steps(ebc, steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    outputs = []
+    for _ in range(steps):
+        out = ebc(random_batch(gen)).values()
+        grad = torch.randn(out.shape, generator=gen)
+        out.backward(grad)
+        outputs.append(out.detach())
+    return outputs
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "adagrad", "sgd"])
+def test_backends_agree_after_ten_steps(kind):
+    opt = EmbeddingOptimizerConfig(kind=kind, lr=0.1)
+    runs = {b: EmbeddingBagCollection(TABLES, opt, backend=b, seed=3) for b in ("torch", "fbgemm")}
+    outs = {b: train_steps(m, 10) for b, m in runs.items()}
+    for step in range(10):
+        torch.testing.assert_close(outs["torch"][step], outs["fbgemm"][step], rtol=1e-5, atol=1e-6)
+    w_torch, w_fbgemm = runs["torch"].table_weights(), runs["fbgemm"].table_weights()
+    for name in ("a", "b", "c"):
+        assert not torch.equal(
+            w_torch[name],
+            init_table_block(
+                TABLES[0] if name == "a" else TABLES[1] if name == "b" else TABLES[2], 3
+            ),
+        )
+        torch.testing.assert_close(w_torch[name], w_fbgemm[name], rtol=1e-5, atol=1e-6)
+    s_torch, s_fbgemm = runs["torch"].optimizer_state_dict(), runs["fbgemm"].optimizer_state_dict()
+    assert s_torch.keys() == s_fbgemm.keys()
+    for key in s_torch:
+        torch.testing.assert_close(s_torch[key], s_fbgemm[key], rtol=1e-5, atol=1e-7)
+
+
+@needs_fbgemm
+def test_backends_agree_with_per_id_weights():
+    tables = [TableConfig("a", 20, 4), TableConfig("b", 10, 4)]
+    runs = {b: EmbeddingBagCollection(tables, backend=b) for b in ("torch", "fbgemm")}
+    values = torch.tensor([1, 1, 5, 3, 9, 0])
+    lengths = torch.tensor([2, 1, 1, 2])
+    weights = torch.tensor([0.5, 2.0, -1.0, 1.5, 0.25, 3.0])
+    outs = {}
+    for backend, ebc in runs.items():
+        out = ebc(KeyedJaggedTensor(["a", "b"], values, lengths, weights)).values()
+        out.backward(torch.arange(out.numel(), dtype=torch.float32).view_as(out))
+        outs[backend] = out
+    torch.testing.assert_close(outs["torch"], outs["fbgemm"])
+    for name in ("a", "b"):
+        torch.testing.assert_close(
+            runs["torch"].table_weights()[name], runs["fbgemm"].table_weights()[name]
+        )
+
+
+def test_rowwise_adagrad_by_hand():
+    """One table of 3 rows, dim 2; id 1 twice and id 2 once in two bags."""
+    ebc = EmbeddingBagCollection(
+        [TableConfig("t", 3, 2)], EmbeddingOptimizerConfig(lr=0.5, eps=1e-8), backend="torch"
+    )
+    with torch.no_grad():
+        ebc.table_weights()["t"].copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
+    out = ebc(KeyedJaggedTensor(["t"], torch.tensor([1, 1, 2]), torch.tensor([2, 1]))).values()
+    assert out.tolist() == [[6.0, 8.0], [5.0, 6.0]]
+    out.backward(torch.tensor([[1.0, -1.0], [2.0, 0.0]]))
+    # row 1: grad = 2 * [1, -1] = [2, -2]; m = mean(4, 4) = 4; w -= 0.5 * g / 2
+    # row 2: grad = [2, 0]; m = mean(4, 0) = 2;   w -= 0.5 * g / sqrt(2)
+    expected = torch.tensor([[1.0, 2.0], [2.5, 4.5], [5.0 - 0.5 * 2 / 2**0.5, 6.0]])
+    torch.testing.assert_close(ebc.table_weights()["t"], expected)
+    torch.testing.assert_close(
+        ebc.optimizer_state_dict()["embedding_bags.t.momentum1"], torch.tensor([0.0, 4.0, 2.0])
+    )
+
+
+def test_id_policies():
+    tables = [TableConfig("a", 10, 4), TableConfig("b", 5, 4)]
+    batch = KeyedJaggedTensor(["a", "b"], torch.tensor([3, 12, 4, 7]), torch.tensor([1, 1, 1, 1]))
+    with pytest.raises(
+        ValueError,
+        match=r"id 12 of feature 'a' \(sample 1\) is out of range for its table of 10 rows",
+    ):
+        EmbeddingBagCollection(tables, backend="torch")(batch)
+    only_b_bad = KeyedJaggedTensor(
+        ["a", "b"], torch.tensor([3, 9, 4, 7]), torch.tensor([1, 1, 1, 1])
+    )
+    with pytest.raises(ValueError, match=r"id 7 of feature 'b' \(sample 1\).*id_policy = 'hash'"):
+        EmbeddingBagCollection(tables, backend="torch")(only_b_bad)
+    hashed = EmbeddingBagCollection(tables, backend="torch", id_policy="hash")
+    clipped = EmbeddingBagCollection(tables, backend="torch", id_policy="clip")
+    w = hashed.table_weights()
+    expected = torch.cat(
+        [torch.stack([w["a"][3], w["a"][2]]), torch.stack([w["b"][4], w["b"][2]])], dim=1
+    )
+    torch.testing.assert_close(hashed(batch).values(), expected)
+    w = clipped.table_weights()
+    expected = torch.cat(
+        [torch.stack([w["a"][3], w["a"][9]]), torch.stack([w["b"][4], w["b"][4]])], dim=1
+    )
+    torch.testing.assert_close(clipped(batch).values(), expected)
+    with pytest.raises(ValueError, match="unknown embedding id_policy 'wrap'"):
+        EmbeddingBagCollection(tables, id_policy="wrap")
+
+
+def test_missing_feature_is_a_clear_error():
+    ebc = EmbeddingBagCollection([TableConfig("a", 10, 4), TableConfig("b", 5, 4)], backend="torch")
+    with pytest.raises(KeyError, match=r"keys \['b'\] are not in this batch"):
+        ebc(KeyedJaggedTensor(["a"], torch.tensor([1]), torch.tensor([1])))
+
+
+def test_feature_order_of_input_does_not_matter():
+    ebc = EmbeddingBagCollection(TABLES, backend="torch")
+    gen = torch.Generator().manual_seed(0)
+    batch = random_batch(gen)
+    shuffled = batch.permute([3, 1, 0, 2])
+    torch.testing.assert_close(ebc(batch).values(), ebc(shuffled).values())
+
+
+@pytest.mark.parametrize("source_backend", ["torch", "fbgemm"])
+def test_state_dict_roundtrip_across_backends(source_backend):
+    pytest.importorskip("fbgemm_gpu")
+    opt = EmbeddingOptimizerConfig(lr=0.2)
+    src = EmbeddingBagCollection(TABLES, opt, backend=source_backend, seed=1)
+    train_steps(src, 3)
+    target_backend = "fbgemm" if source_backend == "torch" else "torch"
+    dst = EmbeddingBagCollection(TABLES, opt, backend=target_backend, seed=99)
+    dst.load_state_dict(src.state_dict())
+    dst.load_optimizer_state_dict(src.optimizer_state_dict())
+    gen = torch.Generator().manual_seed(5)
+    batch = random_batch(gen)
+    torch.testing.assert_close(src(batch).values(), dst(batch).values())
+    for key, value in src.optimizer_state_dict().items():
+        torch.testing.assert_close(dst.optimizer_state_dict()[key], value)
+
+
+def test_state_dict_errors():
+    ebc = EmbeddingBagCollection(TABLES, backend="torch")
+    state = ebc.state_dict()
+    state["embedding_bags.a.weight"] = torch.zeros(49, 8)
+    with pytest.raises(RuntimeError, match=r"size mismatch for embedding_bags.a.weight"):
+        ebc.load_state_dict(state)
+    del state["embedding_bags.a.weight"]
+    with pytest.raises(RuntimeError, match="Missing key"):
+        ebc.load_state_dict(state)
+    with pytest.raises(ValueError, match="missing"):
+        ebc.load_optimizer_state_dict({})
+
+
+def test_init_is_a_function_of_seed_name_and_position():
+    table = TableConfig("big", 40_000, 6)
+    full = init_table_block(table, seed=7)
+    torch.testing.assert_close(
+        init_table_block(table, 7, rows=(16_000, 33_000), cols=(2, 5)), full[16_000:33_000, 2:5]
+    )
+    assert full.abs().max() <= table.scale
+    assert not torch.equal(init_table_block(table, 8), full)
+    ebc = EmbeddingBagCollection([table], backend="torch", seed=7)
+    assert torch.equal(ebc.table_weights()["big"], full)
+
+
+def test_embedding_weights_stay_out_of_dense_parameters():
+    model = torch.nn.Module()
+    model.sparse = EmbeddingBagCollection(TABLES, backend="torch")
+    model.linear = torch.nn.Linear(3, 1)
+    assert [name for name, _ in dense_parameters(model)] == ["linear.weight", "linear.bias"]
+    assert "sparse.embedding_bags.b.weight" in model.state_dict()
+
+
+def test_no_update_under_no_grad_or_eval():
+    ebc = EmbeddingBagCollection(TABLES, backend="torch")
+    before = {k: v.clone() for k, v in ebc.table_weights().items()}
+    with torch.no_grad():
+        ebc(random_batch(torch.Generator().manual_seed(0)))
+    for k, v in ebc.table_weights().items():
+        assert torch.equal(v, before[k])
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="num_embeddings must be >= 1"):
+        TableConfig("x", 0, 4)
+    with pytest.raises(ValueError, match="unknown table 'x' pooling 'max'"):
+        TableConfig("x", 3, 4, pooling="max")
+    with pytest.raises(ValueError, match="table names must be unique"):
+        EmbeddingBagCollection([TableConfig("x", 3, 4), TableConfig("x", 3, 4)])
+    with pytest.raises(ValueError, match=r"features \['f'\] are assigned to more than one table"):
+        EmbeddingBagCollection(
+            [
+                TableConfig("x", 3, 4, feature_names=("f",)),
+                TableConfig("y", 3, 4, feature_names=("f",)),
+            ]
+        )
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        EmbeddingOptimizerConfig(lr=0)
