@@ -1,0 +1,81 @@
+"""DLRM (Naumov et al., 2019): bottom MLP, pooled embeddings, dot interaction, top MLP.
+
+::
+
+    dense [B, F_d] ─► bottom MLP ─► x [B, D] ──────────────┬──────────────┐
+                                                           │              │
+    sparse (KeyedJaggedTensor) ─► EmbeddingBagCollection   │              │
+                                  ─► E [B, T, D] ──► stack [B, T+1, D]    │
+                                                           │              │
+                                       pairwise dots (upper triangle)     │
+                                                   [B, (T+1)T/2] ──► concat [B, D + (T+1)T/2]
+                                                                          │
+                                                         top MLP ─► logit [B]
+
+The loss lives outside the model (``binary_cross_entropy_with_logits`` in the
+trainer); ``forward`` returns logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from towerrec.modules.interaction import DotInteraction
+from towerrec.modules.mlp import MLP
+from towerrec.sparse import KeyedJaggedTensor
+
+__all__ = ["DLRM"]
+
+
+class DLRM(nn.Module):
+    """DLRM over an embedding collection whose features all have one dim D.
+
+    ``sparse`` is any module mapping a ``KeyedJaggedTensor`` to a ``KeyedTensor``
+    (the ``EmbeddingBagCollection``, or its sharded twin after ``parallelize``).
+    """
+
+    def __init__(
+        self,
+        sparse: nn.Module,
+        num_dense: int,
+        bottom_mlp: Sequence[int],
+        top_mlp: Sequence[int],
+        *,
+        self_interaction: bool = False,
+    ) -> None:
+        super().__init__()
+        dims = set(sparse.embedding_dims)
+        if len(dims) != 1:
+            raise ValueError(f"DLRM needs one embedding dim for every feature, got {sorted(dims)}")
+        dim = dims.pop()
+        if bottom_mlp[-1] != dim:
+            raise ValueError(
+                f"the bottom MLP must end at the embedding dim {dim} (it is dotted with the "
+                f"embeddings), got bottom_mlp={list(bottom_mlp)}"
+            )
+        if top_mlp[-1] != 1:
+            raise ValueError(f"the top MLP must end in one logit, got top_mlp={list(top_mlp)}")
+        self.num_sparse = len(sparse.feature_names)
+        self.embedding_dim = dim
+        self.sparse = sparse
+        self.bottom = MLP(num_dense, bottom_mlp)
+        self.interaction = DotInteraction(self.num_sparse + 1, self_interaction)
+        self.top = MLP(dim + self.interaction.out_features, top_mlp, final_activation=False)
+
+    def flops_per_sample(self) -> int:
+        """Forward FLOPs of the dense part per sample (MLPs and interaction)."""
+        return (
+            self.bottom.flops_per_sample()
+            + self.interaction.flops_per_sample(self.embedding_dim)
+            + self.top.flops_per_sample()
+        )
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        embeddings = self.sparse(sparse).stacked()
+        stacked = torch.cat([x.unsqueeze(1), embeddings], dim=1)
+        interactions = self.interaction(stacked)
+        return self.top(torch.cat([x, interactions], dim=1)).squeeze(1)
