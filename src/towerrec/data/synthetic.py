@@ -1,0 +1,281 @@
+"""Synthetic click data with a planted truth: the embedded default data set.
+
+A hidden random *teacher* draws every label, so the best achievable AUC is
+known: the teacher's own click probabilities scored against the labels it drew
+(the oracle AUC). For sample n::
+
+    x      ~ N(0, I)                          dense features [F]
+    ids_t  ~ Zipf(alpha) over a random permutation of table t's rows
+             (pooling factor p_t > 1: 1 + Poisson(p_t - 1) ids)
+    e_0    = x P                              dense features seen as one more field
+    e_t    = sum_i V_t[ids_t,i] / p_t         teacher embeddings V_t [rows_t, k]
+    z1     = sum_t sum_i b_t[ids_t,i] / p_t + w.x           first order
+    z2     = sum_{i<j} C_ij <e_i, e_j>                      pairwise
+    z3     = sum_{(i,j,l)} c_ijl sum_k e_ik e_jk e_lk       higher order (3-way)
+    z      = a (sqrt(s1) z1/|z1| + sqrt(s2) z2/|z2| + sqrt(s3) z3/|z3|) + c
+    label  ~ Bernoulli(sigmoid(z))
+
+Each order's share s of the logit variance is set by the config (|z| is its
+standard deviation on a pilot sample), so how hard the data is does not hinge
+on the random draw of the teacher; ``a`` sets the logit's spread and ``c`` the
+click rate, both fitted on the pilot sample. Samples are generated in
+fixed blocks, each from its own generator seeded by (seed, split, block): the
+stream is the same whatever the batch size, world size or resume point, and
+nothing beyond two blocks is held in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from towerrec.data.batch import Batch, DataSchema, SparseFeature
+from towerrec.sparse import KeyedJaggedTensor
+
+__all__ = ["SyntheticConfig", "SyntheticSource"]
+
+BLOCK = 4096
+_SPLITS = {"train": 0, "eval": 1, "pilot": 2}
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """Shape of the synthetic data and of its hidden teacher."""
+
+    num_dense: int = 13
+    num_embeddings: tuple[int, ...] = (300, 100, 1000, 50, 500, 200, 100, 200, 500)
+    pooling_factors: tuple[float, ...] = (1, 1, 1, 1, 1, 1, 1, 1, 3)  # per table; () = single-hot
+    zipf_alpha: float = 1.1
+    teacher_dim: int = 4
+    num_triples: int = 4
+    first_order_share: float = 0.10
+    pairwise_share: float = 0.88
+    higher_order_share: float = 0.02
+    logit_std: float = 1.6
+    ctr: float = 0.3
+    eval_samples: int = 100_000
+    seed: int = 0
+    feature_prefix: str = "cat_"
+
+    def __post_init__(self) -> None:
+        if self.num_dense < 0:
+            raise ValueError(f"data.synthetic.num_dense must be >= 0, got {self.num_dense}")
+        if not self.num_embeddings:
+            raise ValueError("data.synthetic.num_embeddings needs at least one table size")
+        if any(n < 1 for n in self.num_embeddings):
+            raise ValueError(
+                f"data.synthetic.num_embeddings must all be >= 1, got {list(self.num_embeddings)}"
+            )
+        if self.pooling_factors and len(self.pooling_factors) != len(self.num_embeddings):
+            raise ValueError(
+                f"data.synthetic.pooling_factors has {len(self.pooling_factors)} entries for "
+                f"{len(self.num_embeddings)} tables; give one per table (1 = single-hot), or "
+                "pooling_factors = [] for all single-hot"
+            )
+        if any(p < 1 for p in self.pooling_factors):
+            raise ValueError("data.synthetic.pooling_factors must be >= 1 (1 = single-hot)")
+        if self.zipf_alpha < 0:
+            raise ValueError("data.synthetic.zipf_alpha must be >= 0 (0 = uniform ids)")
+        shares = (self.first_order_share, self.pairwise_share, self.higher_order_share)
+        if min(shares) < 0 or sum(shares) <= 0:
+            raise ValueError(
+                "data.synthetic first_order_share, pairwise_share and higher_order_share must be "
+                f">= 0 with a positive sum, got {shares}"
+            )
+        if self.higher_order_share > 0 and self.num_triples == 0:
+            raise ValueError("data.synthetic.higher_order_share > 0 needs num_triples >= 1")
+        if self.num_triples < 0:
+            raise ValueError("data.synthetic.num_triples must be >= 0")
+        if self.teacher_dim < 1 or self.eval_samples < 1:
+            raise ValueError("data.synthetic.teacher_dim and eval_samples must be >= 1")
+        if not 0 < self.ctr < 1:
+            raise ValueError(f"data.synthetic.ctr must lie in (0, 1), got {self.ctr}")
+        object.__setattr__(self, "num_embeddings", tuple(self.num_embeddings))
+        object.__setattr__(self, "pooling_factors", tuple(self.pooling_factors))
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.num_embeddings)
+
+    def pooling(self, table: int) -> float:
+        return self.pooling_factors[table] if self.pooling_factors else 1.0
+
+
+@dataclass
+class _Teacher:
+    dense_proj: np.ndarray  # [F, k]
+    dense_weight: np.ndarray  # [F]
+    embeddings: list[np.ndarray]  # per table [rows, k]
+    biases: list[np.ndarray]  # per table [rows]
+    pair_coef: np.ndarray  # [T+1, T+1], strictly upper triangular
+    triples: np.ndarray  # [n, 3] field indices
+    triple_coef: np.ndarray  # [n]
+    cdfs: list[np.ndarray] = field(default_factory=list)  # Zipf CDF per table
+    perms: list[np.ndarray] = field(default_factory=list)  # rank -> id per table
+    weights: np.ndarray = field(default_factory=lambda: np.ones(3))  # per order, pilot-fitted
+    shift: float = 0.0
+
+
+class SyntheticSource:
+    """Streams batches of the planted-truth data (see module docstring)."""
+
+    def __init__(self, config: SyntheticConfig | None = None) -> None:
+        self.config = config or SyntheticConfig()
+        cfg = self.config
+        self.schema = DataSchema(
+            num_dense=cfg.num_dense,
+            sparse=tuple(
+                SparseFeature(f"{cfg.feature_prefix}{t}", rows, cfg.pooling(t))
+                for t, rows in enumerate(cfg.num_embeddings)
+            ),
+        )
+        self._teacher = self._build_teacher()
+        self._block_cache = lru_cache(maxsize=4)(self._make_block)
+
+    # -------------------------------------------------------------- teacher
+    def _build_teacher(self) -> _Teacher:
+        cfg = self.config
+        rng = np.random.default_rng([cfg.seed, 99])
+        k, num_fields = cfg.teacher_dim, cfg.num_tables + 1
+        teacher = _Teacher(
+            dense_proj=rng.normal(size=(cfg.num_dense, k)) / np.sqrt(max(cfg.num_dense, 1)),
+            dense_weight=rng.normal(size=cfg.num_dense) / np.sqrt(max(cfg.num_dense, 1)),
+            embeddings=[rng.normal(size=(n, k)) for n in cfg.num_embeddings],
+            biases=[rng.normal(size=n) for n in cfg.num_embeddings],
+            pair_coef=np.triu(rng.normal(size=(num_fields, num_fields)), 1) / np.sqrt(num_fields),
+            triples=np.array(
+                [rng.choice(num_fields, size=3, replace=False) for _ in range(cfg.num_triples)],
+                dtype=np.int64,
+            ).reshape(-1, 3),
+            triple_coef=rng.normal(size=cfg.num_triples),
+        )
+        for rows in cfg.num_embeddings:
+            weights = 1.0 / np.arange(1, rows + 1, dtype=np.float64) ** cfg.zipf_alpha
+            cdf = np.cumsum(weights)
+            teacher.cdfs.append(cdf / cdf[-1])
+            teacher.perms.append(rng.permutation(rows))
+        # Fit scale and shift on a pilot sample: logit spread and click rate.
+        self._teacher = teacher
+        orders = self._raw_block("pilot", 0)[-1]  # [BLOCK, 3]
+        shares = np.array([cfg.first_order_share, cfg.pairwise_share, cfg.higher_order_share])
+        std = orders.std(axis=0)
+        weights = np.where(std > 0, np.sqrt(shares / shares.sum()) / np.where(std > 0, std, 1), 0)
+        mixed = orders @ weights
+        teacher.weights = weights * cfg.logit_std / mixed.std()
+        teacher.shift = _shift_for_ctr(orders @ teacher.weights, cfg.ctr)
+        return teacher
+
+    def _raw_block(self, split: str, block: int):
+        """One block: dense, per-table (lengths, ids), and the teacher's raw score
+        ``[BLOCK, 3]`` of each order (first, pairwise, higher)."""
+        cfg, teacher = self.config, self._teacher
+        rng = np.random.default_rng([cfg.seed, _SPLITS[split], block])
+        dense = rng.standard_normal((BLOCK, cfg.num_dense), dtype=np.float32)
+        fields = np.empty((BLOCK, cfg.num_tables + 1, cfg.teacher_dim))
+        fields[:, 0] = dense @ teacher.dense_proj
+        first = dense @ teacher.dense_weight
+        sparse = []
+        for t in range(cfg.num_tables):
+            pooling = cfg.pooling(t)
+            if pooling > 1:
+                lengths = 1 + rng.poisson(pooling - 1, size=BLOCK)
+            else:
+                lengths = np.ones(BLOCK, dtype=np.int64)
+            ranks = np.searchsorted(teacher.cdfs[t], rng.random(int(lengths.sum())))
+            ids = teacher.perms[t][np.minimum(ranks, len(teacher.perms[t]) - 1)]
+            sparse.append((lengths.astype(np.int64), ids.astype(np.int64)))
+            if pooling > 1:
+                owner = np.repeat(np.arange(BLOCK), lengths)
+                pooled = np.zeros((BLOCK, cfg.teacher_dim))
+                np.add.at(pooled, owner, teacher.embeddings[t][ids])
+                fields[:, t + 1] = pooled / pooling
+                bias = np.bincount(owner, teacher.biases[t][ids], minlength=BLOCK) / pooling
+            else:
+                fields[:, t + 1] = teacher.embeddings[t][ids]
+                bias = teacher.biases[t][ids]
+            first = first + bias
+        gram = np.einsum("bik,bjk->bij", fields, fields)
+        pairwise = np.einsum("bij,ij->b", gram, teacher.pair_coef)
+        higher = np.zeros(BLOCK)
+        for (i, j, m), coef in zip(teacher.triples, teacher.triple_coef):
+            higher += coef * np.einsum("bk,bk,bk->b", fields[:, i], fields[:, j], fields[:, m])
+        return dense, sparse, np.stack([first, pairwise, higher], axis=1)
+
+    def _make_block(self, split: str, block: int):
+        dense, sparse, orders = self._raw_block(split, block)
+        teacher = self._teacher
+        logit = orders @ teacher.weights + teacher.shift
+        prob = 1.0 / (1.0 + np.exp(-logit))
+        rng = np.random.default_rng([self.config.seed, _SPLITS[split], block, 7])
+        labels = (rng.random(BLOCK) < prob).astype(np.float32)
+        return dense, sparse, labels, prob
+
+    # -------------------------------------------------------------- samples
+    def samples(self, split: str, start: int, count: int) -> tuple[Batch, np.ndarray]:
+        """Samples ``[start, start + count)`` of a split, and the teacher's probabilities."""
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        first, last = start // BLOCK, (start + count - 1) // BLOCK
+        blocks = [self._block_cache(split, b) for b in range(first, last + 1)]
+        lo = start - first * BLOCK
+        dense = np.concatenate([b[0] for b in blocks])[lo : lo + count]
+        labels = np.concatenate([b[2] for b in blocks])[lo : lo + count]
+        probs = np.concatenate([b[3] for b in blocks])[lo : lo + count]
+        lengths_all, values_all = [], []
+        for t in range(self.config.num_tables):
+            lengths = np.concatenate([b[1][t][0] for b in blocks])
+            ids = np.concatenate([b[1][t][1] for b in blocks])
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            lengths_all.append(lengths[lo : lo + count])
+            values_all.append(ids[offsets[lo] : offsets[lo + count]])
+        sparse = KeyedJaggedTensor(
+            self.schema.sparse_names,
+            torch.from_numpy(np.concatenate(values_all)),
+            torch.from_numpy(np.concatenate(lengths_all)),
+            validate=False,
+        )
+        batch = Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels), validate=False)
+        return batch, probs
+
+    def train_batches(
+        self, batch_size: int, start_batch: int = 0, rank: int = 0, world_size: int = 1
+    ) -> Iterator[Batch]:
+        """Endless training stream: global batch i holds samples [i*G, (i+1)*G), G = B*world;
+        rank r reads its contiguous B of them."""
+        step = start_batch
+        while True:
+            start = step * batch_size * world_size + rank * batch_size
+            yield self.samples("train", start, batch_size)[0]
+            step += 1
+
+    def eval_batches(self, batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+        lo, hi = _rank_range(self.config.eval_samples, rank, world_size)
+        for start in range(lo, hi, batch_size):
+            yield self.samples("eval", start, min(batch_size, hi - start))[0]
+
+    def eval_oracle(self, rank: int = 0, world_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Labels and teacher probabilities of this rank's eval samples."""
+        lo, hi = _rank_range(self.config.eval_samples, rank, world_size)
+        batch, probs = self.samples("eval", lo, hi - lo)
+        return batch.labels.numpy(), probs
+
+
+def _rank_range(total: int, rank: int, world_size: int) -> tuple[int, int]:
+    per_rank = total // world_size
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+def _shift_for_ctr(logits: np.ndarray, ctr: float) -> float:
+    """The c for which mean(sigmoid(logits + c)) == ctr (bisection)."""
+    lo, hi = -20.0, 20.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if np.mean(1 / (1 + np.exp(-(logits + mid)))) < ctr:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
