@@ -1,0 +1,298 @@
+"""Typed run configuration: one dataclass per component, loaded from TOML.
+
+A run's config is built from, in order: the defaults below, an optional TOML
+file (``--config``), and ``--set section.key=value`` overrides (values in TOML
+syntax; bare words are strings). Unknown keys and bad values raise
+``ConfigError`` naming the key and the fix. ``config_to_toml`` writes the
+resolved config back, so a run directory's ``config.toml`` reproduces the run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from towerrec.data.synthetic import SyntheticConfig
+from towerrec.modules.embedding_bag import IdPolicy
+from towerrec.modules.kernels import Backend
+from towerrec.modules.tables import Pooling
+from towerrec.optim.sparse import EmbeddingOptimizer
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EmbeddingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "config_to_dict",
+    "config_to_toml",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config key or value that cannot be used; the message says which and how to fix it."""
+
+
+def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{key} = {value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"
+    path: str = ""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+    def __post_init__(self) -> None:
+        _choice(self.source, ("synthetic",), "data.source")
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    """Embedding tables: one per categorical feature, dim ``model.embedding_dim``."""
+
+    backend: Backend = Backend.AUTO
+    optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD
+    lr: float = 0.5
+    eps: float = 1e-8
+    id_policy: IdPolicy = IdPolicy.ERROR
+    pooling: Pooling = Pooling.SUM
+    init: str = "uniform"
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"embedding.lr must be > 0, got {self.lr}")
+        if not self.eps > 0:
+            raise ValueError(f"embedding.eps must be > 0, got {self.eps}")
+        _choice(self.init, ("uniform", "normal"), "embedding.init")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "dlrm"
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (64, 16)
+    top_mlp: tuple[int, ...] = (64, 32, 1)
+    self_interaction: bool = False
+
+    def __post_init__(self) -> None:
+        _choice(self.name, ("dlrm",), "model.name")
+        if self.embedding_dim < 1:
+            raise ValueError(f"model.embedding_dim must be >= 1, got {self.embedding_dim}")
+        if not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
+            raise ValueError(
+                f"model.bottom_mlp must end at model.embedding_dim = {self.embedding_dim} "
+                f"(got {list(self.bottom_mlp)}); e.g. bottom_mlp = [64, {self.embedding_dim}]"
+            )
+        if not self.top_mlp or self.top_mlp[-1] != 1:
+            raise ValueError(f"model.top_mlp must end in 1 (one logit), got {list(self.top_mlp)}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The dense optimizer and the learning-rate schedule (applied to embeddings too)."""
+
+    name: str = "adam"
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # sgd only
+    warmup_steps: int = 100
+    decay: str = "cosine"  # none | linear | cosine, from the end of warm-up to the last step
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _choice(self.name, ("adam", "adagrad", "sgd"), "optimizer.name")
+        _choice(self.decay, ("none", "linear", "cosine"), "optimizer.decay")
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optimizer.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2500
+    batch_size: int = 2048
+    eval_every: int = 500
+    eval_batch_size: int = 16384
+    log_every: int = 50
+    checkpoint_every: int = 0  # 0: only at the end of the run
+    keep_checkpoints: int = 2
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # torch intra-op threads; 0 = PyTorch's default
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("eval_every", "checkpoint_every", "threads"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if self.keep_checkpoints < 1:
+            raise ValueError("train.keep_checkpoints must be >= 1")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"train.device = {self.device!r}; use auto, cpu, cuda or cuda:N")
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ------------------------------------------------------------------ loading
+def _convert(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        errors = []
+        for option in options:
+            try:
+                return _convert(value, option, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table of settings, got {value!r}")
+        return _build(hint, value, key)
+    if origin in (tuple, list):
+        args = typing.get_args(hint)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        item = args[0] if args else Any
+        items = [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in hint)
+            raise ConfigError(f"{key} = {value!r} is not one of {choices}") from None
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{where}.{key}" if where else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"unknown config key {full!r}{hint}; valid keys here: {', '.join(names)}"
+            )
+        kwargs[key] = _convert(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"[{where or 'config'}] {e}") from None
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    return _build(Config, data, "")
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set train.steps=100")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word: a string
+    return key.split("."), value
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
+    """Defaults, then the TOML file at ``path``, then ``section.key=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(
+                f"config file {str(path)!r} does not exist; see configs/ for examples"
+            )
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    for text in overrides:
+        parts, value = _parse_override(text)
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return config_from_dict(data)
+
+
+# ------------------------------------------------------------------ writing
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {
+            f.name: _plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if getattr(value, f.name) is not None
+        }
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return _plain(config)
+
+
+def config_to_toml(config: Config) -> str:
+    return tomli_w.dumps(config_to_dict(config))

@@ -1,0 +1,102 @@
+"""Turn a ``Config`` into the objects of a run: data source, model, dense optimizer."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from towerrec.config import Config, DataConfig, OptimizerConfig
+from towerrec.data.batch import DataSchema
+from towerrec.data.synthetic import SyntheticSource
+from towerrec.models.dlrm import DLRM
+from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
+from towerrec.modules.tables import TableConfig
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+
+__all__ = [
+    "build_dense_optimizer",
+    "build_model",
+    "build_source",
+    "build_tables",
+    "lr_factor",
+    "resolve_device",
+]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"train.device = {name!r} but CUDA is not available; use cpu or auto")
+    return device
+
+
+def build_source(config: DataConfig):
+    if config.source == "synthetic":
+        return SyntheticSource(config.synthetic)
+    raise ValueError(f"unknown data.source {config.source!r}")
+
+
+def build_tables(config: Config, schema: DataSchema) -> list[TableConfig]:
+    """One table per categorical feature, named after it."""
+    emb = config.embedding
+    return [
+        TableConfig(
+            name=f.name,
+            num_embeddings=f.num_embeddings,
+            embedding_dim=config.model.embedding_dim,
+            pooling=emb.pooling,
+            init=emb.init,
+        )
+        for f in schema.sparse
+    ]
+
+
+def build_model(config: Config, schema: DataSchema, device: torch.device) -> nn.Module:
+    """The single-device model; dense weights seeded by ``train.seed``."""
+    emb = config.embedding
+    sparse = EmbeddingBagCollection(
+        build_tables(config, schema),
+        EmbeddingOptimizerConfig(kind=emb.optimizer, lr=emb.lr, eps=emb.eps),
+        backend=emb.backend,
+        device=device,
+        id_policy=emb.id_policy,
+        seed=config.train.seed,
+    )
+    torch.manual_seed(config.train.seed)
+    model = config.model
+    return DLRM(
+        sparse,
+        num_dense=schema.num_dense,
+        bottom_mlp=model.bottom_mlp,
+        top_mlp=model.top_mlp,
+        self_interaction=model.self_interaction,
+    ).to(device)
+
+
+def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for _, p in dense_parameters(model) if p.requires_grad]
+    if config.name == "adam":
+        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+    if config.name == "adagrad":
+        return torch.optim.Adagrad(params, lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.SGD(
+        params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+
+
+def lr_factor(config: OptimizerConfig, step: int, total_steps: int) -> float:
+    """Multiplier of the base learning rates at 1-based ``step``: linear warm-up, then decay."""
+    if config.warmup_steps and step <= config.warmup_steps:
+        return step / config.warmup_steps
+    if config.decay == "none":
+        return 1.0
+    span = max(total_steps - config.warmup_steps, 1)
+    progress = min(max(step - config.warmup_steps, 0) / span, 1.0)
+    floor = config.min_lr_ratio
+    if config.decay == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

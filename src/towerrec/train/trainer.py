@@ -1,0 +1,239 @@
+"""The training loop: ``train(config, out_dir)``.
+
+One step (``train_step``): forward to logits, BCE loss, backward (the fused
+embedding optimizer updates the looked-up rows inside backward), dense
+optimizer step. Around it: LR schedule, logging, periodic evaluation,
+checkpoints, and resume from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from towerrec.config import Config
+from towerrec.data.batch import Batch
+from towerrec.modules.embedding_bag import dense_parameters, fused_embedding_modules
+from towerrec.train.build import (
+    build_dense_optimizer,
+    build_model,
+    build_source,
+    lr_factor,
+    resolve_device,
+)
+from towerrec.train.checkpoint import CheckpointManager, capture_rng, restore_rng
+from towerrec.train.metrics import EvalMetrics, auc, compute_metrics
+from towerrec.train.run_dir import RunDir
+
+__all__ = ["evaluate", "train", "train_step"]
+
+log = logging.getLogger("towerrec")
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> torch.Tensor:
+    logits = model(batch.dense, batch.sparse)
+    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()  # embedding rows are updated here, inside backward
+    optimizer.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device) -> EvalMetrics:
+    was_training = model.training
+    model.eval()
+    probs, labels = [], []
+    for batch in batches:
+        batch = batch.to(device)
+        probs.append(torch.sigmoid(model(batch.dense, batch.sparse)).float().cpu())
+        labels.append(batch.labels.cpu())
+    model.train(was_training)
+    return compute_metrics(torch.cat(probs), torch.cat(labels))
+
+
+def set_learning_rates(
+    model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, factor: float
+) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = config.optimizer.lr * factor
+    for _, module in fused_embedding_modules(model):
+        module.set_learning_rate(config.embedding.lr * factor)
+
+
+@contextmanager
+def _stop_on_signal():
+    """SIGINT/SIGTERM ask the loop to stop after the current step (and checkpoint)."""
+    requested = {"signal": None}
+
+    def handler(signum, _frame):
+        if requested["signal"] is not None:  # second signal: stop now
+            raise KeyboardInterrupt
+        requested["signal"] = signum
+        log.warning("stop requested: finishing this step and writing a checkpoint")
+
+    try:
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: no signal handling
+        previous = {}
+    try:
+        yield requested
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _batches(source, batch_size: int, start: int, device: torch.device) -> Iterator[Batch]:
+    for batch in source.train_batches(batch_size, start_batch=start):
+        batch.check()  # finite dense features, labels in [0, 1]: microseconds per batch
+        yield batch.to(device, non_blocking=True)
+
+
+def train(
+    config: Config,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Train ``config`` into ``out_dir``; returns the summary (also in summary.json).
+
+    ``resume`` continues from the directory's latest checkpoint; ``stop_after``
+    ends the run (with a checkpoint) after that step, as a stop signal does.
+    """
+    cfg = config.train
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    run = RunDir(out_dir)
+    checkpoints = CheckpointManager(run.checkpoint_dir, keep=cfg.keep_checkpoints)
+    if resume and checkpoints.latest() is None:
+        raise FileNotFoundError(
+            f"--resume: {run.checkpoint_dir} holds no checkpoint to resume from"
+        )
+    run.start(config, resume=resume)
+
+    device = resolve_device(cfg.device)
+    source = build_source(config.data)
+    model = build_model(config, source.schema, device)
+    optimizer = build_dense_optimizer(config.optimizer, model)
+    state: dict[str, Any] = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
+    if resume:
+        path = checkpoints.latest()
+        state = checkpoints.load(path, model, optimizer, state)
+        if state["step"] >= cfg.steps:
+            raise ValueError(
+                f"the run in {run.path} already finished step {state['step']} of train.steps = "
+                f"{cfg.steps}; raise train.steps (--set train.steps=N) to train further"
+            )
+        restore_rng(state["rng"])
+        run.truncate_after(state["step"])
+        log.info("resumed from %s at step %d", path, state["step"])
+
+    oracle_auc = None
+    if hasattr(source, "eval_oracle"):
+        labels, probs = source.eval_oracle()
+        oracle_auc = auc(probs, labels)
+    num_dense = sum(p.numel() for _, p in dense_parameters(model))
+    num_embedding = sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model))
+    log.info(
+        "model: %s dense + %s embedding parameters, %s backend, device %s",
+        f"{num_dense:,}",
+        f"{num_embedding:,}",
+        model.sparse.backend.value,
+        device,
+    )
+
+    def checkpoint(step: int) -> None:
+        state.update(step=step, rng=capture_rng())
+        checkpoints.save(step, model, optimizer, state)
+
+    batches = _batches(source, cfg.batch_size, state["step"], device)
+    last_eval: EvalMetrics | None = None
+    loss_sum, loss_count = torch.zeros((), device=device), 0
+    window_start, window_samples = time.perf_counter(), 0
+    bar = tqdm(
+        total=cfg.steps,
+        initial=state["step"],
+        unit="step",
+        disable=not cfg.progress,
+        dynamic_ncols=True,
+        desc="train",
+    )
+    with _stop_on_signal() as stop:
+        step = state["step"]
+        while step < cfg.steps:
+            step += 1
+            factor = lr_factor(config.optimizer, step, cfg.steps)
+            set_learning_rates(model, optimizer, config, factor)
+            tick = time.perf_counter()
+            batch = next(batches)
+            loss_sum += train_step(model, optimizer, batch)
+            loss_count += 1
+            state["train_s"] += time.perf_counter() - tick
+            state["samples"] += batch.size
+            window_samples += batch.size
+            bar.update(1)
+
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                now = time.perf_counter()
+                record = {
+                    "kind": "train",
+                    "step": step,
+                    "loss": float(loss_sum) / loss_count,
+                    "lr_factor": factor,
+                    "samples_per_s": window_samples / (now - window_start),
+                    "samples": state["samples"],
+                }
+                run.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:,.0f}")
+                loss_sum.zero_()
+                loss_count, window_start, window_samples = 0, now, 0
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+                last_eval = evaluate(model, source.eval_batches(cfg.eval_batch_size), device)
+                run.log({"kind": "eval", "step": step, **last_eval.as_dict()})
+                bar.write(
+                    f"step {step}: eval AUC {last_eval.auc:.4f}, log-loss {last_eval.logloss:.4f}"
+                )
+                window_start = time.perf_counter()  # keep eval time out of samples/s
+            stopping = stop["signal"] is not None or step == stop_after
+            if (
+                (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+                or step == cfg.steps
+                or stopping
+            ):
+                checkpoint(step)
+            if stopping and step < cfg.steps:
+                log.info("stopped after step %d; continue with --resume", step)
+                break
+    bar.close()
+
+    summary = {
+        **(last_eval.as_dict() if last_eval else {}),
+        "oracle_auc": oracle_auc,
+        "samples_per_s": state["samples"] / state["train_s"] if state["train_s"] else None,
+        "steps": step,
+        "completed": step == cfg.steps,
+        "batch_size": cfg.batch_size,
+        "num_params": num_dense + num_embedding,
+        "num_dense_params": num_dense,
+        "num_embedding_params": num_embedding,
+        "flops_per_sample": model.flops_per_sample()
+        if hasattr(model, "flops_per_sample")
+        else None,
+        "backend": model.sparse.backend.value,
+        "device": str(device),
+        "train_s": state["train_s"],
+    }
+    run.write_summary(summary)
+    run.plot_curves(oracle_auc)
+    return summary

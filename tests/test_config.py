@@ -1,0 +1,74 @@
+import tomllib
+
+import pytest
+
+from towerrec.config import Config, ConfigError, config_from_dict, config_to_toml, load_config
+from towerrec.modules.kernels import Backend
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nsteps = 77\n[model]\nembedding_dim = 8\nbottom_mlp = [32, 8]\n")
+    cfg = load_config(
+        path,
+        [
+            "train.steps=5",
+            "embedding.backend=torch",
+            "data.synthetic.num_embeddings=[10, 20]",
+            "data.synthetic.pooling_factors=[1, 2]",
+        ],
+    )
+    assert cfg.train.steps == 5  # --set wins over the file
+    assert cfg.model.embedding_dim == 8 and cfg.model.bottom_mlp == (32, 8)
+    assert cfg.embedding.backend is Backend.TORCH
+    assert cfg.data.synthetic.num_embeddings == (10, 20)
+    assert cfg.train.batch_size == Config().train.batch_size
+
+
+def test_toml_roundtrip():
+    cfg = load_config(None, ["optimizer.lr=0.01", "embedding.optimizer=adagrad"])
+    again = config_from_dict(tomllib.loads(config_to_toml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["train.stepz=3"], r"unknown config key 'train.stepz' \(did you mean 'steps'\?\)"),
+        (["trian.steps=3"], r"unknown config key 'trian' \(did you mean 'train'\?\)"),
+        (["train.steps=abc"], "train.steps must be an integer, got 'abc'"),
+        (["train.steps=0"], "train.steps must be >= 1"),
+        (["embedding.backend=cuda_magic"], "embedding.backend = 'cuda_magic' is not one of"),
+        (["model.bottom_mlp=[64, 8]"], "must end at model.embedding_dim = 16"),
+        (["model.top_mlp=[64, 2]"], "must end in 1"),
+        (["optimizer.name=lamb"], "optimizer.name = 'lamb' is not one of 'adam', 'adagrad', 'sgd'"),
+        (["train.progress=yes"], "train.progress must be true or false"),
+        (["train.steps"], "expected section.key=value"),
+        (["data.synthetic.ctr=2"], r"ctr must lie in \(0, 1\)"),
+        (
+            ["data.synthetic.num_embeddings=[5, 6]"],
+            r"has 9 entries for 2 tables.*pooling_factors = \[\]",
+        ),
+    ],
+)
+def test_bad_keys_and_values(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps=1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_example_configs_load():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+    assert configs
+    for path in configs:
+        load_config(path)

@@ -1,0 +1,165 @@
+import json
+import tomllib
+
+import pytest
+import torch
+
+from towerrec.config import config_from_dict, load_config
+from towerrec.data.batch import Batch
+from towerrec.data.synthetic import SyntheticSource
+from towerrec.train import trainer
+from towerrec.train.checkpoint import embedding_optimizer_state_dict
+
+QUICK = [
+    "data.synthetic.num_embeddings=[60, 30, 90]",
+    "data.synthetic.pooling_factors=[1, 2, 1]",
+    "data.synthetic.eval_samples=4096",
+    "train.batch_size=256",
+    "train.eval_every=0",
+    "train.log_every=5",
+    "train.progress=false",
+    "optimizer.warmup_steps=4",
+]
+
+
+def quick_config(*extra):
+    return load_config(None, [*QUICK, *extra])
+
+
+def final_state(out_dir, config):
+    """Weights and optimizer state of the run's last checkpoint, loaded into a fresh model."""
+    from towerrec.train.build import build_dense_optimizer, build_model
+    from towerrec.train.checkpoint import CheckpointManager
+
+    source = SyntheticSource(config.data.synthetic)
+    model = build_model(config, source.schema, torch.device("cpu"))
+    optimizer = build_dense_optimizer(config.optimizer, model)
+    manager = CheckpointManager(out_dir / "checkpoint")
+    manager.load(
+        manager.latest(), model, optimizer, {"step": 0, "samples": 0, "train_s": 0.0, "rng": {}}
+    )
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state.update(
+        {f"emb_opt/{k}": v.clone() for k, v in embedding_optimizer_state_dict(model).items()}
+    )
+    for i, s in enumerate(optimizer.state_dict()["state"].values()):
+        state.update({f"opt/{i}/{k}": v.clone() for k, v in s.items() if torch.is_tensor(v)})
+    return state
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_resume_equals_uninterrupted(tmp_path, backend):
+    config = quick_config("train.steps=20", f"embedding.backend={backend}")
+    full = trainer.train(config, tmp_path / "full")
+    stopped = trainer.train(config, tmp_path / "split", stop_after=8)
+    assert stopped["steps"] == 8 and not stopped["completed"]
+    resumed = trainer.train(config, tmp_path / "split", resume=True)
+    assert resumed["completed"] and resumed["steps"] == 20
+    a, b = final_state(tmp_path / "full", config), final_state(tmp_path / "split", config)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["auc"] == full["auc"]
+    records = [
+        json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [5, 10, 15, 20]
+    full_losses = [
+        json.loads(line)["loss"]
+        for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "train"
+    ]
+    assert [r["loss"] for r in records if r["kind"] == "train"][2:] == full_losses[2:]
+
+
+def test_run_directory_contents(tmp_path):
+    config = quick_config("train.steps=10", "train.eval_every=5")
+    summary = trainer.train(config, tmp_path)
+    for name in ("config.toml", "metrics.jsonl", "summary.json", "curves.png"):
+        assert (tmp_path / name).is_file(), name
+    assert config_from_dict(tomllib.loads((tmp_path / "config.toml").read_text())) == config
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    for key in (
+        "auc",
+        "logloss",
+        "ne",
+        "calibration",
+        "oracle_auc",
+        "samples_per_s",
+        "steps",
+        "num_params",
+    ):
+        assert saved[key] is not None, key
+    assert saved == json.loads(json.dumps(summary))
+    evals = [
+        json.loads(line)
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "eval"
+    ]
+    assert [e["step"] for e in evals] == [5, 10]
+    assert (tmp_path / "checkpoint").is_dir()
+    with pytest.raises(FileExistsError, match="already holds a run; pass --resume"):
+        trainer.train(config, tmp_path)
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+        trainer.train(quick_config("train.steps=2"), tmp_path, resume=True)
+
+
+def test_resume_with_other_model_is_an_error(tmp_path):
+    trainer.train(quick_config("train.steps=2"), tmp_path)
+    other = quick_config("train.steps=4", "model.top_mlp=[16, 1]")
+    with pytest.raises(ValueError, match="does not fit this model"):
+        trainer.train(other, tmp_path, resume=True)
+
+
+def test_nan_dense_feature_stops_training_with_a_clear_error(tmp_path, monkeypatch):
+    class Poisoned(SyntheticSource):
+        def train_batches(self, batch_size, start_batch=0, rank=0, world_size=1):
+            for i, batch in enumerate(
+                super().train_batches(batch_size, start_batch, rank, world_size)
+            ):
+                if i == 2:
+                    batch.dense[7, 3] = float("nan")
+                yield batch
+
+    monkeypatch.setattr(trainer, "build_source", lambda cfg: Poisoned(cfg.synthetic))
+    with pytest.raises(ValueError, match=r"dense feature 3 of sample 7 is nan"):
+        trainer.train(quick_config("train.steps=5"), tmp_path)
+
+
+def test_batch_validation_errors():
+    jag = SyntheticSource(load_config(None, QUICK).data.synthetic).samples("train", 0, 4)[0].sparse
+    with pytest.raises(ValueError, match="dense feature 1 of sample 2 is inf"):
+        dense = torch.zeros(4, 3)
+        dense[2, 1] = float("inf")
+        Batch(dense, jag, torch.zeros(4))
+    with pytest.raises(ValueError, match=r"label of sample 1 is 3\.0"):
+        Batch(torch.zeros(4, 3), jag, torch.tensor([0.0, 3.0, 1.0, 0.0]))
+    with pytest.raises(ValueError, match="dense has 3 rows but there are 4 labels"):
+        Batch(torch.zeros(3, 3), jag, torch.zeros(4))
+
+
+def test_lr_schedule():
+    from towerrec.train.build import lr_factor
+
+    cfg = load_config(
+        None, ["optimizer.warmup_steps=10", "optimizer.decay=linear", "optimizer.min_lr_ratio=0.0"]
+    ).optimizer
+    assert lr_factor(cfg, 5, 110) == pytest.approx(0.5)
+    assert lr_factor(cfg, 10, 110) == pytest.approx(1.0)
+    assert lr_factor(cfg, 60, 110) == pytest.approx(0.5)
+    assert lr_factor(cfg, 110, 110) == pytest.approx(0.0)
+    cos = load_config(None, ["optimizer.warmup_steps=0", "optimizer.min_lr_ratio=0.2"]).optimizer
+    assert lr_factor(cos, 50, 100) == pytest.approx(0.6)
+
+
+def test_resume_of_a_finished_run_says_how_to_continue(tmp_path):
+    trainer.train(quick_config("train.steps=3"), tmp_path)
+    with pytest.raises(
+        ValueError, match=r"already finished step 3 of train.steps = 3; raise train.steps"
+    ):
+        trainer.train(quick_config("train.steps=3"), tmp_path, resume=True)
+    summary = trainer.train(quick_config("train.steps=5"), tmp_path, resume=True)
+    assert summary["steps"] == 5
