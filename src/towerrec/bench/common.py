@@ -1,0 +1,80 @@
+"""Benchmark helpers: machine description, matmul peak, timing."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from datetime import date
+
+import torch
+
+__all__ = ["machine_info", "matmul_peak_flops", "peak_rss_mb", "time_interleaved"]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict:
+    return {
+        "date": date.today().isoformat(),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) -> float:
+    """Best measured FLOP/s of a dense matmul on this machine (MLP-like shapes)."""
+    best = 0.0
+    for m, k, n in ((2048, 512, 512), (2048, 1024, 1024), (4096, 1024, 1024)):
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        torch.mm(a, b)
+        reps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds / 3:
+            torch.mm(a, b)
+            reps += 1
+        best = max(best, 2 * m * k * n * reps / elapsed)
+    return best
+
+
+def time_interleaved(
+    steps: dict[str, Callable[[int], None]], rounds: int, steps_per_round: int, warmup: int
+) -> dict[str, float]:
+    """Median seconds per step of each system, timed round-robin.
+
+    Every system runs ``warmup`` steps, then ``rounds`` rounds in which each
+    runs ``steps_per_round`` steps in turn: drift in the machine's speed (other
+    tenants, clocks) hits all systems alike instead of whichever ran last.
+    """
+    for step in steps.values():
+        for i in range(warmup):
+            step(i)
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    counter = warmup
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for i in range(steps_per_round):
+                step(counter + i)
+            samples[name].append((time.perf_counter() - start) / steps_per_round)
+        counter += steps_per_round
+    return {name: statistics.median(values) for name, values in samples.items()}

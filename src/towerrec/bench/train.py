@@ -1,0 +1,166 @@
+"""``towerrec bench train``: single-process DLRM training throughput.
+
+The Criteo-Kaggle shape: 13 dense features, 26 tables of 100k rows, dim 16,
+bottom MLP 512-256-64-16, top MLP 512-256-1, batch 2048, one id per table,
+Adam on the dense part and exact row-wise Adagrad fused into the embedding
+backward. Every system trains on the same pre-generated batches in the same
+process, timed round-robin (see ``time_interleaved``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from towerrec.bench.common import machine_info, matmul_peak_flops, peak_rss_mb, time_interleaved
+from towerrec.bench.torchrec_ref import (
+    quiet_torchrec_logs,
+    single_process_group,
+    torchrec_available,
+    torchrec_dlrm,
+)
+from towerrec.data.batch import Batch
+from towerrec.models.dlrm import DLRM
+from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
+from towerrec.modules.kernels import Backend, fbgemm_available, resolve_backend
+from towerrec.modules.tables import TableConfig
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.sparse import KeyedJaggedTensor
+from towerrec.train.trainer import train_step
+
+__all__ = ["CRITEO_SHAPE", "make_batches", "ratios_to", "run_train_benchmark", "selected_backends"]
+
+CRITEO_SHAPE = {
+    "num_dense": 13,
+    "num_tables": 26,
+    "num_embeddings": 100_000,
+    "embedding_dim": 16,
+    "bottom_mlp": [512, 256, 64, 16],
+    "top_mlp": [512, 256, 1],
+}
+EMB_LR, DENSE_LR = 0.05, 1e-3
+
+
+def make_batches(shape: dict, batch_size: int, count: int = 8, seed: int = 0) -> list[Batch]:
+    """``count`` random batches, one uniform id per table (features ``f0..``)."""
+    gen = torch.Generator().manual_seed(seed)
+    tables = shape["num_tables"]
+    out = []
+    for _ in range(count):
+        values = torch.randint(0, shape["num_embeddings"], (tables * batch_size,), generator=gen)
+        sparse = KeyedJaggedTensor(
+            [f"f{i}" for i in range(tables)],
+            values,
+            torch.ones(tables * batch_size, dtype=torch.int64),
+        )
+        dense = torch.randn(batch_size, shape["num_dense"], generator=gen)
+        labels = torch.randint(0, 2, (batch_size,), generator=gen).float()
+        out.append(Batch(dense, sparse, labels))
+    return out
+
+
+def build_tables(shape: dict) -> list[TableConfig]:
+    return [
+        TableConfig(
+            f"t{i}", shape["num_embeddings"], shape["embedding_dim"], feature_names=(f"f{i}",)
+        )
+        for i in range(shape["num_tables"])
+    ]
+
+
+def selected_backends(backends: str, results: dict) -> list[str]:
+    """The backends to time; unavailable ones are recorded as skipped in ``results``."""
+    chosen = []
+    for backend in (b.strip() for b in backends.split(",") if b.strip()):
+        if backend == "fbgemm" and not fbgemm_available():
+            results["towerrec_fbgemm"] = {"skipped": "fbgemm_gpu is not installed"}
+        else:
+            chosen.append(backend)
+    return chosen
+
+
+def ratios_to(results: dict, reference: str) -> dict[str, float]:
+    base = results.get(reference, {}).get("samples_per_s")
+    return {
+        f"{name}/{reference}": round(r["samples_per_s"] / base, 3)
+        for name, r in results.items()
+        if base and name != reference and "samples_per_s" in r
+    }
+
+
+def run_train_benchmark(
+    steps: int = 30,
+    warmup: int = 5,
+    backends: str = "torch,fbgemm",
+    torchrec: bool = True,
+    batch_size: int = 2048,
+    shape: dict | None = None,
+    rounds: int = 5,
+) -> dict:
+    shape = dict(shape or CRITEO_SHAPE)
+    batches = make_batches(shape, batch_size)
+    results: dict[str, dict] = {}
+    systems: dict[str, Callable[[int], None]] = {}
+    train_flops = 0
+    for backend in selected_backends(backends, results):
+        ebc = EmbeddingBagCollection(
+            build_tables(shape), EmbeddingOptimizerConfig(lr=EMB_LR), backend=backend
+        )
+        torch.manual_seed(0)
+        model = DLRM(ebc, shape["num_dense"], shape["bottom_mlp"], shape["top_mlp"])
+        optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=DENSE_LR)
+        train_flops = 3 * model.flops_per_sample()  # forward + backward (2x) of the dense part
+        systems[f"towerrec_{backend}"] = lambda i, m=model, o=optimizer: train_step(
+            m, o, batches[i % len(batches)]
+        )
+    use_torchrec = torchrec and torchrec_available()
+    if torchrec and not use_torchrec:
+        results["torchrec"] = {"skipped": "torchrec is not installed"}
+    with single_process_group() if use_torchrec else contextlib.nullcontext():
+        if use_torchrec:
+            quiet_torchrec_logs()
+            trec_model, trec_opt = torchrec_dlrm(
+                shape["num_tables"],
+                shape["num_embeddings"],
+                shape["embedding_dim"],
+                shape["num_dense"],
+                shape["bottom_mlp"],
+                shape["top_mlp"],
+                EMB_LR,
+                DENSE_LR,
+            )
+            trec_batches = [(b.dense, b.sparse.to_torchrec(), b.labels) for b in batches]
+
+            def torchrec_step(i: int) -> None:
+                dense, sparse, labels = trec_batches[i % len(trec_batches)]
+                logits = trec_model(dense, sparse).squeeze(1)
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+                trec_opt.zero_grad()
+                loss.backward()
+                trec_opt.step()
+
+            systems["torchrec"] = torchrec_step
+        peak = matmul_peak_flops()
+        seconds = time_interleaved(systems, rounds, max(steps // rounds, 1), warmup)
+    for name, s in seconds.items():
+        sps = batch_size / s
+        results[name] = {
+            "samples_per_s": round(sps, 1),
+            "step_ms": round(s * 1e3, 3),
+            "matmul_peak_fraction": round(sps * train_flops / peak, 4),
+        }
+    return {
+        "benchmark": "train",
+        "machine": machine_info(),
+        "shape": {**shape, "batch_size": batch_size},
+        "steps": steps,
+        "rounds": rounds,
+        "matmul_peak_gflops": round(peak / 1e9, 1),
+        "train_flops_per_sample": train_flops,
+        "results": results,
+        "ratios": ratios_to(results, "torchrec"),
+        "default_backend": resolve_backend(Backend.AUTO, torch.device("cpu")).value,
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }

@@ -1,0 +1,48 @@
+"""End to end through the real command line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+
+
+def towerrec(*args, cwd=ROOT):
+    return subprocess.run(
+        [sys.executable, "-m", "towerrec.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_train_quick_config_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    result = towerrec(
+        "train",
+        "--config",
+        "configs/quick.toml",
+        "--out",
+        str(out),
+        "--set",
+        "train.progress=false",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "oracle AUC" in result.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 60 and 0.5 < summary["auc"] <= summary["oracle_auc"] + 0.02
+    assert (out / "curves.png").stat().st_size > 1000
+
+
+def test_user_errors_exit_2_with_one_line(tmp_path):
+    for args, needle in (
+        (["train", "--set", "train.stepz=3"], "unknown config key 'train.stepz'"),
+        (["train", "--config", str(tmp_path / "missing.toml")], "does not exist"),
+        (["train", "--set", "model.bottom_mlp=[8, 4]"], "must end at model.embedding_dim"),
+    ):
+        result = towerrec(*args)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().startswith("error:") and needle in result.stderr
+        assert "Traceback" not in result.stderr
