@@ -225,7 +225,13 @@ class TorchKernel(EmbeddingKernel):
         grad_rows = torch.zeros(
             rows.numel(), self.embedding_dim, dtype=grad_ids.dtype, device=ids.device
         )
-        grad_rows.index_add_(0, inverse, grad_ids)
+        if ids.is_cuda:
+            # index_add_ uses atomics on CUDA (the sum's order varies run to run);
+            # index_put_ with accumulate sorts the indices: deterministic, so a
+            # resumed run reproduces an uninterrupted one bit for bit on GPUs too.
+            grad_rows.index_put_((inverse,), grad_ids, accumulate=True)
+        else:
+            grad_rows.index_add_(0, inverse, grad_ids)
         sparse_update(
             self.optimizer.kind,
             self.weight,
