@@ -22,6 +22,8 @@ from typing import Any
 import tomli_w
 
 from towerrec.data.synthetic import SyntheticConfig
+from towerrec.models.dcn import DCNConfig
+from towerrec.models.wukong import WukongConfig
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
@@ -88,12 +90,21 @@ class ModelConfig:
     bottom_mlp: tuple[int, ...] = (64, 16)
     top_mlp: tuple[int, ...] = (64, 32, 1)
     self_interaction: bool = False
+    dcn: DCNConfig = field(default_factory=DCNConfig)  # model.name = "dcn"
+    wukong: WukongConfig = field(default_factory=WukongConfig)  # model.name = "wukong"
 
     def __post_init__(self) -> None:
-        _choice(self.name, ("dlrm",), "model.name")
+        _choice(self.name, ("dlrm", "dcn", "wukong"), "model.name")
         if self.embedding_dim < 1:
             raise ValueError(f"model.embedding_dim must be >= 1, got {self.embedding_dim}")
-        if not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
+        if self.name == "wukong" and self.wukong.dense_rows > 1:
+            end = self.wukong.dense_rows * self.embedding_dim
+            if not self.bottom_mlp or self.bottom_mlp[-1] != end:
+                raise ValueError(
+                    f"model.bottom_mlp must end at model.wukong.dense_rows * embedding_dim = "
+                    f"{end} (got {list(self.bottom_mlp)}); e.g. bottom_mlp = [64, {end}]"
+                )
+        elif not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
             raise ValueError(
                 f"model.bottom_mlp must end at model.embedding_dim = {self.embedding_dim} "
                 f"(got {list(self.bottom_mlp)}); e.g. bottom_mlp = [64, {self.embedding_dim}]"

@@ -10,7 +10,9 @@ from torch import nn
 from towerrec.config import Config, DataConfig, OptimizerConfig
 from towerrec.data.batch import DataSchema
 from towerrec.data.synthetic import SyntheticSource
+from towerrec.models.dcn import DCN
 from towerrec.models.dlrm import DLRM
+from towerrec.models.wukong import Wukong
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
@@ -68,6 +70,12 @@ def build_model(config: Config, schema: DataSchema, device: torch.device) -> nn.
     )
     torch.manual_seed(config.train.seed)
     model = config.model
+    if model.name == "dcn":
+        return DCN(sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.dcn).to(device)
+    if model.name == "wukong":
+        return Wukong(
+            sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.wukong
+        ).to(device)
     return DLRM(
         sparse,
         num_dense=schema.num_dense,
