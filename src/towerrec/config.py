@@ -24,6 +24,8 @@ import tomli_w
 from towerrec.data.synthetic import SyntheticConfig
 from towerrec.models.dcn import DCNConfig
 from towerrec.models.wukong import WukongConfig
+from towerrec.modules.compact import Combine, CompactConfig, EmbeddingKind
+from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
@@ -74,6 +76,17 @@ class EmbeddingConfig:
     id_policy: IdPolicy = IdPolicy.ERROR
     pooling: Pooling = Pooling.SUM
     init: str = "uniform"
+    # Memory-efficient tables (modules/compact.py): full | hash | qr | md.
+    kind: EmbeddingKind = EmbeddingKind.FULL
+    compression: float = 4.0  # hash, qr: rows divided by this
+    row_threshold: int = 0  # hash, qr: only tables with more rows are compressed
+    qr_operation: Combine = Combine.MULT  # mult | add | concat
+    qr_partitions: int = 2  # 2: quotient-remainder; more: complementary partitions
+    qr_scheme: PartitionScheme = PartitionScheme.QUOTIENT_REMAINDER  # or crt
+    md_alpha: float = 0.3  # md: dim ~ popularity^alpha
+    md_budget: int = 0  # md: total rows*dims; 0: the most popular table keeps the full dim
+    md_min_dim: int = 4
+    md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -81,6 +94,21 @@ class EmbeddingConfig:
         if not self.eps > 0:
             raise ValueError(f"embedding.eps must be > 0, got {self.eps}")
         _choice(self.init, ("uniform", "normal"), "embedding.init")
+        self.compact()
+
+    def compact(self) -> CompactConfig:
+        return CompactConfig(
+            kind=self.kind,
+            compression=self.compression,
+            row_threshold=self.row_threshold,
+            operation=self.qr_operation,
+            num_partitions=self.qr_partitions,
+            scheme=self.qr_scheme,
+            md_alpha=self.md_alpha,
+            md_budget=self.md_budget,
+            md_min_dim=self.md_min_dim,
+            md_round_to=self.md_round_to,
+        )
 
 
 @dataclass(frozen=True)

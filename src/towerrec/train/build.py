@@ -13,7 +13,8 @@ from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dcn import DCN
 from towerrec.models.dlrm import DLRM
 from towerrec.models.wukong import Wukong
-from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
+from towerrec.modules.compact import build_embedding_collection
+from towerrec.modules.embedding_bag import dense_parameters
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 
@@ -60,8 +61,9 @@ def build_tables(config: Config, schema: DataSchema) -> list[TableConfig]:
 def build_model(config: Config, schema: DataSchema, device: torch.device) -> nn.Module:
     """The single-device model; dense weights seeded by ``train.seed``."""
     emb = config.embedding
-    sparse = EmbeddingBagCollection(
+    sparse = build_embedding_collection(
         build_tables(config, schema),
+        emb.compact(),
         EmbeddingOptimizerConfig(kind=emb.optimizer, lr=emb.lr, eps=emb.eps),
         backend=emb.backend,
         device=device,
