@@ -75,9 +75,8 @@ def build_model(config: Config, schema: DataSchema, device: torch.device) -> nn.
     if model.name == "dcn":
         return DCN(sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.dcn).to(device)
     if model.name == "wukong":
-        return Wukong(
-            sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.wukong
-        ).to(device)
+        wukong = Wukong(sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.wukong)
+        return wukong.to(device)
     return DLRM(
         sparse,
         num_dense=schema.num_dense,
