@@ -87,6 +87,7 @@ class EmbeddingConfig:
     md_budget: int = 0  # md: total rows*dims; 0: the most popular table keeps the full dim
     md_min_dim: int = 4
     md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
+    counter_halflife: float = 0.0  # cf_sgd: steps for a row's count to halve; 0 = no decay
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -95,6 +96,15 @@ class EmbeddingConfig:
             raise ValueError(f"embedding.eps must be > 0, got {self.eps}")
         _choice(self.init, ("uniform", "normal"), "embedding.init")
         self.compact()
+        if self.counter_halflife < 0:
+            raise ValueError(
+                f"embedding.counter_halflife must be >= 0, got {self.counter_halflife}"
+            )
+        if self.optimizer is EmbeddingOptimizer.CF_SGD and self.backend is Backend.FBGEMM:
+            raise ValueError(
+                "embedding.optimizer = 'cf_sgd' has no FBGEMM kernel; set embedding.backend = "
+                "'torch' (or 'auto', which picks the torch kernel for it)"
+            )
 
     def compact(self) -> CompactConfig:
         return CompactConfig(

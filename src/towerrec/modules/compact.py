@@ -223,7 +223,9 @@ class CompactEmbeddingCollection(nn.Module):
         self.plans = _plans(self.tables, config)
         if (
             resolve_backend(
-                parse_enum(Backend, backend, "embedding backend"), torch.device(device or "cpu")
+                parse_enum(Backend, backend, "embedding backend"),
+                torch.device(device or "cpu"),
+                (optimizer or EmbeddingOptimizerConfig()).kind,
             )
             is Backend.FBGEMM
         ):

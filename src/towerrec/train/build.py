@@ -64,7 +64,9 @@ def build_model(config: Config, schema: DataSchema, device: torch.device) -> nn.
     sparse = build_embedding_collection(
         build_tables(config, schema),
         emb.compact(),
-        EmbeddingOptimizerConfig(kind=emb.optimizer, lr=emb.lr, eps=emb.eps),
+        EmbeddingOptimizerConfig(
+            kind=emb.optimizer, lr=emb.lr, eps=emb.eps, counter_halflife=emb.counter_halflife
+        ),
         backend=emb.backend,
         device=device,
         id_policy=emb.id_policy,
