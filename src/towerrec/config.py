@@ -187,8 +187,10 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch intra-op threads; 0 = PyTorch's default
     progress: bool = True
+    precision: str = "fp32"  # fp32 | bf16 (autocast of the dense part, fp32 master weights)
 
     def __post_init__(self) -> None:
+        _choice(self.precision, ("fp32", "bf16"), "train.precision")
         for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
