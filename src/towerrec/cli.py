@@ -83,7 +83,9 @@ def _cmd_bench_embedding(args: argparse.Namespace) -> int:
 def _cmd_bench_zoo(args: argparse.Namespace) -> int:
     from towerrec.bench.zoo import run_zoo_benchmark
 
-    result = run_zoo_benchmark(args.bench, args.steps, args.batch_size, args.device, args.threads)
+    result = run_zoo_benchmark(
+        args.bench, args.steps, args.batch_size, args.device, args.threads, args.overrides
+    )
     _print_result(result, args.json)
     return 0
 
@@ -142,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--batch-size", type=int, default=2048)
         b.add_argument("--device", default="cpu", help="cpu, cuda or auto")
         b.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
+        b.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="config override for every variant, e.g. --set data.synthetic.seed=1",
+        )
         b.set_defaults(func=_cmd_bench_zoo)
     return parser
 

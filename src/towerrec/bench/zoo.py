@@ -15,7 +15,10 @@ stream and seed, so AUC differences come from the variant alone.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,63 +55,75 @@ SUMMARY_KEYS = (
 )
 
 
-def _run(overrides: list[str], steps: int, batch_size: int, device: str, root: Path) -> dict:
-    config = load_config(
-        None,
-        [
-            f"train.steps={steps}",
-            f"train.batch_size={batch_size}",
-            "train.eval_every=0",
-            "train.progress=false",
-            f"train.device={device}",
-            *overrides,
-        ],
-    )
-    out = Path(tempfile.mkdtemp(dir=root))
-    summary = train(config, out)
-    result = {k: summary.get(k) for k in SUMMARY_KEYS}
-    for key in ("auc", "logloss", "ne", "oracle_auc"):
-        result[key] = round(result[key], 5)
-    result["samples_per_s"] = round(result["samples_per_s"], 1)
-    return result
+@dataclass
+class Sweep:
+    """Trains variants of one base config (``extra`` overrides apply to every variant)."""
+
+    steps: int
+    batch_size: int
+    device: str
+    root: Path
+    extra: tuple[str, ...] = ()
+
+    def config(self, overrides: list[str]):
+        return load_config(None, [*overrides, *self.extra])
+
+    def flops(self, overrides: list[str]) -> int:
+        config = self.config(overrides)
+        schema = SyntheticSource(config.data.synthetic).schema
+        return build_model(config, schema, torch.device("cpu")).flops_per_sample()
+
+    def run(self, overrides: list[str]) -> dict:
+        config = self.config(
+            [
+                f"train.steps={self.steps}",
+                f"train.batch_size={self.batch_size}",
+                "train.eval_every=0",
+                "train.progress=false",
+                f"train.device={self.device}",
+                *overrides,
+            ]
+        )
+        out = Path(tempfile.mkdtemp(dir=self.root))
+        with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON result
+            summary = train(config, out)
+        result = {k: summary.get(k) for k in SUMMARY_KEYS}
+        for key in ("auc", "logloss", "ne", "oracle_auc"):
+            result[key] = round(result[key], 5) if result[key] is not None else None
+        result["samples_per_s"] = round(result["samples_per_s"], 1)
+        return result
 
 
-def _flops(overrides: list[str]) -> int:
-    config = load_config(None, overrides)
-    schema = SyntheticSource(config.data.synthetic).schema
-    return build_model(config, schema, torch.device("cpu")).flops_per_sample()
-
-
-def _matched_width(prefix: list[str], target: int) -> tuple[int, int]:
+def _matched_width(sweep: Sweep, prefix: list[str], target: int) -> tuple[int, int]:
     """The width w of ``top_mlp = [w, w/2, 1]`` whose FLOPs per sample come closest to target."""
     best = (0, 0)
     lo, hi = 4, 4096
     while hi - lo > 1:  # FLOPs grow with w
         mid = (lo + hi) // 2
-        if _flops([*prefix, f"model.top_mlp=[{mid}, {mid // 2}, 1]"]) < target:
+        if sweep.flops([*prefix, f"model.top_mlp=[{mid}, {mid // 2}, 1]"]) < target:
             lo = mid
         else:
             hi = mid
     for w in (lo, hi):
-        flops = _flops([*prefix, f"model.top_mlp=[{w}, {w // 2}, 1]"])
+        flops = sweep.flops([*prefix, f"model.top_mlp=[{w}, {w // 2}, 1]"])
         if not best[0] or abs(flops - target) < abs(best[1] - target):
             best = (w, flops)
     return best
 
 
-def models_benchmark(steps: int, batch_size: int, device: str, root: Path) -> dict:
+def models_benchmark(sweep: Sweep) -> dict:
     wukong = [*HIGH_ORDER, "model.name=wukong"]
-    target = _flops(wukong)
+    target = sweep.flops(wukong)
     variants = {"wukong": wukong}
     widths = {}
     for name, extra in (
         ("dlrm", ["model.name=dlrm"]),
         ("dcn", ["model.name=dcn", "model.dcn.num_layers=2", "model.dcn.rank=16"]),
     ):
-        width, _ = _matched_width([*HIGH_ORDER, *extra], target)
+        width, _ = _matched_width(sweep, [*HIGH_ORDER, *extra], target)
         widths[name] = [width, width // 2, 1]
         variants[name] = [*HIGH_ORDER, *extra, f"model.top_mlp=[{width}, {width // 2}, 1]"]
-    results = {name: _run(o, steps, batch_size, device, root) for name, o in variants.items()}
+    results = {name: sweep.run(o) for name, o in variants.items()}
     return {
         "target_flops_per_sample": target,
         "top_mlp": widths,
@@ -140,10 +155,8 @@ def embedding_variants() -> dict[str, list[str]]:
     return variants
 
 
-def embeddings_benchmark(steps: int, batch_size: int, device: str, root: Path) -> dict:
-    results = {
-        name: _run(o, steps, batch_size, device, root) for name, o in embedding_variants().items()
-    }
+def embeddings_benchmark(sweep: Sweep) -> dict:
+    results = {name: sweep.run(o) for name, o in embedding_variants().items()}
     full = results["full"]
     for r in results.values():
         r["param_ratio"] = round(full["num_embedding_params"] / r["num_embedding_params"], 2)
@@ -151,7 +164,7 @@ def embeddings_benchmark(steps: int, batch_size: int, device: str, root: Path) -
     return {"results": results}
 
 
-def optimizers_benchmark(steps: int, batch_size: int, device: str, root: Path) -> dict:
+def optimizers_benchmark(sweep: Sweep) -> dict:
     variants = {
         "rowwise_adagrad": ["embedding.optimizer=rowwise_adagrad"],
         "cf_sgd": ["embedding.optimizer=cf_sgd", "embedding.lr=0.05"],
@@ -162,14 +175,15 @@ def optimizers_benchmark(steps: int, batch_size: int, device: str, root: Path) -
         ],
         "rowwise_adagrad_torch": ["embedding.optimizer=rowwise_adagrad", "embedding.backend=torch"],
     }
-    return {"results": {n: _run(o, steps, batch_size, device, root) for n, o in variants.items()}}
+    return {"results": {n: sweep.run(o) for n, o in variants.items()}}
 
 
-def precision_benchmark(steps: int, batch_size: int, device: str, root: Path) -> dict:
+def precision_benchmark(sweep: Sweep) -> dict:
     """samples/s of fp32 vs bf16 on the Criteo shape, then AUC of both on planted data."""
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else device)
-    if dev.type == "auto":
-        dev = torch.device("cpu")
+    device = sweep.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
     batches = [b.to(dev) for b in make_batches(CRITEO_SHAPE, 2048)]
     systems = {}
     for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
@@ -195,10 +209,7 @@ def precision_benchmark(steps: int, batch_size: int, device: str, root: Path) ->
             "fp32": round(matmul_peak_flops(torch.float32, 0.5) / 1e9, 1),
             "bf16": round(matmul_peak_flops(torch.bfloat16, 0.5) / 1e9, 1),
         }
-    accuracy = {
-        p: _run([f"train.precision={p}"], steps, batch_size, str(dev), root)
-        for p in ("fp32", "bf16")
-    }
+    accuracy = {p: sweep.run([f"train.precision={p}"]) for p in ("fp32", "bf16")}
     return {
         "device": str(dev),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -218,17 +229,26 @@ BENCHMARKS = {
 
 
 def run_zoo_benchmark(
-    name: str, steps: int, batch_size: int, device: str = "cpu", threads: int = 1
+    name: str,
+    steps: int,
+    batch_size: int,
+    device: str = "cpu",
+    threads: int = 1,
+    overrides: list[str] | tuple[str, ...] = (),
 ) -> dict:
-    """``threads``: torch intra-op threads (1 keeps a shared machine's cores from thrashing)."""
+    """``threads``: torch intra-op threads (1 keeps a shared machine's cores from
+    thrashing); ``overrides``: ``section.key=value`` settings for every variant."""
     if threads:
         torch.set_num_threads(threads)
+    load_config(None, list(overrides))  # a bad override fails now, not after the first run
     with tempfile.TemporaryDirectory() as root:
-        result = BENCHMARKS[name](steps, batch_size, device, Path(root))
+        sweep = Sweep(steps, batch_size, device, Path(root), tuple(overrides))
+        result = BENCHMARKS[name](sweep)
     return {
         "benchmark": name,
         "machine": machine_info(),
         "steps": steps,
         "batch_size": batch_size,
+        "overrides": list(overrides),
         **result,
     }
