@@ -48,5 +48,7 @@ def test_bf16_training_reaches_the_fp32_auc(tmp_path):
 
 
 def test_precision_config_error():
-    with pytest.raises(ConfigError, match=r"train\.precision = 'fp16' is not one of 'fp32', 'bf16'"):
+    with pytest.raises(
+        ConfigError, match=r"train\.precision = 'fp16' is not one of 'fp32', 'bf16'"
+    ):
         load_config(None, ["train.precision=fp16"])

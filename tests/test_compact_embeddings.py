@@ -292,3 +292,23 @@ def test_backends_agree_on_compact_tables():
         torch.testing.assert_close(
             w, runs["fbgemm"].inner.table_weights()[name], rtol=1e-5, atol=1e-6
         )
+
+
+@pytest.mark.parametrize("kind", ["qr", "md"])
+def test_resume_equals_uninterrupted(tmp_path, kind):
+    from towerrec.train import trainer
+
+    config = load_config(
+        "configs/quick.toml",
+        [
+            "train.steps=8",
+            "train.eval_every=0",
+            "train.progress=false",
+            f"embedding.kind={kind}",
+            "embedding.md_alpha=0.5",
+        ],
+    )
+    full = trainer.train(config, tmp_path / "full")
+    trainer.train(config, tmp_path / "split", stop_after=3)
+    resumed = trainer.train(config, tmp_path / "split", resume=True)
+    assert resumed["auc"] == full["auc"] and resumed["logloss"] == full["logloss"]
