@@ -256,6 +256,7 @@ def test_config_builds_compact_tables_and_trains(tmp_path):
     assert summary["num_embedding_params"] == (25 + 4 + 50 + 50 + 4 + 20) * 16
     assert full["num_embedding_params"] == (100 + 50 + 200 + 20) * 16
     assert 0 < summary["auc"] < 1
+    assert summary["hash_collisions"] == 0 and full["hash_collisions"] is None
 
 
 @pytest.mark.parametrize(

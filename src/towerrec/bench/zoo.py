@@ -51,6 +51,7 @@ SUMMARY_KEYS = (
     "num_dense_params",
     "num_embedding_params",
     "flops_per_sample",
+    "hash_collisions",
     "backend",
 )
 

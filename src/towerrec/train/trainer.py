@@ -254,6 +254,9 @@ def train(
         else None,
         "backend": model.sparse.backend.value,
         "precision": cfg.precision,
+        "hash_collisions": sum(model.sparse.collisions().values())
+        if hasattr(model.sparse, "collisions")
+        else None,
         "device": str(device),
         "train_s": state["train_s"],
     }
