@@ -23,7 +23,7 @@ TINY = [
 ]
 
 
-def bench(*args):
+def bench(*args, returncode=0):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     result = subprocess.run(
         [sys.executable, "-m", "towerrec.cli", "bench", *args, "--json", *TINY],
@@ -33,8 +33,15 @@ def bench(*args):
         timeout=300,
         env=env,
     )
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == returncode, result.stderr
+    if returncode:
+        return result.stderr
     return json.loads(result.stdout)  # stdout holds nothing but the JSON
+
+
+def test_unknown_variant_is_a_user_error():
+    stderr = bench("embeddings-memory", "--variants", "qr_9x", returncode=2)
+    assert stderr.startswith("error: unknown variants ['qr_9x']; choose from full, hash_2x")
 
 
 @pytest.mark.slow
@@ -48,11 +55,12 @@ def test_models_benchmark_matches_flops():
 
 
 def test_optimizers_benchmark_json():
-    out = bench("optimizers")
+    out = bench("optimizers", "--variants", "rowwise_adagrad,cf_sgd")
     assert (
         out["benchmark"] == "optimizers"
         and out["overrides"][0] == "data.synthetic.eval_samples=512"
     )
     results = out["results"]
+    assert set(results) == {"rowwise_adagrad", "cf_sgd"}
     assert results["cf_sgd"]["backend"] == "torch"
     assert results["rowwise_adagrad"]["num_embedding_params"] == (40 + 30 + 50) * 16

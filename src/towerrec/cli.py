@@ -83,8 +83,9 @@ def _cmd_bench_embedding(args: argparse.Namespace) -> int:
 def _cmd_bench_zoo(args: argparse.Namespace) -> int:
     from towerrec.bench.zoo import run_zoo_benchmark
 
+    variants = [v for v in args.variants.split(",") if v]
     result = run_zoo_benchmark(
-        args.bench, args.steps, args.batch_size, args.device, args.threads, args.overrides
+        args.bench, args.steps, args.batch_size, args.device, args.threads, args.overrides, variants
     )
     _print_result(result, args.json)
     return 0
@@ -151,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
             default=[],
             metavar="SECTION.KEY=VALUE",
             help="config override for every variant, e.g. --set data.synthetic.seed=1",
+        )
+        b.add_argument(
+            "--variants",
+            default="",
+            help="comma-separated variants of embeddings-memory or optimizers (default: all)",
         )
         b.set_defaults(func=_cmd_bench_zoo)
     return parser

@@ -65,6 +65,13 @@ class Sweep:
     device: str
     root: Path
     extra: tuple[str, ...] = ()
+    only: tuple[str, ...] = ()  # variant names to run; empty: all
+
+    def select(self, variants: dict[str, list[str]]) -> dict[str, list[str]]:
+        unknown = sorted(set(self.only) - set(variants))
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}; choose from {', '.join(variants)}")
+        return {n: o for n, o in variants.items() if not self.only or n in self.only}
 
     def config(self, overrides: list[str]):
         return load_config(None, [*overrides, *self.extra])
@@ -157,9 +164,9 @@ def embedding_variants() -> dict[str, list[str]]:
 
 
 def embeddings_benchmark(sweep: Sweep) -> dict:
-    results = {name: sweep.run(o) for name, o in embedding_variants().items()}
-    full = results["full"]
-    for r in results.values():
+    results = {name: sweep.run(o) for name, o in sweep.select(embedding_variants()).items()}
+    full = results.get("full")
+    for r in results.values() if full else ():
         r["param_ratio"] = round(full["num_embedding_params"] / r["num_embedding_params"], 2)
         r["auc_minus_full"] = round(r["auc"] - full["auc"], 5)
     return {"results": results}
@@ -176,7 +183,7 @@ def optimizers_benchmark(sweep: Sweep) -> dict:
         ],
         "rowwise_adagrad_torch": ["embedding.optimizer=rowwise_adagrad", "embedding.backend=torch"],
     }
-    return {"results": {n: sweep.run(o) for n, o in variants.items()}}
+    return {"results": {n: sweep.run(o) for n, o in sweep.select(variants).items()}}
 
 
 def precision_benchmark(sweep: Sweep) -> dict:
@@ -236,6 +243,7 @@ def run_zoo_benchmark(
     device: str = "cpu",
     threads: int = 1,
     overrides: list[str] | tuple[str, ...] = (),
+    variants: list[str] | tuple[str, ...] = (),
 ) -> dict:
     """``threads``: torch intra-op threads (1 keeps a shared machine's cores from
     thrashing); ``overrides``: ``section.key=value`` settings for every variant."""
@@ -243,7 +251,7 @@ def run_zoo_benchmark(
         torch.set_num_threads(threads)
     load_config(None, list(overrides))  # a bad override fails now, not after the first run
     with tempfile.TemporaryDirectory() as root:
-        sweep = Sweep(steps, batch_size, device, Path(root), tuple(overrides))
+        sweep = Sweep(steps, batch_size, device, Path(root), tuple(overrides), tuple(variants))
         result = BENCHMARKS[name](sweep)
     return {
         "benchmark": name,
