@@ -80,6 +80,17 @@ def _cmd_bench_embedding(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_zoo(args: argparse.Namespace) -> int:
+    from towerrec.bench.zoo import run_zoo_benchmark
+
+    variants = [v for v in args.variants.split(",") if v]
+    result = run_zoo_benchmark(
+        args.bench, args.steps, args.batch_size, args.device, args.threads, args.overrides, variants
+    )
+    _print_result(result, args.json)
+    return 0
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
@@ -122,6 +133,32 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             b.add_argument("--batch-size", type=int, default=2048)
         b.set_defaults(func=func)
+    for name, help_text in (
+        ("models", "DLRM vs DCNv2 vs Wukong at matched FLOPs per sample (planted data)"),
+        ("embeddings-memory", "AUC vs parameters: full, hash, QR and mixed-dimension tables"),
+        ("optimizers", "CF-SGD vs row-wise Adagrad on the embedding tables"),
+        ("precision", "bf16 autocast vs fp32: samples/s (Criteo shape) and AUC"),
+    ):
+        b = bench_sub.add_parser(name, help=help_text)
+        b.add_argument("--json", action="store_true", help="print one JSON object")
+        b.add_argument("--steps", type=int, default=600, help="training steps per variant")
+        b.add_argument("--batch-size", type=int, default=2048)
+        b.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+        b.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
+        b.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="SECTION.KEY=VALUE",
+            help="config override for every variant, e.g. --set data.synthetic.seed=1",
+        )
+        b.add_argument(
+            "--variants",
+            default="",
+            help="comma-separated variants of embeddings-memory or optimizers (default: all)",
+        )
+        b.set_defaults(func=_cmd_bench_zoo)
     return parser
 
 

@@ -22,6 +22,10 @@ from typing import Any
 import tomli_w
 
 from towerrec.data.synthetic import SyntheticConfig
+from towerrec.models.dcn import DCNConfig
+from towerrec.models.wukong import WukongConfig
+from towerrec.modules.compact import Combine, CompactConfig, EmbeddingKind
+from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
@@ -72,6 +76,18 @@ class EmbeddingConfig:
     id_policy: IdPolicy = IdPolicy.ERROR
     pooling: Pooling = Pooling.SUM
     init: str = "uniform"
+    # Memory-efficient tables (modules/compact.py): full | hash | qr | md.
+    kind: EmbeddingKind = EmbeddingKind.FULL
+    compression: float = 4.0  # hash, qr: rows divided by this
+    row_threshold: int = 0  # hash, qr: only tables with more rows are compressed
+    qr_operation: Combine = Combine.MULT  # mult | add | concat
+    qr_partitions: int = 2  # 2: quotient-remainder; more: complementary partitions
+    qr_scheme: PartitionScheme = PartitionScheme.QUOTIENT_REMAINDER  # or crt
+    md_alpha: float = 0.3  # md: dim ~ popularity^alpha
+    md_budget: int = 0  # md: total rows*dims; 0: the most popular table keeps the full dim
+    md_min_dim: int = 4
+    md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
+    counter_halflife: float = 0.0  # cf_sgd: steps for a row's count to halve; 0 = no decay
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -79,6 +95,30 @@ class EmbeddingConfig:
         if not self.eps > 0:
             raise ValueError(f"embedding.eps must be > 0, got {self.eps}")
         _choice(self.init, ("uniform", "normal"), "embedding.init")
+        self.compact()
+        if self.counter_halflife < 0:
+            raise ValueError(
+                f"embedding.counter_halflife must be >= 0, got {self.counter_halflife}"
+            )
+        if self.optimizer is EmbeddingOptimizer.CF_SGD and self.backend is Backend.FBGEMM:
+            raise ValueError(
+                "embedding.optimizer = 'cf_sgd' has no FBGEMM kernel; set embedding.backend = "
+                "'torch' (or 'auto', which picks the torch kernel for it)"
+            )
+
+    def compact(self) -> CompactConfig:
+        return CompactConfig(
+            kind=self.kind,
+            compression=self.compression,
+            row_threshold=self.row_threshold,
+            operation=self.qr_operation,
+            num_partitions=self.qr_partitions,
+            scheme=self.qr_scheme,
+            md_alpha=self.md_alpha,
+            md_budget=self.md_budget,
+            md_min_dim=self.md_min_dim,
+            md_round_to=self.md_round_to,
+        )
 
 
 @dataclass(frozen=True)
@@ -88,12 +128,21 @@ class ModelConfig:
     bottom_mlp: tuple[int, ...] = (64, 16)
     top_mlp: tuple[int, ...] = (64, 32, 1)
     self_interaction: bool = False
+    dcn: DCNConfig = field(default_factory=DCNConfig)  # model.name = "dcn"
+    wukong: WukongConfig = field(default_factory=WukongConfig)  # model.name = "wukong"
 
     def __post_init__(self) -> None:
-        _choice(self.name, ("dlrm",), "model.name")
+        _choice(self.name, ("dlrm", "dcn", "wukong"), "model.name")
         if self.embedding_dim < 1:
             raise ValueError(f"model.embedding_dim must be >= 1, got {self.embedding_dim}")
-        if not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
+        if self.name == "wukong" and self.wukong.dense_rows > 1:
+            end = self.wukong.dense_rows * self.embedding_dim
+            if not self.bottom_mlp or self.bottom_mlp[-1] != end:
+                raise ValueError(
+                    f"model.bottom_mlp must end at model.wukong.dense_rows * embedding_dim = "
+                    f"{end} (got {list(self.bottom_mlp)}); e.g. bottom_mlp = [64, {end}]"
+                )
+        elif not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
             raise ValueError(
                 f"model.bottom_mlp must end at model.embedding_dim = {self.embedding_dim} "
                 f"(got {list(self.bottom_mlp)}); e.g. bottom_mlp = [64, {self.embedding_dim}]"
@@ -138,8 +187,10 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # torch intra-op threads; 0 = PyTorch's default
     progress: bool = True
+    precision: str = "fp32"  # fp32 | bf16 (autocast of the dense part, fp32 master weights)
 
     def __post_init__(self) -> None:
+        _choice(self.precision, ("fp32", "bf16"), "train.precision")
         for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from towerrec.models.common import sparse_flops_per_sample
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -71,6 +72,7 @@ class DLRM(nn.Module):
             self.bottom.flops_per_sample()
             + self.interaction.flops_per_sample(self.embedding_dim)
             + self.top.flops_per_sample()
+            + sparse_flops_per_sample(self.sparse)
         )
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:

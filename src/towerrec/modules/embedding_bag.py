@@ -113,7 +113,7 @@ class EmbeddingBagCollection(nn.Module):
         self.optimizer = optimizer or EmbeddingOptimizerConfig()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.backend = resolve_backend(
-            parse_enum(Backend, backend, "embedding backend"), self.device
+            parse_enum(Backend, backend, "embedding backend"), self.device, self.optimizer.kind
         )
         self.id_policy = parse_enum(IdPolicy, id_policy, "embedding id_policy")
         self.seed = seed

@@ -63,10 +63,16 @@ def fbgemm_available() -> bool:
     return importlib.util.find_spec("fbgemm_gpu") is not None
 
 
-def resolve_backend(backend: Backend | str, device: torch.device) -> Backend:
+def resolve_backend(
+    backend: Backend | str,
+    device: torch.device,
+    optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD,
+) -> Backend:
     """``auto`` picks FBGEMM when it is installed (faster on CPU and CUDA, see
-    docs/benchmarks.md), else the pure-PyTorch kernel."""
+    docs/benchmarks.md) and has a kernel for ``optimizer``, else the pure-PyTorch kernel."""
     backend = Backend(backend)
+    if backend is Backend.AUTO and optimizer not in _FBGEMM_OPTIMIZERS:
+        return Backend.TORCH
     if backend is Backend.FBGEMM and not fbgemm_available():
         raise ValueError(
             "embedding backend 'fbgemm' needs fbgemm_gpu: install towerrec[cpu] "
@@ -240,6 +246,7 @@ class TorchKernel(EmbeddingKernel):
             grad_rows,
             self.lr,
             self.optimizer.eps,
+            halflife=self.optimizer.counter_halflife,
         )
 
 

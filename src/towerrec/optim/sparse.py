@@ -7,6 +7,8 @@ same arithmetic as FBGEMM's fused CPU/CUDA kernels:
     rowwise_adagrad   m[r] += mean_j g[r, j]^2      w[r] -= lr * g[r] / (sqrt(m[r]) + eps)
     adagrad           m[r] += g[r]^2                w[r] -= lr * g[r] / (sqrt(m[r]) + eps)
     sgd                                             w[r] -= lr * g[r]
+    cf_sgd            counter-based frequency-aware SGD, see ``optim/counter.py``
+                      (no FBGEMM CPU kernel: the torch kernel path only)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from enum import StrEnum
 
 import torch
 
+from towerrec.optim.counter import counter_sgd_update
 from towerrec.utils import parse_enum
 
 __all__ = ["EmbeddingOptimizer", "EmbeddingOptimizerConfig", "sparse_update"]
@@ -31,6 +34,7 @@ class EmbeddingOptimizer(StrEnum):
     ROWWISE_ADAGRAD = "rowwise_adagrad"
     ADAGRAD = "adagrad"
     SGD = "sgd"
+    CF_SGD = "cf_sgd"
 
     def state_shapes(self, num_embeddings: int, embedding_dim: int) -> dict[str, tuple[int, ...]]:
         """Optimizer state tensors kept per table, by canonical name."""
@@ -38,6 +42,8 @@ class EmbeddingOptimizer(StrEnum):
             return {"momentum1": (num_embeddings,)}
         if self is EmbeddingOptimizer.ADAGRAD:
             return {"momentum1": (num_embeddings, embedding_dim)}
+        if self is EmbeddingOptimizer.CF_SGD:
+            return {"counter": (num_embeddings,), "last_step": (num_embeddings,)}
         return {}
 
 
@@ -46,8 +52,11 @@ class EmbeddingOptimizerConfig:
     kind: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD
     lr: float = 0.05
     eps: float = 1e-8
+    counter_halflife: float = 0.0  # cf_sgd: steps for a row's count to halve; 0 = no decay
 
     def __post_init__(self) -> None:
+        if self.counter_halflife < 0:
+            raise ValueError(f"counter_halflife must be >= 0, got {self.counter_halflife}")
         object.__setattr__(
             self, "kind", parse_enum(EmbeddingOptimizer, self.kind, "embedding optimizer")
         )
@@ -65,6 +74,8 @@ def sparse_update(
     grad: torch.Tensor,
     lr: float,
     eps: float,
+    *,
+    halflife: float = 0.0,
 ) -> None:
     """Apply one step to ``weight[rows]`` given ``grad[U, D]`` for unique ``rows[U]``.
 
@@ -72,6 +83,9 @@ def sparse_update(
     (``index_copy_``), several times faster on CPU than ``index_add_`` into a
     large table.
     """
+    if kind is EmbeddingOptimizer.CF_SGD:
+        counter_sgd_update(weight, state, rows, grad, lr, halflife)
+        return
     if kind is EmbeddingOptimizer.SGD:
         step = grad * lr
     elif kind is EmbeddingOptimizer.ROWWISE_ADAGRAD:

@@ -10,8 +10,11 @@ from torch import nn
 from towerrec.config import Config, DataConfig, OptimizerConfig
 from towerrec.data.batch import DataSchema
 from towerrec.data.synthetic import SyntheticSource
+from towerrec.models.dcn import DCN
 from towerrec.models.dlrm import DLRM
-from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
+from towerrec.models.wukong import Wukong
+from towerrec.modules.compact import build_embedding_collection
+from towerrec.modules.embedding_bag import dense_parameters
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 
@@ -58,9 +61,12 @@ def build_tables(config: Config, schema: DataSchema) -> list[TableConfig]:
 def build_model(config: Config, schema: DataSchema, device: torch.device) -> nn.Module:
     """The single-device model; dense weights seeded by ``train.seed``."""
     emb = config.embedding
-    sparse = EmbeddingBagCollection(
+    sparse = build_embedding_collection(
         build_tables(config, schema),
-        EmbeddingOptimizerConfig(kind=emb.optimizer, lr=emb.lr, eps=emb.eps),
+        emb.compact(),
+        EmbeddingOptimizerConfig(
+            kind=emb.optimizer, lr=emb.lr, eps=emb.eps, counter_halflife=emb.counter_halflife
+        ),
         backend=emb.backend,
         device=device,
         id_policy=emb.id_policy,
@@ -68,6 +74,11 @@ def build_model(config: Config, schema: DataSchema, device: torch.device) -> nn.
     )
     torch.manual_seed(config.train.seed)
     model = config.model
+    if model.name == "dcn":
+        return DCN(sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.dcn).to(device)
+    if model.name == "wukong":
+        wukong = Wukong(sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.wukong)
+        return wukong.to(device)
     return DLRM(
         sparse,
         num_dense=schema.num_dense,

@@ -40,9 +40,21 @@ __all__ = ["evaluate", "train", "train_step"]
 log = logging.getLogger("towerrec")
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> torch.Tensor:
-    logits = model(batch.dense, batch.sparse)
-    loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """Mixed precision for the dense part (``dtype`` None: off). Weights stay fp32
+    (the master copy); matmuls run in ``dtype``; embedding lookups are not autocast."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    autocast_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    with autocast(batch.dense.device, autocast_dtype):
+        logits = model(batch.dense, batch.sparse)
+    loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # embedding rows are updated here, inside backward
     optimizer.step()
@@ -50,13 +62,20 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device) -> EvalMetrics:
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[Batch],
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> EvalMetrics:
     was_training = model.training
     model.eval()
     probs, labels = [], []
     for batch in batches:
         batch = batch.to(device)
-        probs.append(torch.sigmoid(model(batch.dense, batch.sparse)).float().cpu())
+        with autocast(device, autocast_dtype):
+            logits = model(batch.dense, batch.sparse)
+        probs.append(torch.sigmoid(logits.float()).cpu())
         labels.append(batch.labels.cpu())
     model.train(was_training)
     return compute_metrics(torch.cat(probs), torch.cat(labels))
@@ -158,6 +177,7 @@ def train(
         checkpoints.save(step, model, optimizer, state)
 
     batches = _batches(source, cfg.batch_size, state["step"], device)
+    amp_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
     last_eval: EvalMetrics | None = None
     loss_sum, loss_count = torch.zeros((), device=device), 0
     window_start, window_samples = time.perf_counter(), 0
@@ -177,7 +197,7 @@ def train(
             set_learning_rates(model, optimizer, config, factor)
             tick = time.perf_counter()
             batch = next(batches)
-            loss_sum += train_step(model, optimizer, batch)
+            loss_sum += train_step(model, optimizer, batch, amp_dtype)
             loss_count += 1
             state["train_s"] += time.perf_counter() - tick
             state["samples"] += batch.size
@@ -199,7 +219,9 @@ def train(
                 loss_sum.zero_()
                 loss_count, window_start, window_samples = 0, now, 0
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                last_eval = evaluate(model, source.eval_batches(cfg.eval_batch_size), device)
+                last_eval = evaluate(
+                    model, source.eval_batches(cfg.eval_batch_size), device, amp_dtype
+                )
                 run.log({"kind": "eval", "step": step, **last_eval.as_dict()})
                 bar.write(
                     f"step {step}: eval AUC {last_eval.auc:.4f}, log-loss {last_eval.logloss:.4f}"
@@ -231,6 +253,10 @@ def train(
         if hasattr(model, "flops_per_sample")
         else None,
         "backend": model.sparse.backend.value,
+        "precision": cfg.precision,
+        "hash_collisions": sum(model.sparse.collisions().values())
+        if hasattr(model.sparse, "collisions")
+        else None,
         "device": str(device),
         "train_s": state["train_s"],
     }

@@ -1,0 +1,263 @@
+"""Model-zoo and memory-efficient-embedding benchmarks that print JSON.
+
+- ``models``: DLRM vs DCNv2 vs Wukong at matched FLOPs per sample, on planted
+  data whose labels are mostly high-order (3-way) interactions.
+- ``embeddings-memory``: AUC and log-loss against embedding parameters for
+  full, hashed, quotient-remainder (2x, 4x, 16x fewer rows) and
+  mixed-dimension (alpha 0.2 to 0.4) tables.
+- ``optimizers``: CF-SGD against row-wise Adagrad.
+- ``precision``: bf16 autocast against fp32: training samples/s on the
+  Criteo-Kaggle shape (timed round-robin in one process) and AUC on planted data.
+
+Every variant trains with ``towerrec.train.trainer.train`` on the same data
+stream and seed, so AUC differences come from the variant alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from towerrec.bench.common import machine_info, matmul_peak_flops, time_interleaved
+from towerrec.bench.train import CRITEO_SHAPE, DENSE_LR, EMB_LR, build_tables, make_batches
+from towerrec.config import load_config
+from towerrec.data.synthetic import SyntheticSource
+from towerrec.models.dlrm import DLRM
+from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.train.build import build_model
+from towerrec.train.trainer import train, train_step
+
+__all__ = ["BENCHMARKS", "run_zoo_benchmark"]
+
+# Labels mostly from 3-way interactions: what Wukong's stacked FMs are for.
+HIGH_ORDER = [
+    "data.synthetic.first_order_share=0.1",
+    "data.synthetic.pairwise_share=0.3",
+    "data.synthetic.higher_order_share=0.6",
+    "data.synthetic.num_triples=8",
+]
+SUMMARY_KEYS = (
+    "auc",
+    "logloss",
+    "ne",
+    "oracle_auc",
+    "samples_per_s",
+    "num_dense_params",
+    "num_embedding_params",
+    "flops_per_sample",
+    "hash_collisions",
+    "backend",
+)
+
+
+@dataclass
+class Sweep:
+    """Trains variants of one base config (``extra`` overrides apply to every variant)."""
+
+    steps: int
+    batch_size: int
+    device: str
+    root: Path
+    extra: tuple[str, ...] = ()
+    only: tuple[str, ...] = ()  # variant names to run; empty: all
+
+    def select(self, variants: dict[str, list[str]]) -> dict[str, list[str]]:
+        unknown = sorted(set(self.only) - set(variants))
+        if unknown:
+            raise ValueError(f"unknown variants {unknown}; choose from {', '.join(variants)}")
+        return {n: o for n, o in variants.items() if not self.only or n in self.only}
+
+    def config(self, overrides: list[str]):
+        return load_config(None, [*overrides, *self.extra])
+
+    def flops(self, overrides: list[str]) -> int:
+        config = self.config(overrides)
+        schema = SyntheticSource(config.data.synthetic).schema
+        return build_model(config, schema, torch.device("cpu")).flops_per_sample()
+
+    def run(self, overrides: list[str]) -> dict:
+        config = self.config(
+            [
+                f"train.steps={self.steps}",
+                f"train.batch_size={self.batch_size}",
+                "train.eval_every=0",
+                "train.progress=false",
+                f"train.device={self.device}",
+                *overrides,
+            ]
+        )
+        out = Path(tempfile.mkdtemp(dir=self.root))
+        with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON result
+            summary = train(config, out)
+        result = {k: summary.get(k) for k in SUMMARY_KEYS}
+        for key in ("auc", "logloss", "ne", "oracle_auc"):
+            result[key] = round(result[key], 5) if result[key] is not None else None
+        result["samples_per_s"] = round(result["samples_per_s"], 1)
+        return result
+
+
+def _matched_width(sweep: Sweep, prefix: list[str], target: int) -> tuple[int, int]:
+    """The width w of ``top_mlp = [w, w/2, 1]`` whose FLOPs per sample come closest to target."""
+    best = (0, 0)
+    lo, hi = 4, 4096
+    while hi - lo > 1:  # FLOPs grow with w
+        mid = (lo + hi) // 2
+        if sweep.flops([*prefix, f"model.top_mlp=[{mid}, {mid // 2}, 1]"]) < target:
+            lo = mid
+        else:
+            hi = mid
+    for w in (lo, hi):
+        flops = sweep.flops([*prefix, f"model.top_mlp=[{w}, {w // 2}, 1]"])
+        if not best[0] or abs(flops - target) < abs(best[1] - target):
+            best = (w, flops)
+    return best
+
+
+def models_benchmark(sweep: Sweep) -> dict:
+    wukong = [*HIGH_ORDER, "model.name=wukong"]
+    target = sweep.flops(wukong)
+    variants = {"wukong": wukong}
+    widths = {}
+    for name, extra in (
+        ("dlrm", ["model.name=dlrm"]),
+        ("dcn", ["model.name=dcn", "model.dcn.num_layers=2", "model.dcn.rank=16"]),
+    ):
+        width, _ = _matched_width(sweep, [*HIGH_ORDER, *extra], target)
+        widths[name] = [width, width // 2, 1]
+        variants[name] = [*HIGH_ORDER, *extra, f"model.top_mlp=[{width}, {width // 2}, 1]"]
+    results = {name: sweep.run(o) for name, o in variants.items()}
+    return {
+        "target_flops_per_sample": target,
+        "top_mlp": widths,
+        "data": HIGH_ORDER,
+        "results": results,
+    }
+
+
+def embedding_variants() -> dict[str, list[str]]:
+    variants: dict[str, list[str]] = {"full": []}
+    for c in (2, 4, 16):
+        variants[f"hash_{c}x"] = ["embedding.kind=hash", f"embedding.compression={c}"]
+    for c in (2, 4, 16):
+        variants[f"qr_mult_{c}x"] = ["embedding.kind=qr", f"embedding.compression={c}"]
+    for op in ("add", "concat"):
+        variants[f"qr_{op}_4x"] = [
+            "embedding.kind=qr",
+            "embedding.compression=4",
+            f"embedding.qr_operation={op}",
+        ]
+    variants["qr_mult_crt3_16x"] = [
+        "embedding.kind=qr",
+        "embedding.compression=16",
+        "embedding.qr_partitions=3",
+        "embedding.qr_scheme=crt",
+    ]
+    for alpha in (0.2, 0.3, 0.4):
+        variants[f"md_{alpha}"] = ["embedding.kind=md", f"embedding.md_alpha={alpha}"]
+    return variants
+
+
+def embeddings_benchmark(sweep: Sweep) -> dict:
+    results = {name: sweep.run(o) for name, o in sweep.select(embedding_variants()).items()}
+    full = results.get("full")
+    for r in results.values() if full else ():
+        r["param_ratio"] = round(full["num_embedding_params"] / r["num_embedding_params"], 2)
+        r["auc_minus_full"] = round(r["auc"] - full["auc"], 5)
+    return {"results": results}
+
+
+def optimizers_benchmark(sweep: Sweep) -> dict:
+    variants = {
+        "rowwise_adagrad": ["embedding.optimizer=rowwise_adagrad"],
+        "cf_sgd": ["embedding.optimizer=cf_sgd", "embedding.lr=0.05"],
+        "cf_sgd_halflife_200": [
+            "embedding.optimizer=cf_sgd",
+            "embedding.lr=0.05",
+            "embedding.counter_halflife=200",
+        ],
+        "rowwise_adagrad_torch": ["embedding.optimizer=rowwise_adagrad", "embedding.backend=torch"],
+    }
+    return {"results": {n: sweep.run(o) for n, o in sweep.select(variants).items()}}
+
+
+def precision_benchmark(sweep: Sweep) -> dict:
+    """samples/s of fp32 vs bf16 on the Criteo shape, then AUC of both on planted data."""
+    device = sweep.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    batches = [b.to(dev) for b in make_batches(CRITEO_SHAPE, 2048)]
+    systems = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        ebc = EmbeddingBagCollection(
+            build_tables(CRITEO_SHAPE), EmbeddingOptimizerConfig(lr=EMB_LR), device=dev
+        )
+        torch.manual_seed(0)
+        shape = CRITEO_SHAPE
+        model = DLRM(ebc, shape["num_dense"], shape["bottom_mlp"], shape["top_mlp"]).to(dev)
+        opt = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=DENSE_LR)
+
+        def step(i, m=model, o=opt, dt=dtype):
+            train_step(m, o, batches[i % len(batches)], dt)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+
+        systems[name] = step
+    seconds = time_interleaved(systems, rounds=5, steps_per_round=4, warmup=3)
+    timing = {n: {"samples_per_s": round(2048 / s, 1)} for n, s in seconds.items()}
+    peaks = {}
+    if dev.type == "cpu":
+        peaks = {
+            "fp32": round(matmul_peak_flops(torch.float32, 0.5) / 1e9, 1),
+            "bf16": round(matmul_peak_flops(torch.bfloat16, 0.5) / 1e9, 1),
+        }
+    accuracy = {p: sweep.run([f"train.precision={p}"]) for p in ("fp32", "bf16")}
+    return {
+        "device": str(dev),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "criteo_shape_timing": timing,
+        "bf16_over_fp32_samples_per_s": round(seconds["fp32"] / seconds["bf16"], 3),
+        "matmul_peak_gflops": peaks,
+        "synthetic_accuracy": accuracy,
+    }
+
+
+BENCHMARKS = {
+    "models": models_benchmark,
+    "embeddings-memory": embeddings_benchmark,
+    "optimizers": optimizers_benchmark,
+    "precision": precision_benchmark,
+}
+
+
+def run_zoo_benchmark(
+    name: str,
+    steps: int,
+    batch_size: int,
+    device: str = "cpu",
+    threads: int = 1,
+    overrides: list[str] | tuple[str, ...] = (),
+    variants: list[str] | tuple[str, ...] = (),
+) -> dict:
+    """``threads``: torch intra-op threads (1 keeps a shared machine's cores from
+    thrashing); ``overrides``: ``section.key=value`` settings for every variant."""
+    if threads:
+        torch.set_num_threads(threads)
+    load_config(None, list(overrides))  # a bad override fails now, not after the first run
+    with tempfile.TemporaryDirectory() as root:
+        sweep = Sweep(steps, batch_size, device, Path(root), tuple(overrides), tuple(variants))
+        result = BENCHMARKS[name](sweep)
+    return {
+        "benchmark": name,
+        "machine": machine_info(),
+        "steps": steps,
+        "batch_size": batch_size,
+        "overrides": list(overrides),
+        **result,
+    }

@@ -1,0 +1,134 @@
+"""DCNv2 (Wang et al., 2021): a cross network of explicit feature crosses next to an MLP.
+
+::
+
+    dense [B, F_d] ─► bottom MLP ─► x [B, D] ─┐
+    sparse ─► embedding collection ─► E [B, T*D] ─► concat ─► x0 [B, (T+1)D]
+                                                                  │
+       stacked:   x0 ─► cross ×L ─► deep MLP (top_mlp) ─► logit [B]
+       parallel:  x0 ─► cross ×L ──────────┐
+                  x0 ─► deep MLP ──────────┴─► concat ─► linear ─► logit [B]
+
+    cross layer:  x_{l+1} = x0 ⊙ (W_l x_l + b_l) + x_l         W_l [N, N]
+                  low rank: W_l = U_l V_l^T                    U_l, V_l [N, r]
+
+``top_mlp`` is the deep network and ends in one logit; in the parallel
+structure its last layer (the logit) becomes the final linear layer over the
+concatenated cross and deep outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from towerrec.models.common import sparse_flops_per_sample
+from towerrec.modules.mlp import MLP
+from towerrec.sparse import KeyedJaggedTensor
+
+__all__ = ["DCN", "CrossNetwork", "DCNConfig"]
+
+
+@dataclass(frozen=True)
+class DCNConfig:
+    """``model.dcn``: the cross network of ``model.name = "dcn"``."""
+
+    num_layers: int = 3
+    rank: int = 0  # 0: full-rank W [N, N]; r > 0: W = U V^T with U, V [N, r]
+    structure: str = "stacked"  # stacked | parallel
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"model.dcn.num_layers must be >= 1, got {self.num_layers}")
+        if self.rank < 0:
+            raise ValueError(f"model.dcn.rank must be >= 0 (0 = full rank), got {self.rank}")
+        if self.structure not in ("stacked", "parallel"):
+            raise ValueError(
+                f"model.dcn.structure = {self.structure!r} is not one of 'stacked', 'parallel'"
+            )
+
+
+class CrossNetwork(nn.Module):
+    """``L`` cross layers over ``x0 [B, N]`` -> ``[B, N]`` (full or low-rank W)."""
+
+    def __init__(self, in_features: int, num_layers: int, rank: int = 0) -> None:
+        super().__init__()
+        self.in_features, self.rank = in_features, rank
+        if rank:
+            self.down = nn.ModuleList(
+                nn.Linear(in_features, rank, bias=False) for _ in range(num_layers)
+            )
+            self.up = nn.ModuleList(nn.Linear(rank, in_features) for _ in range(num_layers))
+        else:
+            self.up = nn.ModuleList(nn.Linear(in_features, in_features) for _ in range(num_layers))
+            self.down = nn.ModuleList(nn.Identity() for _ in range(num_layers))
+
+    def flops_per_sample(self) -> int:
+        n, layers = self.in_features, len(self.up)
+        matmul = 4 * n * self.rank if self.rank else 2 * n * n
+        return layers * (matmul + 3 * n)  # + bias, product with x0, residual
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for down, up in zip(self.down, self.up):
+            x = x0 * up(down(x)) + x
+        return x
+
+
+class DCN(nn.Module):
+    """DCNv2 over an embedding collection whose features all have one dim D."""
+
+    def __init__(
+        self,
+        sparse: nn.Module,
+        num_dense: int,
+        bottom_mlp: Sequence[int],
+        top_mlp: Sequence[int],
+        config: DCNConfig | None = None,
+    ) -> None:
+        super().__init__()
+        config = config or DCNConfig()
+        dims = set(sparse.embedding_dims)
+        if len(dims) != 1:
+            raise ValueError(f"DCN needs one embedding dim for every feature, got {sorted(dims)}")
+        dim = dims.pop()
+        if bottom_mlp[-1] != dim:
+            raise ValueError(
+                f"the bottom MLP must end at the embedding dim {dim}, got {list(bottom_mlp)}"
+            )
+        if top_mlp[-1] != 1:
+            raise ValueError(f"the top MLP must end in one logit, got top_mlp={list(top_mlp)}")
+        self.config = config
+        self.sparse = sparse
+        self.embedding_dim = dim
+        self.num_sparse = len(sparse.feature_names)
+        width = dim * (self.num_sparse + 1)
+        self.bottom = MLP(num_dense, bottom_mlp)
+        self.cross = CrossNetwork(width, config.num_layers, config.rank)
+        if config.structure == "stacked":
+            self.deep = MLP(width, top_mlp, final_activation=False)
+            self.head = None
+        else:
+            hidden = list(top_mlp[:-1])
+            self.deep = MLP(width, hidden) if hidden else None
+            deep_out = hidden[-1] if hidden else 0
+            self.head = nn.Linear(width + deep_out, 1)
+
+    def flops_per_sample(self) -> int:
+        """Forward FLOPs of the dense part per sample."""
+        flops = self.bottom.flops_per_sample() + self.cross.flops_per_sample()
+        flops += self.deep.flops_per_sample() if self.deep is not None else 0
+        if self.head is not None:
+            flops += 2 * self.head.in_features
+        return flops + sparse_flops_per_sample(self.sparse)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        x0 = torch.cat([self.bottom(dense), self.sparse(sparse).values()], dim=1)
+        crossed = self.cross(x0)
+        if self.head is None:
+            return self.deep(crossed).squeeze(1)
+        parts = [crossed] if self.deep is None else [crossed, self.deep(x0)]
+        return self.head(torch.cat(parts, dim=1)).squeeze(1)

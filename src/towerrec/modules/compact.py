@@ -1,0 +1,408 @@
+"""Memory-efficient embedding collections: hashed, compositional and mixed-dimension tables.
+
+Same interface as ``EmbeddingBagCollection`` (``KeyedJaggedTensor`` in,
+``KeyedTensor [B, sum(D_f)]`` out), so every model takes either. Each logical
+table becomes one or more smaller *physical* tables, all looked up in one
+inner ``EmbeddingBagCollection`` (fused kernels, optimizer in backward)::
+
+    ids of feature f ─► id map ─► physical ids ─┐
+                                                ├─► inner EmbeddingBagCollection
+                                                │    (one fused call for all tables)
+    pooled physical vectors [B, d_j] ◄──────────┘
+        ─► combine: full / hash   e_0
+                    qr  mult      e_0 ⊙ e_1 ⊙ ... ⊙ e_{P-1}
+                        add       e_0 + ... + e_{P-1}
+                        concat    [e_0, ..., e_{P-1}]        (D split over the P tables)
+                    md            e_0 W_f                    W_f [d_f, D] (when d_f < D)
+        ─► KeyedTensor [B, T*D]
+
+Pooling commutes with add, concat and the projection, so those combine pooled
+bags. It does not commute with mult: a multi-hot (or weighted) batch is then
+looked up one id per bag (``[N_max, ...]``), combined per id and pooled here.
+
+Init keeps combined vectors at a full table's scale s (``TableConfig.scale``):
+add tables start at s / sqrt(P), concat and hash at s, mult multiplies e_0 (at
+s) by factors 1 + U(-s, s), and the md projection is N(0, 1 / d_f), which
+preserves the variance of e_0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+import torch
+from torch import nn
+
+from towerrec.modules.compositional import (
+    PartitionScheme,
+    hash_rows,
+    partition_ids,
+    partition_sizes,
+)
+from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy, apply_id_policy
+from towerrec.modules.kernels import Backend, resolve_backend
+from towerrec.modules.mixed_dim import mixed_dimensions
+from towerrec.modules.tables import Pooling, TableConfig
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
+from towerrec.utils import parse_enum, stable_seed
+
+__all__ = [
+    "Combine",
+    "CompactConfig",
+    "CompactEmbeddingCollection",
+    "EmbeddingKind",
+    "build_embedding_collection",
+]
+
+
+class EmbeddingKind(StrEnum):
+    FULL = "full"  # one row per id
+    HASH = "hash"  # id mod m: the baseline, with collisions
+    QR = "qr"  # complementary partitions (quotient-remainder and generalisations)
+    MD = "md"  # mixed dimensions by popularity, projected to the common dim
+
+
+class Combine(StrEnum):
+    MULT = "mult"
+    ADD = "add"
+    CONCAT = "concat"
+
+
+@dataclass(frozen=True)
+class CompactConfig:
+    """How the tables of a collection are stored (see module docstring).
+
+    ``compression`` divides the rows of hashed tables and of the largest
+    (remainder) table of a partition; only tables with more than
+    ``row_threshold`` rows are compressed. ``md_budget = 0`` gives the most
+    popular table the full dim; otherwise dims fit ``sum rows * dim <= budget``.
+    """
+
+    kind: EmbeddingKind = EmbeddingKind.FULL
+    compression: float = 4.0
+    row_threshold: int = 0
+    operation: Combine = Combine.MULT
+    num_partitions: int = 2
+    scheme: PartitionScheme = PartitionScheme.QUOTIENT_REMAINDER
+    md_alpha: float = 0.3
+    md_budget: int = 0
+    md_min_dim: int = 4
+    md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", parse_enum(EmbeddingKind, self.kind, "embedding.kind"))
+        object.__setattr__(
+            self, "operation", parse_enum(Combine, self.operation, "embedding.qr_operation")
+        )
+        object.__setattr__(
+            self, "scheme", parse_enum(PartitionScheme, self.scheme, "embedding.qr_scheme")
+        )
+        if not self.compression > 1:
+            raise ValueError(
+                f"embedding.compression must be > 1 (rows are divided by it), got {self.compression}"
+            )
+        if self.row_threshold < 0:
+            raise ValueError(f"embedding.row_threshold must be >= 0, got {self.row_threshold}")
+        if self.num_partitions < 2:
+            raise ValueError(
+                f"embedding.qr_partitions must be >= 2 (2 = quotient-remainder), "
+                f"got {self.num_partitions}"
+            )
+        if self.md_alpha < 0:
+            raise ValueError(f"embedding.md_alpha must be >= 0, got {self.md_alpha}")
+        if self.md_budget < 0 or self.md_min_dim < 1 or self.md_round_to < 1:
+            raise ValueError(
+                "embedding.md_budget must be >= 0 and md_min_dim, md_round_to >= 1, got "
+                f"{self.md_budget}, {self.md_min_dim}, {self.md_round_to}"
+            )
+
+
+@dataclass
+class _Plan:
+    """One logical table: its physical tables and how their vectors combine."""
+
+    table: TableConfig
+    kind: EmbeddingKind
+    parts: list[TableConfig]
+    sizes: list[int] = field(default_factory=list)  # qr: partition sizes; hash: [m]
+    operation: Combine | None = None
+    scheme: PartitionScheme | None = None
+
+    def physical_name(self, feature: str, part: int) -> str:
+        return feature if len(self.parts) == 1 else f"{feature}_part{part}"
+
+    def map_ids(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        if self.kind is EmbeddingKind.HASH:
+            return [torch.remainder(ids, self.sizes[0])]
+        if self.kind is EmbeddingKind.QR:
+            return partition_ids(ids, self.scheme, self.sizes)
+        return [ids]
+
+
+def _split_dim(dim: int, parts: int) -> list[int]:
+    if dim < parts:
+        raise ValueError(
+            f"concat needs embedding_dim >= qr_partitions, got {dim} < {parts}; "
+            "use qr_operation = 'mult' or 'add', or fewer partitions"
+        )
+    unit = 4 if dim % 4 == 0 and dim >= 4 * parts else 1  # FBGEMM wants multiples of 4
+    blocks = dim // unit
+    return [unit * (blocks // parts + (1 if j < blocks % parts else 0)) for j in range(parts)]
+
+
+def _plans(tables: list[TableConfig], config: CompactConfig) -> list[_Plan]:
+    md_dims = None
+    if config.kind is EmbeddingKind.MD:
+        dims = {t.embedding_dim for t in tables}
+        md_dims = mixed_dimensions(
+            [t.num_embeddings for t in tables],
+            config.md_alpha,
+            max(dims),
+            budget=config.md_budget,
+            min_dim=config.md_min_dim,
+            round_to=config.md_round_to,
+        )
+        md_dims = [min(d, t.embedding_dim) for d, t in zip(md_dims, tables)]
+    plans = []
+    for i, t in enumerate(tables):
+        s = t.scale
+        compress = t.num_embeddings > config.row_threshold
+        if config.kind is EmbeddingKind.MD:
+            part = replace(t, embedding_dim=md_dims[i], init_scale=s)
+            plans.append(_Plan(t, EmbeddingKind.MD, [part]))
+        elif config.kind is EmbeddingKind.HASH and compress:
+            m = hash_rows(t.num_embeddings, config.compression)
+            plans.append(_Plan(t, config.kind, [replace(t, num_embeddings=m, init_scale=s)], [m]))
+        elif config.kind is EmbeddingKind.QR and compress:
+            p = config.num_partitions
+            sizes = partition_sizes(config.scheme, t.num_embeddings, config.compression, p)
+            if config.operation is Combine.CONCAT:
+                dims, scales = _split_dim(t.embedding_dim, p), [s] * p
+            elif config.operation is Combine.ADD:
+                dims, scales = [t.embedding_dim] * p, [s / math.sqrt(p)] * p
+            else:
+                dims, scales = [t.embedding_dim] * p, [s] * p
+            parts = [
+                replace(
+                    t,
+                    name=f"{t.name}_part{j}",
+                    num_embeddings=rows,
+                    embedding_dim=dim,
+                    feature_names=tuple(f"{f}_part{j}" for f in t.feature_names),
+                    init_scale=scale,
+                )
+                for j, (rows, dim, scale) in enumerate(zip(sizes, dims, scales))
+            ]
+            plans.append(_Plan(t, config.kind, parts, sizes, config.operation, config.scheme))
+        else:
+            plans.append(_Plan(t, EmbeddingKind.FULL, [t]))
+    return plans
+
+
+class CompactEmbeddingCollection(nn.Module):
+    """Hashed, compositional or mixed-dimension tables behind the collection interface."""
+
+    def __init__(
+        self,
+        tables: list[TableConfig],
+        config: CompactConfig,
+        optimizer: EmbeddingOptimizerConfig | None = None,
+        *,
+        backend: Backend | str = Backend.AUTO,
+        device: torch.device | str | None = None,
+        id_policy: IdPolicy | str = IdPolicy.ERROR,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.tables, self.config, self.seed = list(tables), config, seed
+        self.id_policy = parse_enum(IdPolicy, id_policy, "embedding id_policy")
+        self.plans = _plans(self.tables, config)
+        if (
+            resolve_backend(
+                parse_enum(Backend, backend, "embedding backend"),
+                torch.device(device or "cpu"),
+                (optimizer or EmbeddingOptimizerConfig()).kind,
+            )
+            is Backend.FBGEMM
+        ):
+            odd = [p.name for plan in self.plans for p in plan.parts if p.embedding_dim % 4]
+            if odd:
+                raise ValueError(
+                    f"FBGEMM kernels need embedding dims that are multiples of 4; tables {odd} "
+                    "are not: set embedding.md_round_to = 4 (and md_min_dim >= 4), or "
+                    "embedding.backend = 'torch'"
+                )
+        self.inner = EmbeddingBagCollection(
+            [p for plan in self.plans for p in plan.parts],
+            optimizer,
+            backend=backend,
+            device=device,
+            seed=seed,
+        )
+        self._feature_plans = [(f, plan) for plan in self.plans for f in plan.table.feature_names]
+        self.feature_names = [f for f, _ in self._feature_plans]
+        self.embedding_dims = [plan.table.embedding_dim for _, plan in self._feature_plans]
+        self._physical_names = [
+            plan.physical_name(f, j)
+            for f, plan in self._feature_plans
+            for j in range(len(plan.parts))
+        ]
+        self._expand = any(plan.operation is Combine.MULT for plan in self.plans)
+        self.projections = nn.ModuleDict(
+            {
+                plan.table.name: nn.Linear(
+                    plan.parts[0].embedding_dim, plan.table.embedding_dim, bias=False
+                )
+                for plan in self.plans
+                if plan.kind is EmbeddingKind.MD
+                and plan.parts[0].embedding_dim < plan.table.embedding_dim
+            }
+        )
+        rows = [plan.table.num_embeddings for _, plan in self._feature_plans]
+        self.register_buffer(
+            "_rows_per_feature",
+            torch.tensor(rows, dtype=torch.int64, device=self.inner.device),
+            persistent=False,
+        )
+        self.projections.to(self.inner.device)
+        self.reset_parameters()
+
+    @property
+    def backend(self) -> Backend:
+        return self.inner.backend
+
+    @property
+    def num_embedding_parameters(self) -> int:
+        """Rows x dims of the physical tables plus the md projections."""
+        return self.inner.num_embedding_parameters + sum(
+            p.numel() for p in self.projections.parameters()
+        )
+
+    def collisions(self) -> dict[str, int]:
+        """Ids of the id space that share a hashed row with another id, per hashed table."""
+        return {
+            plan.table.name: plan.table.num_embeddings - plan.sizes[0]
+            for plan in self.plans
+            if plan.kind is EmbeddingKind.HASH
+        }
+
+    def describe(self) -> list[dict]:
+        """Per logical table: kind, physical rows and dims, parameters."""
+        return [
+            {
+                "table": plan.table.name,
+                "kind": plan.kind.value,
+                "rows": [p.num_embeddings for p in plan.parts],
+                "dims": [p.embedding_dim for p in plan.parts],
+                "params": sum(p.num_parameters for p in plan.parts),
+            }
+            for plan in self.plans
+        ]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.inner.reset_parameters()
+        weights = self.inner.table_weights()
+        for plan in self.plans:
+            if plan.operation is Combine.MULT:
+                for part in plan.parts[1:]:
+                    weights[part.name].add_(1.0)  # factors 1 + U(-s, s)
+        for name, proj in self.projections.items():
+            gen = torch.Generator().manual_seed(stable_seed("projection", self.seed, name))
+            w = torch.randn(proj.weight.shape, generator=gen) / proj.in_features**0.5
+            proj.weight.copy_(w)
+
+    def flops_per_sample(self) -> int:
+        """Dense FLOPs of projections and combinations, per sample (one id per feature)."""
+        flops = 0
+        for _, plan in self._feature_plans:
+            if plan.table.name in self.projections:
+                flops += 2 * plan.parts[0].embedding_dim * plan.table.embedding_dim
+            elif plan.operation in (Combine.MULT, Combine.ADD):
+                flops += (len(plan.parts) - 1) * plan.table.embedding_dim
+        return flops
+
+    def _combine(self, plan: _Plan, parts: list[torch.Tensor]) -> torch.Tensor:
+        if plan.table.name in self.projections:
+            return self.projections[plan.table.name](parts[0])
+        if len(parts) == 1:
+            return parts[0]
+        if plan.operation is Combine.CONCAT:
+            return torch.cat(parts, dim=1)
+        out = parts[0]
+        for p in parts[1:]:
+            out = out * p if plan.operation is Combine.MULT else out + p
+        return out
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if features.keys() != self.feature_names:
+            features = features.select(self.feature_names)
+        values = apply_id_policy(features, self._rows_per_feature, self.id_policy).long()
+        batch, lengths = features.stride(), features.lengths()
+        weights = features.weights_or_none()
+        bounds = features.offsets()[::batch].tolist()
+        counts = [hi - lo for lo, hi in itertools.pairwise(bounds)]
+        # mult does not commute with pooling: look up one id per bag, pool after combining.
+        expand = self._expand and (weights is not None or bool((lengths != 1).any()))
+        width = max(max(counts), 1) if expand else batch
+        phys_values, phys_lengths, phys_weights = [], [], []
+        for f, (_, plan) in enumerate(self._feature_plans):
+            ids = values[bounds[f] : bounds[f + 1]]
+            if expand:
+                lens = (torch.arange(width, device=ids.device) < counts[f]).to(lengths.dtype)
+            else:
+                lens = lengths[f * batch : (f + 1) * batch]
+            for part_ids in plan.map_ids(ids):
+                phys_values.append(part_ids)
+                phys_lengths.append(lens)
+                if weights is not None and not expand:
+                    phys_weights.append(weights[bounds[f] : bounds[f + 1]])
+        physical = KeyedJaggedTensor(
+            self._physical_names,
+            torch.cat(phys_values),
+            torch.cat(phys_lengths),
+            torch.cat(phys_weights) if phys_weights else None,
+            validate=False,
+        )
+        looked_up = self.inner(physical).to_dict()
+        outs = []
+        for f, (feature, plan) in enumerate(self._feature_plans):
+            parts = [looked_up[plan.physical_name(feature, j)] for j in range(len(plan.parts))]
+            vectors = self._combine(plan, parts)
+            if expand:
+                vectors = self._pool(vectors[: counts[f]], f, batch, lengths, weights, bounds, plan)
+            outs.append(vectors)
+        return KeyedTensor(self.feature_names, self.embedding_dims, torch.cat(outs, dim=1))
+
+    @staticmethod
+    def _pool(vectors, f, batch, lengths, weights, bounds, plan) -> torch.Tensor:
+        lens = lengths[f * batch : (f + 1) * batch].long()
+        bag = torch.repeat_interleave(
+            torch.arange(batch, device=vectors.device), lens, output_size=vectors.shape[0]
+        )
+        if weights is not None:
+            vectors = vectors * weights[bounds[f] : bounds[f + 1]].unsqueeze(1)
+        out = torch.zeros(batch, vectors.shape[1], dtype=vectors.dtype, device=vectors.device)
+        out = out.index_add(0, bag, vectors)
+        if plan.table.pooling is Pooling.MEAN:
+            out = out / lens.clamp(min=1).unsqueeze(1).to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"kind={self.config.kind.value}, tables={len(self.tables)}"
+
+
+def build_embedding_collection(
+    tables: list[TableConfig],
+    config: CompactConfig,
+    optimizer: EmbeddingOptimizerConfig | None = None,
+    **kwargs,
+) -> nn.Module:
+    """A plain ``EmbeddingBagCollection`` for full tables, else the compact collection."""
+    if config.kind is EmbeddingKind.FULL:
+        return EmbeddingBagCollection(tables, optimizer, **kwargs)
+    return CompactEmbeddingCollection(tables, config, optimizer, **kwargs)
