@@ -1,4 +1,4 @@
-"""``towerrec`` command line: train | bench.
+"""``towerrec`` command line: train | bench | data.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
 and exit with status 2; anything else is a bug and shows its traceback.
@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             b.add_argument("--batch-size", type=int, default=2048)
         b.set_defaults(func=func)
+
+    from towerrec.cli_data import add_data_commands
+
+    add_data_commands(sub)
     return parser
 
 

@@ -9,6 +9,9 @@ from torch import nn
 
 from towerrec.config import Config, DataConfig, OptimizerConfig
 from towerrec.data.batch import DataSchema
+from towerrec.data.cache import open_cache
+from towerrec.data.loader import ColumnSource
+from towerrec.data.movielens import bundled_movielens_path, load_movielens
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
@@ -37,6 +40,11 @@ def resolve_device(name: str) -> torch.device:
 def build_source(config: DataConfig):
     if config.source == "synthetic":
         return SyntheticSource(config.synthetic)
+    if config.source == "movielens":
+        path = config.path or bundled_movielens_path()
+        return ColumnSource(load_movielens(path, config.movielens), config.loader)
+    if config.source in ("criteo", "cache"):
+        return ColumnSource(open_cache(config.path, verify=config.loader.verify), config.loader)
     raise ValueError(f"unknown data.source {config.source!r}")
 
 
