@@ -182,6 +182,11 @@ def parse_chunk(chunk_data: bytes, first_line: int, num_lines: int) -> ParsedChu
     else:
         is_one = pc.fill_null(pc.equal(label, "1"), False).to_numpy(zero_copy_only=False)
         is_zero = pc.fill_null(pc.equal(label, "0"), False).to_numpy(zero_copy_only=False)
+    if label.null_count:  # pyarrow reads an empty line as a row of nulls
+        empty = label.is_null().to_numpy(zero_copy_only=False)
+        for name in COLUMNS[1:]:
+            empty &= table.column(name).is_null().to_numpy(zero_copy_only=False)
+        reasons.append((empty, "empty line"))
     reasons.append((~(is_one | is_zero), "label is not 0 or 1"))
     labels = is_one.astype(np.float32)
 

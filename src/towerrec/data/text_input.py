@@ -80,22 +80,43 @@ def _open(path: Path):
     return raw, raw
 
 
+def _read_up_to(stream, size: int) -> tuple[bytes, BaseException | None]:
+    """Up to ``size`` bytes; a decompression error is returned with the bytes before it
+    (``read1`` decompresses step by step, so nothing before the error is lost)."""
+    pieces, total = [], 0
+    try:
+        while total < size:
+            piece = stream.read1(size - total)
+            if not piece:
+                break
+            pieces.append(piece)
+            total += len(piece)
+    except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as e:
+        return b"".join(pieces), e
+    return b"".join(pieces), None
+
+
 def _chunks(path: Path, chunk_bytes: int, problems: Problems) -> Iterator[Chunk]:
     raw, stream = _open(path)
     line, rest = 1, b""
     try:
         while True:
-            try:
-                data = stream.read(chunk_bytes)
-            except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as e:
-                kind = "ends early" if isinstance(e, EOFError) else "is corrupt"
+            data, error = _read_up_to(stream, chunk_bytes)
+            if error is not None:
+                cut = (rest + data).rfind(b"\n") + 1
+                if cut:
+                    body = (rest + data)[:cut]
+                    lines = body.count(b"\n")
+                    yield Chunk(body, line, lines, raw.tell())
+                    line += lines
+                kind = "ends early" if isinstance(error, EOFError) else "is corrupt"
                 problems.add(
                     path,
                     line,
-                    f"gzip stream {kind} ({e}); the rows from this line on are missing "
+                    f"gzip stream {kind} ({error}); the rows from this line on are missing "
                     "(re-download or re-compress the file)",
                 )
-                return  # the partial line in `rest` is dropped with the truncated tail
+                return  # the partial line after the last newline is dropped
             if not data:
                 if rest:
                     yield Chunk(rest, line, 1, raw.tell())
