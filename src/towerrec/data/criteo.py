@@ -338,7 +338,13 @@ def preprocess_criteo(
     out_dir.mkdir(parents=True, exist_ok=True)
     problems = Problems(strict=options.strict)
     total_bytes = sum(p.stat().st_size for p in paths)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, disable=not progress, desc="criteo")
+    bar = tqdm(
+        total=total_bytes,
+        unit="B",
+        unit_scale=True,
+        disable=None if progress else True,
+        desc="criteo",
+    )
 
     sizes = options.num_embeddings
     vocab = None
@@ -408,7 +414,7 @@ def preprocess_criteo(
         for split, n in entry["rows"].items():
             rows[split] += n
     if rows["train"] + rows["eval"] == 0:
-        raise ValueError(f"no valid rows in {len(paths)} input file(s); {problems.summary()}")
+        raise ValueError(f"no valid rows in {len(paths)} input file(s): {problems.one_line()}")
     schema = DataSchema(
         NUM_INTEGER,
         tuple(

@@ -56,6 +56,13 @@ class Problems:
     def as_dict(self) -> dict:
         return {"malformed": self.total, "by_reason": dict(self.counts), "first": self.first}
 
+    def one_line(self) -> str:
+        if not self.total:
+            return "no malformed rows"
+        return (
+            f"{self.total} malformed rows skipped {dict(self.counts)}, the first at {self.first[0]}"
+        )
+
     def summary(self) -> str:
         if not self.total:
             return "no malformed rows"
