@@ -138,3 +138,19 @@ def test_bad_arguments():
         ColumnSource(ColumnStore(store.schema, ["single"], ["bag"], {}))
     with pytest.raises(ValueError, match="num_workers"):
         LoaderConfig(num_workers=-1)
+
+
+@pytest.mark.multiprocess
+def test_worker_processes_deliver_the_same_stream():
+    store = make_store()
+    plain = ColumnSource(store, LoaderConfig(seed=4))
+    pooled = ColumnSource(store, LoaderConfig(seed=4, num_workers=2, prefetch=2))
+    expected = plain.train_batches(100, start_batch=3, rank=1, world_size=2)
+    stream = pooled.train_batches(100, start_batch=3, rank=1, world_size=2)
+    for _ in range(9):
+        a, b = next(expected), next(stream)
+        assert row_ids(a) == row_ids(b)
+        assert torch.equal(a.sparse.values(), b.sparse.values())
+        assert torch.equal(a.sparse.lengths(), b.sparse.lengths())
+        assert b.sparse.keys() == ["single", "bag"]
+    stream.close()  # stops and joins the workers
