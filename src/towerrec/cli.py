@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from towerrec.cli_data import add_data_commands
 
-    add_data_commands(sub)
+    add_data_commands(sub, bench_sub)
     return parser
 
 
