@@ -1,6 +1,8 @@
 """``towerrec data ...``: preprocess real data into the binary cache, generate test files.
 
     towerrec data criteo day_0 day_1 ... --out DIR      Criteo TSV (plain or .gz) -> cache
+    towerrec data libfm train.libfm --fields fields.txt --out DIR
+    towerrec data table a.parquet --label click --categorical user:1000 --out DIR
     towerrec data gen-criteo --out DIR --files 2 --rows 100000
     towerrec data info DIR                              manifest summary (and checksum check)
     towerrec bench data --json                          preprocessing and loader throughput
@@ -56,6 +58,55 @@ def _cmd_criteo(args: argparse.Namespace) -> int:
     sizes = [f["num_embeddings"] for f in manifest["schema"]["sparse"]]
     print(f"table sizes: {sizes}")
     print(f"train with: towerrec train --set data.source=criteo --set data.path={args.out}")
+    return 0
+
+
+def _named_sizes(text: str) -> dict[str, int]:
+    try:
+        return {
+            name: int(size)
+            for name, size in (item.rsplit(":", 1) for item in text.split(",") if item)
+        }
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected name:size[,name:size...], e.g. user:100000,item:50000"
+        ) from None
+
+
+def _print_manifest(manifest: dict, out: Path) -> None:
+    rows, report = manifest["rows"], manifest["report"]
+    print(f"wrote {out}: {rows['train']:,} train and {rows['eval']:,} eval rows")
+    if report["malformed"]:
+        print(f"skipped {report['malformed']} malformed rows {report['by_reason']}; first ones:")
+        for where in report["first"]:
+            print(f"  {where}")
+    print(f"train with: towerrec train --set data.source=cache --set data.path={out}")
+
+
+def _cmd_libfm(args: argparse.Namespace) -> int:
+    from towerrec.data.tabular import preprocess_libfm
+
+    manifest = preprocess_libfm(
+        args.inputs, args.out, args.fields, args.eval_fraction, args.seed, args.strict
+    )
+    _print_manifest(manifest, args.out)
+    return 0
+
+
+def _cmd_table(args: argparse.Namespace) -> int:
+    from towerrec.data.tabular import TableSchema, preprocess_table
+
+    schema = TableSchema(
+        label=args.label,
+        dense=tuple(c for c in args.dense.split(",") if c),
+        categorical=args.categorical,
+        multi_hot=args.multi_hot,
+        list_delimiter=args.list_delimiter,
+    )
+    manifest = preprocess_table(
+        args.inputs, args.out, schema, args.eval_fraction, args.seed, args.strict
+    )
+    _print_manifest(manifest, args.out)
     return 0
 
 
@@ -158,6 +209,32 @@ def add_data_commands(
     criteo.add_argument("--threads", type=int, default=2, help="chunks parsed in parallel")
     criteo.add_argument("--no-progress", action="store_true")
     criteo.set_defaults(func=_cmd_criteo)
+
+    libfm = data_sub.add_parser("libfm", help="libFM 'label idx:val ...' files with a field map")
+    libfm.add_argument("inputs", nargs="+")
+    libfm.add_argument("--out", type=Path, required=True, help="cache directory")
+    libfm.add_argument(
+        "--fields", type=Path, required=True, help="field map: lines 'name first last [kind]'"
+    )
+    table = data_sub.add_parser("table", help="Parquet or CSV files with a declared schema")
+    table.add_argument("inputs", nargs="+", help=".parquet files or CSV files with a header")
+    table.add_argument("--out", type=Path, required=True, help="cache directory")
+    table.add_argument("--label", required=True, help="label column (0/1)")
+    table.add_argument("--dense", default="", help="comma-separated float columns")
+    table.add_argument(
+        "--categorical", type=_named_sizes, default={}, metavar="COL:SIZE,...",
+        help="categorical columns hashed into SIZE rows",
+    )  # fmt: skip
+    table.add_argument(
+        "--multi-hot", type=_named_sizes, default={}, metavar="COL:SIZE,...",
+        help="list columns (CSV: delimited strings) hashed into SIZE rows",
+    )  # fmt: skip
+    table.add_argument("--list-delimiter", default="|")
+    for p, func in ((libfm, _cmd_libfm), (table, _cmd_table)):
+        p.add_argument("--eval-fraction", type=float, default=0.0)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--strict", action="store_true", help="stop at the first malformed row")
+        p.set_defaults(func=func)
 
     gen = data_sub.add_parser("gen-criteo", help="generate Criteo-format TSV test files")
     gen.add_argument("--out", type=Path, required=True, help="directory for day_<i> files")

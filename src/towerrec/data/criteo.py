@@ -250,7 +250,7 @@ def _report(path, problems: Problems, chunk: Chunk, future) -> tuple[Chunk, Pars
     return chunk, parsed
 
 
-def _eval_rows(lines: np.ndarray, fraction: float, seed: int, file_index: int) -> np.ndarray:
+def eval_rows(lines: np.ndarray, fraction: float, seed: int, file_index: int) -> np.ndarray:
     """Seeded per-line Bernoulli(fraction) (splitmix64 of seed, file and line)."""
     if fraction <= 0:
         return np.zeros(len(lines), dtype=bool)
@@ -388,7 +388,7 @@ def preprocess_criteo(
                 to_eval = (
                     np.ones(len(parsed.lines), dtype=bool)
                     if eval_file
-                    else _eval_rows(parsed.lines, options.eval_fraction, options.seed, index)
+                    else eval_rows(parsed.lines, options.eval_fraction, options.seed, index)
                 )
                 for split, mask in (("train", ~to_eval), ("eval", to_eval)):
                     if mask.any():
