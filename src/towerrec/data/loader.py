@@ -27,7 +27,7 @@ import torch
 
 from towerrec.data.batch import Batch
 from towerrec.data.cache import ColumnStore, SplitColumns
-from towerrec.sparse import KeyedJaggedTensor
+from towerrec.sparse import KeyedJaggedTensor, can_pin_memory
 from towerrec.utils import stable_seed
 
 __all__ = ["BLOCK", "ColumnSource", "LoaderConfig"]
@@ -191,9 +191,11 @@ class ColumnSource:
 
             yield from prefetched_batches(self, batch_size, start_batch, rank, world_size)
             return
+        pin = self.config.pin_memory and can_pin_memory()
         index = start_batch
         while True:
-            yield self.train_batch(index, batch_size, rank, world_size)
+            batch = self.train_batch(index, batch_size, rank, world_size)
+            yield batch.pin_memory() if pin else batch
             index += 1
 
     def eval_batches(self, batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
