@@ -158,6 +158,11 @@ def test_malformed_rows_are_skipped_counted_and_located(tmp_path):
     }
     positions = [entry.split(": ")[0] for entry in report["first"]]
     assert positions == [f"{path}:{n}" for n in (2, 4, 5, 7, 8)]
+    # The vocabulary's counting pass does not count them twice.
+    vocab = preprocess_criteo(
+        [path], tmp_path / "vocab", CriteoOptions(min_count=1), progress=False
+    )
+    assert vocab["report"]["malformed"] == 7 and vocab["rows"]["train"] == 4
     # Kept rows are the good ones, with nothing shifted.
     store = open_cache(tmp_path / "cache")
     labels, dense, sparse = split_arrays(store, "train")

@@ -2,7 +2,9 @@
 
 1. Generates Criteo-format files (``data/criteo_gen.py``, not timed).
 2. Preprocess: ``preprocess_criteo`` on them with 1 and 2 parsing threads,
-   alternating, ``rounds`` times each: MB/s of input text and rows/s (median).
+   alternating, ``rounds`` times each: MB/s of input text and rows/s (median),
+   and MB per CPU-second (the process's CPU time, all threads), which other
+   tenants of a shared machine do not inflate the way they inflate wall time.
 3. Loader: batches of ``batch_size`` from the resulting cache, in-process and
    with worker processes, next to the single-process training step of the
    Criteo-Kaggle-shaped DLRM (``bench/train.py``) timed round-robin in the same
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import tempfile
@@ -37,24 +40,29 @@ __all__ = ["run_data_benchmark"]
 def _time_preprocess(days: list[Path], work: Path, rounds: int) -> dict:
     size = sum(p.stat().st_size for p in days)
     seconds: dict[int, list[float]] = {1: [], 2: []}
+    cpu: dict[int, list[float]] = {1: [], 2: []}
     rows = 0
     for r in range(rounds):
         for threads in (1, 2):
             out = work / f"cache-{threads}-{r}"
             options = CriteoOptions(num_embeddings=(100_000,), eval_fraction=0.05, threads=threads)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             manifest = preprocess_criteo(days, out, options, progress=False)
             seconds[threads].append(time.perf_counter() - start)
+            cpu[threads].append(time.process_time() - cpu_start)
             rows = manifest["rows"]["train"] + manifest["rows"]["eval"]
             if r < rounds - 1 or threads == 1:
                 shutil.rmtree(out)
     result = {}
     for threads, values in seconds.items():
         s = statistics.median(values)
+        c = statistics.median(cpu[threads])
         result[f"threads_{threads}"] = {
             "seconds": round(s, 3),
             "mb_per_s": round(size / 1e6 / s, 1),
             "rows_per_s": round(rows / s, 1),
+            "cpu_s": round(c, 3),  # CPU time of all threads of this process
+            "mb_per_cpu_s": round(size / 1e6 / c, 1),
         }
     return {"input_mb": round(size / 1e6, 1), "rows": rows, **result}
 
@@ -120,6 +128,7 @@ def run_data_benchmark(
         }
         return {
             "benchmark": "data",
+            "load_average": list(os.getloadavg()),
             "machine": machine_info(),
             "generated": {"files": files, "rows_per_file": rows_per_file},
             "preprocess": preprocess,

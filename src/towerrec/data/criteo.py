@@ -351,7 +351,9 @@ def preprocess_criteo(
     if options.min_count:
         train_paths = [p for p, e in zip(paths, is_eval) if not e]
         bar.total = total_bytes + sum(p.stat().st_size for p in train_paths)
-        vocab = _count_values(train_paths, options, problems, bar)
+        # Malformed rows are reported by the writing pass; the counting pass skips them quietly.
+        counting = Problems(strict=options.strict)
+        vocab = _count_values(train_paths, options, counting, bar)
         sizes = tuple(vocab.sizes)
     fingerprint = options.fingerprint(vocab.digest() if vocab else "")
 
@@ -429,7 +431,10 @@ def preprocess_criteo(
         "options": {
             k: v for k, v in asdict(options).items() if k not in ("chunk_bytes", "threads")
         },
-        "report": problems.as_dict(),
+        "report": {
+            **problems.as_dict(),
+            "malformed_all_parts": sum(entry.get("malformed", 0) for entry in parts),
+        },
         "parts": parts,
     }
     write_manifest(out_dir, manifest)
