@@ -113,6 +113,17 @@ def run_data_benchmark(
             steps_per_round=max(steps // rounds, 1),
             warmup=2,
         )
+        # CPU time per batch of the same two, one after the other: a shared machine's other
+        # tenants stretch wall time (and a 2-thread training step most) but not CPU time.
+        cpu_ms = {}
+        for name, step in (
+            ("train_step", lambda i: train_step(model, optimizer, train_batches[i % 8])),
+            ("loader_in_process", lambda i: source.train_batch(i, batch_size)),
+        ):
+            start = time.process_time()
+            for i in range(steps):
+                step(i)
+            cpu_ms[name] = round((time.process_time() - start) / steps * 1e3, 2)
         loader = {"in_process": seconds["loader_in_process"]}
         for count in workers:
             pooled = ColumnSource(store, LoaderConfig(seed=0, num_workers=count))
@@ -135,6 +146,10 @@ def run_data_benchmark(
             "batch_size": batch_size,
             "training_samples_per_s": round(train_sps, 1),
             "loader": loader_results,
+            "cpu_ms_per_batch": cpu_ms,
+            "loader_vs_training_by_cpu_time": round(
+                cpu_ms["train_step"] / cpu_ms["loader_in_process"], 2
+            ),
             "peak_rss_mb": round(peak_rss_mb(), 1),
         }
     finally:
