@@ -134,6 +134,8 @@ def test_bad_arguments():
     empty = ColumnStore(store.schema, ["single"], ["bag"], {"train": store.splits["train"]})
     with pytest.raises(ValueError, match="no eval rows"):
         next(ColumnSource(empty).eval_batches(8))
+    with pytest.raises(ValueError, match="preprocess it with an eval split"):
+        ColumnSource(empty, require_eval=True)
     with pytest.raises(ValueError, match="no training rows"):
         ColumnSource(ColumnStore(store.schema, ["single"], ["bag"], {}))
     with pytest.raises(ValueError, match="num_workers"):

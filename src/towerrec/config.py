@@ -14,6 +14,7 @@ import difflib
 import tomllib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -66,6 +67,12 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _choice(self.source, ("synthetic", "movielens", "criteo", "cache"), "data.source")
+        if self.source == "synthetic" and self.path:
+            warnings.warn(
+                f"data.path = {self.path!r} is ignored: data.source is 'synthetic' "
+                "(set data.source to movielens, criteo or cache to read files)",
+                stacklevel=2,
+            )
         if self.source in ("criteo", "cache") and not self.path:
             raise ValueError(
                 f"data.source = {self.source!r} needs data.path, the directory written by "

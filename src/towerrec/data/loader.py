@@ -33,6 +33,10 @@ from towerrec.utils import stable_seed
 __all__ = ["BLOCK", "ColumnSource", "LoaderConfig"]
 
 BLOCK = 8192
+_NO_EVAL = (
+    "the data has no eval rows, and training ends with an evaluation; preprocess it with "
+    "an eval split (--eval-fraction F or --eval-files FILE...)"
+)
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,9 @@ class ColumnSource:
     ``train_batches`` / ``eval_batches`` follow the module docstring's order.
     """
 
-    def __init__(self, store: ColumnStore, config: LoaderConfig | None = None) -> None:
+    def __init__(
+        self, store: ColumnStore, config: LoaderConfig | None = None, require_eval: bool = False
+    ) -> None:
         self.store = store
         self.config = config or LoaderConfig()
         self.schema = store.schema
@@ -129,6 +135,8 @@ class ColumnSource:
                 "the data has no training rows; check the input files and the split options "
                 "(an eval fraction of 1, or every input file given as eval?)"
             )
+        if require_eval and self._eval.rows == 0:
+            raise ValueError(_NO_EVAL)
         self._epoch_blocks = lru_cache(maxsize=2)(self._make_epoch_blocks)
         self._block_order = lru_cache(maxsize=8)(self._make_block_order)
 
@@ -201,10 +209,7 @@ class ColumnSource:
     def eval_batches(self, batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
         _check_rank(rank, world_size)
         if self._eval.rows == 0:
-            raise ValueError(
-                "the data has no eval rows; preprocess with an eval split (--eval-fraction or "
-                "--eval-files) or set train.eval_every = 0"
-            )
+            raise ValueError(_NO_EVAL)
         total = self._eval.rows
         lo, hi = rank * total // world_size, (rank + 1) * total // world_size
         for start in range(lo, hi, batch_size):

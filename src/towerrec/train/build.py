@@ -42,9 +42,12 @@ def build_source(config: DataConfig):
         return SyntheticSource(config.synthetic)
     if config.source == "movielens":
         path = config.path or bundled_movielens_path()
-        return ColumnSource(load_movielens(path, config.movielens), config.loader)
+        return ColumnSource(
+            load_movielens(path, config.movielens), config.loader, require_eval=True
+        )
     if config.source in ("criteo", "cache"):
-        return ColumnSource(open_cache(config.path, verify=config.loader.verify), config.loader)
+        store = open_cache(config.path, verify=config.loader.verify)
+        return ColumnSource(store, config.loader, require_eval=True)
     raise ValueError(f"unknown data.source {config.source!r}")
 
 
