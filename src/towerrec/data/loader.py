@@ -87,8 +87,9 @@ class _Split:
                 offsets = part.multi[name][1]
                 multi_lengths[name][at] = offsets[local + 1] - offsets[local]
             located.append((at, part, local))
-        all_values = [torch.from_numpy(sparse.T.reshape(-1).astype(np.int64))]
-        all_lengths = [torch.ones(n * len(single), dtype=torch.int64)]
+        # numpy, not torch, for the small copies: no intra-op thread pool to wake per batch.
+        all_values = [sparse.T.reshape(-1).astype(np.int64)]
+        all_lengths = [np.ones(n * len(single), dtype=np.int64)]
         for name in multi:
             lengths = multi_lengths[name]
             out_offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -98,10 +99,13 @@ class _Split:
                 src = _ranges(part_values, offsets[local], offsets[local + 1])
                 dst = _ranges(None, out_offsets[at], out_offsets[at + 1])
                 values[dst] = src
-            all_values.append(torch.from_numpy(values))
-            all_lengths.append(torch.from_numpy(lengths))
+            all_values.append(values)
+            all_lengths.append(lengths)
         kjt = KeyedJaggedTensor(
-            single + multi, torch.cat(all_values), torch.cat(all_lengths), validate=False
+            single + multi,
+            torch.from_numpy(np.concatenate(all_values)),
+            torch.from_numpy(np.concatenate(all_lengths)),
+            validate=False,
         )
         return Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels), validate=False)
 
