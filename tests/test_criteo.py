@@ -203,7 +203,7 @@ def test_empty_files(tmp_path):
 
 
 def test_truncated_gzip_keeps_the_rows_before_the_cut(tmp_path):
-    full = generate_criteo_file(tmp_path / "day_0.gz", 20_000, gzip_output=True)
+    full = generate_criteo_file(tmp_path / "day_0.gz", 8_000, gzip_output=True)
     cut = tmp_path / "cut" / "day_0.gz"
     cut.parent.mkdir()
     cut.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
@@ -211,7 +211,7 @@ def test_truncated_gzip_keeps_the_rows_before_the_cut(tmp_path):
     report = manifest["report"]
     assert report["by_reason"] == {"gzip stream ends early": 1}
     kept = manifest["rows"]["train"]
-    assert 5_000 < kept < 15_000
+    assert 2_000 < kept < 6_000
     line = int(report["first"][0].split(": ")[0].rsplit(":", 1)[1])
     assert line == kept + 1  # rows before the cut are kept, the partial line is dropped
     reference = reference_rows([full])[:kept]

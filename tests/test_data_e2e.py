@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from towerrec.cli import main
 from towerrec.config import load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
@@ -89,34 +90,32 @@ def test_cli_generate_preprocess_train(tmp_path):
     assert summary["num_embedding_params"] == 26 * 1000 * 8
 
 
-def test_cli_bad_data_is_one_error_line(tmp_path, criteo_cache):
+def test_cli_bad_data_is_one_error_line(tmp_path, criteo_cache, capsys):
     bad = tmp_path / "bad.tsv"
     bad.write_text("1\t2\t3\n")
+    # Through the real entry point once, then in-process through the same main().
+    result = towerrec("data", "criteo", str(bad), "--out", str(tmp_path / "c"), "--strict")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {bad}:1: wrong field count")
+    assert "Traceback" not in result.stderr
+    # A corrupt cache is refused by `towerrec train` with a message to rebuild it.
+    part = next((criteo_cache / "parts").iterdir()) / "train.dense.bin"
+    original = part.read_bytes()
+    part.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
     cases = [
-        (["data", "criteo", str(bad), "--out", str(tmp_path / "c"), "--strict"],
-         f"{bad}:1: wrong field count"),
         (["data", "criteo", str(tmp_path / "nope"), "--out", str(tmp_path / "c")],
          "does not exist"),
         (["train", "--set", "data.source=criteo"], "needs data.path"),
         (["train", "--set", "data.source=criteo", "--set", f"data.path={tmp_path}",
           "--out", str(tmp_path / "r1")], "no manifest.json"),
         (["data", "criteo", str(bad), "--out", str(tmp_path / "c2")], "no valid rows"),
+        (["train", "--set", "data.source=criteo", "--set", f"data.path={criteo_cache}",
+          "--out", str(tmp_path / "r2")], "rebuild it"),
     ]  # fmt: skip
-    for args, needle in cases:
-        result = towerrec(*args)
-        assert result.returncode == 2, (args, result.stderr)
-        last = result.stderr.strip().splitlines()[-1]
-        assert last.startswith("error:") and needle in last, (args, result.stderr)
-        assert "Traceback" not in result.stderr
-    # A corrupt cache is refused by `towerrec train` with a message to rebuild it.
-    part = next((criteo_cache / "parts").iterdir()) / "train.dense.bin"
-    original = part.read_bytes()
     try:
-        part.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
-        result = towerrec(
-            "train", "--set", "data.source=criteo", "--set", f"data.path={criteo_cache}",
-            "--out", str(tmp_path / "run"),
-        )  # fmt: skip
-        assert result.returncode == 2 and "rebuild it" in result.stderr, result.stderr
+        for args, needle in cases:
+            assert main(args) == 2, args
+            err = capsys.readouterr().err.strip().splitlines()
+            assert err[-1].startswith("error:") and needle in err[-1], (args, err)
     finally:
         part.write_bytes(original)
