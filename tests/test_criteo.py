@@ -86,7 +86,7 @@ def test_vocabulary_mode_matches_counter(days, tmp_path):
 
 def test_eval_fraction_is_seeded_and_independent_of_chunking(days, tmp_path):
     a = preprocess_criteo(
-        days, tmp_path / "a", CriteoOptions(eval_fraction=0.25, chunk_bytes=4096), progress=False
+        days, tmp_path / "a", CriteoOptions(eval_fraction=0.25, chunk_bytes=32_768), progress=False
     )
     b = preprocess_criteo(
         days, tmp_path / "b", CriteoOptions(eval_fraction=0.25, threads=1), progress=False
