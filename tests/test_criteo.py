@@ -250,3 +250,21 @@ def test_options_are_checked():
         CriteoOptions(eval_fraction=1.0)
     with pytest.raises(ValueError, match="id 0 is reserved"):
         CriteoOptions(num_embeddings=(1,))
+
+
+def test_generator_is_deterministic_and_criteo_like(tmp_path):
+    a = generate_criteo_file(tmp_path / "a", 4000, seed=5)
+    b = generate_criteo_file(tmp_path / "b", 4000, seed=5)
+    c = generate_criteo_file(tmp_path / "c", 4000, seed=6)
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+    rows = [line.split("\t") for line in a.read_text().splitlines()]
+    assert all(len(r) == 40 for r in rows)
+    labels = np.array([int(r[0]) for r in rows])
+    assert 0.15 < labels.mean() < 0.4
+    missing = np.array([[v == "" for v in r[1:]] for r in rows]).mean(axis=0)
+    assert missing[11] > 0.6 and missing[1] == 0  # I12 mostly missing, I2 never
+    assert missing[13 + 18] > 0.3 and missing[13] == 0  # C19 often missing, C1 never
+    hexes = [v for r in rows for v in r[14:] if v]
+    assert all(len(v) == 8 for v in hexes) and all(int(v, 16) >= 0 for v in hexes[:1000])
+    c3 = Counter(r[16] for r in rows)  # Zipf: a few values are frequent, most are rare
+    assert c3.most_common(1)[0][1] > 100 and len(c3) > 500

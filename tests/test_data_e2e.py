@@ -69,7 +69,7 @@ def test_resumed_run_continues_the_data_stream(criteo_cache, tmp_path):
     assert len(set(losses)) == len(losses)  # batches differ from step to step
 
 
-def test_cli_generate_preprocess_train(tmp_path):
+def test_cli_generate_preprocess_train(tmp_path, capsys):
     raw, cache, run = tmp_path / "raw", tmp_path / "cache", tmp_path / "run"
     result = towerrec("data", "gen-criteo", "--out", str(raw), "--files", "2", "--rows", "6000")
     assert result.returncode == 0, result.stderr
@@ -79,6 +79,9 @@ def test_cli_generate_preprocess_train(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "6,000 train and 6,000 eval rows" in result.stdout
+    assert main(["data", "info", str(cache)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["rows"] == {"train": 6000, "eval": 6000} and info["checksums"] == "ok"
     sets = [f"--set={s}" for s in SMALL]
     result = towerrec(
         "train", "--out", str(run), "--set", "data.source=criteo", "--set", f"data.path={cache}",
