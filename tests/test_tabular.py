@@ -2,6 +2,7 @@
 
 import hashlib
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -132,3 +133,34 @@ def test_missing_column_and_bad_values(tmp_path, frame):
     assert [p.split(": ")[0].rsplit(":", 1)[1] for p in manifest["report"]["first"]] == ["3", "4"]
     with pytest.raises(ValueError, match="at least one categorical"):
         TableSchema(label="click")
+
+
+def test_a_csv_cache_trains(tmp_path):
+    from towerrec.config import load_config
+    from towerrec.train import trainer
+
+    rng = np.random.default_rng(0)
+    users, items = rng.integers(0, 50, 3000), rng.integers(0, 80, 3000)
+    clicks = rng.random(3000) < 1 / (1 + np.exp(-3 * (np.sin(users) + np.cos(items))))
+    lines = ["click,user,item,tags"] + [
+        f"{int(c)},u{u},i{i},t{u % 5}|t{i % 7}" for c, u, i in zip(clicks, users, items)
+    ]
+    (tmp_path / "a.csv").write_text("\n".join(lines) + "\n")
+    schema = TableSchema(
+        label="click", categorical={"user": 100, "item": 100}, multi_hot={"tags": 50}
+    )
+    preprocess_table([tmp_path / "a.csv"], tmp_path / "cache", schema, eval_fraction=0.2)
+    config = load_config(
+        None,
+        [
+            "data.source=cache",
+            f"data.path={tmp_path / 'cache'}",
+            "train.steps=40",
+            "train.batch_size=128",
+            "train.eval_every=0",
+            "train.progress=false",
+            "optimizer.warmup_steps=2",
+        ],
+    )
+    summary = trainer.train(config, tmp_path / "run")
+    assert summary["auc"] > 0.6  # no dense features: ids and the tag bags carry the signal
