@@ -297,20 +297,48 @@ def _hash_ids(values: np.ndarray, missing: np.ndarray, sizes: tuple[int, ...]) -
     return np.where(missing, 0, ids).astype(np.int32)
 
 
+class _Counter:
+    """Counts of uint64 values: per-chunk (unique, count) pairs merged lazily, when they
+    outgrow the merged table, so a chunk costs O(chunk) and not O(vocabulary)."""
+
+    def __init__(self) -> None:
+        self.values, self.counts = np.empty(0, np.uint64), np.empty(0, np.int64)
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pending_size = 0
+
+    def add(self, seen: np.ndarray) -> None:
+        values, counts = np.unique(seen, return_counts=True)
+        self.pending.append((values, counts))
+        self.pending_size += len(values)
+        if self.pending_size > max(len(self.values), 1 << 20):
+            self.merge()
+
+    def merge(self) -> None:
+        values = np.concatenate([self.values, *(v for v, _ in self.pending)])
+        counts = np.concatenate([self.counts, *(c for _, c in self.pending)])
+        self.values, inverse = np.unique(values, return_inverse=True)
+        self.counts = np.bincount(inverse, weights=counts, minlength=len(self.values)).astype(
+            np.int64
+        )
+        self.pending, self.pending_size = [], 0
+
+
 def _count_values(paths, options: CriteoOptions, problems: Problems, bar) -> _Vocabulary:
     """First pass over the training files: values seen >= min_count times per feature."""
-    uniques = [np.empty(0, np.uint64) for _ in range(NUM_CATEGORICAL)]
-    counts = [np.empty(0, np.int64) for _ in range(NUM_CATEGORICAL)]
+    counters = [_Counter() for _ in range(NUM_CATEGORICAL)]
     for path in paths:
+        done = 0
         for chunk, parsed in parsed_chunks(path, problems, options.chunk_bytes, options.threads):
-            for j in range(NUM_CATEGORICAL):
-                seen = parsed.values[~parsed.missing[:, j], j]
-                merged = np.concatenate([uniques[j], seen])
-                weights = np.concatenate([counts[j], np.ones(len(seen), np.int64)])
-                uniques[j], inverse = np.unique(merged, return_inverse=True)
-                counts[j] = np.bincount(inverse, weights=weights).astype(np.int64)
-            bar.update(len(chunk.data))
-    return _Vocabulary([u[c >= options.min_count] for u, c in zip(uniques, counts)])
+            for j, counter in enumerate(counters):
+                counter.add(parsed.values[~parsed.missing[:, j], j])
+            bar.update(chunk.on_disk - done)  # bytes of the file on disk (compressed for .gz)
+            done = chunk.on_disk
+        bar.update(path.stat().st_size - done)
+    keys = []
+    for counter in counters:
+        counter.merge()
+        keys.append(counter.values[counter.counts >= options.min_count])
+    return _Vocabulary(keys)
 
 
 def preprocess_criteo(
