@@ -268,3 +268,32 @@ def test_generator_is_deterministic_and_criteo_like(tmp_path):
     assert all(len(v) == 8 for v in hexes) and all(int(v, 16) >= 0 for v in hexes[:1000])
     c3 = Counter(r[16] for r in rows)  # Zipf: a few values are frequent, most are rare
     assert c3.most_common(1)[0][1] > 100 and len(c3) > 500
+
+
+@pytest.mark.parametrize(
+    "texts",
+    [
+        ["0a1b2c3d", None, "FFFFFFFF", "00000000"],  # one width, nulls between
+        ["0a1b2c3d", "ffffffff", "12345678"],  # one width, no nulls
+        ["a", "0A1", None, "123456789abcdef0", "1" * 17, "12g4", "", "fF"],  # mixed
+    ],
+)
+def test_decode_hex_against_python(texts):
+    import pyarrow as pa
+
+    from towerrec.data.text_input import decode_hex
+
+    array = pa.array(texts, type=pa.string())
+    _, offsets, data = array.buffers()
+    values, bad = decode_hex(
+        np.frombuffer(offsets, np.int32).astype(np.int64),
+        np.frombuffer(data, np.uint8),
+        array.is_valid().to_numpy(zero_copy_only=False),
+    )
+    for text, value, wrong in zip(texts, values.tolist(), bad.tolist()):
+        try:
+            expected = int(text, 16) if text and len(text) <= 16 else 0
+            invalid = bool(text) and len(text) > 16
+        except ValueError:
+            expected, invalid = 0, True
+        assert (value, wrong) == (expected, invalid), text
