@@ -1,4 +1,4 @@
-"""``towerrec`` command line: train | bench.
+"""``towerrec`` command line: train | bench | data.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
 and exit with status 2; anything else is a bug and shows its traceback.
@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
             help="comma-separated variants of embeddings-memory or optimizers (default: all)",
         )
         b.set_defaults(func=_cmd_bench_zoo)
+
+    from towerrec.cli_data import add_data_commands
+
+    add_data_commands(sub, bench_sub)
     return parser
 
 

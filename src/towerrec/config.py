@@ -14,6 +14,7 @@ import difflib
 import tomllib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any
 
 import tomli_w
 
+from towerrec.data.loader import LoaderConfig
+from towerrec.data.movielens import MovieLensConfig
 from towerrec.data.synthetic import SyntheticConfig
 from towerrec.models.dcn import DCNConfig
 from towerrec.models.wukong import WukongConfig
@@ -57,12 +60,28 @@ def _choice(value: str, choices: tuple[str, ...], key: str) -> None:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """``source``: synthetic (built in), movielens (``path``: its directory, empty for the
+    bundled one), criteo or cache (``path``: a cache written by ``towerrec data``)."""
+
     source: str = "synthetic"
     path: str = ""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    movielens: MovieLensConfig = field(default_factory=MovieLensConfig)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
 
     def __post_init__(self) -> None:
-        _choice(self.source, ("synthetic",), "data.source")
+        _choice(self.source, ("synthetic", "movielens", "criteo", "cache"), "data.source")
+        if self.source == "synthetic" and self.path:
+            warnings.warn(
+                f"data.path = {self.path!r} is ignored: data.source is 'synthetic' "
+                "(set data.source to movielens, criteo or cache to read files)",
+                stacklevel=2,
+            )
+        if self.source in ("criteo", "cache") and not self.path:
+            raise ValueError(
+                f"data.source = {self.source!r} needs data.path, the directory written by "
+                "`towerrec data criteo INPUT... --out DIR` (--set data.path=DIR)"
+            )
 
 
 @dataclass(frozen=True)

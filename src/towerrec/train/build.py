@@ -9,6 +9,9 @@ from torch import nn
 
 from towerrec.config import Config, DataConfig, OptimizerConfig
 from towerrec.data.batch import DataSchema
+from towerrec.data.cache import open_cache
+from towerrec.data.loader import ColumnSource
+from towerrec.data.movielens import bundled_movielens_path, load_movielens
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dcn import DCN
 from towerrec.models.dlrm import DLRM
@@ -40,6 +43,14 @@ def resolve_device(name: str) -> torch.device:
 def build_source(config: DataConfig):
     if config.source == "synthetic":
         return SyntheticSource(config.synthetic)
+    if config.source == "movielens":
+        path = config.path or bundled_movielens_path()
+        return ColumnSource(
+            load_movielens(path, config.movielens), config.loader, require_eval=True
+        )
+    if config.source in ("criteo", "cache"):
+        store = open_cache(config.path, verify=config.loader.verify)
+        return ColumnSource(store, config.loader, require_eval=True)
     raise ValueError(f"unknown data.source {config.source!r}")
 
 

@@ -1,0 +1,256 @@
+"""``towerrec data ...``: preprocess real data into the binary cache, generate test files.
+
+    towerrec data criteo day_0 day_1 ... --out DIR      Criteo TSV (plain or .gz) -> cache
+    towerrec data libfm train.libfm --fields fields.txt --out DIR
+    towerrec data table a.parquet --label click --categorical user:1000 --out DIR
+    towerrec data gen-criteo --out DIR --files 2 --rows 100000
+    towerrec data info DIR                              manifest summary (and checksum check)
+    towerrec bench data --json                          preprocessing and loader throughput
+
+Train on a cache with ``towerrec train --set data.source=criteo --set data.path=DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+__all__ = ["add_data_commands"]
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a table size or a comma-separated list of 26 of them"
+        ) from None
+
+
+def _cmd_criteo(args: argparse.Namespace) -> int:
+    from towerrec.data.criteo import CriteoOptions, preprocess_criteo
+
+    options = CriteoOptions(
+        num_embeddings=args.num_embeddings,
+        min_count=args.min_count,
+        eval_fraction=args.eval_fraction,
+        eval_files=tuple(args.eval_files),
+        seed=args.seed,
+        strict=args.strict,
+        threads=args.threads,
+    )
+    start = time.perf_counter()
+    manifest = preprocess_criteo(args.inputs, args.out, options, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
+    input_bytes = sum(Path(p).stat().st_size for p in args.inputs)
+    report = manifest["report"]
+    print(
+        f"wrote {args.out}: {manifest['rows']['train']:,} train and {manifest['rows']['eval']:,} "
+        f"eval rows, {input_bytes / 1e6:,.1f} MB of input in {seconds:.1f} s "
+        f"({input_bytes / 1e6 / seconds:,.1f} MB/s)"
+    )
+    if report["malformed"]:
+        print(f"skipped {report['malformed']} malformed rows {report['by_reason']}; first ones:")
+        for where in report["first"]:
+            print(f"  {where}")
+    sizes = [f["num_embeddings"] for f in manifest["schema"]["sparse"]]
+    print(f"table sizes: {sizes}")
+    print(f"train with: towerrec train --set data.source=criteo --set data.path={args.out}")
+    return 0
+
+
+def _named_sizes(text: str) -> dict[str, int]:
+    try:
+        return {
+            name: int(size)
+            for name, size in (item.rsplit(":", 1) for item in text.split(",") if item)
+        }
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected name:size[,name:size...], e.g. user:100000,item:50000"
+        ) from None
+
+
+def _print_manifest(manifest: dict, out: Path) -> None:
+    rows, report = manifest["rows"], manifest["report"]
+    print(f"wrote {out}: {rows['train']:,} train and {rows['eval']:,} eval rows")
+    if report["malformed"]:
+        print(f"skipped {report['malformed']} malformed rows {report['by_reason']}; first ones:")
+        for where in report["first"]:
+            print(f"  {where}")
+    print(f"train with: towerrec train --set data.source=cache --set data.path={out}")
+
+
+def _cmd_libfm(args: argparse.Namespace) -> int:
+    from towerrec.data.tabular import preprocess_libfm
+
+    manifest = preprocess_libfm(
+        args.inputs, args.out, args.fields, args.eval_fraction, args.seed, args.strict
+    )
+    _print_manifest(manifest, args.out)
+    return 0
+
+
+def _cmd_table(args: argparse.Namespace) -> int:
+    from towerrec.data.tabular import TableSchema, preprocess_table
+
+    schema = TableSchema(
+        label=args.label,
+        dense=tuple(c for c in args.dense.split(",") if c),
+        categorical=args.categorical,
+        multi_hot=args.multi_hot,
+        list_delimiter=args.list_delimiter,
+    )
+    manifest = preprocess_table(
+        args.inputs, args.out, schema, args.eval_fraction, args.seed, args.strict
+    )
+    _print_manifest(manifest, args.out)
+    return 0
+
+
+def _cmd_gen_criteo(args: argparse.Namespace) -> int:
+    from towerrec.data.criteo_gen import generate_criteo_files
+
+    paths = generate_criteo_files(
+        args.out,
+        args.files,
+        args.rows,
+        seed=args.seed,
+        gzip_output=args.gzip,
+        cardinality_scale=args.cardinality_scale,
+    )
+    total = sum(p.stat().st_size for p in paths)
+    print(
+        f"wrote {len(paths)} file(s), {args.rows:,} rows each, {total / 1e6:,.1f} MB in {args.out}"
+    )
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from towerrec.data.cache import open_cache
+
+    store = open_cache(args.cache, verify=not args.no_verify)
+    manifest = store.manifest
+    print(
+        json.dumps(
+            {
+                "source": manifest.get("source"),
+                "rows": {s: store.rows(s) for s in store.splits},
+                "num_dense": store.schema.num_dense,
+                "tables": {f.name: f.num_embeddings for f in store.schema.sparse},
+                "report": manifest.get("report"),
+                "checksums": "not checked" if args.no_verify else "ok",
+            },
+            indent=1,
+        )
+    )
+    return 0
+
+
+def _cmd_bench_data(args: argparse.Namespace) -> int:
+    from towerrec.bench.data import run_data_benchmark
+
+    result = run_data_benchmark(
+        rows_per_file=args.rows,
+        files=args.files,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        rounds=args.rounds,
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def add_data_commands(
+    sub: argparse._SubParsersAction, bench_sub: argparse._SubParsersAction
+) -> None:
+    """``towerrec data ...`` and ``towerrec bench data``."""
+    b = bench_sub.add_parser("data", help="Criteo TSV preprocessing and loader throughput")
+    b.add_argument("--json", action="store_true", help="print one JSON object (always on)")
+    b.add_argument("--rows", type=int, default=250_000, help="rows per generated file")
+    b.add_argument("--files", type=int, default=2)
+    b.add_argument("--batch-size", type=int, default=2048)
+    b.add_argument("--steps", type=int, default=20, help="timed training steps / loader batches")
+    b.add_argument("--rounds", type=int, default=3)
+    b.set_defaults(func=_cmd_bench_data)
+
+    data = sub.add_parser("data", help="preprocess real data into the binary cache")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+
+    criteo = data_sub.add_parser("criteo", help="Criteo Kaggle/Terabyte TSV (plain or gzip)")
+    criteo.add_argument("inputs", nargs="+", help="TSV files, e.g. day_0 ... day_23 (or .gz)")
+    criteo.add_argument("--out", type=Path, required=True, help="cache directory")
+    criteo.add_argument(
+        "--num-embeddings",
+        type=_sizes,
+        default=(100_000,),
+        metavar="N[,N...]",
+        help="hashing: rows per table, one for all or 26 (default 100000; id 0 = missing)",
+    )
+    criteo.add_argument(
+        "--min-count",
+        type=int,
+        default=0,
+        help="> 0: a vocabulary of values seen at least this often in the training files "
+        "instead of hashing (rarer values share id 0 with missing ones)",
+    )
+    criteo.add_argument(
+        "--eval-fraction", type=float, default=0.0, help="share of lines drawn into eval (seeded)"
+    )
+    criteo.add_argument(
+        "--eval-files", nargs="+", default=[], metavar="FILE", help="input files that form eval"
+    )
+    criteo.add_argument("--seed", type=int, default=0)
+    criteo.add_argument(
+        "--strict", action="store_true", help="stop at the first malformed row (file:line)"
+    )
+    criteo.add_argument("--threads", type=int, default=2, help="chunks parsed in parallel")
+    criteo.add_argument("--no-progress", action="store_true")
+    criteo.set_defaults(func=_cmd_criteo)
+
+    libfm = data_sub.add_parser("libfm", help="libFM 'label idx:val ...' files with a field map")
+    libfm.add_argument("inputs", nargs="+")
+    libfm.add_argument("--out", type=Path, required=True, help="cache directory")
+    libfm.add_argument(
+        "--fields", type=Path, required=True, help="field map: lines 'name first last [kind]'"
+    )
+    table = data_sub.add_parser("table", help="Parquet or CSV files with a declared schema")
+    table.add_argument("inputs", nargs="+", help=".parquet files or CSV files with a header")
+    table.add_argument("--out", type=Path, required=True, help="cache directory")
+    table.add_argument("--label", required=True, help="label column (0/1)")
+    table.add_argument("--dense", default="", help="comma-separated float columns")
+    table.add_argument(
+        "--categorical", type=_named_sizes, default={}, metavar="COL:SIZE,...",
+        help="categorical columns hashed into SIZE rows",
+    )  # fmt: skip
+    table.add_argument(
+        "--multi-hot", type=_named_sizes, default={}, metavar="COL:SIZE,...",
+        help="list columns (CSV: delimited strings) hashed into SIZE rows",
+    )  # fmt: skip
+    table.add_argument("--list-delimiter", default="|")
+    for p, func in ((libfm, _cmd_libfm), (table, _cmd_table)):
+        p.add_argument("--eval-fraction", type=float, default=0.0)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--strict", action="store_true", help="stop at the first malformed row")
+        p.set_defaults(func=func)
+
+    gen = data_sub.add_parser("gen-criteo", help="generate Criteo-format TSV test files")
+    gen.add_argument("--out", type=Path, required=True, help="directory for day_<i> files")
+    gen.add_argument("--files", type=int, default=2)
+    gen.add_argument("--rows", type=int, default=100_000, help="rows per file")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--gzip", action="store_true", help="write day_<i>.gz")
+    gen.add_argument(
+        "--cardinality-scale",
+        type=float,
+        default=0.01,
+        help="scale of the large columns' cardinalities relative to Criteo Kaggle",
+    )
+    gen.set_defaults(func=_cmd_gen_criteo)
+
+    info = data_sub.add_parser("info", help="summarise a cache and check its checksums")
+    info.add_argument("cache", type=Path)
+    info.add_argument("--no-verify", action="store_true", help="skip the checksum check")
+    info.set_defaults(func=_cmd_info)

@@ -1,0 +1,310 @@
+"""The binary columnar cache: what preprocessing writes and the loader memory-maps.
+
+A cache is a directory::
+
+    DIR/manifest.json                 schema, table sizes, rows, parts, checksums, report
+    DIR/parts/<part>/<split>.<column>.bin    raw little-endian arrays, one file per column
+
+Each input file becomes one *part* (so preprocessing resumes file by file);
+a part holds rows of one or more splits (``train``, ``eval``). Columns of a
+split with n rows::
+
+    labels           float32 [n]
+    dense            float32 [n, F]
+    sparse           int32   [n, T]      single-hot ids, one column per feature
+    <feature>.values int32   [sum(lengths)]   multi-hot ids, sample after sample
+    <feature>.lengths int32  [n]              ids per sample
+
+Every file's SHA-256 is in the manifest. ``open_cache`` checks sizes always and
+checksums unless told not to, and refuses a cache that does not match with a
+message saying to rebuild it: a corrupt cache never trains silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from towerrec.data.batch import DataSchema, SparseFeature
+
+__all__ = [
+    "FORMAT",
+    "CacheError",
+    "ColumnStore",
+    "PartWriter",
+    "SplitColumns",
+    "open_cache",
+    "read_manifest",
+    "schema_from_manifest",
+    "schema_to_manifest",
+    "write_manifest",
+]
+
+FORMAT = "towerrec-cache"
+VERSION = 1
+_DTYPES = {"labels": np.float32, "dense": np.float32, "sparse": np.int32}
+_HASH_BLOCK = 1 << 22
+
+
+class CacheError(ValueError):
+    """A cache directory that cannot be used; the message says how to fix it."""
+
+
+# ------------------------------------------------------------------ schema
+def schema_to_manifest(schema: DataSchema, multi_hot: set[str]) -> dict[str, Any]:
+    return {
+        "num_dense": schema.num_dense,
+        "sparse": [
+            {
+                "name": f.name,
+                "num_embeddings": f.num_embeddings,
+                "pooling_factor": f.pooling_factor,
+                "multi_hot": f.name in multi_hot,
+            }
+            for f in schema.sparse
+        ],
+    }
+
+
+def schema_from_manifest(data: dict[str, Any]) -> tuple[DataSchema, list[str], list[str]]:
+    """The schema, the single-hot feature names and the multi-hot feature names."""
+    features = tuple(
+        SparseFeature(f["name"], int(f["num_embeddings"]), float(f["pooling_factor"]))
+        for f in data["sparse"]
+    )
+    single = [f["name"] for f in data["sparse"] if not f["multi_hot"]]
+    multi = [f["name"] for f in data["sparse"] if f["multi_hot"]]
+    # Batches carry single-hot features first, then multi-hot ones.
+    order = {name: i for i, name in enumerate(single + multi)}
+    features = tuple(sorted(features, key=lambda f: order[f.name]))
+    return DataSchema(int(data["num_dense"]), features), single, multi
+
+
+# ------------------------------------------------------------------ columns
+@dataclass
+class SplitColumns:
+    """One split of one part: arrays (memory-mapped or in memory) of ``rows`` samples."""
+
+    rows: int
+    labels: np.ndarray
+    dense: np.ndarray
+    sparse: np.ndarray
+    multi: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # feature -> (values [sum(lengths)], offsets [rows + 1] int64)
+
+    @staticmethod
+    def from_arrays(
+        labels: np.ndarray,
+        dense: np.ndarray,
+        sparse: np.ndarray,
+        multi: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> SplitColumns:
+        """In-memory columns; ``multi`` maps feature -> (values, lengths)."""
+        offsets = {
+            name: (values, _offsets(lengths)) for name, (values, lengths) in (multi or {}).items()
+        }
+        return SplitColumns(len(labels), labels, dense, sparse, offsets)
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+@dataclass
+class ColumnStore:
+    """All parts of every split, with the schema that describes them."""
+
+    schema: DataSchema
+    single: list[str]
+    multi: list[str]
+    splits: dict[str, list[SplitColumns]]
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    def rows(self, split: str) -> int:
+        return sum(p.rows for p in self.splits.get(split, []))
+
+
+# ------------------------------------------------------------------ writing
+class PartWriter:
+    """Appends columns of one part, chunk by chunk, hashing as it writes.
+
+    Files go to ``<part>.partial/``; ``finish()`` renames the directory, so a
+    part directory without ``.partial`` is complete.
+    """
+
+    def __init__(self, cache_dir: Path, name: str, num_dense: int, multi: list[str]) -> None:
+        self.final = Path(cache_dir) / "parts" / name
+        self.path = self.final.with_name(name + ".partial")
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir(parents=True)
+        self.num_dense = num_dense
+        self.multi = multi
+        self._files: dict[str, Any] = {}
+        self._hashes: dict[str, Any] = {}
+        self.rows: dict[str, int] = {}
+        self._multi_totals: dict[str, dict[str, int]] = {}
+
+    def _write(self, key: str, array: np.ndarray) -> None:
+        if key not in self._files:
+            self._files[key] = open(self.path / f"{key}.bin", "wb")  # noqa: SIM115
+            self._hashes[key] = hashlib.sha256()
+        data = np.ascontiguousarray(array).tobytes()
+        self._files[key].write(data)
+        self._hashes[key].update(data)
+
+    def append(
+        self,
+        split: str,
+        labels: np.ndarray,
+        dense: np.ndarray,
+        sparse: np.ndarray,
+        multi: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> None:
+        """``multi`` maps feature -> (values, lengths) for these rows."""
+        n = len(labels)
+        if n == 0:
+            return
+        assert dense.shape == (n, self.num_dense) and sparse.shape[0] == n
+        self._write(f"{split}.labels", labels.astype(np.float32, copy=False))
+        self._write(f"{split}.dense", dense.astype(np.float32, copy=False))
+        self._write(f"{split}.sparse", sparse.astype(np.int32, copy=False))
+        totals = self._multi_totals.setdefault(split, {})
+        for name in self.multi:
+            values, lengths = (multi or {})[name]
+            self._write(f"{split}.{name}.values", values.astype(np.int32, copy=False))
+            self._write(f"{split}.{name}.lengths", lengths.astype(np.int32, copy=False))
+            totals[name] = totals.get(name, 0) + int(lengths.sum())
+        self.rows[split] = self.rows.get(split, 0) + n
+
+    def finish(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Close the files, write ``part.json`` and make the part final; returns its entry."""
+        for f in self._files.values():
+            f.close()
+        entry = {
+            "name": self.final.name,
+            "rows": dict(self.rows),
+            "multi_values": self._multi_totals,
+            "files": {f"{k}.bin": h.hexdigest() for k, h in self._hashes.items()},
+            **(extra or {}),
+        }
+        (self.path / "part.json").write_text(json.dumps(entry, indent=1))
+        shutil.rmtree(self.final, ignore_errors=True)
+        self.path.rename(self.final)
+        return entry
+
+    def abort(self) -> None:
+        for f in self._files.values():
+            f.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def read_part_entry(cache_dir: Path, name: str) -> dict[str, Any] | None:
+    """The entry of a complete part, or None when it is missing or unfinished."""
+    path = Path(cache_dir) / "parts" / name / "part.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def write_manifest(cache_dir: Path, manifest: dict[str, Any]) -> Path:
+    path = Path(cache_dir) / "manifest.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION, **manifest}, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+# ------------------------------------------------------------------ reading
+def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
+    cache_dir = Path(cache_dir)
+    path = cache_dir / "manifest.json"
+    if not cache_dir.is_dir():
+        raise FileNotFoundError(
+            f"data.path {str(cache_dir)!r} is not a directory; point it at a cache written by "
+            "`towerrec data criteo ... --out DIR`"
+        )
+    if not path.is_file():
+        raise CacheError(
+            f"{cache_dir} has no manifest.json: it is not a finished cache (an interrupted "
+            "preprocessing run?); run `towerrec data ...` again with --out pointing there"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CacheError(f"{path} is not valid JSON ({e}); rebuild the cache") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CacheError(
+            f"{path} is not a {FORMAT} version {VERSION} manifest; rebuild the cache with this "
+            "version of towerrec"
+        )
+    return manifest
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _map(path: Path, dtype: Any, shape: tuple[int, ...], cache_dir: Path) -> np.ndarray:
+    expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    size = path.stat().st_size if path.is_file() else -1
+    if size != expected:
+        what = "is missing" if size < 0 else f"has {size} bytes, the manifest says {expected}"
+        raise CacheError(
+            f"cache file {path} {what}; the cache in {cache_dir} is corrupt or incomplete: "
+            "rebuild it (run the same `towerrec data ...` command into a fresh --out directory)"
+        )
+    if expected == 0:
+        return np.zeros(shape, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+
+
+def open_cache(cache_dir: str | Path, verify: bool = True) -> ColumnStore:
+    """Memory-map a cache; ``verify`` checks every file's SHA-256 against the manifest."""
+    cache_dir = Path(cache_dir)
+    manifest = read_manifest(cache_dir)
+    schema, single, multi = schema_from_manifest(manifest["schema"])
+    splits: dict[str, list[SplitColumns]] = {}
+    for part in manifest["parts"]:
+        folder = cache_dir / "parts" / part["name"]
+        if verify:
+            for name, digest in part["files"].items():
+                path = folder / name
+                if not path.is_file() or sha256_file(path) != digest:
+                    raise CacheError(
+                        f"cache file {path} does not match the checksum in {cache_dir}/"
+                        "manifest.json: the cache is corrupt; rebuild it (run the same "
+                        "`towerrec data ...` command into a fresh --out directory)"
+                    )
+        for split, n in part["rows"].items():
+            prefix = folder / split
+            columns = SplitColumns(
+                rows=n,
+                labels=_map(Path(f"{prefix}.labels.bin"), np.float32, (n,), cache_dir),
+                dense=_map(
+                    Path(f"{prefix}.dense.bin"), np.float32, (n, schema.num_dense), cache_dir
+                ),
+                sparse=_map(Path(f"{prefix}.sparse.bin"), np.int32, (n, len(single)), cache_dir),
+            )
+            for name in multi:
+                total = part["multi_values"][split][name]
+                lengths = _map(Path(f"{prefix}.{name}.lengths.bin"), np.int32, (n,), cache_dir)
+                values = _map(Path(f"{prefix}.{name}.values.bin"), np.int32, (total,), cache_dir)
+                columns.multi[name] = (values, _offsets(lengths))
+            splits.setdefault(split, []).append(columns)
+    return ColumnStore(schema, single, multi, splits, manifest)

@@ -1,0 +1,199 @@
+"""MovieLens (the ml-latest-small layout) as a click-through task.
+
+The data set (GroupLens, bundled in ``datasets/ml-latest-small`` with its
+README, which states the licence) is a directory of ``ratings.csv``,
+``movies.csv`` and ``tags.csv``. Each rating is one sample::
+
+    label     rating >= min_rating (4 by default): a "click"
+    user      single-hot  1 + index of userId among the sorted user ids
+    movie     single-hot  1 + index of movieId among the sorted movie ids
+    year      single-hot  release year from the title, "(1995)"; 0 = unknown
+    genres    multi-hot   the movie's genres (Adventure|Comedy|...), pooled
+    tags      multi-hot   the movie's distinct tags (lowercased) used by at
+                          least min_tag_count times in tags.csv
+    dense     [3]         scaled release year, number of genres, log(1 + number of tags)
+
+Split by time: ratings sorted by timestamp; the last ``eval_fraction`` of them
+are the eval split, so the model is scored on the future. (Tags are taken
+over the whole file; they describe the movie, not the rating.)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+
+from towerrec.data.batch import DataSchema, SparseFeature
+from towerrec.data.cache import ColumnStore, SplitColumns
+
+__all__ = ["MovieLensConfig", "bundled_movielens_path", "load_movielens"]
+
+_YEAR = re.compile(r"\((\d{4})\)\s*$")
+_REQUIRED = {
+    "ratings.csv": ("userId", "movieId", "rating", "timestamp"),
+    "movies.csv": ("movieId", "title", "genres"),
+    "tags.csv": ("userId", "movieId", "tag", "timestamp"),
+}
+
+
+@dataclass(frozen=True)
+class MovieLensConfig:
+    """``data.movielens``: how ratings become clicks and how they are split."""
+
+    min_rating: float = 4.0
+    eval_fraction: float = 0.2
+    min_tag_count: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(
+                f"data.movielens.eval_fraction must lie in (0, 1), got {self.eval_fraction}"
+            )
+        if self.min_tag_count < 1:
+            raise ValueError("data.movielens.min_tag_count must be >= 1")
+
+
+def bundled_movielens_path() -> Path:
+    """``datasets/ml-latest-small`` of the source checkout this package runs from."""
+    return Path(__file__).resolve().parents[3] / "datasets" / "ml-latest-small"
+
+
+def _read(path: Path, name: str) -> pa.Table:
+    file = path / name
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} does not exist; data.path must be a MovieLens directory with "
+            f"{', '.join(_REQUIRED)} (the bundled one is datasets/ml-latest-small)"
+        )
+    try:
+        table = pa_csv.read_csv(file)
+    except pa.ArrowInvalid as e:
+        raise ValueError(f"{file} is not a valid CSV file ({e})") from None
+    missing = [c for c in _REQUIRED[name] if c not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"{file} has no column {missing[0]!r} (columns: {table.column_names}); "
+            f"MovieLens {name} needs {', '.join(_REQUIRED[name])}"
+        )
+    return table
+
+
+def _index(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """1 + position of each value in sorted ``keys`` (0 when absent)."""
+    at = np.minimum(np.searchsorted(keys, values), max(len(keys) - 1, 0))
+    return np.where(keys[at] == values, at + 1, 0) if len(keys) else np.zeros_like(values)
+
+
+def _bags(owner: np.ndarray, item: np.ndarray, num_owners: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-owner lists as (values sorted by owner, lengths [num_owners])."""
+    order = np.lexsort((item, owner))
+    return item[order], np.bincount(owner, minlength=num_owners)
+
+
+def load_movielens(path: str | Path, config: MovieLensConfig | None = None) -> ColumnStore:
+    """In-memory columns of the whole data set, split by time (see module docstring)."""
+    config = config or MovieLensConfig()
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"MovieLens directory {str(path)!r} does not exist; set data.path to a directory "
+            "with ratings.csv, movies.csv and tags.csv (or leave it empty for the bundled one)"
+        )
+    ratings, movies, tags = (_read(path, name) for name in _REQUIRED)
+    if ratings.num_rows < 2:
+        raise ValueError(f"{path / 'ratings.csv'} has {ratings.num_rows} ratings; need at least 2")
+
+    users = np.unique(ratings["userId"].to_numpy())
+    movie_ids = movies["movieId"].to_numpy()
+    movie_keys = np.unique(np.concatenate([movie_ids, ratings["movieId"].to_numpy()]))
+    num_movies = len(movie_keys) + 1  # row 0: unknown movie
+
+    # Per movie (indexed by 1 + position in movie_keys): year, genres, tags.
+    movie_row = _index(movie_ids, movie_keys)
+    years = np.zeros(num_movies, dtype=np.int64)
+    for row, title in zip(movie_row, movies["title"].to_pylist()):
+        match = _YEAR.search(title or "")
+        if match:
+            years[row] = int(match.group(1))
+    known = years[years > 0]
+    first_year = int(known.min()) if len(known) else 0
+    year_ids = np.where(years > 0, years - first_year + 1, 0)
+
+    genre_lists = [
+        [] if g in (None, "(no genres listed)") else g.split("|")
+        for g in movies["genres"].to_pylist()
+    ]
+    genre_names = sorted({g for gs in genre_lists for g in gs})
+    genre_of = {g: i for i, g in enumerate(genre_names)}
+    owners = np.array([r for r, gs in zip(movie_row, genre_lists) for _ in gs], dtype=np.int64)
+    items = np.array([genre_of[g] for gs in genre_lists for g in gs], dtype=np.int64)
+    genre_values, genre_lengths = _bags(owners, items, num_movies)
+
+    tag_text = pc.utf8_lower(pc.utf8_trim_whitespace(tags["tag"].cast(pa.string())))
+    tag_movie = _index(tags["movieId"].to_numpy(), movie_keys)
+    names, tag_codes = np.unique(np.array(tag_text.to_pylist(), dtype=object), return_inverse=True)
+    pairs = np.unique(np.stack([tag_movie, tag_codes]), axis=1)  # distinct (movie, tag)
+    counts = np.bincount(tag_codes, minlength=len(names))
+    kept = counts >= config.min_tag_count
+    new_code = np.cumsum(kept) - 1
+    pairs = pairs[:, kept[pairs[1]] & (pairs[0] > 0)]
+    tag_values, tag_lengths = _bags(pairs[0], new_code[pairs[1]], num_movies)
+    num_tags = max(int(kept.sum()), 1)
+
+    # Ratings in time order; per-movie offsets to gather the multi-hot bags.
+    order = np.argsort(ratings["timestamp"].to_numpy(), kind="stable")
+    user = _index(ratings["userId"].to_numpy()[order], users)
+    movie = _index(ratings["movieId"].to_numpy()[order], movie_keys)
+    labels = (ratings["rating"].to_numpy()[order] >= config.min_rating).astype(np.float32)
+    sparse = np.stack([user, movie, year_ids[movie]], axis=1).astype(np.int32)
+    dense = np.stack(
+        [
+            np.where(years[movie] > 0, (years[movie] - 1990) / 20.0, 0.0),
+            genre_lengths[movie],
+            np.log1p(tag_lengths[movie]),
+        ],
+        axis=1,
+    ).astype(np.float32)
+
+    def gather(values: np.ndarray, lengths: np.ndarray, rows: np.ndarray):
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        take = lengths[rows]
+        starts = np.repeat(offsets[rows] - np.concatenate([[0], np.cumsum(take)[:-1]]), take)
+        return values[np.arange(int(take.sum())) + starts].astype(np.int32), take.astype(np.int32)
+
+    n = len(order)
+    cut = n - max(1, round(n * config.eval_fraction))
+    splits = {}
+    for split, rows in (("train", np.arange(cut)), ("eval", np.arange(cut, n))):
+        splits[split] = [
+            SplitColumns.from_arrays(
+                labels[rows],
+                dense[rows],
+                sparse[rows],
+                {
+                    "genres": gather(genre_values, genre_lengths, movie[rows]),
+                    "tags": gather(tag_values, tag_lengths, movie[rows]),
+                },
+            )
+        ]
+
+    def pooling(lengths: np.ndarray) -> float:
+        return max(float(lengths[movie].mean()), 1.0)
+
+    schema = DataSchema(
+        num_dense=3,
+        sparse=(
+            SparseFeature("user", len(users) + 1),
+            SparseFeature("movie", num_movies),
+            SparseFeature("year", int(year_ids.max()) + 1),
+            SparseFeature("genres", max(len(genre_names), 1), pooling(genre_lengths)),
+            SparseFeature("tags", num_tags, pooling(tag_lengths)),
+        ),
+    )
+    return ColumnStore(schema, ["user", "movie", "year"], ["genres", "tags"], splits)
