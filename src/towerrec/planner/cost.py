@@ -62,7 +62,9 @@ class CostConstants:
                 raise ValueError(f"cost constant {f.name} must be a number >= 0, got {value!r}")
         for key in ("lookup_efficiency", "update_efficiency", "link_efficiency"):
             if not 0 < getattr(self, key) <= 1:
-                raise ValueError(f"cost constant {key} must lie in (0, 1], got {getattr(self, key)}")
+                raise ValueError(
+                    f"cost constant {key} must lie in (0, 1], got {getattr(self, key)}"
+                )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")

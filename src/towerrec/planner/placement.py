@@ -142,7 +142,9 @@ def build_items(
     world = model.topology.world_size
     for name, c in constraints.items():
         if c.rank is not None and not 0 <= c.rank < world:
-            raise PlanningError(f"table {name!r} is pinned to rank {c.rank}, outside 0..{world - 1}")
+            raise PlanningError(
+                f"table {name!r} is pinned to rank {c.rank}, outside 0..{world - 1}"
+            )
     raw = []
     for group, s in enumerate(stats):
         for kind, rows, cols, rank in _table_items(
@@ -227,9 +229,7 @@ class Loads:
             widths[it.width] += 1
             cost += it.cost
             count += 1
-        return float(
-            cost + self.kernel_overhead * (widths > 0).sum() + self.shard_overhead * count
-        )
+        return float(cost + self.kernel_overhead * (widths > 0).sum() + self.shard_overhead * count)
 
     def add(self, rank: int, index: int, item: Item) -> None:
         self.cost[rank] += item.cost

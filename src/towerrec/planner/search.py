@@ -185,9 +185,7 @@ def _refine(items: Sequence[Item], loads: Loads, max_rounds: int, candidates: in
                     continue
                 free = loads.capacity - loads.memory[rank]
                 if a.memory <= free:
-                    worst = max(
-                        loads.total_at(top, remove=[a]), loads.total_at(rank, add=[a])
-                    )
+                    worst = max(loads.total_at(top, remove=[a]), loads.total_at(rank, add=[a]))
                     if worst < current * (1 - 1e-9) and (best is None or worst < best[0]):
                         best = (worst, i, rank, None)
                 for j in loads.on[rank]:
@@ -361,7 +359,5 @@ def plan_tables(
             if split_loads.totals().max() < loads.totals().max():
                 items, loads = split_items, split_loads
     result = _result(items, loads, model, planner, time.perf_counter() - start)
-    result.plan.validate(
-        [TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in stats]
-    )
+    result.plan.validate([TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in stats])
     return result

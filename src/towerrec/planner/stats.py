@@ -79,9 +79,7 @@ class TableStats:
                 f"{self.num_embeddings}, lookups per batch {lookups:g})]"
             )
         if problems:
-            raise ValueError(
-                f"inconsistent statistics for table {name!r}: " + "; ".join(problems)
-            )
+            raise ValueError(f"inconsistent statistics for table {name!r}: " + "; ".join(problems))
         object.__setattr__(self, "feature_names", tuple(self.feature_names) or (name,))
 
     @property
@@ -194,9 +192,13 @@ def load_stats(path: str | Path) -> list[TableStats]:
     for i, entry in enumerate(data if isinstance(data, list) else []):
         unknown = sorted(set(entry) - known)
         if unknown:
-            raise ValueError(f"statistics entry {i}: unknown fields {unknown}; known: {sorted(known)}")
+            raise ValueError(
+                f"statistics entry {i}: unknown fields {unknown}; known: {sorted(known)}"
+            )
         try:
-            out.append(TableStats(**{**entry, "feature_names": tuple(entry.get("feature_names", ()))}))
+            out.append(
+                TableStats(**{**entry, "feature_names": tuple(entry.get("feature_names", ()))})
+            )
         except TypeError as e:
             raise ValueError(f"statistics entry {i}: {e}") from None
     if not out:

@@ -35,7 +35,11 @@ def _harmonic(n: float, alpha: float) -> float:
     total = float(np.sum(np.arange(1, head + 1, dtype=np.float64) ** -alpha))
     if n > head:
         a, b = head + 0.5, n + 0.5
-        total += math.log(b / a) if abs(alpha - 1) < 1e-9 else (b ** (1 - alpha) - a ** (1 - alpha)) / (1 - alpha)
+        total += (
+            math.log(b / a)
+            if abs(alpha - 1) < 1e-9
+            else (b ** (1 - alpha) - a ** (1 - alpha)) / (1 - alpha)
+        )
     return total
 
 
