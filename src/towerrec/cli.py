@@ -1,4 +1,4 @@
-"""``towerrec`` command line: train | bench.
+"""``towerrec`` command line: train | plan | bench.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
 and exit with status 2; anything else is a bug and shows its traceback.
@@ -80,6 +80,12 @@ def _cmd_bench_embedding(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from towerrec.cli_plan import run_plan
+
+    return run_plan(args)
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
@@ -104,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
     )
     train.set_defaults(func=_cmd_train)
+
+    plan = sub.add_parser(
+        "plan", help="shard embedding tables over devices: per-device table, plan JSON, chart"
+    )
+    _add_config_args(plan)
+    from towerrec.cli_plan import add_plan_args
+
+    add_plan_args(plan)
+    plan.set_defaults(func=_cmd_plan)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

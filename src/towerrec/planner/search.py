@@ -107,13 +107,20 @@ def _place_fixed(items: Sequence[Item], loads: Loads, order: Sequence[int]) -> l
     return rest
 
 
+class _NoRoom(PlanningError):
+    def __init__(self, message: str, table: str) -> None:
+        super().__init__(message)
+        self.table = table
+
+
 def _no_room(item: Item, loads: Loads) -> PlanningError:
     free = float((loads.capacity - loads.memory).max())
-    return PlanningError(
+    return _NoRoom(
         f"no device has room for table {item.table!r} (shard {item.rows}x{item.cols} needs "
         f"{_gib(item.memory)}, the most free on any device is {_gib(free)}, short by "
         f"{_gib(item.memory - free)}); the tables do not pack: add ranks or memory, or allow "
-        "row_wise / column_wise"
+        "row_wise / column_wise",
+        item.table,
     )
 
 
@@ -155,7 +162,14 @@ def _greedy(items: Sequence[Item], loads: Loads, key: str, seed: int) -> list[in
 
 
 def _lpt(items: Sequence[Item], loads: Loads) -> None:
-    order = sorted(range(len(items)), key=lambda i: (-items[i].cost, i))
+    # Shards taking over a quarter of a device go first (largest first), so they still fit.
+    big = loads.capacity / 4
+
+    def key(i: int):
+        it = items[i]
+        return (0, -it.memory, i) if it.memory > big else (1, -it.cost, i)
+
+    order = sorted(range(len(items)), key=key)
     for i in _place_fixed(items, loads, order):
         item = items[i]
         ok = loads.feasible(item)
@@ -233,7 +247,7 @@ def _split_options(s: TableStats, current, world: int, allowed) -> list:
     return out
 
 
-def _beam_search(stats, model, constraints, beam_width: int, depth: int, branch: int):
+def _beam_search(stats, model, constraints, start_splits, beam_width, depth, branch):
     """Splits chosen by beam search; each candidate is scored by LPT's max device cost."""
     world = model.topology.world_size
     by_name = {s.name: s for s in stats}
@@ -244,8 +258,8 @@ def _beam_search(stats, model, constraints, beam_width: int, depth: int, branch:
         _lpt(items, loads)
         return float(loads.totals().max()), items, loads
 
-    start = score({})
-    beam = [({}, *start)]
+    start = score(start_splits)
+    beam = [(dict(start_splits), *start)]
     seen = {()}
     best = beam[0]
     for _ in range(depth):
@@ -257,8 +271,8 @@ def _beam_search(stats, model, constraints, beam_width: int, depth: int, branch:
             for i in hot:
                 name = items[i].table
                 allowed = constraints.get(name, TableConstraint()).sharding_types
-                if splits.get(name) is None and items[i].sharding is not ShardingType.TABLE_WISE:
-                    continue  # already split for memory
+                if items[i].sharding not in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
+                    continue  # row-wise or data-parallel already
                 for option in _split_options(by_name[name], splits.get(name), world, allowed):
                     child = {**splits, name: option}
                     key = tuple(sorted((k, v[0].value, v[1]) for k, v in child.items()))
@@ -280,6 +294,29 @@ def _beam_search(stats, model, constraints, beam_width: int, depth: int, branch:
         else:
             break
     return best[0]
+
+
+def _split_until_packed(stats, model, constraints, place):
+    """``place({})``; while a table does not pack, split it (row-wise, else column-wise)
+    and try again. Returns the splits and the placement."""
+    by_name = {s.name: s for s in stats}
+    world = model.topology.world_size
+    splits: dict[str, tuple[ShardingType, int]] = {}
+    while True:
+        try:
+            return splits, place(splits)
+        except _NoRoom as e:
+            table = by_name[e.table]
+            allowed = constraints.get(e.table, TableConstraint()).sharding_types
+            current = splits.get(e.table)
+            if ShardingType.ROW_WISE in allowed and current is None and world > 1:
+                splits[e.table] = (ShardingType.ROW_WISE, world)
+                continue
+            parts = current[1] if current and current[0] is ShardingType.COLUMN_WISE else 1
+            if ShardingType.COLUMN_WISE in allowed and parts < min(world, table.embedding_dim):
+                splits[e.table] = (ShardingType.COLUMN_WISE, min(world, table.embedding_dim))
+                continue
+            raise
 
 
 # ------------------------------------------------------------------ output
@@ -342,20 +379,21 @@ def plan_tables(
         raise ValueError("table names must be unique")
     constraints = dict(constraints or {})
     start = time.perf_counter()
-    if planner in GREEDY_KEYS:
-        items, widths = build_items(stats, model, constraints)
-        loads = Loads(model, len(widths))
-        _greedy(items, loads, planner, seed)
-    elif planner == "lpt":
-        items, widths = build_items(stats, model, constraints)
-        loads = _lpt_refined(items, widths, model, refine_rounds)
-    else:
-        items, widths = build_items(stats, model, constraints)
-        loads = _lpt_refined(items, widths, model, refine_rounds)
-        splits = _beam_search(stats, model, constraints, beam_width, beam_depth, beam_branch)
-        if splits:
-            split_items, split_widths = build_items(stats, model, constraints, splits)
-            split_loads = _lpt_refined(split_items, split_widths, model, refine_rounds)
+
+    def place(splits):
+        items, widths = build_items(stats, model, constraints, splits)
+        if planner in GREEDY_KEYS:
+            loads = Loads(model, len(widths))
+            _greedy(items, loads, planner, seed)
+        else:
+            loads = _lpt_refined(items, widths, model, refine_rounds)
+        return items, loads
+
+    splits, (items, loads) = _split_until_packed(stats, model, constraints, place)
+    if planner == "search":
+        found = _beam_search(stats, model, constraints, splits, beam_width, beam_depth, beam_branch)
+        if found != splits:
+            split_items, split_loads = place(found)
             if split_loads.totals().max() < loads.totals().max():
                 items, loads = split_items, split_loads
     result = _result(items, loads, model, planner, time.perf_counter() - start)
