@@ -4,8 +4,9 @@ For a shard of ``c`` columns and a fraction ``f`` of a table's rows, with B
 samples per rank, W ranks on H hosts of L ranks and G = B*W samples per
 iteration (pf = pooling factor, v = bytes per value)::
 
-    forward lookup     G*pf*f * c*v                 / lookup bandwidth
+    forward lookup     G*pf*f * (c*v / lookup bandwidth + s_id)
     backward + update  (G*c*v + distinct(G, f) * (2*c*v + state)) / update bandwidth
+                       + distinct(G, f) * s_row
     input all-to-all   ids G*pf*f * id_bytes        split intra / cross host
     output all-to-all  2 * G*c*v (pooled out, gradients back), split intra / cross host
 
@@ -47,6 +48,8 @@ class CostConstants:
     update_bandwidth: float = 0.0
     intra_host_bandwidth: float = 0.0
     cross_host_bandwidth: float = 0.0
+    lookup_s_per_id: float = 0.0  # per looked-up id, forward + backward (CPU kernels)
+    update_s_per_row: float = 0.0  # per updated row
     kernel_overhead_s: float = 30e-6
     table_overhead_s: float = 2e-6
     collective_latency_s: float = 20e-6
@@ -152,21 +155,22 @@ class CostModel:
         fraction = rows / stats.num_embeddings
         if sharding is ShardingType.DATA_PARALLEL:
             local = self.batch_size
-            lookup = stats.lookups(local) * cols * v / self.lookup_bw
+            ids = stats.lookups(local)
+            lookup = ids * (cols * v / self.lookup_bw + c.lookup_s_per_id)
             touched = stats.distinct(local * world)
             update = (local * cols * v + touched * (2 * cols * v + c.optimizer_bytes_per_row)) / (
                 self.update_bw
-            )
+            ) + touched * c.update_s_per_row
             grad_bytes = 2 * (world - 1) / world * rows * cols * v
             bw = self.cross_bw if topo.hosts > 1 else self.intra_bw
             return ShardCost(lookup, update, 0.0, grad_bytes / bw if world > 1 else 0.0)
         samples = self.batch_size * world
         ids = stats.lookups(samples) * fraction
-        lookup = ids * cols * v / self.lookup_bw
+        lookup = ids * (cols * v / self.lookup_bw + c.lookup_s_per_id)
         touched = stats.distinct(samples, fraction)
         update = (samples * cols * v + touched * (2 * cols * v + c.optimizer_bytes_per_row)) / (
             self.update_bw
-        )
+        ) + touched * c.update_s_per_row
         input_comm = self._link_seconds(ids * c.id_bytes)
         output_comm = self._link_seconds(2 * samples * cols * v)
         return ShardCost(lookup, update, input_comm, output_comm)
