@@ -86,6 +86,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return run_plan(args)
 
 
+def _cmd_bench_plan(args: argparse.Namespace) -> int:
+    from towerrec.bench.plan import run_plan_benchmark
+
+    result = run_plan_benchmark(
+        tasks=args.tasks,
+        torchrec_tasks=0 if args.no_torchrec else args.torchrec_tasks,
+        measured_tasks=args.measured_tasks,
+        full=not args.no_full,
+        topology=args.topology,
+        calibration=args.calibration,
+    )
+    _print_result(result, args.json)
+    return 0
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
@@ -137,6 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             b.add_argument("--batch-size", type=int, default=2048)
         b.set_defaults(func=func)
+    b = bench_sub.add_parser("plan", help="planners on synthetic DLRM-like table suites")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--tasks", type=int, default=100, help="tasks of 10-60 tables on 4 devices")
+    b.add_argument(
+        "--torchrec-tasks", type=int, default=20, help="of those, for TorchRec's planner"
+    )
+    b.add_argument("--measured-tasks", type=int, default=5, help="tasks timed on this machine")
+    b.add_argument("--no-full", action="store_true", help="skip 856 tables on 128 devices")
+    b.add_argument("--no-torchrec", action="store_true", help="skip TorchRec's planner")
+    b.add_argument("--topology", default="gpu", help="topology preset without --calibration")
+    b.add_argument("--calibration", help="constants from `towerrec plan --calibrate` (cpu)")
+    b.set_defaults(func=_cmd_bench_plan)
     return parser
 
 

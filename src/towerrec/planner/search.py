@@ -40,7 +40,7 @@ from towerrec.planner.placement import (
 from towerrec.planner.plan import Shard, ShardingPlan, ShardingType, TablePlan
 from towerrec.planner.stats import TableStats
 
-__all__ = ["GREEDY_KEYS", "PLANNERS", "PlanResult", "plan_tables"]
+__all__ = ["GREEDY_KEYS", "PLANNERS", "PlanResult", "evaluate_plan", "plan_tables"]
 
 GREEDY_KEYS = {
     "greedy_size": lambda s: s.num_embeddings * s.embedding_dim,
@@ -398,4 +398,44 @@ def plan_tables(
                 items, loads = split_items, split_loads
     result = _result(items, loads, model, planner, time.perf_counter() - start)
     result.plan.validate([TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in stats])
+    return result
+
+
+def evaluate_plan(
+    plan: ShardingPlan, stats: Sequence[TableStats], model: CostModel, name: str = "given"
+) -> PlanResult:
+    """What ``model`` predicts for an existing ``plan`` (from a file, another planner)."""
+    by_name = {s.name: s for s in stats}
+    plan.validate([TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in stats])
+    if plan.world_size != model.topology.world_size:
+        raise ValueError(
+            f"plan is for {plan.world_size} ranks, the topology has {model.topology.world_size}"
+        )
+    raw = [
+        (by_name[n], g, tp.sharding, s)
+        for g, (n, tp) in enumerate(plan.tables.items())
+        for s in tp.shards
+    ]
+    widths = sorted({s.num_cols for *_, s in raw})
+    index = {w: i for i, w in enumerate(widths)}
+    items = [
+        Item(
+            st.name,
+            kind,
+            s.rows,
+            s.cols,
+            model.shard_cost(st, kind, s.num_rows, s.num_cols).total,
+            model.shard_memory(st, s.num_rows, s.num_cols),
+            index[s.num_cols],
+            g,
+            s.rank,
+            st,
+        )
+        for st, g, kind, s in raw
+    ]
+    loads = Loads(model, len(widths))
+    for i, it in enumerate(items):
+        loads.add(it.fixed_rank, i, it)
+    result = _result(items, loads, model, name, 0.0)
+    result.plan = plan
     return result
