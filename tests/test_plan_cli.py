@@ -83,9 +83,9 @@ def test_plan_command_user_errors(tmp_path, capsys):
 
 
 def test_plan_config_section():
-    with pytest.raises(ConfigError, match="plan.strategy = 'sometimes'"):
+    with pytest.raises(ConfigError, match=r"plan\.strategy = 'sometimes'"):
         load_config(overrides=["plan.strategy=sometimes"])
-    with pytest.raises(ConfigError, match="needs plan.path"):
+    with pytest.raises(ConfigError, match=r"needs plan\.path"):
         load_config(overrides=["plan.strategy=file"])
     config = load_config()
     source = SyntheticSource(config.data.synthetic)

@@ -239,7 +239,7 @@ def test_table_larger_than_any_device_without_a_split_is_named():
     with pytest.raises(PlanningError, match=r"table 'huge' needs 2.4\d* GiB .*short by 1.4\d* GiB"):
         plan_tables([_big(), TableStats("small", 100, 8)], model, "search", table_wise_only)
     # Even split over every rank is still too large: named with the remedy.
-    with pytest.raises(PlanningError, match="table 'huge'.*still leaves a shard too large"):
+    with pytest.raises(PlanningError, match=r"table 'huge'.*still leaves a shard too large"):
         plan_tables([_big(rows=100_000_000)], model, "lpt")
 
 
