@@ -101,6 +101,16 @@ def _cmd_bench_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_costmodel(args: argparse.Namespace) -> int:
+    from towerrec.bench.costmodel import run_costmodel_benchmark
+
+    result = run_costmodel_benchmark(
+        num_devices=args.devices, samples_in=args.samples, samples_out=args.save_samples
+    )
+    _print_result(result, args.json)
+    return 0
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
@@ -164,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--topology", default="gpu", help="topology preset without --calibration")
     b.add_argument("--calibration", help="constants from `towerrec plan --calibrate` (cpu)")
     b.set_defaults(func=_cmd_bench_plan)
+    b = bench_sub.add_parser(
+        "costmodel", help="analytic vs learned device cost on measured multi-table kernels"
+    )
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--devices", type=int, default=200, help="random devices to measure")
+    b.add_argument("--samples", help="reuse measured devices from this JSON, measure nothing")
+    b.add_argument("--save-samples", help="write the measured devices as JSON")
+    b.set_defaults(func=_cmd_bench_costmodel)
     return parser
 
 
