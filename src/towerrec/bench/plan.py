@@ -3,7 +3,8 @@
 Three parts, all on tables drawn by ``planner.suites.dlrm_like_suite`` (856
 tables shaped like Meta's DLRM sharding data set):
 
-    tasks      ``--tasks`` random tasks of 10..60 tables on 4 devices: each planner's
+    tasks      ``--tasks`` random tasks of 10..60 tables on 4 devices (64 GiB each, so
+               memory never binds and the planners compete on balance): each planner's
                max-device cost under the cost model, its ratio to the best greedy
                baseline of the same task, planning time; TorchRec's planner on the
                first ``--torchrec-tasks`` of them (its plan scored by the same model)
@@ -77,12 +78,14 @@ def torchrec_planner_plan(stats: list[TableStats], model: CostModel):
     return from_torchrec_plan(plan, "", topo.world_size, topo.hosts)
 
 
-def _model(topology: str, calibration: str | None, hosts: int, local: int, batch: int):
+TASK_DEVICE_MEMORY = 64 * (1 << 30)  # memory never binds in the 4-device tasks: balance does
+
+
+def _model(topology, calibration, hosts, local, batch, **overrides):
     if calibration:
-        return CostModel(
-            topology_preset("cpu", hosts, local), CostConstants.load(calibration), batch
-        )
-    return CostModel(topology_preset(topology, hosts, local), None, batch)
+        topo = topology_preset("cpu", hosts, local, **overrides)
+        return CostModel(topo, CostConstants.load(calibration), batch)
+    return CostModel(topology_preset(topology, hosts, local, **overrides), None, batch)
 
 
 def _tasks_part(suite, model, num_tasks, torchrec_tasks, seed) -> dict:
@@ -210,7 +213,7 @@ def run_plan_benchmark(
     seed: int = 0,
 ) -> dict:
     suite = dlrm_like_suite(856, seed=seed, batch_size=batch_size)
-    small_model = _model(topology, calibration, 1, 4, batch_size)
+    small_model = _model(topology, calibration, 1, 4, batch_size, device_memory=TASK_DEVICE_MEMORY)
     result = {
         "benchmark": "plan",
         "machine": machine_info(),
@@ -218,6 +221,7 @@ def run_plan_benchmark(
             "topology": "cpu" if calibration else topology,
             "constants": small_model.constants.source,
             "batch_size_per_rank": batch_size,
+            "task_device_memory_gib": TASK_DEVICE_MEMORY / (1 << 30),
         },
         "tasks": _tasks_part(suite, small_model, tasks, torchrec_tasks, seed),
     }
