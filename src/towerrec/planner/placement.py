@@ -128,10 +128,12 @@ def build_items(
     model: CostModel,
     constraints: Mapping[str, TableConstraint] | None = None,
     splits: Mapping[str, tuple[ShardingType, int]] | None = None,
+    cache: dict | None = None,
 ) -> tuple[list[Item], list[int]]:
     """The items of every table, and the distinct kernel widths (index = ``Item.width``).
 
-    Raises ``PlanningError`` if a table cannot fit anywhere or the tables need
+    ``cache`` (a dict the caller keeps) remembers shard costs across calls for
+    the same model. Raises ``PlanningError`` if a table cannot fit anywhere or the tables need
     more memory than all devices hold.
     """
     constraints = constraints or {}
@@ -145,31 +147,32 @@ def build_items(
             raise PlanningError(
                 f"table {name!r} is pinned to rank {c.rank}, outside 0..{world - 1}"
             )
-    raw = []
+    cache = {} if cache is None else cache
+    per_table = []
     for group, s in enumerate(stats):
-        for kind, rows, cols, rank in _table_items(
-            s, model, constraints.get(s.name, TableConstraint()), splits.get(s.name), group
-        ):
-            raw.append((s, group, kind, rows, cols, rank))
-    widths = sorted({cols[1] - cols[0] for _, _, _, _, cols, _ in raw})
+        constraint = constraints.get(s.name, TableConstraint())
+        split = splits.get(s.name)
+        key = (s.name, split, constraint)
+        if key not in cache:
+            shards = []
+            for kind, rows, cols, rank in _table_items(s, model, constraint, split, group):
+                num_rows, num_cols = rows[1] - rows[0], cols[1] - cols[0]
+                cost_key = (s.name, kind, num_rows, num_cols)
+                if cost_key not in cache:
+                    cache[cost_key] = (
+                        model.shard_cost(s, kind, num_rows, num_cols).total,
+                        model.shard_memory(s, num_rows, num_cols),
+                    )
+                shards.append((kind, rows, cols, rank, *cache[cost_key]))
+            cache[key] = shards
+        per_table.append((group, s, cache[key]))
+    widths = sorted({c[1] - c[0] for _, _, shards in per_table for _, _, c, *_ in shards})
     index = {w: i for i, w in enumerate(widths)}
-    items = []
-    for s, group, kind, rows, cols, rank in raw:
-        num_rows, num_cols = rows[1] - rows[0], cols[1] - cols[0]
-        items.append(
-            Item(
-                s.name,
-                kind,
-                rows,
-                cols,
-                model.shard_cost(s, kind, num_rows, num_cols).total,
-                model.shard_memory(s, num_rows, num_cols),
-                index[num_cols],
-                group,
-                rank,
-                s,
-            )
-        )
+    items = [
+        Item(s.name, kind, rows, cols, cost, memory, index[cols[1] - cols[0]], group, rank, s)
+        for group, s, shards in per_table
+        for kind, rows, cols, rank, cost, memory in shards
+    ]
     need = sum(i.memory for i in items)
     have = world * model.topology.device_memory
     if need > have:
@@ -238,6 +241,17 @@ class Loads:
         self.count[rank] += 1
         self.on[rank].append(index)
         self.groups.setdefault(item.group, set()).add(rank)
+
+    def add_many(self, ranks: np.ndarray, indices: Sequence[int], items: Sequence[Item]) -> None:
+        """``add`` for shards on distinct ``ranks`` at once."""
+        assert len(set(ranks.tolist())) == len(ranks), "one shard per rank"
+        self.cost[ranks] += [it.cost for it in items]
+        self.memory[ranks] += [it.memory for it in items]
+        self.widths[ranks, [it.width for it in items]] += 1
+        self.count[ranks] += 1
+        for rank, index, item in zip(ranks.tolist(), indices, items):
+            self.on[rank].append(index)
+            self.groups.setdefault(item.group, set()).add(rank)
 
     def remove(self, rank: int, index: int, item: Item) -> None:
         self.cost[rank] -= item.cost

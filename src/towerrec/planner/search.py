@@ -61,7 +61,8 @@ class PlanResult:
     device_costs: list[float]
     device_memory: list[float]
     device_shards: list[list[str]]
-    seconds: float
+    seconds: float  # wall-clock planning time
+    cpu_seconds: float = 0.0  # this process's CPU time for planning (steady on a shared CPU)
 
     @property
     def max_cost(self) -> float:
@@ -84,44 +85,65 @@ class PlanResult:
             "imbalance": self.imbalance,
             "max_memory_gib": max(self.device_memory) / (1 << 30),
             "planning_s": self.seconds,
+            "planning_cpu_s": self.cpu_seconds,
         }
 
 
 # ------------------------------------------------------------------ placing
 def _place_fixed(items: Sequence[Item], loads: Loads, order: Sequence[int]) -> list[int]:
-    """Place pinned shards; return the indices still to place."""
-    rest = []
+    """Place pinned shards (all shards of a table at once); return the indices still to place."""
+    rest, fixed = [], {}
     for i in order:
-        item = items[i]
-        if item.fixed_rank is None:
+        if items[i].fixed_rank is None:
             rest.append(i)
-            continue
-        if loads.memory[item.fixed_rank] + item.memory > loads.capacity:
-            free = loads.capacity - loads.memory[item.fixed_rank]
+        else:
+            fixed.setdefault(items[i].group, []).append(i)
+    for members in fixed.values():
+        ranks = np.array([items[i].fixed_rank for i in members])
+        memory = np.array([items[i].memory for i in members])
+        free = loads.capacity - loads.memory[ranks]
+        over = np.flatnonzero(memory > free)
+        if len(over):
+            item, room = items[members[over[0]]], free[over[0]]
             raise PlanningError(
                 f"table {item.table!r}: its shard on rank {item.fixed_rank} needs "
-                f"{_gib(item.memory)} but only {_gib(free)} is free there (short by "
-                f"{_gib(item.memory - free)}); unpin it or add memory"
+                f"{_gib(item.memory)} but only {_gib(room)} is free there (short by "
+                f"{_gib(item.memory - room)}); unpin it or add memory"
             )
-        loads.add(item.fixed_rank, i, item)
+        loads.add_many(ranks, members, [items[i] for i in members])
     return rest
 
 
 class _NoRoom(PlanningError):
-    def __init__(self, message: str, table: str) -> None:
+    """Shards that found no device with room (``tables``: their tables, in order)."""
+
+    def __init__(self, message: str, tables: list[str]) -> None:
         super().__init__(message)
-        self.table = table
+        self.tables = tables
 
 
-def _no_room(item: Item, loads: Loads) -> PlanningError:
-    free = float((loads.capacity - loads.memory).max())
-    return _NoRoom(
-        f"no device has room for table {item.table!r} (shard {item.rows}x{item.cols} needs "
-        f"{_gib(item.memory)}, the most free on any device is {_gib(free)}, short by "
-        f"{_gib(item.memory - free)}); the tables do not pack: add ranks or memory, or allow "
-        "row_wise / column_wise",
-        item.table,
-    )
+class _Misfits:
+    """Collects the shards that do not fit, so one pass reports all of them."""
+
+    def __init__(self) -> None:
+        self.first: str | None = None
+        self.tables: list[str] = []
+
+    def add(self, item: Item, loads: Loads) -> None:
+        if self.first is None:
+            free = float((loads.capacity - loads.memory).max())
+            self.first = (
+                f"no device has room for table {item.table!r} (shard {item.rows}x{item.cols} "
+                f"needs {_gib(item.memory)}, the most free on any device is {_gib(free)}, "
+                f"short by {_gib(item.memory - free)}); the tables do not pack: add ranks or "
+                "memory, or allow row_wise / column_wise"
+            )
+        if item.table not in self.tables:
+            self.tables.append(item.table)
+
+    def check(self) -> None:
+        if self.first is not None:
+            raise _NoRoom(self.first, self.tables)
 
 
 def _greedy(items: Sequence[Item], loads: Loads, key: str, seed: int) -> list[int]:
@@ -144,17 +166,20 @@ def _greedy(items: Sequence[Item], loads: Loads, key: str, seed: int) -> list[in
         )
         order = sorted(range(len(items)), key=lambda i: (-values[i], i))
     proxy = np.zeros(len(loads.cost))
+    misfits = _Misfits()
     for i in _place_fixed(items, loads, order):
         item = items[i]
         ok = loads.feasible(item)
         if not ok.any():
-            raise _no_room(item, loads)
+            misfits.add(item, loads)
+            continue
         if key == "random":
             rank = int(rng.choice(np.flatnonzero(ok)))
         else:
             rank = int(np.argmin(np.where(ok, proxy, np.inf)))
         proxy[rank] += values[i]
         loads.add(rank, i, item)
+    misfits.check()
     for rank, members in enumerate(loads.on):
         for i in members:
             assign[i] = rank
@@ -170,16 +195,19 @@ def _lpt(items: Sequence[Item], loads: Loads) -> None:
         return (0, -it.memory, i) if it.memory > big else (1, -it.cost, i)
 
     order = sorted(range(len(items)), key=key)
+    misfits = _Misfits()
     for i in _place_fixed(items, loads, order):
         item = items[i]
         ok = loads.feasible(item)
         if not ok.any():
-            raise _no_room(item, loads)
+            misfits.add(item, loads)
+            continue
         after = np.where(ok, loads.totals_with(item), np.inf)
         best = after.min()
         # Ties (e.g. empty devices): the one with the most free memory, then the lowest rank.
         ties = np.flatnonzero(after <= best * (1 + 1e-12))
         loads.add(int(ties[np.argmin(loads.memory[ties])]), i, item)
+    misfits.check()
 
 
 def _refine(items: Sequence[Item], loads: Loads, max_rounds: int, candidates: int = 8) -> None:
@@ -247,13 +275,13 @@ def _split_options(s: TableStats, current, world: int, allowed) -> list:
     return out
 
 
-def _beam_search(stats, model, constraints, start_splits, beam_width, depth, branch):
+def _beam_search(stats, model, constraints, start_splits, beam_width, depth, branch, cache):
     """Splits chosen by beam search; each candidate is scored by LPT's max device cost."""
     world = model.topology.world_size
     by_name = {s.name: s for s in stats}
 
     def score(splits):
-        items, widths = build_items(stats, model, constraints, splits)
+        items, widths = build_items(stats, model, constraints, splits, cache)
         loads = Loads(model, len(widths))
         _lpt(items, loads)
         return float(loads.totals().max()), items, loads
@@ -306,17 +334,22 @@ def _split_until_packed(stats, model, constraints, place):
         try:
             return splits, place(splits)
         except _NoRoom as e:
-            table = by_name[e.table]
-            allowed = constraints.get(e.table, TableConstraint()).sharding_types
-            current = splits.get(e.table)
-            if ShardingType.ROW_WISE in allowed and current is None and world > 1:
-                splits[e.table] = (ShardingType.ROW_WISE, world)
-                continue
-            parts = current[1] if current and current[0] is ShardingType.COLUMN_WISE else 1
-            if ShardingType.COLUMN_WISE in allowed and parts < min(world, table.embedding_dim):
-                splits[e.table] = (ShardingType.COLUMN_WISE, min(world, table.embedding_dim))
-                continue
-            raise
+            changed = False
+            for name in e.tables:
+                table = by_name[name]
+                allowed = constraints.get(name, TableConstraint()).sharding_types
+                current = splits.get(name)
+                parts = current[1] if current and current[0] is ShardingType.COLUMN_WISE else 1
+                if ShardingType.ROW_WISE in allowed and current is None and world > 1:
+                    splits[name] = (ShardingType.ROW_WISE, world)
+                    changed = True
+                elif ShardingType.COLUMN_WISE in allowed and parts < min(
+                    world, table.embedding_dim
+                ):
+                    splits[name] = (ShardingType.COLUMN_WISE, min(world, table.embedding_dim))
+                    changed = True
+            if not changed:
+                raise
 
 
 # ------------------------------------------------------------------ output
@@ -378,10 +411,12 @@ def plan_tables(
     if len(set(names)) != len(names):
         raise ValueError("table names must be unique")
     constraints = dict(constraints or {})
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
+
+    cache: dict = {}
 
     def place(splits):
-        items, widths = build_items(stats, model, constraints, splits)
+        items, widths = build_items(stats, model, constraints, splits, cache)
         if planner in GREEDY_KEYS:
             loads = Loads(model, len(widths))
             _greedy(items, loads, planner, seed)
@@ -391,12 +426,15 @@ def plan_tables(
 
     splits, (items, loads) = _split_until_packed(stats, model, constraints, place)
     if planner == "search":
-        found = _beam_search(stats, model, constraints, splits, beam_width, beam_depth, beam_branch)
+        found = _beam_search(
+            stats, model, constraints, splits, beam_width, beam_depth, beam_branch, cache
+        )
         if found != splits:
             split_items, split_loads = place(found)
             if split_loads.totals().max() < loads.totals().max():
                 items, loads = split_items, split_loads
     result = _result(items, loads, model, planner, time.perf_counter() - start)
+    result.cpu_seconds = time.process_time() - cpu_start
     result.plan.validate([TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in stats])
     return result
 
