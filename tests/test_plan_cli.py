@@ -142,3 +142,22 @@ def test_infeasible_plan_fails_the_same_way_on_every_rank():
     assert results[0] == results[1]
     first, second = results[0]
     assert first == second and "short by" in first and "table 'cat_" in first
+
+
+def test_plan_calibrate_writes_constants_and_plans_with_them(tmp_path, monkeypatch, capsys):
+    import towerrec.bench.calibrate as calibrate_module
+    from towerrec.cli import main
+    from towerrec.planner.cost import CostConstants
+
+    slow_links = {"constants": {"intra_host_bandwidth": 1e6, "cross_host_bandwidth": 1e6,
+                                "source": "calibrated in a test"}}  # fmt: skip
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda: slow_links)
+    out, constants = tmp_path / "p.json", tmp_path / "c.json"
+    args = ["plan", "--world-size", "2", "--json", "--out", str(out)]
+    assert main([*args, "--calibrate", "--calibration-out", str(constants)]) == 0
+    calibrated = json.loads(capsys.readouterr().out)
+    assert CostConstants.load(constants).source == "calibrated in a test"
+    assert main(args) == 0
+    default = json.loads(capsys.readouterr().out)
+    # 1 MB/s links instead of the preset's GB/s: all-to-all dominates the predicted cost.
+    assert calibrated["max_cost_ms"] > 50 * default["max_cost_ms"]
