@@ -38,6 +38,7 @@ from towerrec.sparse import KeyedJaggedTensor
 __all__ = [
     "analytic_device_seconds",
     "calibrate",
+    "device_step",
     "kernel_features",
     "make_ids",
     "measure_all_to_all",
@@ -64,15 +65,11 @@ def make_ids(stats: TableStats, batch: int, rows: int, rng: np.random.Generator)
     return lengths.astype(np.int64), perm[ids]
 
 
-def measure_device(
-    shards: Sequence[tuple[TableStats, int, int]],
-    batch: int,
-    reps: int = 5,
-    backend: str = "auto",
-    seed: int = 0,
-) -> float:
-    """Median seconds of forward + backward + fused update of one device holding
-    ``shards`` = (stats, rows, cols) for a batch of ``batch`` samples."""
+def device_step(
+    shards: Sequence[tuple[TableStats, int, int]], batch: int, backend: str = "auto", seed: int = 0
+):
+    """A function running one forward + backward + fused update of a device holding
+    ``shards`` = (stats, rows, cols), on a fixed batch of ``batch`` samples."""
     rng = np.random.default_rng(seed)
     tables, values, lengths = [], [], []
     for i, (stats, rows, cols) in enumerate(shards):
@@ -87,11 +84,27 @@ def measure_device(
         torch.from_numpy(np.concatenate(lengths)),
     )
     features = features.select(ebc.feature_names)
+
+    def step(_: int = 0) -> None:
+        out = ebc(features).values()
+        out.backward(torch.ones_like(out))
+
+    return step
+
+
+def measure_device(
+    shards: Sequence[tuple[TableStats, int, int]],
+    batch: int,
+    reps: int = 5,
+    backend: str = "auto",
+    seed: int = 0,
+) -> float:
+    """Median seconds of ``device_step`` over ``reps`` runs (after 2 untimed)."""
+    step = device_step(shards, batch, backend, seed)
     times = []
     for r in range(reps + 2):
         start = time.perf_counter()
-        out = ebc(features).values()
-        out.backward(torch.ones_like(out))
+        step()
         if r >= 2:
             times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -151,10 +151,14 @@ def _full_part(suite, model, seed) -> dict:
     return out
 
 
-def _measured_part(suite, calibration, num_tasks, seed, max_rows=50_000) -> dict:
+def _measured_part(suite, calibration, num_tasks, seed, max_rows=50_000, rounds=5) -> dict:
+    """Each task's distinct device loads (identical plans share them) timed round-robin:
+    ``rounds`` rounds, each running every device once (time_interleaved), so drift in
+    this shared machine's speed hits every planner alike."""
     import torch
 
-    from towerrec.bench.calibrate import measure_device
+    from towerrec.bench.calibrate import device_step
+    from towerrec.bench.common import time_interleaved
 
     batch = 512
     model = _model("cpu", calibration, 1, 4, batch)
@@ -170,33 +174,49 @@ def _measured_part(suite, calibration, num_tasks, seed, max_rows=50_000) -> dict
     try:
         for t, task in enumerate(tasks):
             by_name = {s.name: s for s in task}
+            loads: dict[tuple, list] = {}  # a device's shards -> (shards, planners x ranks)
             for p in PLANNERS:
                 r = plan_tables(task, model, p, seed=seed)
-                per_device = []
-                for rank in range(model.topology.world_size):
-                    shards = [
-                        (by_name[name], sh.num_rows, sh.num_cols)
-                        for name, sh in r.plan.shards_on(rank)
-                    ]
-                    # Every device serves the lookups of the global batch (B x world).
-                    per_device.append(
-                        measure_device(shards, batch * 4, reps=5, seed=t) if shards else 0.0
-                    )
-                measured[p].append(max(per_device))
                 predicted[p].append(r.max_cost)
+                for rank in range(model.topology.world_size):
+                    shards = [(name, sh.rows, sh.cols) for name, sh in r.plan.shards_on(rank)]
+                    key = tuple(sorted(shards))
+                    loads.setdefault(key, [shards, []])[1].append(p)
+            steps = {
+                str(i): device_step(
+                    [(by_name[n], rows[1] - rows[0], cols[1] - cols[0]) for n, rows, cols in sh],
+                    batch * 4,  # every device serves the lookups of the global batch
+                    seed=t,
+                )
+                for i, (sh, _) in enumerate(loads.values())
+                if sh
+            }
+            seconds = time_interleaved(steps, rounds=rounds, steps_per_round=1, warmup=2)
+            worst = dict.fromkeys(PLANNERS, 0.0)
+            for i, (_, owners) in enumerate(loads.values()):
+                for p in owners:
+                    worst[p] = max(worst[p], seconds.get(str(i), 0.0))
+            for p in PLANNERS:
+                measured[p].append(worst[p])
     finally:
         torch.set_num_threads(threads)
     best_greedy = np.min([measured[p] for p in GREEDY_KEYS], axis=0)
+    best_baseline = min(GREEDY_KEYS, key=lambda p: np.mean(measured[p]))
     return {
         "num_tasks": num_tasks,
         "tables_per_task": [8, 16],
         "max_rows": max_rows,
         "devices": 4,
+        "rounds": rounds,
         "what": "slowest device's measured forward+backward+update kernel time (no comms)",
+        "best_baseline_on_average": best_baseline,
         "planners": {
             p: {
                 "mean_measured_max_ms": float(np.mean(measured[p]) * 1e3),
-                "mean_measured_ratio_to_best_greedy": float(
+                "ratio_to_best_baseline_mean": float(
+                    np.mean(measured[p]) / np.mean(measured[best_baseline])
+                ),
+                "mean_measured_ratio_to_best_greedy_per_task": float(
                     np.mean(np.array(measured[p]) / best_greedy)
                 ),
                 "mean_predicted_max_ms": float(np.mean(predicted[p]) * 1e3),
