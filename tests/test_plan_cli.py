@@ -52,19 +52,17 @@ def test_plan_command_writes_a_valid_plan_and_chart(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
-def test_plan_command_on_a_suite_as_json(tmp_path):
+def test_plan_command_on_a_suite_as_json(tmp_path, capsys):
+    from towerrec.cli import main
+
     out = tmp_path / "p.json"
-    result = towerrec(
-        "plan", "--suite", "50", "--world-size", "8", "--planner", "lpt",
-        "--out", str(out), "--json", "--save-stats", str(tmp_path / "s.json"),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
+    args = ["plan", "--suite", "50", "--world-size", "8", "--planner", "lpt", "--out", str(out)]
+    assert main([*args, "--json", "--save-stats", str(tmp_path / "s.json")]) == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["planner"] == "lpt" and summary["imbalance"] >= 1
     assert len(ShardingPlan.load(out).tables) == 50
-    again = towerrec("plan", "--stats", str(tmp_path / "s.json"), "--world-size", "8",
-                     "--planner", "lpt", "--out", str(tmp_path / "q.json"))  # fmt: skip
-    assert again.returncode == 0, again.stderr
+    again = ["plan", "--stats", str(tmp_path / "s.json"), "--world-size", "8", "--planner", "lpt"]
+    assert main([*again, "--out", str(tmp_path / "q.json")]) == 0
     assert ShardingPlan.load(tmp_path / "q.json") == ShardingPlan.load(out)
 
 
