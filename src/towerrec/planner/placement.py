@@ -59,7 +59,11 @@ class Item:
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / GiB:.3g} GiB"
+    """Bytes in the largest binary unit that keeps the number >= 1 (GiB at most)."""
+    for unit, size in (("GiB", GiB), ("MiB", GiB / 1024), ("KiB", GiB / 1024**2)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.3g} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def _table_items(
@@ -111,15 +115,19 @@ def _table_items(
             if model.shard_memory(s, s.num_embeddings, widest) <= capacity:
                 return column_wise(parts)
     splits = [t.value for t in allowed if t in (ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)]
-    how = (
-        f"even split {'/'.join(splits)} over the {world} ranks still leaves a shard too large"
-        if splits
-        else f"its allowed sharding types {[t.value for t in allowed]} cannot split it"
-    )
+    if splits:
+        how = (
+            f"an even {' or '.join(splits)} split over the {world} ranks still leaves a shard "
+            "too large; add ranks or use devices with more memory"
+        )
+    else:
+        how = (
+            f"its allowed sharding types {[t.value for t in allowed]} cannot split it; allow "
+            "row_wise or column_wise, add ranks, or use devices with more memory"
+        )
     raise PlanningError(
         f"table {s.name!r} needs {_gib(memory)} but a device holds {_gib(capacity)} "
-        f"(short by {_gib(memory - capacity)}) and {how}; allow row_wise or column_wise, "
-        "add ranks, or use devices with more memory"
+        f"(short by {_gib(memory - capacity)}) and {how}"
     )
 
 
