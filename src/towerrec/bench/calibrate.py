@@ -66,7 +66,11 @@ def make_ids(stats: TableStats, batch: int, rows: int, rng: np.random.Generator)
 
 
 def device_step(
-    shards: Sequence[tuple[TableStats, int, int]], batch: int, backend: str = "auto", seed: int = 0
+    shards: Sequence[tuple[TableStats, int, int]],
+    batch: int,
+    backend: str = "auto",
+    seed: int = 0,
+    device: str = "cpu",
 ):
     """A function running one forward + backward + fused update of a device holding
     ``shards`` = (stats, rows, cols), on a fixed batch of ``batch`` samples."""
@@ -77,17 +81,22 @@ def device_step(
         lens, ids = make_ids(stats, batch, rows, rng)
         lengths.append(lens)
         values.append(ids)
-    ebc = EmbeddingBagCollection(tables, EmbeddingOptimizerConfig(lr=0.01), backend=backend)
+    ebc = EmbeddingBagCollection(
+        tables, EmbeddingOptimizerConfig(lr=0.01), backend=backend, device=device
+    )
     features = KeyedJaggedTensor(
         [t.name for t in tables],
         torch.from_numpy(np.concatenate(values)),
         torch.from_numpy(np.concatenate(lengths)),
     )
-    features = features.select(ebc.feature_names)
+    features = features.select(ebc.feature_names).to(device)
+    cuda = torch.device(device).type == "cuda"
 
     def step(_: int = 0) -> None:
         out = ebc(features).values()
         out.backward(torch.ones_like(out))
+        if cuda:
+            torch.cuda.synchronize()
 
     return step
 
@@ -98,9 +107,10 @@ def measure_device(
     reps: int = 5,
     backend: str = "auto",
     seed: int = 0,
+    device: str = "cpu",
 ) -> float:
     """Median seconds of ``device_step`` over ``reps`` runs (after 2 untimed)."""
-    step = device_step(shards, batch, backend, seed)
+    step = device_step(shards, batch, backend, seed, device)
     times = []
     for r in range(reps + 2):
         start = time.perf_counter()
@@ -238,25 +248,34 @@ def random_device(rng: np.random.Generator, tag: str, max_tables: int = 8):
     return [(s, s.num_embeddings, s.embedding_dim) for s in tables]
 
 
-def _kernel_samples(rng, num_groups: int, batch: int, reps: int):
+def _kernel_samples(rng, num_groups: int, batch: int, reps: int, backend="auto", device="cpu"):
     samples = []
     for g in range(num_groups):
         # A third single tables (they pin the per-table terms), the rest groups of up to 8.
         shards = random_device(rng, f"g{g}", 1 if g < num_groups // 3 else 8)
-        seconds = measure_device(shards, batch, reps, seed=g)
+        seconds = measure_device(shards, batch, reps, backend, seed=g, device=device)
         samples.append((kernel_features(shards, batch), seconds))
     return samples
 
 
 def calibrate(
-    num_groups: int = 24, batch: int = 2048, reps: int = 5, seed: int = 0, collectives: bool = True
+    num_groups: int = 24,
+    batch: int = 2048,
+    reps: int = 5,
+    seed: int = 0,
+    collectives: bool = True,
+    backend: str = "auto",
+    device: str = "cpu",
 ) -> dict:
-    """Measure and fit; returns the calibration JSON (``constants`` + samples + fit error)."""
+    """Measure and fit; returns the calibration JSON (``constants`` + samples + fit error).
+
+    ``device = "cuda"`` times the kernels on the GPU (collectives need 2 processes
+    on one machine: gloo on CPU; pass ``collectives=False`` to keep the topology's links)."""
     rng = np.random.default_rng(seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank, one core: and no spinning threads on a shared CPU
     try:
-        samples = _kernel_samples(rng, num_groups, batch, reps)
+        samples = _kernel_samples(rng, num_groups, batch, reps, backend, device)
     finally:
         torch.set_num_threads(threads)
     x = np.stack([f for f, _ in samples])
@@ -275,7 +294,12 @@ def calibrate(
         "update_bandwidth": float(1 / per_update_byte) if per_update_byte > 0 else 1e15,
         "source": f"calibrated {machine_info()['date']} on {machine_info()['cpu']}",
     }
-    result: dict = {"machine": machine_info(), "batch": batch}
+    if torch.device(device).type == "cuda":
+        constants["source"] = (
+            f"calibrated {machine_info()['date']} on {torch.cuda.get_device_name()} "
+            f"({backend} kernel)"
+        )
+    result: dict = {"machine": machine_info(), "batch": batch, "device": device}
     if collectives:
         a2a = measure_all_to_all(reps=reps)
         sent = np.array([b for b, _ in a2a])
