@@ -1,4 +1,4 @@
-"""``towerrec`` command line: train | bench | data.
+"""``towerrec`` command line: train | plan | data | bench.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
 and exit with status 2; anything else is a bug and shows its traceback.
@@ -91,6 +91,37 @@ def _cmd_bench_zoo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from towerrec.cli_plan import run_plan
+
+    return run_plan(args)
+
+
+def _cmd_bench_plan(args: argparse.Namespace) -> int:
+    from towerrec.bench.plan import run_plan_benchmark
+
+    result = run_plan_benchmark(
+        tasks=args.tasks,
+        torchrec_tasks=0 if args.no_torchrec else args.torchrec_tasks,
+        measured_tasks=args.measured_tasks,
+        full=not args.no_full,
+        topology=args.topology,
+        calibration=args.calibration,
+    )
+    _print_result(result, args.json)
+    return 0
+
+
+def _cmd_bench_costmodel(args: argparse.Namespace) -> int:
+    from towerrec.bench.costmodel import run_costmodel_benchmark
+
+    result = run_costmodel_benchmark(
+        num_devices=args.devices, samples_in=args.samples, samples_out=args.save_samples
+    )
+    _print_result(result, args.json)
+    return 0
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
@@ -115,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
     )
     train.set_defaults(func=_cmd_train)
+
+    plan = sub.add_parser(
+        "plan", help="shard embedding tables over devices: per-device table, plan JSON, chart"
+    )
+    _add_config_args(plan)
+    from towerrec.cli_plan import add_plan_args
+
+    add_plan_args(plan)
+    plan.set_defaults(func=_cmd_plan)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -163,6 +203,26 @@ def build_parser() -> argparse.ArgumentParser:
     from towerrec.cli_data import add_data_commands
 
     add_data_commands(sub, bench_sub)
+    b = bench_sub.add_parser("plan", help="planners on synthetic DLRM-like table suites")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--tasks", type=int, default=100, help="tasks of 10-60 tables on 4 devices")
+    b.add_argument(
+        "--torchrec-tasks", type=int, default=20, help="of those, for TorchRec's planner"
+    )
+    b.add_argument("--measured-tasks", type=int, default=5, help="tasks timed on this machine")
+    b.add_argument("--no-full", action="store_true", help="skip 856 tables on 128 devices")
+    b.add_argument("--no-torchrec", action="store_true", help="skip TorchRec's planner")
+    b.add_argument("--topology", default="gpu", help="topology preset without --calibration")
+    b.add_argument("--calibration", help="constants from `towerrec plan --calibrate` (cpu)")
+    b.set_defaults(func=_cmd_bench_plan)
+    b = bench_sub.add_parser(
+        "costmodel", help="analytic vs learned device cost on measured multi-table kernels"
+    )
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--devices", type=int, default=200, help="random devices to measure")
+    b.add_argument("--samples", help="reuse measured devices from this JSON, measure nothing")
+    b.add_argument("--save-samples", help="write the measured devices as JSON")
+    b.set_defaults(func=_cmd_bench_costmodel)
     return parser
 
 

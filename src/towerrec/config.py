@@ -41,6 +41,7 @@ __all__ = [
     "EmbeddingConfig",
     "ModelConfig",
     "OptimizerConfig",
+    "PlanConfig",
     "TrainConfig",
     "config_from_dict",
     "config_to_dict",
@@ -223,12 +224,52 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class PlanConfig:
+    """How embedding tables are sharded over ranks (``towerrec plan`` shows the result).
+
+    ``strategy``: ``none`` (every table whole on every rank's model), ``auto``
+    (plan from the data's statistics with ``planner``) or ``file`` (the plan JSON
+    at ``path``). ``ranks_per_host = 0`` means the world size over ``hosts``;
+    ``device_memory_gib = 0`` the ``topology`` preset's; ``calibration`` is a
+    cost-constants JSON written by ``towerrec plan --calibrate``.
+    """
+
+    strategy: str = "none"
+    path: str = ""
+    planner: str = "search"
+    topology: str = "cpu"
+    hosts: int = 1
+    ranks_per_host: int = 0
+    device_memory_gib: float = 0.0
+    calibration: str = ""
+    stats_batches: int = 8
+    stats_batch_size: int = 1024
+
+    def __post_init__(self) -> None:
+        from towerrec.planner.search import PLANNERS
+        from towerrec.planner.topology import PRESETS
+
+        _choice(self.strategy, ("none", "auto", "file"), "plan.strategy")
+        _choice(self.planner, PLANNERS, "plan.planner")
+        _choice(self.topology, tuple(PRESETS), "plan.topology")
+        if self.strategy == "file" and not self.path:
+            raise ValueError("plan.strategy = 'file' needs plan.path (a JSON from towerrec plan)")
+        if self.hosts < 1 or self.ranks_per_host < 0:
+            raise ValueError("plan.hosts must be >= 1 and plan.ranks_per_host >= 0")
+        if self.device_memory_gib < 0:
+            raise ValueError("plan.device_memory_gib must be >= 0 (0 = the topology preset's)")
+        if self.stats_batches < 1 or self.stats_batch_size < 1:
+            raise ValueError("plan.stats_batches and plan.stats_batch_size must be >= 1")
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 # ------------------------------------------------------------------ loading

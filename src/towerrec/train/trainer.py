@@ -143,6 +143,8 @@ def train(
 
     device = resolve_device(cfg.device)
     source = build_source(config.data)
+    if config.plan.strategy != "none":
+        log.warning("plan.strategy only shards tables over ranks; one process keeps them all")
     model = build_model(config, source.schema, device)
     optimizer = build_dense_optimizer(config.optimizer, model)
     state: dict[str, Any] = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}

@@ -1,0 +1,98 @@
+"""``towerrec plan``: plan a sharding, print it per device, write the JSON and a chart.
+
+Tables come from the run config's data source (statistics measured on a few
+batches), a statistics JSON (``--stats``) or a synthetic DLRM-like suite
+(``--suite N``); the topology from the ``plan`` config section and
+``--world-size``. ``--calibrate`` first measures this machine's kernels and
+collectives and plans with the measured constants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+__all__ = ["add_plan_args", "run_plan"]
+
+log = logging.getLogger("towerrec")
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=4, help="number of ranks (default 4)")
+    parser.add_argument("--planner", help="override plan.planner (search, lpt, greedy_*, random)")
+    tables = parser.add_mutually_exclusive_group()
+    tables.add_argument("--stats", type=Path, help="table statistics JSON instead of the data")
+    tables.add_argument(
+        "--suite", type=int, metavar="N", help="a synthetic DLRM-like suite of N tables"
+    )
+    parser.add_argument("--save-stats", type=Path, help="write the table statistics used here")
+    parser.add_argument("--out", type=Path, default=Path("plan.json"), help="plan JSON to write")
+    parser.add_argument("--png", type=Path, help="bar chart (default: --out with .png)")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's kernels and collectives first and plan with the result",
+    )
+    parser.add_argument(
+        "--calibration-out",
+        type=Path,
+        default=Path("calibration.json"),
+        help="where --calibrate writes the constants (plan.calibration reads them)",
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON summary, not the table")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from towerrec.config import load_config
+    from towerrec.planner.report import device_table, write_bar_chart
+    from towerrec.planner.stats import load_stats, save_stats
+    from towerrec.planner.suites import dlrm_like_suite
+    from towerrec.train.build import build_source
+    from towerrec.train.planning import plan_source
+
+    config = load_config(args.config, args.overrides)
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.planner:
+        config = replace(config, plan=replace(config.plan, planner=args.planner))
+    if args.calibrate:
+        from towerrec.bench.calibrate import calibrate
+
+        report = calibrate()
+        Path(args.calibration_out).write_text(json.dumps(report, indent=2) + "\n")
+        log.info("calibration written to %s", args.calibration_out)
+        config = replace(config, plan=replace(config.plan, calibration=str(args.calibration_out)))
+    source = None
+    if args.stats:
+        stats = load_stats(args.stats)
+    elif args.suite:
+        stats = dlrm_like_suite(args.suite, batch_size=config.train.batch_size)
+    else:
+        source = build_source(config.data)
+        stats = None
+    result = plan_source(config, source, args.world_size, stats)
+    if args.save_stats:
+        from towerrec.planner.stats import stats_from_source
+
+        save_stats(
+            stats
+            or stats_from_source(
+                source,
+                config.model.embedding_dim,
+                config.plan.stats_batch_size,
+                config.plan.stats_batches,
+            ),
+            args.save_stats,
+        )
+    result.plan.save(args.out)
+    png = args.png or Path(args.out).with_suffix(".png")
+    write_bar_chart(result, png)
+    if args.json:
+        print(json.dumps({**result.summary(), "plan": str(args.out), "chart": str(png)}, indent=2))
+    else:
+        print(device_table(result))
+        print(f"plan written to {args.out}, chart to {png}")
+    return 0

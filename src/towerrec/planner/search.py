@@ -1,0 +1,479 @@
+"""Placement algorithms: greedy baselines, LPT with local search, column-split beam search.
+
+::
+
+    stats + topology + constraints
+        │  build_items: table-wise, or row-wise / column-wise when a table is too large
+        ▼
+    greedy_<key>   sort by a proxy (size, lookups, size x lookups, dim; random order),
+                   put each table on the device with the least proxy so far
+    lpt            sort by modelled cost, put each shard where the device cost grows least,
+                   then refine: moves and swaps between the most and least loaded devices
+    search         beam search over column / row splits of the tables on the most loaded
+                   device (each candidate scored by LPT), then LPT + refine on the best
+
+Memory is a hard constraint in every planner; an infeasible task raises
+``PlanningError`` naming the table and the shortfall. Everything here is
+deterministic for a given seed, so every rank computes the same plan (or the
+same error).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from towerrec.modules.tables import TableConfig
+from towerrec.planner.cost import CostModel
+from towerrec.planner.placement import (
+    Item,
+    Loads,
+    PlanningError,
+    TableConstraint,
+    _gib,
+    build_items,
+)
+from towerrec.planner.plan import Shard, ShardingPlan, ShardingType, TablePlan
+from towerrec.planner.stats import TableStats
+
+__all__ = ["GREEDY_KEYS", "PLANNERS", "PlanResult", "evaluate_plan", "plan_tables"]
+
+GREEDY_KEYS = {
+    "greedy_size": lambda s: s.num_embeddings * s.embedding_dim,
+    "greedy_lookup": lambda s: s.pooling_factor * s.embedding_dim,
+    "greedy_size_lookup": lambda s: s.num_embeddings * s.embedding_dim**2 * s.pooling_factor,
+    "greedy_dim": lambda s: s.embedding_dim,
+    "random": None,
+}
+PLANNERS = (*GREEDY_KEYS, "lpt", "search")
+
+
+@dataclass
+class PlanResult:
+    """A plan and what the cost model says about it, device by device."""
+
+    plan: ShardingPlan
+    planner: str
+    device_costs: list[float]
+    device_memory: list[float]
+    device_shards: list[list[str]]
+    seconds: float  # wall-clock planning time
+    cpu_seconds: float = 0.0  # this process's CPU time for planning (steady on a shared CPU)
+
+    @property
+    def max_cost(self) -> float:
+        return max(self.device_costs)
+
+    @property
+    def mean_cost(self) -> float:
+        return sum(self.device_costs) / len(self.device_costs)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean device cost (1.0 = perfectly balanced)."""
+        return self.max_cost / self.mean_cost if self.mean_cost > 0 else 1.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "planner": self.planner,
+            "max_cost_ms": self.max_cost * 1e3,
+            "mean_cost_ms": self.mean_cost * 1e3,
+            "imbalance": self.imbalance,
+            "max_memory_gib": max(self.device_memory) / (1 << 30),
+            "planning_s": self.seconds,
+            "planning_cpu_s": self.cpu_seconds,
+        }
+
+
+# ------------------------------------------------------------------ placing
+def _place_fixed(items: Sequence[Item], loads: Loads, order: Sequence[int]) -> list[int]:
+    """Place pinned shards (all shards of a table at once); return the indices still to place."""
+    rest, fixed = [], {}
+    for i in order:
+        if items[i].fixed_rank is None:
+            rest.append(i)
+        else:
+            fixed.setdefault(items[i].group, []).append(i)
+    for members in fixed.values():
+        ranks = np.array([items[i].fixed_rank for i in members])
+        memory = np.array([items[i].memory for i in members])
+        free = loads.capacity - loads.memory[ranks]
+        over = np.flatnonzero(memory > free)
+        if len(over):
+            item, room = items[members[over[0]]], free[over[0]]
+            raise PlanningError(
+                f"table {item.table!r}: its shard on rank {item.fixed_rank} needs "
+                f"{_gib(item.memory)} but only {_gib(room)} is free there (short by "
+                f"{_gib(item.memory - room)}); unpin it or add memory"
+            )
+        loads.add_many(ranks, members, [items[i] for i in members])
+    return rest
+
+
+class _NoRoom(PlanningError):
+    """Shards that found no device with room (``tables``: their tables, in order)."""
+
+    def __init__(self, message: str, tables: list[str]) -> None:
+        super().__init__(message)
+        self.tables = tables
+
+
+class _Misfits:
+    """Collects the shards that do not fit, so one pass reports all of them."""
+
+    def __init__(self) -> None:
+        self.first: str | None = None
+        self.tables: list[str] = []
+
+    def add(self, item: Item, loads: Loads) -> None:
+        if self.first is None:
+            free = float((loads.capacity - loads.memory).max())
+            self.first = (
+                f"no device has room for table {item.table!r} (shard {item.rows}x{item.cols} "
+                f"needs {_gib(item.memory)}, the most free on any device is {_gib(free)}, "
+                f"short by {_gib(item.memory - free)}); the tables do not pack: add ranks or "
+                "memory, or allow row_wise / column_wise"
+            )
+        if item.table not in self.tables:
+            self.tables.append(item.table)
+
+    def check(self) -> None:
+        if self.first is not None:
+            raise _NoRoom(self.first, self.tables)
+
+
+def _greedy(items: Sequence[Item], loads: Loads, key: str, seed: int) -> list[int]:
+    assign = [-1] * len(items)
+    rng = np.random.default_rng(seed)
+    if key == "random":
+        order = list(rng.permutation(len(items)))
+        values = np.zeros(len(items))
+    else:
+        fn = GREEDY_KEYS[key]
+        values = np.array(
+            [
+                fn(it.stats)
+                * (it.cols[1] - it.cols[0])
+                / it.stats.embedding_dim
+                * (it.rows[1] - it.rows[0])
+                / it.stats.num_embeddings
+                for it in items
+            ]
+        )
+        order = sorted(range(len(items)), key=lambda i: (-values[i], i))
+    proxy = np.zeros(len(loads.cost))
+    misfits = _Misfits()
+    for i in _place_fixed(items, loads, order):
+        item = items[i]
+        ok = loads.feasible(item)
+        if not ok.any():
+            misfits.add(item, loads)
+            continue
+        if key == "random":
+            rank = int(rng.choice(np.flatnonzero(ok)))
+        else:
+            rank = int(np.argmin(np.where(ok, proxy, np.inf)))
+        proxy[rank] += values[i]
+        loads.add(rank, i, item)
+    misfits.check()
+    for rank, members in enumerate(loads.on):
+        for i in members:
+            assign[i] = rank
+    return assign
+
+
+def _lpt(items: Sequence[Item], loads: Loads) -> None:
+    # Shards taking over a quarter of a device go first (largest first), so they still fit.
+    big = loads.capacity / 4
+
+    def key(i: int):
+        it = items[i]
+        return (0, -it.memory, i) if it.memory > big else (1, -it.cost, i)
+
+    order = sorted(range(len(items)), key=key)
+    misfits = _Misfits()
+    for i in _place_fixed(items, loads, order):
+        item = items[i]
+        ok = loads.feasible(item)
+        if not ok.any():
+            misfits.add(item, loads)
+            continue
+        after = np.where(ok, loads.totals_with(item), np.inf)
+        best = after.min()
+        # Ties (e.g. empty devices): the one with the most free memory, then the lowest rank.
+        ties = np.flatnonzero(after <= best * (1 + 1e-12))
+        loads.add(int(ties[np.argmin(loads.memory[ties])]), i, item)
+    misfits.check()
+
+
+def _refine(items: Sequence[Item], loads: Loads, max_rounds: int, candidates: int = 8) -> None:
+    """Local search: the best move or swap between the most loaded device and the
+    ``candidates`` least loaded ones, until none lowers the pair's maximum."""
+    for _ in range(max_rounds):
+        totals = loads.totals()
+        top = int(np.argmax(totals))
+        current = totals[top]
+        others = [int(r) for r in np.argsort(totals, kind="stable") if r != top][:candidates]
+        best: tuple[float, int, int, int | None] | None = None  # (max, item, rank, swap item)
+        movable = [i for i in loads.on[top] if items[i].fixed_rank is None]
+        for i in movable:
+            a = items[i]
+            for rank in others:
+                if rank in loads.groups.get(a.group, ()):
+                    continue
+                free = loads.capacity - loads.memory[rank]
+                if a.memory <= free:
+                    worst = max(loads.total_at(top, remove=[a]), loads.total_at(rank, add=[a]))
+                    if worst < current * (1 - 1e-9) and (best is None or worst < best[0]):
+                        best = (worst, i, rank, None)
+                for j in loads.on[rank]:
+                    b = items[j]
+                    if b.fixed_rank is not None or b.cost >= a.cost:
+                        continue
+                    if top in loads.groups.get(b.group, ()) and b.group != a.group:
+                        continue
+                    if b.group == a.group:
+                        continue
+                    if a.memory - b.memory > free or b.memory - a.memory > (
+                        loads.capacity - loads.memory[top]
+                    ):
+                        continue
+                    worst = max(
+                        loads.total_at(top, remove=[a], add=[b]),
+                        loads.total_at(rank, remove=[b], add=[a]),
+                    )
+                    if worst < current * (1 - 1e-9) and (best is None or worst < best[0]):
+                        best = (worst, i, rank, j)
+        if best is None:
+            return
+        _, i, rank, j = best
+        loads.remove(top, i, items[i])
+        if j is not None:
+            loads.remove(rank, j, items[j])
+            loads.add(top, j, items[j])
+        loads.add(rank, i, items[i])
+
+
+def _lpt_refined(items, widths, model, rounds) -> Loads:
+    loads = Loads(model, len(widths))
+    _lpt(items, loads)
+    _refine(items, loads, rounds)
+    return loads
+
+
+def _split_options(s: TableStats, current, world: int, allowed) -> list:
+    out = []
+    parts = current[1] if current and current[0] is ShardingType.COLUMN_WISE else 1
+    if ShardingType.COLUMN_WISE in allowed and parts * 2 <= min(world, s.embedding_dim // 4):
+        out.append((ShardingType.COLUMN_WISE, parts * 2))
+    if ShardingType.ROW_WISE in allowed and current is None and world > 1:
+        out.append((ShardingType.ROW_WISE, world))
+    return out
+
+
+def _beam_search(stats, model, constraints, start_splits, beam_width, depth, branch, cache):
+    """Splits chosen by beam search; each candidate is scored by LPT's max device cost."""
+    world = model.topology.world_size
+    by_name = {s.name: s for s in stats}
+
+    def score(splits):
+        items, widths = build_items(stats, model, constraints, splits, cache)
+        loads = Loads(model, len(widths))
+        _lpt(items, loads)
+        return float(loads.totals().max()), items, loads
+
+    start = score(start_splits)
+    beam = [(dict(start_splits), *start)]
+    seen = {()}
+    best = beam[0]
+    for _ in range(depth):
+        children = []
+        for splits, _, items, loads in beam:
+            top = int(np.argmax(loads.totals()))
+            hot = sorted(loads.on[top], key=lambda i: -items[i].cost)
+            tried = 0
+            for i in hot:
+                name = items[i].table
+                allowed = constraints.get(name, TableConstraint()).sharding_types
+                if items[i].sharding not in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
+                    continue  # row-wise or data-parallel already
+                for option in _split_options(by_name[name], splits.get(name), world, allowed):
+                    child = {**splits, name: option}
+                    key = tuple(sorted((k, v[0].value, v[1]) for k, v in child.items()))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    try:
+                        children.append((child, *score(child)))
+                    except PlanningError:
+                        continue
+                tried += 1
+                if tried >= branch:
+                    break
+        if not children:
+            break
+        beam = sorted(beam + children, key=lambda b: b[1])[:beam_width]
+        if beam[0][1] < best[1] * (1 - 1e-6):
+            best = beam[0]
+        else:
+            break
+    return best[0]
+
+
+def _split_until_packed(stats, model, constraints, place):
+    """``place({})``; while a table does not pack, split it (row-wise, else column-wise)
+    and try again. Returns the splits and the placement."""
+    by_name = {s.name: s for s in stats}
+    world = model.topology.world_size
+    splits: dict[str, tuple[ShardingType, int]] = {}
+    while True:
+        try:
+            return splits, place(splits)
+        except _NoRoom as e:
+            changed = False
+            for name in e.tables:
+                table = by_name[name]
+                allowed = constraints.get(name, TableConstraint()).sharding_types
+                current = splits.get(name)
+                parts = current[1] if current and current[0] is ShardingType.COLUMN_WISE else 1
+                if ShardingType.ROW_WISE in allowed and current is None and world > 1:
+                    splits[name] = (ShardingType.ROW_WISE, world)
+                    changed = True
+                elif ShardingType.COLUMN_WISE in allowed and parts < min(
+                    world, table.embedding_dim
+                ):
+                    splits[name] = (ShardingType.COLUMN_WISE, min(world, table.embedding_dim))
+                    changed = True
+            if not changed:
+                raise
+
+
+# ------------------------------------------------------------------ output
+def _result(items, loads, model, planner, seconds) -> PlanResult:
+    topo = model.topology
+    tables: dict[str, list[Shard]] = {}
+    kinds: dict[str, ShardingType] = {}
+    for rank, members in enumerate(loads.on):
+        for i in members:
+            it = items[i]
+            tables.setdefault(it.table, []).append(Shard(rank, it.rows, it.cols))
+            kinds[it.table] = it.sharding
+    order = list(dict.fromkeys(it.table for it in items))
+    plan = ShardingPlan(
+        topo.world_size,
+        topo.hosts,
+        {
+            name: TablePlan(
+                name, kinds[name], tuple(sorted(tables[name], key=lambda s: (s.rows, s.cols)))
+            )
+            for name in order
+        },
+    )
+    labels = []
+    for members in loads.on:
+        names = []
+        for i in sorted(members):
+            it = items[i]
+            whole = it.sharding is ShardingType.TABLE_WISE
+            names.append(it.table if whole else f"{it.table}[{it.sharding.value}]")
+        labels.append(names)
+    return PlanResult(
+        plan,
+        planner,
+        [float(x) for x in loads.totals()],
+        [float(x) for x in loads.memory],
+        labels,
+        seconds,
+    )
+
+
+def plan_tables(
+    stats: Sequence[TableStats],
+    model: CostModel,
+    planner: str = "search",
+    constraints: Mapping[str, TableConstraint] | None = None,
+    seed: int = 0,
+    refine_rounds: int = 2000,
+    beam_width: int = 3,
+    beam_depth: int = 6,
+    beam_branch: int = 2,
+) -> PlanResult:
+    """Plan ``stats`` on ``model.topology`` with one of ``PLANNERS``."""
+    if planner not in PLANNERS:
+        raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+    if not stats:
+        raise ValueError("nothing to plan: no tables")
+    names = [s.name for s in stats]
+    if len(set(names)) != len(names):
+        raise ValueError("table names must be unique")
+    constraints = dict(constraints or {})
+    start, cpu_start = time.perf_counter(), time.process_time()
+
+    cache: dict = {}
+
+    def place(splits):
+        items, widths = build_items(stats, model, constraints, splits, cache)
+        if planner in GREEDY_KEYS:
+            loads = Loads(model, len(widths))
+            _greedy(items, loads, planner, seed)
+        else:
+            loads = _lpt_refined(items, widths, model, refine_rounds)
+        return items, loads
+
+    splits, (items, loads) = _split_until_packed(stats, model, constraints, place)
+    if planner == "search":
+        found = _beam_search(
+            stats, model, constraints, splits, beam_width, beam_depth, beam_branch, cache
+        )
+        if found != splits:
+            split_items, split_loads = place(found)
+            if split_loads.totals().max() < loads.totals().max():
+                items, loads = split_items, split_loads
+    result = _result(items, loads, model, planner, time.perf_counter() - start)
+    result.cpu_seconds = time.process_time() - cpu_start
+    result.plan.validate([TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in stats])
+    return result
+
+
+def evaluate_plan(
+    plan: ShardingPlan, stats: Sequence[TableStats], model: CostModel, name: str = "given"
+) -> PlanResult:
+    """What ``model`` predicts for an existing ``plan`` (from a file, another planner)."""
+    by_name = {s.name: s for s in stats}
+    plan.validate([TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in stats])
+    if plan.world_size != model.topology.world_size:
+        raise ValueError(
+            f"plan is for {plan.world_size} ranks, the topology has {model.topology.world_size}"
+        )
+    raw = [
+        (by_name[n], g, tp.sharding, s)
+        for g, (n, tp) in enumerate(plan.tables.items())
+        for s in tp.shards
+    ]
+    widths = sorted({s.num_cols for *_, s in raw})
+    index = {w: i for i, w in enumerate(widths)}
+    items = [
+        Item(
+            st.name,
+            kind,
+            s.rows,
+            s.cols,
+            model.shard_cost(st, kind, s.num_rows, s.num_cols).total,
+            model.shard_memory(st, s.num_rows, s.num_cols),
+            index[s.num_cols],
+            g,
+            s.rank,
+            st,
+        )
+        for st, g, kind, s in raw
+    ]
+    loads = Loads(model, len(widths))
+    for i, it in enumerate(items):
+        loads.add(it.fixed_rank, i, it)
+    result = _result(items, loads, model, name, 0.0)
+    result.plan = plan
+    return result

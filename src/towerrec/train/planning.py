@@ -1,0 +1,80 @@
+"""From a run's config and data source to a sharding plan (``plan.strategy``).
+
+``auto`` measures the source's table statistics, builds the topology from the
+``plan`` section and the world size, and runs the configured planner; ``file``
+loads a plan JSON and checks it against the tables; ``none`` returns None.
+Planning is deterministic, so every rank that calls this gets the same plan,
+or the same ``PlanningError``.
+"""
+
+from __future__ import annotations
+
+from towerrec.config import Config
+from towerrec.planner.cost import CostConstants, CostModel
+from towerrec.planner.plan import ShardingPlan
+from towerrec.planner.search import PlanResult, plan_tables
+from towerrec.planner.stats import TableStats, stats_from_source
+from towerrec.planner.topology import topology_preset
+
+__all__ = ["build_cost_model", "build_plan", "plan_source"]
+
+GiB = float(1 << 30)
+
+
+def build_cost_model(config: Config, world_size: int) -> CostModel:
+    plan = config.plan
+    if world_size % plan.hosts:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of plan.hosts = {plan.hosts}; set "
+            "plan.hosts to a divisor of the number of ranks"
+        )
+    local = plan.ranks_per_host or world_size // plan.hosts
+    if local * plan.hosts != world_size:
+        raise ValueError(
+            f"plan.hosts x plan.ranks_per_host = {plan.hosts} x {local} is not the world size "
+            f"{world_size}; set plan.ranks_per_host = 0 to derive it"
+        )
+    overrides = {}
+    if plan.device_memory_gib:
+        overrides["device_memory"] = plan.device_memory_gib * GiB
+    topology = topology_preset(plan.topology, plan.hosts, local, **overrides)
+    constants = CostConstants.load(plan.calibration) if plan.calibration else None
+    return CostModel(topology, constants, config.train.batch_size)
+
+
+def plan_source(
+    config: Config, source, world_size: int, stats: list[TableStats] | None = None
+) -> PlanResult:
+    """Plan the tables of ``source`` (one per sparse feature) with ``config.plan``."""
+    if stats is None:
+        stats = stats_from_source(
+            source,
+            config.model.embedding_dim,
+            batch_size=config.plan.stats_batch_size,
+            num_batches=config.plan.stats_batches,
+        )
+    return plan_tables(stats, build_cost_model(config, world_size), config.plan.planner)
+
+
+def build_plan(config: Config, source, world_size: int) -> ShardingPlan | None:
+    """The plan a run of ``world_size`` ranks uses, per ``config.plan.strategy``."""
+    strategy = config.plan.strategy
+    if strategy == "none":
+        return None
+    if strategy == "file":
+        from towerrec.modules.tables import TableConfig
+
+        plan = ShardingPlan.load(config.plan.path)
+        if plan.world_size != world_size:
+            raise ValueError(
+                f"plan {config.plan.path!r} is for {plan.world_size} ranks but the run has "
+                f"{world_size}; write a new one with `towerrec plan`"
+            )
+        plan.validate(
+            [
+                TableConfig(f.name, f.num_embeddings, config.model.embedding_dim)
+                for f in source.schema.sparse
+            ]
+        )
+        return plan
+    return plan_source(config, source, world_size).plan
