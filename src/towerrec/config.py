@@ -22,6 +22,7 @@ from typing import Any
 import tomli_w
 
 from towerrec.data.synthetic import SyntheticConfig
+from towerrec.models.dmt import DMTConfig
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
@@ -88,9 +89,10 @@ class ModelConfig:
     bottom_mlp: tuple[int, ...] = (64, 16)
     top_mlp: tuple[int, ...] = (64, 32, 1)
     self_interaction: bool = False
+    dmt: DMTConfig = field(default_factory=DMTConfig)  # used when name = "dmt"
 
     def __post_init__(self) -> None:
-        _choice(self.name, ("dlrm",), "model.name")
+        _choice(self.name, ("dlrm", "dmt"), "model.name")
         if self.embedding_dim < 1:
             raise ValueError(f"model.embedding_dim must be >= 1, got {self.embedding_dim}")
         if not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
