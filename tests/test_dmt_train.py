@@ -138,3 +138,46 @@ def test_dmt_trains_to_an_auc_near_dlrm(tmp_path):
     )
     assert dmt["auc"] > dlrm["auc"] - 0.01
     assert dmt["auc"] > 0.78
+
+
+def test_bench_towers_reports_every_strategy():
+    from towerrec.bench.towers import run_towers_benchmark
+
+    result = run_towers_benchmark(
+        steps=3,
+        pilot_steps=3,
+        random_seeds=1,
+        overrides=(
+            "data.synthetic.eval_samples=2048",
+            "train.batch_size=128",
+            "train.eval_batch_size=2048",
+        ),
+    )
+    runs = result["runs"]
+    assert set(runs) == {
+        "flat_dlrm",
+        "dmt_partitioner",
+        "dmt_cost_only",
+        "dmt_random_0",
+    }
+    features = [f"cat_{i}" for i in range(9)]
+    for name, run in runs.items():
+        assert 0 <= run["auc"] <= 1, name
+        if name == "flat_dlrm":
+            assert run["floats_to_top_per_sample"] == 9 * 16
+            continue
+        assert sorted(n for g in run["groups"] for n in g) == features
+        assert 0 <= run["learned_cross_mass"] <= 1 and 0 <= run["planted_cross_mass"] <= 1
+        assert run["compression_ratio"] == 4.5 and run["floats_to_top_per_sample"] == 2 * 16
+    # the partitioner cuts no more learned mass than any baseline it is compared with
+    ours = runs["dmt_partitioner"]["learned_cross_mass"]
+    assert all(
+        ours <= run["learned_cross_mass"] + 1e-9
+        for run in runs.values()
+        if "groups" in run
+        and run["cost_imbalance"] <= runs["dmt_partitioner"]["cost_imbalance"] + 1e-9
+    )
+    summary = result["summary"]
+    assert summary["auc_flat_minus_partitioner"] == pytest.approx(
+        runs["flat_dlrm"]["auc"] - runs["dmt_partitioner"]["auc"]
+    )
