@@ -92,6 +92,7 @@ def _cmd_bench_towers(args: argparse.Namespace) -> int:
         pilot_steps=args.pilot_steps,
         threads=args.threads,
         overrides=tuple(args.overrides),
+        throughput_only=args.throughput_only,
     )
     _print_result(result, args.json)
     return 0
@@ -166,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     towers.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     towers.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
+    )
+    towers.add_argument(
+        "--throughput-only", action="store_true", help="only the side-by-side step timing"
     )
     towers.set_defaults(func=_cmd_bench_towers)
     scale = bench_sub.add_parser(

@@ -17,8 +17,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from towerrec.bench.common import machine_info
+from towerrec.bench.common import machine_info, time_interleaved
 from towerrec.config import Config, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.planner.towers import (
@@ -28,10 +29,11 @@ from towerrec.planner.towers import (
     partition_features,
     random_partition,
 )
+from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.towers import feature_stats, learn_interaction_strength
-from towerrec.train.trainer import train
+from towerrec.train.trainer import train, train_step
 
-__all__ = ["run_towers_benchmark"]
+__all__ = ["run_towers_benchmark", "step_time_ratios"]
 
 
 def _with_partition(config: Config, groups: list[list[str]]) -> Config:
@@ -52,6 +54,35 @@ def _train(config: Config) -> dict:
     }
 
 
+def step_time_ratios(config: Config, groups: list[list[str]], rounds: int = 5) -> dict:
+    """Single-device train-step time of flat DLRM, identity DMT and compressing DMT,
+    timed round-robin on the same batches (``time_interleaved``), as ratios to flat."""
+    source = SyntheticSource(config.data.synthetic)
+    batch_size = config.train.batch_size
+    batches = [source.samples("train", i * batch_size, batch_size)[0] for i in range(4)]
+    identity = dataclasses.replace(
+        config.model.dmt, tower="identity", partition=tuple(tuple(g) for g in groups)
+    )
+    systems = {
+        "flat_dlrm": config,
+        "dmt_identity": dataclasses.replace(
+            config, model=dataclasses.replace(config.model, name="dmt", dmt=identity)
+        ),
+        "dmt_compressing": _with_partition(config, groups),
+    }
+    steps = {}
+    for name, cfg in systems.items():
+        model = build_model(cfg, source.schema, torch.device("cpu"))
+        optimizer = build_dense_optimizer(cfg.optimizer, model)
+        steps[name] = lambda i, m=model, o=optimizer: train_step(m, o, batches[i % len(batches)])
+    seconds = time_interleaved(steps, rounds=rounds, steps_per_round=5, warmup=3)
+    return {
+        "seconds_per_step": seconds,
+        "samples_per_s": {k: batch_size / v for k, v in seconds.items()},
+        "step_time_vs_flat": {k: v / seconds["flat_dlrm"] for k, v in seconds.items()},
+    }
+
+
 def run_towers_benchmark(
     *,
     steps: int = 2500,
@@ -62,6 +93,7 @@ def run_towers_benchmark(
     pilot_steps: int = 300,
     threads: int = 0,
     overrides: tuple[str, ...] = (),
+    throughput_only: bool = False,
 ) -> dict:
     base = load_config(
         None,
@@ -90,6 +122,11 @@ def run_towers_benchmark(
     for seed in range(random_seeds):
         partitions[f"random_{seed}"] = random_partition(names, num_towers, seed=seed)
 
+    if threads:
+        torch.set_num_threads(threads)
+    throughput = step_time_ratios(base, partitions["partitioner"])
+    if throughput_only:
+        return {"benchmark": "towers", "machine": machine_info(), "throughput": throughput}
     dim = base.model.embedding_dim
     runs: dict[str, dict] = {
         "flat_dlrm": {**_train(base), "floats_to_top_per_sample": len(names) * dim}
@@ -120,6 +157,7 @@ def run_towers_benchmark(
         "tower": str(base.model.dmt.tower),
         "tower_outputs": tower_outputs,
         "runs": runs,
+        "throughput": throughput,
         "summary": {
             "auc_flat_minus_partitioner": runs["flat_dlrm"]["auc"] - ours,
             "auc_partitioner_minus_random_mean": ours - float(np.mean(random_aucs))
