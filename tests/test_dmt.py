@@ -1,10 +1,11 @@
 import itertools
+import tomllib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from towerrec.config import ConfigError, load_config
+from towerrec.config import ConfigError, config_from_dict, config_to_toml, load_config
 from towerrec.models.dlrm import DLRM
 from towerrec.models.dmt import DMT, DMTConfig, LowRankFM, TowerKind, TowerModule
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
@@ -168,6 +169,7 @@ def test_dmt_config_validation_and_toml():
     )
     assert cfg.model.dmt.partition == (("cat_0", "cat_1"), ("cat_2",))
     assert cfg.model.dmt.tower is TowerKind.FM
+    assert config_from_dict(tomllib.loads(config_to_toml(cfg))) == cfg  # run dirs reproduce it
     assert load_config(None, ["model.dmt.partition=random"]).model.dmt.partition == "random"
     with pytest.raises(ConfigError, match=r"lists 1 groups but model\.dmt\.num_towers = 2"):
         load_config(None, ["model.dmt.partition=[['cat_0']]"])
