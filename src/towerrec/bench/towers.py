@@ -1,7 +1,9 @@
 """``towerrec bench towers``: DMT with compressing towers under each partition strategy.
 
 On the synthetic planted-truth data (the default config), one run each of:
-flat DLRM (the reference), and DMT with the same towers over the partition
+flat DLRM (the reference), DMT with identity towers (the same function as
+DLRM, the features routed through towers), and DMT with the same
+compressing towers over the partition
 found by the tower partitioner (from a short DLRM pilot run), the cost-only
 partition and a few random ones. Reported per run: eval AUC and log-loss,
 the share of the pair-interaction mass cut between towers (learned: the pilot
@@ -130,6 +132,19 @@ def run_towers_benchmark(
     dim = base.model.embedding_dim
     runs: dict[str, dict] = {
         "flat_dlrm": {**_train(base), "floats_to_top_per_sample": len(names) * dim}
+    }
+    identity = dataclasses.replace(
+        _with_partition(base, partitions["partitioner"]).model.dmt, tower="identity"
+    )
+    runs["dmt_identity"] = {
+        **_train(
+            dataclasses.replace(
+                base, model=dataclasses.replace(base.model, name="dmt", dmt=identity)
+            )
+        ),
+        "groups": partitions["partitioner"],
+        "floats_to_top_per_sample": len(names) * dim,
+        "compression_ratio": 1.0,
     }
     for name, groups in partitions.items():
         quality = evaluate_partition(learned, costs, names, groups)
