@@ -85,3 +85,16 @@ def test_bench_writes_json_and_plot(tmp_path):
     assert [p["accelerators"] for p in points] == [16, 32, 64, 128, 256, 512]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert run_scale_model(cross_host_gbs=(50.0,))["sweeps"]["50GB/s"]["points"][0]["hosts"] == 2
+
+
+def test_synthetic_default_traffic_by_hand():
+    from towerrec.bench.dmt_scale import synthetic_traffic
+
+    t = synthetic_traffic()
+    ids, pooled = (8 * 1 + 3) * 8, 9 * 16 * 4  # int64 ids (8 single-hot + one 3-hot), fp32 rows
+    # half of a sample's tables live on the other host: its ids go out, pooled rows + grads cross
+    assert t["flat_table_wise"]["cross_host_bytes_per_sample"] == pytest.approx(
+        (ids + 2 * pooled) / 2
+    )
+    # DMT: half the ids go to the other tower; one 16-float vector (and its grad) comes back
+    assert t["dmt"]["cross_host_bytes_per_sample"] == pytest.approx(ids / 2 + 2 * 16 * 4)

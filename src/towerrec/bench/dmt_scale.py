@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from towerrec.planner.dmt_scale import Cluster, Workload, scale_sweep
+from towerrec.data.synthetic import SyntheticConfig
+from towerrec.planner.dmt_scale import Cluster, Workload, predict_step, scale_sweep
 
-__all__ = ["plot_sweeps", "run_scale_model"]
+__all__ = ["plot_sweeps", "run_scale_model", "synthetic_traffic"]
 
 
 def run_scale_model(
@@ -31,11 +32,41 @@ def run_scale_model(
             cross_host_bw=bw * 1e9,
         )
         sweeps[f"{bw:g}GB/s"] = scale_sweep(accelerators, cluster, work)
-    result = {"benchmark": "dmt-scale", "kind": "analytic prediction", "sweeps": sweeps}
+    result = {
+        "benchmark": "dmt-scale",
+        "kind": "analytic prediction",
+        "synthetic_default_2x2": synthetic_traffic(),
+        "sweeps": sweeps,
+    }
     if plot is not None:
         plot_sweeps(sweeps, plot)
         result["plot"] = str(plot)
     return result
+
+
+def synthetic_traffic(tower_outputs: int = 1, num_towers: int = 2) -> dict:
+    """Bytes per sample of the synthetic default (9 features, dim 16, int64 ids, fp32
+    values) on 2 hosts x 2 ranks: flat table-wise vs DMT with ``tower_outputs`` vectors
+    per tower."""
+    data = SyntheticConfig()
+    features = data.num_tables
+    pooling = sum(data.pooling(t) for t in range(features)) / features
+    work = Workload(
+        num_features=features,
+        embedding_dim=16,
+        pooling_factor=pooling,
+        id_bytes=8,
+        value_bytes=4,
+        compression=features / (num_towers * tower_outputs),
+    )
+    point = predict_step(4, Cluster(ranks_per_host=2), work)
+    keep = ("cross_host_bytes_per_sample", "intra_host_bytes_per_sample", "peers_per_collective")
+    return {
+        "compression": work.compression,
+        "flat_table_wise": {k: point["flat"][k] for k in keep},
+        "dmt": {k: point["dmt"][k] for k in keep},
+        "cross_host_bytes_ratio": point["cross_host_bytes_ratio"],
+    }
 
 
 def plot_sweeps(sweeps: dict, path: Path) -> None:
