@@ -91,6 +91,24 @@ def _cmd_bench_zoo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_towers(args: argparse.Namespace) -> int:
+    from towerrec.bench.towers import run_towers_benchmark
+
+    result = run_towers_benchmark(
+        steps=args.steps,
+        num_towers=args.num_towers,
+        tower=args.tower,
+        tower_outputs=args.tower_outputs,
+        random_seeds=args.random_seeds,
+        pilot_steps=args.pilot_steps,
+        threads=args.threads,
+        overrides=tuple(args.overrides),
+        throughput_only=args.throughput_only,
+    )
+    _print_result(result, args.json)
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from towerrec.cli_plan import run_plan
 
@@ -117,6 +135,20 @@ def _cmd_bench_costmodel(args: argparse.Namespace) -> int:
 
     result = run_costmodel_benchmark(
         num_devices=args.devices, samples_in=args.samples, samples_out=args.save_samples
+    )
+    _print_result(result, args.json)
+    return 0
+
+
+def _cmd_bench_dmt_scale(args: argparse.Namespace) -> int:
+    from towerrec.bench.dmt_scale import run_scale_model
+
+    result = run_scale_model(
+        cross_host_gbs=tuple(float(v) for v in args.cross_host_gbs.split(",")),
+        intra_host_gbs=args.intra_host_gbs,
+        ranks_per_host=args.ranks_per_host,
+        compression=args.compression,
+        plot=args.plot,
     )
     _print_result(result, args.json)
     return 0
@@ -223,6 +255,34 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--samples", help="reuse measured devices from this JSON, measure nothing")
     b.add_argument("--save-samples", help="write the measured devices as JSON")
     b.set_defaults(func=_cmd_bench_costmodel)
+    towers = bench_sub.add_parser(
+        "towers", help="DMT compressing towers: learned vs random vs cost-only partitions"
+    )
+    towers.add_argument("--json", action="store_true", help="print one JSON object")
+    towers.add_argument("--steps", type=int, default=2500, help="training steps per run")
+    towers.add_argument("--num-towers", type=int, default=2)
+    towers.add_argument("--tower", default="dot", help="tower kind: dot, fm or identity")
+    towers.add_argument("--tower-outputs", type=int, default=1, help="vectors out per tower")
+    towers.add_argument("--random-seeds", type=int, default=3, help="random partitions to train")
+    towers.add_argument("--pilot-steps", type=int, default=300, help="steps of the pilot run")
+    towers.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    towers.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE"
+    )
+    towers.add_argument(
+        "--throughput-only", action="store_true", help="only the side-by-side step timing"
+    )
+    towers.set_defaults(func=_cmd_bench_towers)
+    scale = bench_sub.add_parser(
+        "dmt-scale", help="analytic step time of flat DLRM vs DMT, 16 to 512 accelerators"
+    )
+    scale.add_argument("--json", action="store_true", help="print one JSON object")
+    scale.add_argument("--cross-host-gbs", default="25,50", help="GB/s per accelerator, comma list")
+    scale.add_argument("--intra-host-gbs", type=float, default=300.0)
+    scale.add_argument("--ranks-per-host", type=int, default=8)
+    scale.add_argument("--compression", type=float, default=4.0, help="DMT tower compression")
+    scale.add_argument("--plot", type=Path, help="write the plot (PNG) here")
+    scale.set_defaults(func=_cmd_bench_dmt_scale)
     return parser
 
 

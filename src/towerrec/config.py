@@ -26,6 +26,7 @@ from towerrec.data.loader import LoaderConfig
 from towerrec.data.movielens import MovieLensConfig
 from towerrec.data.synthetic import SyntheticConfig
 from towerrec.models.dcn import DCNConfig
+from towerrec.models.dmt import DMTConfig
 from towerrec.models.wukong import WukongConfig
 from towerrec.modules.compact import Combine, CompactConfig, EmbeddingKind
 from towerrec.modules.compositional import PartitionScheme
@@ -150,9 +151,10 @@ class ModelConfig:
     self_interaction: bool = False
     dcn: DCNConfig = field(default_factory=DCNConfig)  # model.name = "dcn"
     wukong: WukongConfig = field(default_factory=WukongConfig)  # model.name = "wukong"
+    dmt: DMTConfig = field(default_factory=DMTConfig)  # model.name = "dmt"
 
     def __post_init__(self) -> None:
-        _choice(self.name, ("dlrm", "dcn", "wukong"), "model.name")
+        _choice(self.name, ("dlrm", "dcn", "wukong", "dmt"), "model.name")
         if self.embedding_dim < 1:
             raise ValueError(f"model.embedding_dim must be >= 1, got {self.embedding_dim}")
         if self.name == "wukong" and self.wukong.dense_rows > 1:

@@ -169,9 +169,10 @@ class SyntheticSource:
         teacher.shift = _shift_for_ctr(orders @ teacher.weights, cfg.ctr)
         return teacher
 
-    def _raw_block(self, split: str, block: int):
+    def _raw_block(self, split: str, block: int, *, with_fields: bool = False):
         """One block: dense, per-table (lengths, ids), and the teacher's raw score
-        ``[BLOCK, 3]`` of each order (first, pairwise, higher)."""
+        ``[BLOCK, 3]`` of each order (first, pairwise, higher); with ``with_fields``
+        also the teacher's field vectors ``[BLOCK, T+1, k]``."""
         cfg, teacher = self.config, self._teacher
         rng = np.random.default_rng([cfg.seed, _SPLITS[split], block])
         dense = rng.standard_normal((BLOCK, cfg.num_dense), dtype=np.float32)
@@ -203,7 +204,8 @@ class SyntheticSource:
         higher = np.zeros(BLOCK)
         for (i, j, m), coef in zip(teacher.triples, teacher.triple_coef):
             higher += coef * np.einsum("bk,bk,bk->b", fields[:, i], fields[:, j], fields[:, m])
-        return dense, sparse, np.stack([first, pairwise, higher], axis=1)
+        orders = np.stack([first, pairwise, higher], axis=1)
+        return (dense, sparse, orders, fields) if with_fields else (dense, sparse, orders)
 
     def _make_block(self, split: str, block: int):
         dense, sparse, orders = self._raw_block(split, block)
@@ -213,6 +215,20 @@ class SyntheticSource:
         rng = np.random.default_rng([self.config.seed, _SPLITS[split], block, 7])
         labels = (rng.random(BLOCK) < prob).astype(np.float32)
         return dense, sparse, labels, prob
+
+    def planted_pair_strength(self) -> np.ndarray:
+        """How much the teacher's logit uses each pair of categorical features, ``[T, T]``.
+
+        Entry (i, j) is the standard deviation, over the pilot sample, of the
+        pair's term ``C_ij <e_i, e_j>`` in the final logit (symmetric, zero
+        diagonal). Reading it draws nothing from the data streams.
+        """
+        fields = self._raw_block("pilot", 0, with_fields=True)[3][:, 1:]  # drop the dense field
+        coef = self._teacher.pair_coef[1:, 1:]
+        terms = np.einsum("bik,bjk->bij", fields, fields) * (coef + coef.T)
+        strength = terms.std(axis=0) * abs(self._teacher.weights[1])
+        np.fill_diagonal(strength, 0.0)
+        return strength
 
     # -------------------------------------------------------------- samples
     def samples(self, split: str, start: int, count: int) -> tuple[Batch, np.ndarray]:

@@ -83,6 +83,10 @@ def build_model(config: Config, schema: DataSchema, device: torch.device) -> nn.
         id_policy=emb.id_policy,
         seed=config.train.seed,
     )
+    if config.model.name == "dmt":
+        from towerrec.train.towers import build_dmt
+
+        return build_dmt(config, schema, sparse, device)
     torch.manual_seed(config.train.seed)
     model = config.model
     if model.name == "dcn":

@@ -1,0 +1,112 @@
+"""``towerrec bench dmt-scale``: the analytic scale model of flat DLRM vs DMT, as JSON and a plot.
+
+Predictions, not measurements: ``towerrec.planner.dmt_scale`` for 16 to 512
+accelerators (8 per host) at each cross-host bandwidth given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from towerrec.data.synthetic import SyntheticConfig
+from towerrec.planner.dmt_scale import Cluster, Workload, predict_step, scale_sweep
+
+__all__ = ["plot_sweeps", "run_scale_model", "synthetic_traffic"]
+
+
+def run_scale_model(
+    *,
+    accelerators: tuple[int, ...] = (16, 32, 64, 128, 256, 512),
+    cross_host_gbs: tuple[float, ...] = (25.0, 50.0),
+    intra_host_gbs: float = 300.0,
+    ranks_per_host: int = 8,
+    compression: float = 4.0,
+    plot: Path | None = None,
+) -> dict:
+    work = Workload(compression=compression)
+    sweeps = {}
+    for bw in cross_host_gbs:
+        cluster = Cluster(
+            ranks_per_host=ranks_per_host,
+            intra_host_bw=intra_host_gbs * 1e9,
+            cross_host_bw=bw * 1e9,
+        )
+        sweeps[f"{bw:g}GB/s"] = scale_sweep(accelerators, cluster, work)
+    result = {
+        "benchmark": "dmt-scale",
+        "kind": "analytic prediction",
+        "synthetic_default_2x2": synthetic_traffic(),
+        "sweeps": sweeps,
+    }
+    if plot is not None:
+        plot_sweeps(sweeps, plot)
+        result["plot"] = str(plot)
+    return result
+
+
+def synthetic_traffic(tower_outputs: int = 1, num_towers: int = 2) -> dict:
+    """Bytes per sample of the synthetic default (9 features, dim 16, int64 ids, fp32
+    values) on 2 hosts x 2 ranks: flat table-wise vs DMT with ``tower_outputs`` vectors
+    per tower."""
+    data = SyntheticConfig()
+    features = data.num_tables
+    pooling = sum(data.pooling(t) for t in range(features)) / features
+    work = Workload(
+        num_features=features,
+        embedding_dim=16,
+        pooling_factor=pooling,
+        id_bytes=8,
+        value_bytes=4,
+        compression=features / (num_towers * tower_outputs),
+    )
+    point = predict_step(4, Cluster(ranks_per_host=2), work)
+    keep = ("cross_host_bytes_per_sample", "intra_host_bytes_per_sample", "peers_per_collective")
+    return {
+        "compression": work.compression,
+        "flat_table_wise": {k: point["flat"][k] for k in keep},
+        "dmt": {k: point["dmt"][k] for k in keep},
+        "cross_host_bytes_ratio": point["cross_host_bytes_ratio"],
+    }
+
+
+def plot_sweeps(sweeps: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for (label, sweep), color in zip(sweeps.items(), ("tab:blue", "tab:orange", "tab:green")):
+        points = sweep["points"]
+        g = [p["accelerators"] for p in points]
+        for kind, style in (("flat", "--"), ("dmt", "-")):
+            ax_time.plot(
+                g,
+                [p[kind]["step_s"] * 1e3 for p in points],
+                style,
+                color=color,
+                marker="o",
+                label=f"{'flat DLRM' if kind == 'flat' else 'DMT'}, cross-host {label}",
+            )
+        ax_speed.plot(g, [p["speedup"] for p in points], "-", color=color, marker="o", label=label)
+    for ax in (ax_time, ax_speed):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("accelerators (8 per host)")
+        ax.grid(alpha=0.3)
+    ax_time.set_ylabel("predicted step time (ms)")
+    ax_time.set_title("flat DLRM (table-wise) vs DMT")
+    ax_time.legend(fontsize=8)
+    ax_speed.set_ylabel("predicted speedup of DMT over flat")
+    ax_speed.set_title("speedup by cross-host bandwidth per accelerator")
+    ax_speed.legend(fontsize=8)
+    work = next(iter(sweeps.values()))["workload"]
+    fig.suptitle(
+        f"analytic model: {work['num_features']} features x dim {work['embedding_dim']}, "
+        f"pooling {work['pooling_factor']:g}, batch {work['batch_per_rank']}/rank, "
+        f"tower compression {work['compression']:g}x",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

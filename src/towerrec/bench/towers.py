@@ -1,0 +1,183 @@
+"""``towerrec bench towers``: DMT with compressing towers under each partition strategy.
+
+On the synthetic planted-truth data (the default config), one run each of:
+flat DLRM (the reference), DMT with identity towers (the same function as
+DLRM, the features routed through towers), and DMT with the same
+compressing towers over the partition
+found by the tower partitioner (from a short DLRM pilot run), the cost-only
+partition and a few random ones. Reported per run: eval AUC and log-loss,
+the share of the pair-interaction mass cut between towers (learned: the pilot
+model's attribution; planted: the teacher's true pair strength), the towers'
+cost imbalance, and the floats per sample the towers send back next to what
+the flat model's pooled embeddings are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from towerrec.bench.common import machine_info, time_interleaved
+from towerrec.config import Config, load_config
+from towerrec.data.synthetic import SyntheticSource
+from towerrec.planner.towers import (
+    cost_partition,
+    evaluate_partition,
+    feature_costs,
+    partition_features,
+    random_partition,
+)
+from towerrec.train.build import build_dense_optimizer, build_model
+from towerrec.train.towers import feature_stats, learn_interaction_strength
+from towerrec.train.trainer import train, train_step
+
+__all__ = ["run_towers_benchmark", "step_time_ratios"]
+
+
+def _with_partition(config: Config, groups: list[list[str]]) -> Config:
+    dmt = dataclasses.replace(
+        config.model.dmt, partition=tuple(tuple(g) for g in groups), num_towers=len(groups)
+    )
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, name="dmt", dmt=dmt))
+
+
+def _train(config: Config) -> dict:
+    with tempfile.TemporaryDirectory(prefix="towerrec-bench-towers-") as out:
+        summary = train(config, Path(out) / "run")
+    return {
+        "auc": summary["auc"],
+        "logloss": summary["logloss"],
+        "samples_per_s": summary["samples_per_s"],
+        "flops_per_sample": summary["flops_per_sample"],
+    }
+
+
+def step_time_ratios(config: Config, groups: list[list[str]], rounds: int = 5) -> dict:
+    """Single-device train-step time of flat DLRM, identity DMT and compressing DMT,
+    timed round-robin on the same batches (``time_interleaved``), as ratios to flat."""
+    source = SyntheticSource(config.data.synthetic)
+    batch_size = config.train.batch_size
+    batches = [source.samples("train", i * batch_size, batch_size)[0] for i in range(4)]
+    identity = dataclasses.replace(
+        config.model.dmt, tower="identity", partition=tuple(tuple(g) for g in groups)
+    )
+    systems = {
+        "flat_dlrm": config,
+        "dmt_identity": dataclasses.replace(
+            config, model=dataclasses.replace(config.model, name="dmt", dmt=identity)
+        ),
+        "dmt_compressing": _with_partition(config, groups),
+    }
+    steps = {}
+    for name, cfg in systems.items():
+        model = build_model(cfg, source.schema, torch.device("cpu"))
+        optimizer = build_dense_optimizer(cfg.optimizer, model)
+        steps[name] = lambda i, m=model, o=optimizer: train_step(m, o, batches[i % len(batches)])
+    seconds = time_interleaved(steps, rounds=rounds, steps_per_round=5, warmup=3)
+    return {
+        "seconds_per_step": seconds,
+        "samples_per_s": {k: batch_size / v for k, v in seconds.items()},
+        "step_time_vs_flat": {k: v / seconds["flat_dlrm"] for k, v in seconds.items()},
+    }
+
+
+def run_towers_benchmark(
+    *,
+    steps: int = 2500,
+    num_towers: int = 2,
+    tower: str = "dot",
+    tower_outputs: int = 1,
+    random_seeds: int = 3,
+    pilot_steps: int = 300,
+    threads: int = 0,
+    overrides: tuple[str, ...] = (),
+    throughput_only: bool = False,
+) -> dict:
+    base = load_config(
+        None,
+        [
+            f"train.steps={steps}",
+            "train.eval_every=0",
+            "train.progress=false",
+            f"train.threads={threads}",
+            f"model.dmt.tower={tower}",
+            f"model.dmt.tower_outputs={tower_outputs}",
+            *overrides,
+        ],
+    )
+    source = SyntheticSource(base.data.synthetic)
+    names = source.schema.sparse_names
+    planted = source.planted_pair_strength()
+    learned = learn_interaction_strength(base, pilot_steps)
+    costs = feature_costs(feature_stats(base, source.schema))
+    tolerance = base.model.dmt.balance_tolerance
+    partitions = {
+        "partitioner": partition_features(
+            names, learned, costs, num_towers, tolerance=tolerance, seed=base.train.seed
+        ).groups,
+        "cost_only": cost_partition(names, costs, num_towers),
+    }
+    for seed in range(random_seeds):
+        partitions[f"random_{seed}"] = random_partition(names, num_towers, seed=seed)
+
+    if threads:
+        torch.set_num_threads(threads)
+    throughput = step_time_ratios(base, partitions["partitioner"])
+    if throughput_only:
+        return {"benchmark": "towers", "machine": machine_info(), "throughput": throughput}
+    dim = base.model.embedding_dim
+    runs: dict[str, dict] = {
+        "flat_dlrm": {**_train(base), "floats_to_top_per_sample": len(names) * dim}
+    }
+    identity = dataclasses.replace(
+        _with_partition(base, partitions["partitioner"]).model.dmt, tower="identity"
+    )
+    runs["dmt_identity"] = {
+        **_train(
+            dataclasses.replace(
+                base, model=dataclasses.replace(base.model, name="dmt", dmt=identity)
+            )
+        ),
+        "groups": partitions["partitioner"],
+        "floats_to_top_per_sample": len(names) * dim,
+        "compression_ratio": 1.0,
+    }
+    for name, groups in partitions.items():
+        quality = evaluate_partition(learned, costs, names, groups)
+        vectors = sum(
+            len(g) if base.model.dmt.tower == "identity" else tower_outputs for g in groups
+        )
+        runs[f"dmt_{name}"] = {
+            **_train(_with_partition(base, groups)),
+            "groups": groups,
+            "learned_cross_mass": quality.cross_mass,
+            "planted_cross_mass": evaluate_partition(planted, costs, names, groups).cross_mass,
+            "cost_imbalance": quality.imbalance,
+            "floats_to_top_per_sample": vectors * dim,
+            "compression_ratio": len(names) / vectors,
+        }
+    random_aucs = [runs[f"dmt_random_{s}"]["auc"] for s in range(random_seeds)]
+    ours = runs["dmt_partitioner"]["auc"]
+    return {
+        "benchmark": "towers",
+        "machine": machine_info(),
+        "steps": steps,
+        "batch_size": base.train.batch_size,
+        "pilot_steps": pilot_steps,
+        "num_towers": num_towers,
+        "tower": str(base.model.dmt.tower),
+        "tower_outputs": tower_outputs,
+        "runs": runs,
+        "throughput": throughput,
+        "summary": {
+            "auc_flat_minus_partitioner": runs["flat_dlrm"]["auc"] - ours,
+            "auc_partitioner_minus_random_mean": ours - float(np.mean(random_aucs))
+            if random_aucs
+            else None,
+            "auc_partitioner_minus_cost_only": ours - runs["dmt_cost_only"]["auc"],
+        },
+    }

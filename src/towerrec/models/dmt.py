@@ -1,0 +1,349 @@
+"""Disaggregated Multi-Tower (DMT) model on one device: feature towers, then a DLRM-style top.
+
+::
+
+    dense [B, F_d] ─► bottom MLP ─► x [B, D] ───────────────────────────┬───────────┐
+                                                                        │           │
+    sparse ─► EmbeddingBagCollection ─► E [B, T, D]                     │           │
+               │ split by the partition (features of tower t: T_t)     │           │
+               ├─► E_0 [B, T_0, D] ─► tower 0 ─► O_0 [B, K_0, D] ──┐   │           │
+               │                    ...                            ├─► stack [B, 1+K, D]
+               └─► E_n [B, T_n, D] ─► tower n ─► O_n [B, K_n, D] ──┘   │           │
+                                                           pairwise dots [B, P]     │
+                          concat [x, (flattened O, compressing towers), dots] ◄─────┘
+                                                  │
+                                   top MLP ─► logit [B]
+
+A tower (``TowerModule``) sees only its own features' pooled embeddings
+(and, with ``tower_dense``, the bottom output x): that is what lets the
+semantic-preserving tower transform run tower t on host t and send back only
+its output. Kinds:
+
+- ``identity``: ``O_t = E_t`` (K_t = T_t). With every tower the identity the
+  model is a DLRM whose features are listed in tower order; ``from_dlrm``
+  copies a DLRM's weights so that both compute the same function.
+- ``dot``: the tower's pairwise dots, concatenated with its flattened
+  embeddings, projected by an MLP to ``K_t = tower_outputs`` vectors of dim D.
+- ``fm``: as ``dot`` with a low-rank factorization machine instead of all
+  dots: ``E_t (E_t^T Y)`` for a learned ``Y [T_t, r]``, ``[B, T_t, r]``.
+
+The compression ratio is ``sum T_t / sum K_t``: the floats a tower sends back
+per sample shrink by it. The model has no ``torch.distributed`` in it; the
+tower transform splits it at ``tower_inputs`` / ``towers[t]`` / ``interact``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch import nn
+
+from towerrec.modules.interaction import DotInteraction
+from towerrec.modules.mlp import MLP
+from towerrec.sparse import KeyedJaggedTensor
+from towerrec.utils import parse_enum
+
+__all__ = ["DMT", "DMTConfig", "LowRankFM", "TowerKind", "TowerModule", "check_partition"]
+
+PARTITION_STRATEGIES = ("auto", "random", "cost", "contiguous")
+
+
+class TowerKind(StrEnum):
+    IDENTITY = "identity"
+    DOT = "dot"
+    FM = "fm"
+
+
+@dataclass(frozen=True)
+class DMTConfig:
+    """``model.dmt``: towers, partition and tower modules of the DMT model.
+
+    ``partition`` is a strategy (``auto``: the tower partitioner on interaction
+    strengths learned by a short DLRM run of ``pilot_steps``; ``random``;
+    ``cost``: balance the towers' cost only; ``contiguous``: features in order)
+    or an explicit list of feature-name groups, one per tower.
+    """
+
+    num_towers: int = 2
+    partition: str | tuple[tuple[str, ...], ...] = "auto"
+    tower: TowerKind = TowerKind.DOT
+    tower_outputs: int = 1  # vectors of dim model.embedding_dim per compressing tower
+    tower_mlp: tuple[int, ...] = ()  # hidden widths of the projection (empty: one linear)
+    fm_rank: int = 4
+    tower_dense: bool = False  # give each tower the bottom output x as one more vector
+    pilot_steps: int = 300
+    balance_tolerance: float = 0.25
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tower", parse_enum(TowerKind, self.tower, "model.dmt.tower"))
+        if self.num_towers < 1:
+            raise ValueError(f"model.dmt.num_towers must be >= 1, got {self.num_towers}")
+        if isinstance(self.partition, str):
+            if self.partition not in PARTITION_STRATEGIES:
+                raise ValueError(
+                    f"model.dmt.partition = {self.partition!r}: use one of "
+                    f"{', '.join(map(repr, PARTITION_STRATEGIES))} or a list of feature groups, "
+                    "e.g. [['cat_0', 'cat_1'], ['cat_2']]"
+                )
+        else:
+            groups = tuple(tuple(g) for g in self.partition)
+            if len(groups) != self.num_towers:
+                raise ValueError(
+                    f"model.dmt.partition lists {len(groups)} groups but model.dmt.num_towers = "
+                    f"{self.num_towers}; give one group of features per tower"
+                )
+            object.__setattr__(self, "partition", groups)
+        if self.tower_outputs < 1:
+            raise ValueError(f"model.dmt.tower_outputs must be >= 1, got {self.tower_outputs}")
+        if self.fm_rank < 1:
+            raise ValueError(f"model.dmt.fm_rank must be >= 1, got {self.fm_rank}")
+        if any(w < 1 for w in self.tower_mlp):
+            raise ValueError(f"model.dmt.tower_mlp widths must be >= 1, got {list(self.tower_mlp)}")
+        if self.pilot_steps < 1:
+            raise ValueError(f"model.dmt.pilot_steps must be >= 1, got {self.pilot_steps}")
+        if not self.balance_tolerance >= 0:
+            raise ValueError(
+                f"model.dmt.balance_tolerance must be >= 0, got {self.balance_tolerance}"
+            )
+
+
+def check_partition(groups: Sequence[Sequence[str]], features: Sequence[str]) -> None:
+    """Raise ``ValueError`` unless ``groups`` put every feature in exactly one non-empty group."""
+    seen: dict[str, int] = {}
+    for t, group in enumerate(groups):
+        if not group:
+            raise ValueError(f"tower {t} of the partition has no features; every tower needs one")
+        for name in group:
+            if name in seen:
+                raise ValueError(f"feature {name!r} is in towers {seen[name]} and {t}; pick one")
+            seen[name] = t
+    unknown = sorted(set(seen) - set(features))
+    missing = [f for f in features if f not in seen]
+    if unknown or missing:
+        raise ValueError(
+            f"the partition must hold each model feature once: unknown {unknown}, "
+            f"missing {missing}; the features are {list(features)}"
+        )
+
+
+class LowRankFM(nn.Module):
+    """Low-rank factorization machine ``[B, N, D] -> [B, N*r]``: ``X (X^T Y)``, ``Y [N, r]``.
+
+    Each output column mixes all pairwise dots ``<x_i, x_j>`` with the learned
+    weights ``Y[j, k]``, at ``O(N D r)`` instead of ``O(N^2 D)``.
+    """
+
+    def __init__(self, num_features: int, rank: int) -> None:
+        super().__init__()
+        self.num_features, self.rank = num_features, rank
+        self.projection = nn.Parameter(torch.randn(num_features, rank) / num_features**0.5)
+
+    @property
+    def out_features(self) -> int:
+        return self.num_features * self.rank
+
+    def flops_per_sample(self, dim: int) -> int:
+        return 4 * self.num_features * dim * self.rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        summary = torch.matmul(x.transpose(1, 2), self.projection)  # [B, D, r]
+        return torch.bmm(x, summary).flatten(1)  # [B, N*r]
+
+
+class TowerModule(nn.Module):
+    """One tower: ``[B, T_t, D]`` (+ x ``[B, D]`` with ``tower_dense``) -> ``[B, K_t, D]``."""
+
+    def __init__(
+        self,
+        num_features: int,
+        dim: int,
+        kind: TowerKind | str = TowerKind.DOT,
+        *,
+        outputs: int = 1,
+        hidden: Sequence[int] = (),
+        fm_rank: int = 4,
+        use_dense: bool = False,
+    ) -> None:
+        super().__init__()
+        self.kind = parse_enum(TowerKind, kind, "tower kind")
+        if self.kind is TowerKind.IDENTITY and use_dense:
+            raise ValueError(
+                "an identity tower passes its embeddings through; use_dense needs kind dot or fm"
+            )
+        self.num_features, self.dim, self.use_dense = num_features, dim, use_dense
+        vectors = num_features + int(use_dense)
+        self.interaction: nn.Module | None = None
+        self.projection: MLP | None = None
+        if self.kind is TowerKind.IDENTITY:
+            self.num_outputs = num_features
+            return
+        if self.kind is TowerKind.DOT:
+            self.interaction = DotInteraction(vectors, self_interaction=vectors < 2)
+        else:
+            self.interaction = LowRankFM(vectors, fm_rank)
+        self.num_outputs = outputs
+        self.projection = MLP(
+            vectors * dim + self.interaction.out_features,
+            [*hidden, outputs * dim],
+            final_activation=False,
+        )
+
+    @property
+    def compresses(self) -> bool:
+        return self.kind is not TowerKind.IDENTITY
+
+    def flops_per_sample(self) -> int:
+        if self.projection is None:
+            return 0
+        return self.interaction.flops_per_sample(self.dim) + self.projection.flops_per_sample()
+
+    def forward(self, embeddings: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
+        if self.projection is None:
+            return embeddings
+        if self.use_dense:
+            if dense is None:
+                raise ValueError("this tower was built with use_dense: pass the bottom output x")
+            embeddings = torch.cat([dense.unsqueeze(1), embeddings], dim=1)
+        mixed = torch.cat([embeddings.flatten(1), self.interaction(embeddings)], dim=1)
+        return self.projection(mixed).view(-1, self.num_outputs, self.dim)
+
+
+class DMT(nn.Module):
+    """DMT over an embedding collection whose features all have one dim D (module doc).
+
+    ``partition`` lists the feature names of each tower (every feature of
+    ``sparse`` exactly once). ``sparse`` maps a ``KeyedJaggedTensor`` to a
+    ``KeyedTensor`` (the ``EmbeddingBagCollection`` or a sharded twin).
+    """
+
+    def __init__(
+        self,
+        sparse: nn.Module,
+        num_dense: int,
+        bottom_mlp: Sequence[int],
+        top_mlp: Sequence[int],
+        partition: Sequence[Sequence[str]],
+        *,
+        tower: TowerKind | str = TowerKind.DOT,
+        tower_outputs: int = 1,
+        tower_mlp: Sequence[int] = (),
+        fm_rank: int = 4,
+        tower_dense: bool = False,
+        self_interaction: bool = False,
+    ) -> None:
+        super().__init__()
+        dims = set(sparse.embedding_dims)
+        if len(dims) != 1:
+            raise ValueError(f"DMT needs one embedding dim for every feature, got {sorted(dims)}")
+        dim = dims.pop()
+        if bottom_mlp[-1] != dim:
+            raise ValueError(
+                f"the bottom MLP must end at the embedding dim {dim} (it is dotted with the "
+                f"tower outputs), got bottom_mlp={list(bottom_mlp)}"
+            )
+        if top_mlp[-1] != 1:
+            raise ValueError(f"the top MLP must end in one logit, got top_mlp={list(top_mlp)}")
+        features = list(sparse.feature_names)
+        check_partition(partition, features)
+        self.partition = [list(group) for group in partition]
+        self.embedding_dim = dim
+        self.sparse = sparse
+        self.bottom = MLP(num_dense, bottom_mlp)
+        index = {name: i for i, name in enumerate(features)}
+        order = [index[name] for group in self.partition for name in group]
+        self.register_buffer("tower_order", torch.tensor(order), persistent=False)
+        self.tower_sizes = [len(group) for group in self.partition]
+        self.towers = nn.ModuleList(
+            TowerModule(
+                size,
+                dim,
+                tower,
+                outputs=tower_outputs,
+                hidden=tower_mlp,
+                fm_rank=fm_rank,
+                use_dense=tower_dense,
+            )
+            for size in self.tower_sizes
+        )
+        self.num_tower_vectors = sum(t.num_outputs for t in self.towers)
+        self.interaction = DotInteraction(1 + self.num_tower_vectors, self_interaction)
+        concat = sum(t.num_outputs * dim for t in self.towers if t.compresses)
+        self.top = MLP(
+            dim + concat + self.interaction.out_features, top_mlp, final_activation=False
+        )
+
+    @property
+    def compression_ratio(self) -> float:
+        """Floats into the towers over floats out of them, per sample."""
+        return len(self.tower_order) / self.num_tower_vectors
+
+    def flops_per_sample(self) -> int:
+        """Forward FLOPs of the dense part per sample (MLPs, towers, interaction)."""
+        return (
+            self.bottom.flops_per_sample()
+            + sum(t.flops_per_sample() for t in self.towers)
+            + self.interaction.flops_per_sample(self.embedding_dim)
+            + self.top.flops_per_sample()
+        )
+
+    def tower_inputs(self, pooled) -> list[torch.Tensor]:
+        """Split the pooled ``KeyedTensor`` ``[B, T*D]`` into ``[B, T_t, D]`` per tower."""
+        stacked = pooled.stacked().index_select(1, self.tower_order)
+        return list(stacked.split(self.tower_sizes, dim=1))
+
+    def interact(self, x: torch.Tensor, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The top: x ``[B, D]`` and tower outputs ``[B, K_t, D]`` -> logits ``[B]``."""
+        stacked = torch.cat([x.unsqueeze(1), *outputs], dim=1)
+        flat = [o.flatten(1) for o, t in zip(outputs, self.towers) if t.compresses]
+        return self.top(torch.cat([x, *flat, self.interaction(stacked)], dim=1)).squeeze(1)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        inputs = self.tower_inputs(self.sparse(sparse))
+        outputs = [tower(e, x) for tower, e in zip(self.towers, inputs)]
+        return self.interact(x, outputs)
+
+    @classmethod
+    def from_dlrm(
+        cls, dlrm: nn.Module, partition: Sequence[Sequence[str]], sparse: nn.Module | None = None
+    ) -> DMT:
+        """An identity-tower DMT computing the same function as ``dlrm``.
+
+        Bottom and top weights are copied, the top's input columns permuted to
+        the tower order of the pairwise dots. ``sparse`` defaults to the DLRM's
+        own collection (shared); pass a copy to train the two side by side.
+        """
+        model = cls(
+            sparse if sparse is not None else dlrm.sparse,
+            dlrm.bottom.in_features,
+            [m.out_features for m in dlrm.bottom if isinstance(m, nn.Linear)],
+            [m.out_features for m in dlrm.top if isinstance(m, nn.Linear)],
+            partition,
+            tower=TowerKind.IDENTITY,
+            self_interaction=dlrm.interaction.self_interaction,
+        ).to(dlrm.top[0].weight.device)
+        model.bottom.load_state_dict(dlrm.bottom.state_dict())
+        model.top.load_state_dict(dlrm.top.state_dict())
+        dim = model.embedding_dim
+        vector_of = [0, *(1 + int(i) for i in model.tower_order)]  # DMT vector -> DLRM vector
+        dlrm_pairs = _pair_positions(len(vector_of), dlrm.interaction.self_interaction)
+        columns = list(range(dim)) + [
+            dim + dlrm_pairs[tuple(sorted((vector_of[i], vector_of[j])))]
+            for i, j in zip(*_triu(len(vector_of), dlrm.interaction.self_interaction))
+        ]
+        with torch.no_grad():
+            model.top[0].weight.copy_(dlrm.top[0].weight[:, columns])
+        return model
+
+
+def _triu(n: int, self_interaction: bool) -> tuple[list[int], list[int]]:
+    rows, cols = torch.triu_indices(n, n, offset=0 if self_interaction else 1)
+    return rows.tolist(), cols.tolist()
+
+
+def _pair_positions(n: int, self_interaction: bool) -> dict[tuple[int, int], int]:
+    rows, cols = _triu(n, self_interaction)
+    return {(i, j): k for k, (i, j) in enumerate(zip(rows, cols))}

@@ -1,0 +1,159 @@
+"""Build the DMT model of a config: choose its tower partition, learning it when asked.
+
+``model.dmt.partition = "auto"`` trains a DLRM of the same shape for
+``model.dmt.pilot_steps`` steps, measures how much its top MLP relies on each
+pairwise dot (``learn_interaction_strength``), and hands that matrix with the
+features' costs to the tower partitioner (``towerrec.planner.towers``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from towerrec.config import Config
+from towerrec.data.batch import Batch, DataSchema
+from towerrec.models.dmt import DMT, check_partition
+from towerrec.planner.towers import (
+    FeatureStats,
+    contiguous_partition,
+    cost_partition,
+    feature_costs,
+    partition_features,
+    random_partition,
+)
+
+__all__ = [
+    "build_dmt",
+    "feature_stats",
+    "learn_interaction_strength",
+    "pair_attribution",
+    "resolve_partition",
+]
+
+log = logging.getLogger("towerrec")
+
+
+def feature_stats(config: Config, schema: DataSchema) -> list[FeatureStats]:
+    return [
+        FeatureStats(f.name, f.num_embeddings, config.model.embedding_dim, f.pooling_factor)
+        for f in schema.sparse
+    ]
+
+
+def pair_attribution(model: nn.Module, batch: Batch) -> np.ndarray:
+    """``[T, T]``: mean over samples of ``|(dot_ij - mean dot_ij) * d logit / d dot_ij|``.
+
+    For a DLRM: a first-order estimate of how much of each sample's logit
+    flows through the dot product of features i and j as it varies between
+    samples (a constant dot is a bias, not an interaction). The bottom
+    output's dots are left out: the dense input goes to every tower's owner.
+    """
+    with torch.enable_grad():
+        x = model.bottom(batch.dense)
+        embeddings = model.sparse(batch.sparse).stacked()
+        dots = model.interaction(torch.cat([x.unsqueeze(1), embeddings], dim=1)).detach()
+        dots.requires_grad_(True)
+        logits = model.top(torch.cat([x.detach(), dots], dim=1)).squeeze(1)
+        (grad,) = torch.autograd.grad(logits.sum(), dots)
+    centred = dots.detach() - dots.detach().mean(0)
+    score = (centred * grad).abs().mean(0).double().cpu().numpy()
+    num_vectors = model.num_sparse + 1
+    strength = np.zeros((num_vectors, num_vectors))
+    rows, cols = torch.triu_indices(
+        num_vectors, num_vectors, offset=0 if model.interaction.self_interaction else 1
+    )
+    strength[rows.numpy(), cols.numpy()] = score
+    strength = strength[1:, 1:]
+    strength = strength + strength.T
+    np.fill_diagonal(strength, 0.0)
+    return strength
+
+
+def learn_interaction_strength(
+    config: Config, steps: int, *, attribution_samples: int = 8192
+) -> np.ndarray:
+    """Train a DLRM of the config's shape for ``steps`` steps, then ``pair_attribution``
+    on ``attribution_samples`` held-out (eval) samples."""
+    from towerrec.train.build import build_dense_optimizer, build_model, build_source, lr_factor
+    from towerrec.train.trainer import set_learning_rates, train_step
+
+    pilot = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, name="dlrm"),
+        train=dataclasses.replace(config.train, steps=steps),
+    )
+    source = build_source(pilot.data)
+    device = torch.device("cpu")
+    model = build_model(pilot, source.schema, device)
+    optimizer = build_dense_optimizer(pilot.optimizer, model)
+    batches = source.train_batches(pilot.train.batch_size)
+    for step in range(1, steps + 1):
+        set_learning_rates(model, optimizer, pilot, lr_factor(pilot.optimizer, step, steps))
+        train_step(model, optimizer, next(batches))
+    count = min(attribution_samples, pilot.data.synthetic.eval_samples)
+    held_out = next(iter(source.eval_batches(count)))
+    return pair_attribution(model, held_out)
+
+
+def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:
+    """The feature groups of ``model.dmt.partition`` (learned for ``auto``)."""
+    dmt = config.model.dmt
+    names = schema.sparse_names
+    if not isinstance(dmt.partition, str):
+        groups = [list(g) for g in dmt.partition]
+        check_partition(groups, names)
+        return groups
+    if dmt.num_towers > len(names):
+        raise ValueError(
+            f"model.dmt.num_towers = {dmt.num_towers} but the data has only {len(names)} "
+            f"categorical features; use num_towers <= {len(names)}"
+        )
+    stats = feature_stats(config, schema)
+    if dmt.partition == "contiguous":
+        return contiguous_partition(names, dmt.num_towers)
+    if dmt.partition == "random":
+        return random_partition(names, dmt.num_towers, seed=config.train.seed)
+    if dmt.partition == "cost":
+        return cost_partition(names, feature_costs(stats), dmt.num_towers)
+    log.info("tower partitioner: learning feature interactions (%d pilot steps)", dmt.pilot_steps)
+    strength = learn_interaction_strength(config, dmt.pilot_steps)
+    result = partition_features(
+        names,
+        strength,
+        feature_costs(stats),
+        dmt.num_towers,
+        tolerance=dmt.balance_tolerance,
+        seed=config.train.seed,
+    )
+    log.info(
+        "tower partition %s: %.1f%% of the learned interaction inside towers, cost imbalance %.2f",
+        result.groups,
+        100 * result.intra_mass,
+        result.imbalance,
+    )
+    return result.groups
+
+
+def build_dmt(config: Config, schema: DataSchema, sparse: nn.Module, device: torch.device) -> DMT:
+    """The DMT model of ``config`` over ``sparse``; dense weights seeded by ``train.seed``."""
+    groups = resolve_partition(config, schema)
+    torch.manual_seed(config.train.seed)
+    model, dmt = config.model, config.model.dmt
+    return DMT(
+        sparse,
+        num_dense=schema.num_dense,
+        bottom_mlp=model.bottom_mlp,
+        top_mlp=model.top_mlp,
+        partition=groups,
+        tower=dmt.tower,
+        tower_outputs=dmt.tower_outputs,
+        tower_mlp=dmt.tower_mlp,
+        fm_rank=dmt.fm_rank,
+        tower_dense=dmt.tower_dense,
+        self_interaction=model.self_interaction,
+    ).to(device)

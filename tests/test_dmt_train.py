@@ -1,0 +1,184 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from towerrec.config import load_config
+from towerrec.data.synthetic import SyntheticSource
+from towerrec.models.dmt import DMT
+from towerrec.planner.towers import cross_tower_mass, random_partition
+from towerrec.train.build import build_model
+from towerrec.train.towers import learn_interaction_strength, resolve_partition
+from towerrec.train.trainer import train
+
+REPO = Path(__file__).parent.parent
+QUICK = REPO / "configs" / "quick.toml"
+
+
+def quick(*overrides):
+    return load_config(QUICK, ["model.name=dmt", "train.progress=false", *overrides])
+
+
+@pytest.mark.parametrize(
+    "strategy, expected",
+    [
+        ("contiguous", [["cat_0", "cat_1"], ["cat_2", "cat_3"]]),
+        ("cost", None),
+        ("random", None),
+    ],
+)
+def test_partition_strategies(strategy, expected):
+    config = quick(f"model.dmt.partition={strategy}")
+    schema = SyntheticSource(config.data.synthetic).schema
+    groups = resolve_partition(config, schema)
+    assert sorted(n for g in groups for n in g) == schema.sparse_names
+    assert len(groups) == 2 and all(groups)
+    if expected:
+        assert groups == expected
+    if strategy == "cost":  # the 2-hot feature with the most rows is heaviest: alone
+        assert ["cat_2"] in groups
+
+
+def test_explicit_partition_is_checked_against_the_data():
+    config = quick("model.dmt.partition=[['cat_0', 'cat_9'], ['cat_1', 'cat_2', 'cat_3']]")
+    schema = SyntheticSource(config.data.synthetic).schema
+    with pytest.raises(ValueError, match=r"unknown \['cat_9'\], missing \['cat_0'\]|unknown"):
+        resolve_partition(config, schema)
+    config = quick("model.dmt.num_towers=5")
+    with pytest.raises(ValueError, match="num_towers = 5 but the data has only 4"):
+        resolve_partition(config, schema)
+
+
+def test_build_model_makes_a_dmt_with_the_configured_towers():
+    config = quick(
+        "model.dmt.partition=contiguous", "model.dmt.tower=fm", "model.dmt.tower_outputs=2"
+    )
+    schema = SyntheticSource(config.data.synthetic).schema
+    model = build_model(config, schema, torch.device("cpu"))
+    assert isinstance(model, DMT)
+    assert model.partition == [["cat_0", "cat_1"], ["cat_2", "cat_3"]]
+    assert [t.num_outputs for t in model.towers] == [2, 2]
+    assert model.compression_ratio == 1.0
+
+
+@pytest.mark.slow
+def test_learned_strength_finds_the_planted_pairs():
+    """A short DLRM run's pair attribution tracks the teacher's planted pair strength, and
+    the partitioner's towers cut less planted strength than random ones."""
+    config = load_config(None, ["train.batch_size=1024", "train.progress=false"])
+    strength = learn_interaction_strength(config, steps=300, attribution_samples=8192)
+    planted = SyntheticSource(config.data.synthetic).planted_pair_strength()
+    upper = np.triu_indices(len(planted), 1)
+    rank = lambda v: np.argsort(np.argsort(v))  # noqa: E731
+    spearman = np.corrcoef(rank(strength[upper]), rank(planted[upper]))[0, 1]
+    assert spearman > 0.45  # 0.66 measured; a 150-step pilot gets 0.2
+    names = [f"cat_{i}" for i in range(len(planted))]
+    from towerrec.planner.towers import partition_features
+
+    ours = partition_features(names, strength, np.ones(len(names)), 2, tolerance=0.0)
+    randoms = [cross_tower_mass(planted, names, random_partition(names, 2, s)) for s in range(20)]
+    assert cross_tower_mass(planted, names, ours.groups) < np.mean(randoms)
+
+
+def test_train_dmt_auto_partition(tmp_path):
+    config = quick("model.dmt.pilot_steps=20", "train.steps=30", "train.eval_every=0")
+    summary = train(config, tmp_path / "run")
+    assert 0.5 < summary["auc"] <= 1.0
+    assert summary["flops_per_sample"] > 0
+    saved = (tmp_path / "run" / "config.toml").read_text()
+    assert 'name = "dmt"' in saved and "[model.dmt]" in saved
+
+
+def test_cli_train_dmt_and_bad_partition(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    base = [sys.executable, "-m", "towerrec.cli", "train", "--config", str(QUICK)]
+    sets = ["--set", "model.name=dmt", "--set", "train.steps=20", "--set", "train.progress=false"]
+    ok = subprocess.run(
+        [*base, *sets, "--set", "model.dmt.partition=cost", "--out", str(tmp_path / "a")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["steps"] == 20
+    bad = subprocess.run(
+        [
+            *base,
+            *sets,
+            "--set",
+            "model.dmt.partition=[['cat_0'], ['cat_1']]",
+            "--out",
+            str(tmp_path / "b"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode == 2
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "missing ['cat_2', 'cat_3']" in errors[0]
+    assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_dmt_trains_to_an_auc_near_dlrm(tmp_path):
+    """Default synthetic data: compressing DMT (learned partition) close to DLRM's AUC."""
+    common = ["train.steps=600", "train.eval_every=0", "train.progress=false"]
+    dlrm = train(load_config(None, common), tmp_path / "dlrm")
+    dmt = train(
+        load_config(None, [*common, "model.name=dmt", "model.dmt.pilot_steps=150"]),
+        tmp_path / "dmt",
+    )
+    assert dmt["auc"] > dlrm["auc"] - 0.01
+    assert dmt["auc"] > 0.78
+
+
+def test_bench_towers_reports_every_strategy():
+    from towerrec.bench.towers import run_towers_benchmark
+
+    result = run_towers_benchmark(
+        steps=3,
+        pilot_steps=3,
+        random_seeds=1,
+        overrides=(
+            "data.synthetic.eval_samples=2048",
+            "train.batch_size=128",
+            "train.eval_batch_size=2048",
+        ),
+    )
+    runs = result["runs"]
+    assert set(runs) == {
+        "flat_dlrm",
+        "dmt_identity",
+        "dmt_partitioner",
+        "dmt_cost_only",
+        "dmt_random_0",
+    }
+    features = [f"cat_{i}" for i in range(9)]
+    for name, run in runs.items():
+        assert 0 <= run["auc"] <= 1, name
+        if name in ("flat_dlrm", "dmt_identity"):
+            assert run["floats_to_top_per_sample"] == 9 * 16
+            continue
+        assert sorted(n for g in run["groups"] for n in g) == features
+        assert 0 <= run["learned_cross_mass"] <= 1 and 0 <= run["planted_cross_mass"] <= 1
+        assert run["compression_ratio"] == 4.5 and run["floats_to_top_per_sample"] == 2 * 16
+    # the partitioner cuts no more learned mass than any baseline it is compared with
+    ours = runs["dmt_partitioner"]["learned_cross_mass"]
+    assert all(
+        ours <= run["learned_cross_mass"] + 1e-9
+        for run in runs.values()
+        if "cost_imbalance" in run
+        and run["cost_imbalance"] <= runs["dmt_partitioner"]["cost_imbalance"] + 1e-9
+    )
+    summary = result["summary"]
+    assert summary["auc_flat_minus_partitioner"] == pytest.approx(
+        runs["flat_dlrm"]["auc"] - runs["dmt_partitioner"]["auc"]
+    )
