@@ -34,6 +34,7 @@ from torch import nn
 
 from towerrec.distributed.comm import Comm, CommCodecs, Pending
 from towerrec.distributed.input_dist import Router, segment_permutation
+from towerrec.distributed.state import load_tensor, state_tensors
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy, apply_id_policy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling, TableConfig
@@ -114,8 +115,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._router = Router(sharded_tables, plan, topology)
         self._sharded_features = self._router.features
         self._replicated_features = [f for t in replicated_tables for f in t.feature_names]
-        self._local = self._build_local(ebc, sharded_tables)
-        self._replica = self._build_replica(ebc, replicated_tables)
+        # Plain attributes, not submodules: the shards' state is ours to name (see state.py).
+        object.__setattr__(self, "_local", self._build_local(ebc, sharded_tables))
+        object.__setattr__(self, "_replica", self._build_replica(ebc, replicated_tables))
         self._col_map = self._column_map()
         self._mean_partial = self._mean_partial_columns()
         self._prefetched: tuple[KeyedJaggedTensor, Pending] | None = None
@@ -254,6 +256,39 @@ class ShardedEmbeddingBagCollection(nn.Module):
         for module in (self._local, self._replica):
             if module is not None:
                 module.set_learning_rate(lr)
+
+    # ---------------------------------------------------------- state dict
+    def optimizer_state_dict(self, prefix: str = "") -> dict[str, object]:
+        return state_tensors(self, "optimizer", prefix)
+
+    def load_optimizer_state_dict(self, state: dict[str, object], prefix: str = "") -> None:
+        expected = self.optimizer_state_dict(prefix)
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ValueError(
+                f"embedding optimizer state is missing {missing[:5]}; was it saved with "
+                "another optimizer or other tables?"
+            )
+        for key in expected:
+            load_tensor(self, key, state[key], prefix)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination.update(state_tensors(self, "weight", prefix))
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        ours = f"{prefix}embedding_bags."
+        own = set(state_tensors(self, "weight", prefix))
+        for key in sorted(own):
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            try:
+                load_tensor(self, key, state_dict[key], prefix)
+            except ValueError as e:
+                error_msgs.append(str(e))
+        unexpected_keys.extend(k for k in state_dict if k.startswith(ours) and k not in own)
 
     # ------------------------------------------------------------- forward
     def input_dist(self, features: KeyedJaggedTensor) -> Pending:
