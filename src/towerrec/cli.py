@@ -39,7 +39,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     out = args.out or default_run_dir()
     log.info("run directory: %s", out)
-    summary = train(config, out, resume=args.resume)
+    if args.nproc > 1 or args.hosts > 1:
+        summary = _launch_train(args, out)
+    else:
+        summary = train(config, out, resume=args.resume)
     oracle = summary.get("oracle_auc")
     line = f"AUC {summary['auc']:.4f}"
     if oracle is not None:
@@ -51,6 +54,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(line)
     print(f"results in {out}/ (summary.json, metrics.jsonl, curves.png, checkpoint/)")
     return 0
+
+
+def _launch_train(args: argparse.Namespace, out: Path) -> dict:
+    """``--nproc N``: N local workers through torch.distributed's elastic launcher."""
+    from towerrec.distributed.launch import WorkerError, launch
+    from towerrec.train.distributed import train_worker
+
+    try:
+        results = launch(
+            train_worker,
+            (args.config, args.overrides, out, args.resume),
+            nproc=args.nproc,
+            hosts=args.hosts,
+            max_restarts=args.max_restarts,
+        )
+    except WorkerError as e:
+        raise ValueError(f"a worker failed: {e}") from None
+    return results[0]
 
 
 def _cmd_bench_train(args: argparse.Namespace) -> int:
@@ -102,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, help="run directory (default: runs/train-<time>)")
     train.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
+    )
+    train.add_argument(
+        "--nproc", type=int, default=1, help="start N local worker processes (gloo on CPU)"
+    )
+    train.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="let the N local workers stand in for H hosts (cross-host traffic is counted)",
+    )
+    train.add_argument(
+        "--max-restarts", type=int, default=0, help="elastic restarts after a worker failure"
     )
     train.set_defaults(func=_cmd_train)
 

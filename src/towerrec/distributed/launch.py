@@ -134,10 +134,27 @@ def launch(
     try:
         return elastic_launch(config, entry)(*args)
     except ChildFailedError as e:
-        failures = e.failures
-        first = failures[min(failures)]
-        message = first.message if isinstance(first.message, str) else str(first.message)
-        raise WorkerError(_error_line(message) or str(e)) from None
+        raise WorkerError(_root_failure(e.failures)) from None
+
+
+def _root_failure(failures: dict) -> str:
+    """The message of the failure that caused the others: the earliest one, preferring
+    a worker's own error over a peer's lost connection or a kill signal."""
+
+    def describe(rank, failure) -> str:
+        line = _error_line(failure.message)
+        if not line:
+            line = f"exit code {failure.exitcode}"
+            if failure.exitcode < 0:
+                line += f" (signal {failure.signal_name()})"
+        return f"rank {rank}: {line}"
+
+    def secondary(failure) -> bool:
+        text = str(failure.message)
+        return not text or "closed by peer" in text or "Connection reset" in text
+
+    ordered = sorted(failures.items(), key=lambda kv: (secondary(kv[1]), kv[1].timestamp))
+    return describe(*ordered[0])
 
 
 def _error_line(message: object) -> str:

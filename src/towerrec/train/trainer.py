@@ -32,6 +32,7 @@ from towerrec.train.build import (
     resolve_device,
 )
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, restore_rng
+from towerrec.train.distributed import start_distributed
 from towerrec.train.metrics import EvalMetrics, auc, compute_metrics
 from towerrec.train.run_dir import RunDir
 
@@ -50,7 +51,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device) -> EvalMetrics:
+def evaluate(
+    model: nn.Module, batches: Iterable[Batch], device: torch.device, gather=None
+) -> EvalMetrics:
+    """Metrics over ``batches``; ``gather`` concatenates every rank's predictions."""
     was_training = model.training
     model.eval()
     probs, labels = [], []
@@ -59,7 +63,10 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], device: torch.device) -
         probs.append(torch.sigmoid(model(batch.dense, batch.sparse)).float().cpu())
         labels.append(batch.labels.cpu())
     model.train(was_training)
-    return compute_metrics(torch.cat(probs), torch.cat(labels))
+    probs, labels = torch.cat(probs), torch.cat(labels)
+    if gather is not None:
+        probs, labels = gather(probs), gather(labels)
+    return compute_metrics(probs, labels)
 
 
 def set_learning_rates(
@@ -93,8 +100,10 @@ def _stop_on_signal():
             signal.signal(s, h)
 
 
-def _batches(source, batch_size: int, start: int, device: torch.device) -> Iterator[Batch]:
-    for batch in source.train_batches(batch_size, start_batch=start):
+def _batches(
+    source, batch_size: int, start: int, device: torch.device, rank: int = 0, world_size: int = 1
+) -> Iterator[Batch]:
+    for batch in source.train_batches(batch_size, start, rank, world_size):
         batch.check()  # finite dense features, labels in [0, 1]: microseconds per batch
         yield batch.to(device, non_blocking=True)
 
@@ -114,17 +123,20 @@ def train(
     cfg = config.train
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run = RunDir(out_dir)
+    device = resolve_device(cfg.device)
+    ctx = start_distributed(config, device)
+    run = RunDir(out_dir, writer=ctx.is_main)
     checkpoints = CheckpointManager(run.checkpoint_dir, keep=cfg.keep_checkpoints)
     if resume and checkpoints.latest() is None:
         raise FileNotFoundError(
             f"--resume: {run.checkpoint_dir} holds no checkpoint to resume from"
         )
-    run.start(config, resume=resume)
+    if ctx.is_main:
+        run.start(config, resume=resume)
+    ctx.barrier()
 
-    device = resolve_device(cfg.device)
     source = build_source(config.data)
-    model = build_model(config, source.schema, device)
+    model = ctx.parallelize(build_model(config, source.schema, device), config, source.schema)
     optimizer = build_dense_optimizer(config.optimizer, model)
     state: dict[str, Any] = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
     if resume:
@@ -157,7 +169,10 @@ def train(
         state.update(step=step, rng=capture_rng())
         checkpoints.save(step, model, optimizer, state)
 
-    batches = _batches(source, cfg.batch_size, state["step"], device)
+    local_batch = ctx.local_batch(cfg.batch_size)
+    local_eval_batch = ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
+    batches = _batches(source, local_batch, state["step"], device, ctx.rank, ctx.world_size)
+    eval_gather = ctx.gather if ctx.world_size > 1 else None
     last_eval: EvalMetrics | None = None
     loss_sum, loss_count = torch.zeros((), device=device), 0
     window_start, window_samples = time.perf_counter(), 0
@@ -165,7 +180,7 @@ def train(
         total=cfg.steps,
         initial=state["step"],
         unit="step",
-        disable=not cfg.progress,
+        disable=not cfg.progress or not ctx.is_main,
         dynamic_ncols=True,
         desc="train",
     )
@@ -177,11 +192,13 @@ def train(
             set_learning_rates(model, optimizer, config, factor)
             tick = time.perf_counter()
             batch = next(batches)
+            before = ctx.comm_snapshot(model)
             loss_sum += train_step(model, optimizer, batch)
+            ctx.count_train_bytes(model, before)
             loss_count += 1
             state["train_s"] += time.perf_counter() - tick
-            state["samples"] += batch.size
-            window_samples += batch.size
+            state["samples"] += batch.size * ctx.world_size
+            window_samples += batch.size * ctx.world_size
             bar.update(1)
 
             if step % cfg.log_every == 0 or step == cfg.steps:
@@ -193,17 +210,25 @@ def train(
                     "lr_factor": factor,
                     "samples_per_s": window_samples / (now - window_start),
                     "samples": state["samples"],
+                    **ctx.comm_per_sample(state["samples"]),
                 }
                 run.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:,.0f}")
                 loss_sum.zero_()
                 loss_count, window_start, window_samples = 0, now, 0
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                last_eval = evaluate(model, source.eval_batches(cfg.eval_batch_size), device)
-                run.log({"kind": "eval", "step": step, **last_eval.as_dict()})
-                bar.write(
-                    f"step {step}: eval AUC {last_eval.auc:.4f}, log-loss {last_eval.logloss:.4f}"
+                last_eval = evaluate(
+                    model,
+                    source.eval_batches(local_eval_batch, ctx.rank, ctx.world_size),
+                    device,
+                    eval_gather,
                 )
+                run.log({"kind": "eval", "step": step, **last_eval.as_dict()})
+                if ctx.is_main:
+                    bar.write(
+                        f"step {step}: eval AUC {last_eval.auc:.4f}, "
+                        f"log-loss {last_eval.logloss:.4f}"
+                    )
                 window_start = time.perf_counter()  # keep eval time out of samples/s
             stopping = stop["signal"] is not None or step == stop_after
             if (
@@ -233,6 +258,7 @@ def train(
         "backend": model.sparse.backend.value,
         "device": str(device),
         "train_s": state["train_s"],
+        **ctx.comm_per_sample(state["samples"]),
     }
     run.write_summary(summary)
     run.plot_curves(oracle_auc)
