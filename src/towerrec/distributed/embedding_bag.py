@@ -120,7 +120,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         object.__setattr__(self, "_replica", self._build_replica(ebc, replicated_tables))
         self._col_map = self._column_map()
         self._mean_partial = self._mean_partial_columns()
-        self._prefetched: tuple[KeyedJaggedTensor, Pending] | None = None
+        self._prefetched: list[tuple[KeyedJaggedTensor, Pending]] = []
 
     # ------------------------------------------------------------- building
     def _kernel_args(self) -> dict:
@@ -397,13 +397,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return divisor
 
     def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Start ``input_dist`` of a batch that a later ``forward(features)`` will use."""
-        self._prefetched = (features, self.input_dist(features))
+        """Start ``input_dist`` of a batch that a later ``forward(features)`` (the same
+        object) will use; every rank must prefetch the same sequence of batches."""
+        self._prefetched.append((features, self.input_dist(features)))
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if self._prefetched is not None and self._prefetched[0] is features:
-            pending = self._prefetched[1]
-            self._prefetched = None
+        index = next((i for i, (f, _) in enumerate(self._prefetched) if f is features), None)
+        if index is not None:
+            pending = self._prefetched.pop(index)[1]
         else:
             pending = self.input_dist(features)
         return self.output_dist(self.lookup(pending.wait()))

@@ -34,6 +34,7 @@ from towerrec.train.build import (
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, restore_rng
 from towerrec.train.distributed import start_distributed
 from towerrec.train.metrics import EvalMetrics, auc, compute_metrics
+from towerrec.train.pipeline import pipelined
 from towerrec.train.run_dir import RunDir
 
 __all__ = ["evaluate", "train", "train_step"]
@@ -172,6 +173,8 @@ def train(
     local_batch = ctx.local_batch(cfg.batch_size)
     local_eval_batch = ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
     batches = _batches(source, local_batch, state["step"], device, ctx.rank, ctx.world_size)
+    if config.distributed.pipeline:
+        batches = pipelined(model, batches)
     eval_gather = ctx.gather if ctx.world_size > 1 else None
     last_eval: EvalMetrics | None = None
     loss_sum, loss_count = torch.zeros((), device=device), 0
