@@ -8,12 +8,16 @@ import torch.nn.functional as F
 from dist_cases import gather_tables, local_slice, make_batch, plan_mixed
 from torch.distributed.device_mesh import init_device_mesh
 
+from towerrec.data.batch import Batch
+from towerrec.distributed.comm import Codec, CommCodecs
 from towerrec.distributed.launch import spawn_world
-from towerrec.distributed.parallelize import comm_stats, parallelize
+from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.train.pipeline import pipelined
+from towerrec.train.trainer import train_step
 
 TABLES = [
     TableConfig("t0", 40, 8),
@@ -62,7 +66,8 @@ def _compare(topology):
         opt.step()
         opt.zero_grad()
         diffs["logits"] = max(
-            diffs["logits"], float((logits.detach() - logits_ref.detach()[lo : lo + BATCH]).abs().max())
+            diffs["logits"],
+            float((logits.detach() - logits_ref.detach()[lo : lo + BATCH]).abs().max()),
         )
         # the local loss averages B samples, the reference W*B
         grad_diff = (x.grad / world - x_ref.grad[lo : lo + BATCH]).abs().max()
@@ -81,6 +86,69 @@ def _compare(topology):
     diffs["same_state_keys"] = sorted(model.state_dict()) == sorted(reference.state_dict())
     dist.barrier()
     return diffs
+
+
+def _train(model, topology, steps, pipeline):
+    """``steps`` Adam steps through the trainer's own step (and pipeline, if asked)."""
+    world, rank = topology.world_size, topology.rank
+    optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=0.01)
+
+    def batches():
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(step)
+            sparse = make_batch(step, BATCH * world, False, FEATURES, ROWS)
+            dense = torch.randn(BATCH * world, NUM_DENSE, generator=gen)
+            labels = torch.randint(0, 2, (BATCH * world,), generator=gen).float()
+            lo = rank * BATCH
+            yield Batch(
+                dense[lo : lo + BATCH], local_slice(sparse, rank, world), labels[lo : lo + BATCH]
+            )
+
+    stream = pipelined(model, batches()) if pipeline else batches()
+    for batch in stream:
+        train_step(model, optimizer, batch)
+    assert not model.sparse._prefetched, "a prefetched input_dist was never used"
+    weights, states = gather_tables(model.sparse)
+    dense = {n: p.detach().clone() for n, p in dense_parameters(model)}
+    return weights, states, dense
+
+
+def _pipeline_and_codecs(topology):
+    """Pipelined and plain loops end with identical weights; fp16/bf16 codecs stay
+    within their error bound of the fp32 outputs."""
+    mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
+    plan = plan_mixed(topology, TABLES)
+    plain = _train(parallelize(build(), mesh, plan), topology, 4, pipeline=False)
+    piped = _train(parallelize(build(), mesh, plan), topology, 4, pipeline=True)
+    identical = all(torch.equal(a[k], b[k]) for a, b in zip(plain, piped) for k in a)
+    # codecs: table-wise, so each output element is one value through the codec
+    sparse = local_slice(
+        make_batch(42, BATCH * topology.world_size, False, FEATURES, ROWS),
+        topology.rank,
+        topology.world_size,
+    )
+    reference = parallelize(build(), mesh, uniform_plan(TABLES, topology, "table_wise"))
+    expected = reference.sparse(sparse).values().detach()
+    within = {}
+    for codec in ("fp16", "bf16"):
+        model = parallelize(
+            build(),
+            mesh,
+            uniform_plan(TABLES, topology, "table_wise"),
+            codecs=CommCodecs(forward=codec),
+        )
+        got = model.sparse(sparse).values().detach()
+        err = (got - expected).abs()
+        within[codec] = bool((err <= Codec(codec).relative_error * expected.abs() + 1e-30).all())
+        within[codec + "_lossy"] = float(err.max()) > 0
+    return identical, within
+
+
+@pytest.mark.multiprocess
+def test_pipelined_equals_plain_and_codec_error_bound():
+    for rank, (identical, within) in enumerate(spawn_world(_pipeline_and_codecs, 2, 1)):
+        assert identical, rank
+        assert all(within.values()), (rank, within)
 
 
 @pytest.mark.multiprocess
