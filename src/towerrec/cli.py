@@ -101,6 +101,20 @@ def _cmd_bench_embedding(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_dist(args: argparse.Namespace) -> int:
+    from towerrec.bench.dist import run_dist_benchmark
+
+    result = run_dist_benchmark(
+        nprocs=tuple(int(n) for n in args.nproc.split(",")),
+        types=tuple(args.types.split(",")),
+        steps=args.steps,
+        rounds=args.rounds,
+        torchrec=not args.no_torchrec,
+    )
+    _print_result(result, args.json)
+    return 0
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
@@ -155,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             b.add_argument("--batch-size", type=int, default=2048)
         b.set_defaults(func=func)
+    b = bench_sub.add_parser("dist", help="sharded embedding steps on N CPU processes, per type")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--nproc", default="2,4", help="comma-separated world sizes (4: 2 hosts)")
+    b.add_argument(
+        "--types",
+        default="table_wise,row_wise,column_wise,table_row_wise,table_column_wise,data_parallel",
+        help="comma-separated sharding types",
+    )
+    b.add_argument("--steps", type=int, default=20, help="timed steps per system")
+    b.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds")
+    b.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec comparison")
+    b.set_defaults(func=_cmd_bench_dist)
     return parser
 
 
