@@ -87,3 +87,38 @@ def test_worker_user_error_prints_one_line_and_exits_2(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "nope.json" in last and "does not exist" in last
+
+
+def _crash_once(config_path, overrides, out):
+    """First attempt: train 4 steps (checkpoint), then crash; the restart resumes."""
+    from towerrec.config import load_config
+    from towerrec.train.distributed import train_worker
+    from towerrec.train.trainer import train
+
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        train(load_config(config_path, overrides), out, stop_after=4)
+        raise RuntimeError("simulated crash after step 4")
+    return train_worker(config_path, overrides, out, resume=False)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
+    from towerrec.config import load_config
+    from towerrec.train.trainer import train
+
+    overrides = QUICK[3::2]
+    config_path = REPO / "configs" / "quick.toml"
+    results = launch(
+        _crash_once, (config_path, overrides, tmp_path / "run"), nproc=2, max_restarts=1
+    )
+    summary = results[0]
+    assert summary["completed"] and summary["steps"] == 6
+    records = [
+        json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n") if x
+    ]
+    assert [r["step"] for r in records if r["kind"] == "train"] == sorted(
+        {r["step"] for r in records if r["kind"] == "train"}
+    )
+    single = train(load_config(config_path, overrides), tmp_path / "one")
+    assert abs(summary["auc"] - single["auc"]) < 1e-3

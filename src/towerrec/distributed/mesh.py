@@ -109,6 +109,7 @@ def init_distributed(
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
+            store=_attempt_store(topology, timeout_s),
             rank=topology.rank,
             world_size=topology.world_size,
             timeout=timedelta(seconds=timeout_s),
@@ -123,3 +124,20 @@ def init_distributed(
         (topology.hosts, topology.ranks_per_host),
         mesh_dim_names=(MeshAxis.HOST.value, MeshAxis.LOCAL.value),
     )
+
+
+def _attempt_store(topology: Topology, timeout_s: float) -> dist.Store | None:
+    """Under the elastic launcher, a store private to this restart attempt: the
+    workers of an attempt must not find the addresses of the previous (dead) ones."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        topology.world_size,
+        is_master=topology.rank == 0 and not agent_store,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore(f"towerrec/attempt_{attempt}", base)
