@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -39,7 +40,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     out = args.out or default_run_dir()
     log.info("run directory: %s", out)
-    if args.nproc > 1 or args.hosts > 1:
+    if "WORLD_SIZE" in os.environ:  # already a worker of torchrun: train, don't launch
+        if args.hosts > 1:
+            os.environ["TOWERREC_HOSTS"] = str(args.hosts)
+        summary = train(config, out, resume=args.resume)
+        if os.environ.get("RANK", "0") != "0":
+            return 0
+    elif args.nproc > 1 or args.hosts > 1:
         summary = _launch_train(args, out)
     else:
         summary = train(config, out, resume=args.resume)

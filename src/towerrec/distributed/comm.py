@@ -208,15 +208,6 @@ class Comm:
         ).wait()
         return received.view(self.world_size, k)
 
-    def all_gather(
-        self, x: torch.Tensor, counts: Sequence[int], name: str, codecs: CommCodecs | None = None
-    ) -> torch.Tensor:
-        """Concatenation over ranks of each rank's flat ``x`` (``counts[r]`` elements from
-        rank r); differentiable: the gradient of our slice is summed over all receivers."""
-        send = [x.numel()] * self.world_size
-        replicated = x.repeat(self.world_size) if self.world_size > 1 else x
-        return self.all_to_all(replicated, send, counts, name, codecs)
-
     def all_gather_async(self, x: torch.Tensor, counts: Sequence[int], name: str) -> Pending:
         """Start gathering every rank's flat ``x`` (non-differentiable)."""
         send = [x.numel()] * self.world_size

@@ -119,6 +119,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         object.__setattr__(self, "_local", self._build_local(ebc, sharded_tables))
         object.__setattr__(self, "_replica", self._build_replica(ebc, replicated_tables))
         self._col_map = self._column_map()
+        # Without row splits the received columns are a permutation of the output's:
+        # a gather (or nothing) instead of a scatter-add.
+        total = sum(self.embedding_dims)
+        self._col_gather: torch.Tensor | None = None
+        self._col_identity = False
+        if self._col_map.numel() == total and self._col_map.unique().numel() == total:
+            gather = torch.argsort(self._col_map)
+            self._col_identity = bool((gather == torch.arange(total, device=self.device)).all())
+            self._col_gather = gather
         self._mean_partial = self._mean_partial_columns()
         self._prefetched: list[tuple[KeyedJaggedTensor, Pending]] = []
 
@@ -448,9 +457,16 @@ class ShardedEmbeddingBagCollection(nn.Module):
             parts.append(
                 _KeepLocalSamples.apply(replicated, comm, first, batch, batches, self.codecs)
             )
-        columns = torch.cat(parts, dim=1)
-        out = torch.zeros(batch, sum(self.embedding_dims), device=self.device, dtype=columns.dtype)
-        out = out.index_add(1, self._col_map, columns)
+        columns = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        if self._col_identity:
+            out = columns
+        elif self._col_gather is not None:
+            out = columns.index_select(1, self._col_gather)
+        else:
+            out = torch.zeros(
+                batch, sum(self.embedding_dims), device=self.device, dtype=columns.dtype
+            )
+            out = out.index_add(1, self._col_map, columns)
         if dist_input.divisor is not None:
             out = out / dist_input.divisor
         if self.grad_scale != 1.0 and out.requires_grad:
