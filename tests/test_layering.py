@@ -42,6 +42,7 @@ FORBIDDEN = {
         "towerrec.planner",
     ],
     "planner": ["torch.distributed", "towerrec.train", "towerrec.distributed"],
+    "distributed": ["towerrec.train", "towerrec.cli", "towerrec.bench", "towerrec.data"],
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -39,7 +40,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     out = args.out or default_run_dir()
     log.info("run directory: %s", out)
-    summary = train(config, out, resume=args.resume)
+    if "WORLD_SIZE" in os.environ:  # already a worker of torchrun: train, don't launch
+        if args.hosts > 1:
+            os.environ["TOWERREC_HOSTS"] = str(args.hosts)
+        summary = train(config, out, resume=args.resume)
+        if os.environ.get("RANK", "0") != "0":
+            return 0
+    elif args.nproc > 1 or args.hosts > 1:
+        summary = _launch_train(args, out)
+    else:
+        summary = train(config, out, resume=args.resume)
     oracle = summary.get("oracle_auc")
     line = f"AUC {summary['auc']:.4f}"
     if oracle is not None:
@@ -51,6 +61,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(line)
     print(f"results in {out}/ (summary.json, metrics.jsonl, curves.png, checkpoint/)")
     return 0
+
+
+def _launch_train(args: argparse.Namespace, out: Path) -> dict:
+    """``--nproc N``: N local workers through torch.distributed's elastic launcher."""
+    from towerrec.distributed.launch import WorkerError, launch
+    from towerrec.train.distributed import train_worker
+
+    try:
+        results = launch(
+            train_worker,
+            (args.config, args.overrides, out, args.resume),
+            nproc=args.nproc,
+            hosts=args.hosts,
+            max_restarts=args.max_restarts,
+        )
+    except WorkerError as e:
+        raise ValueError(f"a worker failed: {e}") from None
+    return results[0]
 
 
 def _cmd_bench_train(args: argparse.Namespace) -> int:
@@ -154,6 +182,20 @@ def _cmd_bench_dmt_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_dist(args: argparse.Namespace) -> int:
+    from towerrec.bench.dist import run_dist_benchmark
+
+    result = run_dist_benchmark(
+        nprocs=tuple(int(n) for n in args.nproc.split(",")),
+        types=tuple(args.types.split(",")),
+        steps=args.steps,
+        rounds=args.rounds,
+        torchrec=not args.no_torchrec,
+    )
+    _print_result(result, args.json)
+    return 0
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
@@ -176,6 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", type=Path, help="run directory (default: runs/train-<time>)")
     train.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
+    )
+    train.add_argument(
+        "--nproc", type=int, default=1, help="start N local worker processes (gloo on CPU)"
+    )
+    train.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="let the N local workers stand in for H hosts (cross-host traffic is counted)",
+    )
+    train.add_argument(
+        "--max-restarts", type=int, default=0, help="elastic restarts after a worker failure"
     )
     train.set_defaults(func=_cmd_train)
 
@@ -283,6 +337,18 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--compression", type=float, default=4.0, help="DMT tower compression")
     scale.add_argument("--plot", type=Path, help="write the plot (PNG) here")
     scale.set_defaults(func=_cmd_bench_dmt_scale)
+    b = bench_sub.add_parser("dist", help="sharded embedding steps on N CPU processes, per type")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--nproc", default="2,4", help="comma-separated world sizes (4: 2 hosts)")
+    b.add_argument(
+        "--types",
+        default="table_wise,row_wise,column_wise,table_row_wise,table_column_wise,data_parallel",
+        help="comma-separated sharding types",
+    )
+    b.add_argument("--steps", type=int, default=20, help="timed steps per system")
+    b.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds")
+    b.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec comparison")
+    b.set_defaults(func=_cmd_bench_dist)
     return parser
 
 

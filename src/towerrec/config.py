@@ -39,6 +39,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DistributedConfig",
     "EmbeddingConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -265,6 +266,36 @@ class PlanConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs (``towerrec train --nproc N`` or torchrun); ignored in one process."""
+
+    sharding: str = "table_wise"  # every table, when no plan file is given
+    plan: str = ""  # sharding plan JSON (see towerrec.planner.plan); overrides `sharding`
+    forward_codec: str = "fp32"  # wire format of pooled embeddings: fp32 | fp16 | bf16
+    backward_codec: str = "fp32"  # wire format of their gradients
+    pipeline: bool = False  # overlap the next batch's input_dist with this batch's compute
+    timeout_s: float = 300.0  # a collective waiting longer for a peer fails the run
+
+    def __post_init__(self) -> None:
+        _choice(
+            self.sharding,
+            (
+                "table_wise",
+                "row_wise",
+                "column_wise",
+                "table_row_wise",
+                "table_column_wise",
+                "data_parallel",
+            ),
+            "distributed.sharding",
+        )
+        _choice(self.forward_codec, ("fp32", "fp16", "bf16"), "distributed.forward_codec")
+        _choice(self.backward_codec, ("fp32", "fp16", "bf16"), "distributed.backward_codec")
+        if not self.timeout_s > 0:
+            raise ValueError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -272,6 +303,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 # ------------------------------------------------------------------ loading

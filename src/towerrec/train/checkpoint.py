@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -158,7 +159,13 @@ class CheckpointManager:
         state = self._state(model, optimizer, train)
         try:
             with _single_process_quiet():
-                dcp.load(state, checkpoint_id=path)
+                # No flattening of nested ShardedTensors (there are none): it would mangle
+                # the optimizer's param_groups when sharded embeddings are present.
+                dcp.load(
+                    state,
+                    checkpoint_id=path,
+                    planner=DefaultLoadPlanner(flatten_sharded_tensors=False),
+                )
         except (CheckpointException, RuntimeError, ValueError) as e:
             raise ValueError(
                 f"checkpoint {path} does not fit this model and config ({_first_line(e)}); "

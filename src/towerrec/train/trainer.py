@@ -32,7 +32,9 @@ from towerrec.train.build import (
     resolve_device,
 )
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, restore_rng
+from towerrec.train.distributed import start_distributed
 from towerrec.train.metrics import EvalMetrics, auc, compute_metrics
+from towerrec.train.pipeline import pipelined
 from towerrec.train.run_dir import RunDir
 
 __all__ = ["evaluate", "train", "train_step"]
@@ -67,7 +69,9 @@ def evaluate(
     batches: Iterable[Batch],
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
+    gather=None,
 ) -> EvalMetrics:
+    """Metrics over ``batches``; ``gather`` concatenates every rank's predictions."""
     was_training = model.training
     model.eval()
     probs, labels = [], []
@@ -78,7 +82,10 @@ def evaluate(
         probs.append(torch.sigmoid(logits.float()).cpu())
         labels.append(batch.labels.cpu())
     model.train(was_training)
-    return compute_metrics(torch.cat(probs), torch.cat(labels))
+    probs, labels = torch.cat(probs), torch.cat(labels)
+    if gather is not None:
+        probs, labels = gather(probs), gather(labels)
+    return compute_metrics(probs, labels)
 
 
 def set_learning_rates(
@@ -112,8 +119,10 @@ def _stop_on_signal():
             signal.signal(s, h)
 
 
-def _batches(source, batch_size: int, start: int, device: torch.device) -> Iterator[Batch]:
-    for batch in source.train_batches(batch_size, start_batch=start):
+def _batches(
+    source, batch_size: int, start: int, device: torch.device, rank: int = 0, world_size: int = 1
+) -> Iterator[Batch]:
+    for batch in source.train_batches(batch_size, start, rank, world_size):
         batch.check()  # finite dense features, labels in [0, 1]: microseconds per batch
         yield batch.to(device, non_blocking=True)
 
@@ -133,19 +142,22 @@ def train(
     cfg = config.train
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    run = RunDir(out_dir)
+    device = resolve_device(cfg.device)
+    ctx = start_distributed(config, device)
+    run = RunDir(out_dir, writer=ctx.is_main)
     checkpoints = CheckpointManager(run.checkpoint_dir, keep=cfg.keep_checkpoints)
     if resume and checkpoints.latest() is None:
         raise FileNotFoundError(
             f"--resume: {run.checkpoint_dir} holds no checkpoint to resume from"
         )
-    run.start(config, resume=resume)
+    if ctx.is_main:
+        run.start(config, resume=resume)
+    ctx.barrier()
 
-    device = resolve_device(cfg.device)
     source = build_source(config.data)
-    if config.plan.strategy != "none":
+    if config.plan.strategy != "none" and ctx.world_size == 1:
         log.warning("plan.strategy only shards tables over ranks; one process keeps them all")
-    model = build_model(config, source.schema, device)
+    model = ctx.parallelize(build_model(config, source.schema, device), config, source.schema)
     optimizer = build_dense_optimizer(config.optimizer, model)
     state: dict[str, Any] = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
     if resume:
@@ -178,7 +190,12 @@ def train(
         state.update(step=step, rng=capture_rng())
         checkpoints.save(step, model, optimizer, state)
 
-    batches = _batches(source, cfg.batch_size, state["step"], device)
+    local_batch = ctx.local_batch(cfg.batch_size)
+    local_eval_batch = ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
+    batches = _batches(source, local_batch, state["step"], device, ctx.rank, ctx.world_size)
+    if config.distributed.pipeline:
+        batches = pipelined(model, batches)
+    eval_gather = ctx.gather if ctx.world_size > 1 else None
     amp_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
     last_eval: EvalMetrics | None = None
     loss_sum, loss_count = torch.zeros((), device=device), 0
@@ -187,7 +204,7 @@ def train(
         total=cfg.steps,
         initial=state["step"],
         unit="step",
-        disable=not cfg.progress,
+        disable=not cfg.progress or not ctx.is_main,
         dynamic_ncols=True,
         desc="train",
     )
@@ -199,11 +216,13 @@ def train(
             set_learning_rates(model, optimizer, config, factor)
             tick = time.perf_counter()
             batch = next(batches)
+            before = ctx.comm_snapshot(model)
             loss_sum += train_step(model, optimizer, batch, amp_dtype)
+            ctx.count_train_bytes(model, before)
             loss_count += 1
             state["train_s"] += time.perf_counter() - tick
-            state["samples"] += batch.size
-            window_samples += batch.size
+            state["samples"] += batch.size * ctx.world_size
+            window_samples += batch.size * ctx.world_size
             bar.update(1)
 
             if step % cfg.log_every == 0 or step == cfg.steps:
@@ -215,6 +234,7 @@ def train(
                     "lr_factor": factor,
                     "samples_per_s": window_samples / (now - window_start),
                     "samples": state["samples"],
+                    **ctx.comm_per_sample(state["samples"]),
                 }
                 run.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:,.0f}")
@@ -222,12 +242,18 @@ def train(
                 loss_count, window_start, window_samples = 0, now, 0
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
                 last_eval = evaluate(
-                    model, source.eval_batches(cfg.eval_batch_size), device, amp_dtype
+                    model,
+                    source.eval_batches(local_eval_batch, ctx.rank, ctx.world_size),
+                    device,
+                    autocast_dtype=amp_dtype,
+                    gather=eval_gather,
                 )
                 run.log({"kind": "eval", "step": step, **last_eval.as_dict()})
-                bar.write(
-                    f"step {step}: eval AUC {last_eval.auc:.4f}, log-loss {last_eval.logloss:.4f}"
-                )
+                if ctx.is_main:
+                    bar.write(
+                        f"step {step}: eval AUC {last_eval.auc:.4f}, "
+                        f"log-loss {last_eval.logloss:.4f}"
+                    )
                 window_start = time.perf_counter()  # keep eval time out of samples/s
             stopping = stop["signal"] is not None or step == stop_after
             if (
@@ -261,6 +287,7 @@ def train(
         else None,
         "device": str(device),
         "train_s": state["train_s"],
+        **ctx.comm_per_sample(state["samples"]),
     }
     run.write_summary(summary)
     run.plot_curves(oracle_auc)

@@ -1,0 +1,149 @@
+"""How one process takes part in a (possibly distributed) training run.
+
+``towerrec train`` in one process: a ``RunContext`` of world size 1, every
+method a no-op. Under ``towerrec train --nproc N`` or ``torchrun`` (the
+environment names RANK, WORLD_SIZE, ...): the process joins the group, builds
+the hosts x local mesh and ``parallelize``s the model by the configured plan;
+``train.batch_size`` is the global batch, each rank reading its slice, so the
+run follows the single-process one on the same data. Evaluation gathers every
+rank's predictions; the embedding collectives' bytes are summed over ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from towerrec.config import Config, load_config
+from towerrec.data.batch import DataSchema
+from towerrec.distributed.comm import CommCodecs
+from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
+from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
+from towerrec.planner.plan import ShardingPlan
+from towerrec.train.build import build_tables
+
+__all__ = ["RunContext", "start_distributed", "train_worker"]
+
+log = logging.getLogger("towerrec")
+
+
+@dataclass
+class RunContext:
+    topology: Topology
+    mesh: DeviceMesh | None = None
+    train_bytes: list[int] = field(default_factory=lambda: [0, 0])  # intra, cross
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def local_batch(self, global_batch: int, what: str = "train.batch_size") -> int:
+        if global_batch % self.world_size:
+            raise ValueError(
+                f"{what} = {global_batch} is the global batch and must divide evenly over "
+                f"{self.world_size} ranks; choose a multiple of {self.world_size}"
+            )
+        return global_batch // self.world_size
+
+    def parallelize(self, model: nn.Module, config: Config, schema: DataSchema) -> nn.Module:
+        if self.world_size == 1:
+            return model
+        settings = config.distributed
+        if settings.plan:
+            plan = ShardingPlan.load(settings.plan)
+        else:
+            plan = uniform_plan(build_tables(config, schema), self.topology, settings.sharding)
+        codecs = CommCodecs(settings.forward_codec, settings.backward_codec)
+        return parallelize(model, self.mesh, plan, codecs=codecs)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenation over ranks of equal-sized 1-D tensors, in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    def comm_snapshot(self, model: nn.Module) -> tuple[int, int]:
+        return comm_stats(model).snapshot() if self.world_size > 1 else (0, 0)
+
+    def count_train_bytes(self, model: nn.Module, before: tuple[int, int]) -> None:
+        """Add the bytes sent since ``before`` (a training step's) to the training totals."""
+        after = self.comm_snapshot(model)
+        self.train_bytes[0] += after[0] - before[0]
+        self.train_bytes[1] += after[1] - before[1]
+
+    def comm_per_sample(self, samples: int) -> dict[str, Any]:
+        """Bytes all ranks sent in training steps per (global) training sample."""
+        if self.world_size == 1:
+            return {}
+        totals = torch.tensor(self.train_bytes, dtype=torch.float64)
+        dist.all_reduce(totals)
+        intra, cross = (totals / max(samples, 1)).tolist()
+        return {
+            "world_size": self.world_size,
+            "hosts": self.topology.hosts,
+            "comm_bytes_per_sample_intra": intra,
+            "comm_bytes_per_sample_cross": cross,
+        }
+
+
+def start_distributed(config: Config, device: torch.device) -> RunContext:
+    """Join the run the environment describes (world size 1 when there is none)."""
+    topology = topology_from_env()
+    if topology.world_size == 1:
+        return RunContext(topology)
+    if not config.train.threads:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    mesh = init_distributed(topology, device, timeout_s=config.distributed.timeout_s)
+    return RunContext(topology, mesh)
+
+
+def train_worker(
+    config_path: Path | None, overrides: list[str], out: Path, resume: bool
+) -> dict[str, Any] | None:
+    """One worker of ``towerrec train --nproc N``: the summary on rank 0, None elsewhere.
+
+    After an elastic restart (``--max-restarts``) the run resumes from its last
+    checkpoint, or starts over if it had none yet.
+    """
+    from towerrec.train.checkpoint import CheckpointManager
+    from towerrec.train.run_dir import RunDir
+    from towerrec.train.trainer import train
+
+    logging.basicConfig(level=logging.WARNING)
+    config = load_config(config_path, overrides)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        run = RunDir(out)
+        if CheckpointManager(run.checkpoint_dir).latest() is not None:
+            resume = True
+            log.warning("restarted: resuming from the last checkpoint in %s", out)
+        elif not resume and int(os.environ.get("RANK", "0")) == 0:
+            run.metrics_path.unlink(missing_ok=True)
+    try:
+        summary = train(config, out, resume=resume)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return summary if int(os.environ.get("RANK", "0")) == 0 else None

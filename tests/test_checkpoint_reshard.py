@@ -1,0 +1,96 @@
+"""A checkpoint saved under one plan and world size loads under another.
+
+4 ranks on 2 hosts, every table table-wise, train 3 steps and save; then 2
+ranks with a mixed plan (every sharding type), and one process unsharded, load
+it: the model's outputs, the embedding weights and their optimizer state are
+those that were saved.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_cases import gather_tables, local_slice, make_batch, plan_mixed
+from test_parallelize import FEATURES, NUM_DENSE, ROWS, TABLES, build
+from torch.distributed.device_mesh import init_device_mesh
+
+from towerrec.distributed.launch import spawn_world
+from towerrec.distributed.parallelize import parallelize, uniform_plan
+from towerrec.modules.embedding_bag import dense_parameters
+from towerrec.train.checkpoint import CheckpointManager, embedding_optimizer_state_dict
+
+EVAL = 8  # samples per rank of the 4-rank world (32 in all)
+
+
+def _eval_batch():
+    gen = torch.Generator().manual_seed(99)
+    return torch.randn(4 * EVAL, NUM_DENSE, generator=gen), make_batch(
+        99, 4 * EVAL, False, FEATURES, ROWS
+    )
+
+
+def _logits(model, topology):
+    dense, sparse = _eval_batch()
+    per_rank = dense.shape[0] // topology.world_size
+    lo = topology.rank * per_rank
+    with torch.no_grad():
+        logits = model(
+            dense[lo : lo + per_rank], local_slice(sparse, topology.rank, topology.world_size)
+        )
+    return logits
+
+
+def _save(topology, directory):
+    mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
+    model = build(seed=1)
+    model = parallelize(model, mesh, uniform_plan(TABLES, topology, "table_wise"))
+    optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=0.01)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        sparse = make_batch(step, 4 * topology.world_size, False, FEATURES, ROWS)
+        dense = torch.randn(4 * topology.world_size, NUM_DENSE, generator=gen)
+        labels = torch.randint(0, 2, (dense.shape[0],), generator=gen).float()
+        lo = topology.rank * 4
+        logits = model(dense[lo : lo + 4], local_slice(sparse, topology.rank, topology.world_size))
+        F.binary_cross_entropy_with_logits(logits, labels[lo : lo + 4]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    CheckpointManager(directory).save(3, model, optimizer, {"step": 3})
+    weights, states = gather_tables(model.sparse)
+    return _logits(model, topology), weights, states
+
+
+def _load(topology, directory):
+    mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
+    model = parallelize(build(seed=2), mesh, plan_mixed(topology, TABLES))
+    optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=0.01)
+    manager = CheckpointManager(directory)
+    train = manager.load(manager.latest(), model, optimizer, {"step": 0})
+    weights, states = gather_tables(model.sparse)
+    return _logits(model, topology), weights, states, train["step"]
+
+
+@pytest.mark.multiprocess
+def test_save_on_4_ranks_table_wise_load_on_2_ranks_mixed_and_unsharded(tmp_path):
+    saved = spawn_world(_save, 4, 2, tmp_path)
+    expected = torch.cat([s[0] for s in saved])
+    loaded = spawn_world(_load, 2, 1, tmp_path)
+    assert loaded[0][3] == 3
+    got = torch.cat([r[0] for r in loaded])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    for key, w in saved[0][1].items():
+        assert torch.equal(loaded[0][1][key], w), key
+    for key, s in saved[0][2].items():
+        assert torch.equal(loaded[0][2][key], s), key
+
+    # and into the plain single-process model
+    model = build(seed=3)
+    optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=0.01)
+    manager = CheckpointManager(tmp_path)
+    manager.load(manager.latest(), model, optimizer, {"step": 0})
+    dense, sparse = _eval_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(dense, sparse), expected, rtol=0, atol=1e-6)
+    for name, w in model.sparse.table_weights().items():
+        assert torch.equal(w, saved[0][1][name]), name
+    for key, s in embedding_optimizer_state_dict(model).items():
+        assert torch.equal(s, saved[0][2][key.removeprefix("sparse.")]), key
