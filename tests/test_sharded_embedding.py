@@ -23,6 +23,7 @@ from towerrec.distributed.launch import spawn_world
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.planner.plan import ShardingType
+from towerrec.sparse import KeyedJaggedTensor
 
 BATCH = 6  # per rank
 STEPS = 5
@@ -64,9 +65,34 @@ def _golden(topology, plan, optimizer, backend, weighted, seed):
     return out_diff, weight_diff, state_diff
 
 
+def _measured_and_expected_bytes(topology):
+    """Bytes this rank sent in one table-wise step (1 id per bag), measured and by hand."""
+    world, rank, batch = topology.world_size, topology.rank, BATCH
+    plan = plan_all(ShardingType.TABLE_WISE, topology, SUM_TABLES)
+    comm = Comm(topology)
+    sharded = ShardedEmbeddingBagCollection(EmbeddingBagCollection(SUM_TABLES), plan, comm)
+    features = [f for t in SUM_TABLES for f in t.feature_names]
+    owner = {f: plan.tables[t.name].shards[0].rank for t in SUM_TABLES for f in t.feature_names}
+    dim = {f: t.embedding_dim for t in SUM_TABLES for f in t.feature_names}
+    ids = torch.arange(len(features) * batch) % 10
+    kjt = KeyedJaggedTensor(features, ids, torch.ones(len(features) * batch, dtype=torch.int64))
+    out = sharded(kjt).values()
+    out.backward(torch.ones_like(out))
+    expected = {"intra": 0, "cross": 0}
+    for peer in range(world):
+        if peer == rank:
+            continue
+        sent = 4 * 8  # the count exchange: 4 int64 per peer
+        sent += sum(2 * batch * 8 for f in features if owner[f] == peer)  # lengths + ids
+        sent += sum(batch * dim[f] * 4 for f in features if owner[f] == rank)  # pooled
+        sent += sum(batch * dim[f] * 4 for f in features if owner[f] == peer)  # gradients
+        expected["cross" if topology.is_cross_host(peer) else "intra"] += sent
+    return {"intra": comm.stats.intra_bytes, "cross": comm.stats.cross_bytes}, expected
+
+
 def _all_types(topology):
     """Every sharding type and the mixed plan, with the optimizers that are exact for it."""
-    results = {}
+    results = {"bytes": _measured_and_expected_bytes(topology)}
     kinds = list(ShardingType)
     for i, kind in enumerate(kinds):
         plan = plan_all(kind, topology)
@@ -85,6 +111,9 @@ def test_every_sharding_type_matches_unsharded(world, hosts):
     results = spawn_world(_all_types, world, hosts)
     for rank, per_plan in enumerate(results):
         assert per_plan is not None, f"rank {rank} returned nothing"
+        measured, expected = per_plan.pop("bytes")
+        assert measured == expected, (rank, measured, expected)
+        assert (expected["cross"] > 0) == (hosts > 1)
         for name, (out_diff, weight_diff, state_diff) in per_plan.items():
             assert out_diff < 1e-5, (rank, name, "outputs", out_diff)
             assert weight_diff < 1e-5, (rank, name, "weights", weight_diff)

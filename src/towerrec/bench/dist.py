@@ -78,7 +78,13 @@ def _torchrec_sharded(shape: dict, sharding: str, world: int):
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
     )
-    constraints = {t.name: ParameterConstraints(sharding_types=[sharding]) for t in tables}
+    # TorchRec cuts column-wise shards of at least 128 columns by default (so a 32-wide
+    # table would stay whole); ask for the same split as ours: dim / world columns each.
+    min_partition = shape["embedding_dim"] // world if sharding == "column_wise" else None
+    constraints = {
+        t.name: ParameterConstraints(sharding_types=[sharding], min_partition=min_partition)
+        for t in tables
+    }
     module = TorchrecEBC(tables=tables, device=torch.device("meta"))
     planner = EmbeddingShardingPlanner(
         topology=TorchrecTopology(world_size=world, compute_device="cpu"), constraints=constraints

@@ -119,6 +119,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         object.__setattr__(self, "_local", self._build_local(ebc, sharded_tables))
         object.__setattr__(self, "_replica", self._build_replica(ebc, replicated_tables))
         self._col_map = self._column_map()
+        self._split_columns = self._direct_and_host_columns()
         # Without row splits the received columns are a permutation of the output's:
         # a gather (or nothing) instead of a scatter-add.
         total = sum(self.embedding_dims)
@@ -218,7 +219,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Output column of every column received: slots of rank 0, 1, ..., then replicas."""
         offsets = self._feature_offsets()
         columns = []
-        for slots in self._router.slots:
+        direct = [[s for s in slots if not s.hierarchical] for slots in self._router.slots]
+        hierarchical = [self._router.host_slots(h) for h in range(self.comm.topology.hosts)]
+        for slots in [*direct, *hierarchical]:
             for s in slots:
                 start = offsets[s.feature]
                 columns.extend(range(start + s.cols[0], start + s.cols[1]))
@@ -226,6 +229,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for feature, dim in zip(self._replica.feature_names, self._replica.embedding_dims):
                 columns.extend(range(offsets[feature], offsets[feature] + dim))
         return torch.tensor(columns, dtype=torch.int64, device=self.device)
+
+    def _direct_and_host_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Columns of this rank's pooled output sent directly, and those added inside the host."""
+        direct, host, position = [], [], 0
+        for s in self._router.slots[self.comm.rank]:
+            (host if s.hierarchical else direct).extend(range(position, position + s.width))
+            position += s.width
+        return (
+            torch.tensor(direct, dtype=torch.int64, device=self.device),
+            torch.tensor(host, dtype=torch.int64, device=self.device),
+        )
 
     def _mean_partial_columns(self) -> list[tuple[str, int, int]]:
         """(feature, first column, dim) of features whose mean pooling is split by rows."""
@@ -440,6 +454,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def output_dist(self, looked_up) -> KeyedTensor:
         dist_input, pooled, replicated = looked_up
         comm, batch, batches = self.comm, dist_input.batch, dist_input.batches
+        hierarchical = None
+        if self._router.has_hierarchical:
+            direct_cols, host_cols = self._split_columns
+            hierarchical = pooled.index_select(1, host_cols)
+            pooled = pooled.index_select(1, direct_cols)
         width = pooled.shape[1]
         widths = [self._router.width(r) for r in range(comm.world_size)]
         received = comm.all_to_all(
@@ -452,6 +471,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         parts = [
             p.view(batch, w) for p, w in zip(received.split([batch * w for w in widths]), widths)
         ]
+        if hierarchical is not None:
+            parts.append(self._hierarchical_output(hierarchical, batch, batches))
         if replicated is not None:
             first = sum(batches[: comm.rank])
             parts.append(
@@ -479,6 +500,42 @@ class ShardedEmbeddingBagCollection(nn.Module):
             f"tables={len(self.tables)}, world={self.comm.world_size}, hosts={self.comm.topology.hosts}, "
             f"sharding={kinds}, backend={self.backend.value}"
         )
+
+    def _hierarchical_output(
+        self, pooled: torch.Tensor, batch: int, batches: list[int]
+    ) -> torch.Tensor:
+        """Table-row-wise partial sums ``[sum_r B_r, W_host]``: added inside the host, then
+        one message per sample crosses hosts (rank l of a host serves the samples of
+        rank l of every host). Returns ``[B, sum over hosts of W_host]``."""
+        comm, topology = self.comm, self.comm.topology
+        world, local, per_host = comm.world_size, topology.local_rank, topology.ranks_per_host
+        width = pooled.shape[1]
+        starts = [sum(batches[:r]) for r in range(world)]
+        groups = [[r for r in range(world) if r % per_host == m] for m in range(per_host)]
+        rows = [sum(batches[r] for r in g) for g in groups]
+        order = torch.cat(
+            [
+                torch.arange(starts[r], starts[r] + batches[r], device=pooled.device)
+                for g in groups
+                for r in g
+            ]
+        )
+        mine = topology.host_ranks(topology.host)
+        send = [rows[r % per_host] * width if r in mine else 0 for r in range(world)]
+        recv = [rows[local] * width if r in mine else 0 for r in range(world)]
+        gathered = comm.all_to_all(
+            pooled.index_select(0, order).reshape(-1), send, recv, "output_host_reduce", self.codecs
+        )
+        summed = gathered.view(per_host, rows[local], width).sum(dim=0)
+        widths = [sum(s.width for s in self._router.host_slots(h)) for h in range(topology.hosts)]
+        send = [batches[r] * width if r in groups[local] else 0 for r in range(world)]
+        recv = [
+            batch * widths[topology.host_of(r)] if r % per_host == local else 0
+            for r in range(world)
+        ]
+        received = comm.all_to_all(summed.reshape(-1), send, recv, "output_cross_host", self.codecs)
+        blocks = received.split([batch * w for w in widths])
+        return torch.cat([b.view(batch, w) for b, w in zip(blocks, widths)], dim=1)
 
 
 class _KeepLocalSamples(torch.autograd.Function):

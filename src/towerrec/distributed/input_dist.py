@@ -38,6 +38,7 @@ class Slot:
     rows: tuple[int, int]
     cols: tuple[int, int]
     partial: bool  # the shard holds part of the rows: its pooled output is a partial sum
+    hierarchical: bool = False  # partial sums are added inside the host before crossing hosts
 
     @property
     def width(self) -> int:
@@ -68,12 +69,28 @@ class Router:
             strategy.check(table_plan, topology)
             ranges = sorted({s.rows for s in table_plan.shards})
             partial = len(ranges) > 1
+            hierarchical = (
+                strategy.one_host
+                and strategy.splits_rows
+                and topology.hosts > 1
+                and topology.ranks_per_host > 1
+                and sorted(s.rank for s in table_plan.shards)
+                == topology.host_ranks(topology.host_of(table_plan.shards[0].rank))
+            )
             for shard in table_plan.shards:
                 for feature in table.feature_names:
                     slots = self.slots[shard.rank]
                     targets[feature].append((shard.rank, len(slots), ranges.index(shard.rows)))
                     slots.append(
-                        Slot(feature, table.name, shard.rank, shard.rows, shard.cols, partial)
+                        Slot(
+                            feature,
+                            table.name,
+                            shard.rank,
+                            shard.rows,
+                            shard.cols,
+                            partial,
+                            hierarchical,
+                        )
                     )
             starts = torch.tensor([lo for lo, _ in ranges], dtype=torch.int64)
             for feature in table.feature_names:
@@ -82,8 +99,17 @@ class Router:
                 )
 
     def width(self, rank: int) -> int:
-        """Columns of pooled output that ``rank`` computes per sample."""
-        return sum(s.width for s in self.slots[rank])
+        """Columns of pooled output that ``rank`` sends straight to the samples' owners."""
+        return sum(s.width for s in self.slots[rank] if not s.hierarchical)
+
+    def host_slots(self, host: int) -> list[Slot]:
+        """Hierarchical slots of ``host`` (the same features and columns on each of its ranks)."""
+        first = self.topology.host_ranks(host)[0]
+        return [s for s in self.slots[first] if s.hierarchical]
+
+    @property
+    def has_hierarchical(self) -> bool:
+        return any(s.hierarchical for slots in self.slots for s in slots)
 
     def route(
         self, features: KeyedJaggedTensor

@@ -117,6 +117,8 @@ def start_distributed(config: Config, device: torch.device) -> RunContext:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     mesh = init_distributed(topology, device, timeout_s=config.distributed.timeout_s)
+    if topology.rank != 0:  # rank 0 speaks for the run
+        log.setLevel(logging.WARNING)
     return RunContext(topology, mesh)
 
 
