@@ -80,9 +80,39 @@ def test_train_nproc_hosts_matches_single_process(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_train_with_the_planners_plan(tmp_path):
+    """plan.strategy = auto: every rank plans from the data's statistics, the same plan."""
+    from towerrec.config import load_config
+    from towerrec.train.planning import build_plan
+    from towerrec.train.trainer import train
+
+    overrides = ["--set", "plan.strategy=auto", "--set", "plan.stats_batches=2"]
+    result = _cli(*QUICK, *overrides, "--nproc", "2", "--out", str(tmp_path / "dist"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "plan.strategy = auto" in result.stderr
+    summary = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["completed"]
+    config = load_config(REPO / "configs" / "quick.toml", QUICK[3::2] + overrides[1::2])
+    from towerrec.train.build import build_source
+
+    plan = build_plan(config, build_source(config.data), 2)
+    assert {s.rank for tp in plan.tables.values() for s in tp.shards} == {0, 1}
+    single = train(config, tmp_path / "one")
+    assert abs(summary["auc"] - single["auc"]) < 2e-3
+
+
+@pytest.mark.multiprocess
 def test_worker_user_error_prints_one_line_and_exits_2(tmp_path):
     result = _cli(
-        *QUICK, "--nproc", "2", "--out", str(tmp_path), "--set", "distributed.plan=nope.json"
+        *QUICK,
+        "--nproc",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--set",
+        "plan.strategy=file",
+        "--set",
+        "plan.path=nope.json",
     )
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]

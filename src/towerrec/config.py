@@ -230,9 +230,11 @@ class TrainConfig:
 class PlanConfig:
     """How embedding tables are sharded over ranks (``towerrec plan`` shows the result).
 
-    ``strategy``: ``none`` (every table whole on every rank's model), ``auto``
-    (plan from the data's statistics with ``planner``) or ``file`` (the plan JSON
-    at ``path``). ``ranks_per_host = 0`` means the world size over ``hosts``;
+    ``strategy``: ``none`` (every table sharded the one way ``distributed.sharding``
+    says), ``auto`` (plan from the data's statistics with ``planner``) or ``file``
+    (the plan JSON at ``path``). A multi-process run plans for its own hosts and
+    ranks; ``towerrec plan`` uses ``hosts`` and ``ranks_per_host`` (0: the world
+    size over ``hosts``);
     ``device_memory_gib = 0`` the ``topology`` preset's; ``calibration`` is a
     cost-constants JSON written by ``towerrec plan --calibrate``.
     """
@@ -269,8 +271,7 @@ class PlanConfig:
 class DistributedConfig:
     """Multi-process runs (``towerrec train --nproc N`` or torchrun); ignored in one process."""
 
-    sharding: str = "table_wise"  # every table, when no plan file is given
-    plan: str = ""  # sharding plan JSON (see towerrec.planner.plan); overrides `sharding`
+    sharding: str = "table_wise"  # every table, when plan.strategy = "none"
     forward_codec: str = "fp32"  # wire format of pooled embeddings: fp32 | fp16 | bf16
     backward_codec: str = "fp32"  # wire format of their gradients
     pipeline: bool = False  # overlap the next batch's input_dist with this batch's compute

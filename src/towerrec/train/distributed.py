@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from towerrec.config import Config, load_config
-from towerrec.data.batch import DataSchema
 from towerrec.distributed.comm import CommCodecs
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
-from towerrec.planner.plan import ShardingPlan
 from towerrec.train.build import build_tables
+from towerrec.train.planning import build_plan
 
 __all__ = ["RunContext", "start_distributed", "train_worker"]
 
@@ -65,14 +65,26 @@ class RunContext:
             )
         return global_batch // self.world_size
 
-    def parallelize(self, model: nn.Module, config: Config, schema: DataSchema) -> nn.Module:
+    def parallelize(self, model: nn.Module, config: Config, source) -> nn.Module:
+        """Shard ``model`` by ``plan.strategy``: the planner (``auto``), a plan file
+        (``file``), or every table by ``distributed.sharding`` (``none``)."""
         if self.world_size == 1:
             return model
         settings = config.distributed
-        if settings.plan:
-            plan = ShardingPlan.load(settings.plan)
-        else:
-            plan = uniform_plan(build_tables(config, schema), self.topology, settings.sharding)
+        if config.plan.hosts not in (1, self.topology.hosts):
+            log.warning(
+                "plan.hosts = %d but the run has %d hosts; planning for the run's",
+                config.plan.hosts,
+                self.topology.hosts,
+            )
+        run_plan = replace(config.plan, hosts=self.topology.hosts, ranks_per_host=0)
+        plan = build_plan(replace(config, plan=run_plan), source, self.world_size)
+        if plan is None:
+            tables = build_tables(config, source.schema)
+            plan = uniform_plan(tables, self.topology, settings.sharding)
+        elif self.is_main:
+            kinds = Counter(tp.sharding.value for tp in plan.tables.values())
+            log.info("plan.strategy = %s: %s", config.plan.strategy, dict(kinds))
         codecs = CommCodecs(settings.forward_codec, settings.backward_codec)
         return parallelize(model, self.mesh, plan, codecs=codecs)
 
@@ -134,7 +146,13 @@ def train_worker(
     from towerrec.train.run_dir import RunDir
     from towerrec.train.trainer import train
 
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.setLevel(logging.INFO)  # rank 0 speaks for the run, as the one process does
     config = load_config(config_path, overrides)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         run = RunDir(out)

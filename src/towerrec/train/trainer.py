@@ -157,7 +157,7 @@ def train(
     source = build_source(config.data)
     if config.plan.strategy != "none" and ctx.world_size == 1:
         log.warning("plan.strategy only shards tables over ranks; one process keeps them all")
-    model = ctx.parallelize(build_model(config, source.schema, device), config, source.schema)
+    model = ctx.parallelize(build_model(config, source.schema, device), config, source)
     optimizer = build_dense_optimizer(config.optimizer, model)
     state: dict[str, Any] = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
     if resume:
