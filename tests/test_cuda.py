@@ -61,15 +61,15 @@ def test_dlrm_step_on_cuda_matches_cpu():
         optimizer = build_dense_optimizer(config.optimizer, model)
         batches = source.train_batches(256)
         losses[name] = [
-            float(trainer.train_step(model, optimizer, next(batches).to(device)))
-            for _ in range(5)
+            float(trainer.train_step(model, optimizer, next(batches).to(device))) for _ in range(5)
         ]
     torch.testing.assert_close(losses["cpu"], losses["cuda"], rtol=1e-4, atol=1e-5)
 
 
 def test_quick_run_on_cuda(tmp_path):
     config = load_config(
-        "configs/quick.toml", ["train.device=cuda", "embedding.backend=auto", "train.progress=false"]
+        "configs/quick.toml",
+        ["train.device=cuda", "embedding.backend=auto", "train.progress=false"],
     )
     summary = trainer.train(config, tmp_path / "run")
     assert summary["device"].startswith("cuda")
