@@ -14,7 +14,9 @@ the flat model's pooled embeddings are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import tempfile
 from pathlib import Path
 
@@ -46,7 +48,11 @@ def _with_partition(config: Config, groups: list[list[str]]) -> Config:
 
 
 def _train(config: Config) -> dict:
-    with tempfile.TemporaryDirectory(prefix="towerrec-bench-towers-") as out:
+    # the trainer writes its eval lines to stdout; keep stdout for the JSON
+    with (
+        tempfile.TemporaryDirectory(prefix="towerrec-bench-towers-") as out,
+        contextlib.redirect_stdout(sys.stderr),
+    ):
         summary = train(config, Path(out) / "run")
     return {
         "auc": summary["auc"],
