@@ -42,6 +42,12 @@ def test_partition_strategies(strategy, expected):
         assert groups == expected
     if strategy == "cost":  # the 2-hot feature with the most rows is heaviest: alone
         assert ["cat_2"] in groups
+        count_only = quick(
+            f"model.dmt.partition={strategy}",
+            "model.dmt.memory_weight=0",
+            "model.dmt.count_weight=1",
+        )
+        assert sorted(len(g) for g in resolve_partition(count_only, schema)) == [2, 2]
 
 
 def test_explicit_partition_is_checked_against_the_data():

@@ -119,7 +119,8 @@ def run_towers_benchmark(
     names = source.schema.sparse_names
     planted = source.planted_pair_strength()
     learned = learn_interaction_strength(base, pilot_steps)
-    costs = feature_costs(feature_stats(base, source.schema))
+    dmt = base.model.dmt
+    costs = feature_costs(feature_stats(base, source.schema), dmt.memory_weight, dmt.count_weight)
     tolerance = base.model.dmt.balance_tolerance
     partitions = {
         "partitioner": partition_features(
