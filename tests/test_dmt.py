@@ -179,6 +179,8 @@ def test_dmt_config_validation_and_toml():
         load_config(None, ["model.dmt.tower=mlp"])
     with pytest.raises(ValueError, match="tower_outputs must be >= 1"):
         DMTConfig(tower_outputs=0)
+    with pytest.raises(ValueError, match="must be >= 0 with a sum <= 1"):
+        DMTConfig(memory_weight=0.5, count_weight=0.7)
 
 
 def test_pair_order_matches_a_loop():

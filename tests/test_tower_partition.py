@@ -114,6 +114,9 @@ def test_feature_costs_mix_lookup_and_memory():
     np.testing.assert_allclose(lookup_only, [0.25, 0.75])
     np.testing.assert_allclose(memory_only, [1000 / 1010, 10 / 1010])
     np.testing.assert_allclose(feature_costs(feats), (lookup_only + memory_only) / 2)
+    np.testing.assert_allclose(feature_costs(feats, 0.0, 1.0), [0.5, 0.5])  # count only
+    with pytest.raises(ValueError, match="with a sum <= 1"):
+        feature_costs(feats, 0.5, 0.6)
 
 
 def test_errors_name_the_fix():

@@ -14,7 +14,9 @@ the flat model's pooled embeddings are.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import tempfile
 from pathlib import Path
 
@@ -46,7 +48,11 @@ def _with_partition(config: Config, groups: list[list[str]]) -> Config:
 
 
 def _train(config: Config) -> dict:
-    with tempfile.TemporaryDirectory(prefix="towerrec-bench-towers-") as out:
+    # the trainer writes its eval lines to stdout; keep stdout for the JSON
+    with (
+        tempfile.TemporaryDirectory(prefix="towerrec-bench-towers-") as out,
+        contextlib.redirect_stdout(sys.stderr),
+    ):
         summary = train(config, Path(out) / "run")
     return {
         "auc": summary["auc"],
@@ -113,7 +119,8 @@ def run_towers_benchmark(
     names = source.schema.sparse_names
     planted = source.planted_pair_strength()
     learned = learn_interaction_strength(base, pilot_steps)
-    costs = feature_costs(feature_stats(base, source.schema))
+    dmt = base.model.dmt
+    costs = feature_costs(feature_stats(base, source.schema), dmt.memory_weight, dmt.count_weight)
     tolerance = base.model.dmt.balance_tolerance
     partitions = {
         "partitioner": partition_features(

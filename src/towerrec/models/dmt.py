@@ -76,6 +76,8 @@ class DMTConfig:
     tower_dense: bool = False  # give each tower the bottom output x as one more vector
     pilot_steps: int = 300
     balance_tolerance: float = 0.25
+    memory_weight: float = 0.5  # tower cost: share of table memory (rest: lookup bytes ...)
+    count_weight: float = 0.0  # ... and of feature count, what a tower compresses
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tower", parse_enum(TowerKind, self.tower, "model.dmt.tower"))
@@ -104,6 +106,11 @@ class DMTConfig:
             raise ValueError(f"model.dmt.tower_mlp widths must be >= 1, got {list(self.tower_mlp)}")
         if self.pilot_steps < 1:
             raise ValueError(f"model.dmt.pilot_steps must be >= 1, got {self.pilot_steps}")
+        if not (self.memory_weight >= 0 and 0 <= self.count_weight <= 1 - self.memory_weight):
+            raise ValueError(
+                f"model.dmt.memory_weight ({self.memory_weight}) and count_weight "
+                f"({self.count_weight}) must be >= 0 with a sum <= 1"
+            )
         if not self.balance_tolerance >= 0:
             raise ValueError(
                 f"model.dmt.balance_tolerance must be >= 0, got {self.balance_tolerance}"

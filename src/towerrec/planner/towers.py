@@ -80,13 +80,25 @@ class TowerPartition:
         return max(self.tower_costs) / mean if mean > 0 else 1.0
 
 
-def feature_costs(features: Sequence[FeatureStats], memory_weight: float = 0.5) -> np.ndarray:
-    """Default cost ``[F]``: lookup bytes and table memory, each normalised to sum 1, mixed."""
-    if not 0 <= memory_weight <= 1:
-        raise ValueError(f"memory_weight must lie in [0, 1], got {memory_weight}")
+def feature_costs(
+    features: Sequence[FeatureStats], memory_weight: float = 0.5, count_weight: float = 0.0
+) -> np.ndarray:
+    """Default cost ``[F]``: lookup bytes, table memory and (``count_weight``) one unit per
+    feature (what a tower must compress into its fixed output), each normalised to sum 1."""
+    if not (0 <= memory_weight <= 1 and 0 <= count_weight <= 1 - memory_weight):
+        raise ValueError(
+            f"memory_weight ({memory_weight}) and count_weight ({count_weight}) must be >= 0 "
+            "with a sum <= 1"
+        )
     lookup = np.array([f.lookup_bytes for f in features], dtype=np.float64)
     memory = np.array([f.memory_bytes for f in features], dtype=np.float64)
-    return (1 - memory_weight) * lookup / lookup.sum() + memory_weight * memory / memory.sum()
+    count = np.ones(len(features)) / len(features)
+    lookup_weight = 1 - memory_weight - count_weight
+    return (
+        lookup_weight * lookup / lookup.sum()
+        + memory_weight * memory / memory.sum()
+        + count_weight * count
+    )
 
 
 def _symmetric(strength: np.ndarray, num_features: int) -> np.ndarray:

@@ -119,13 +119,15 @@ def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:
     if dmt.partition == "random":
         return random_partition(names, dmt.num_towers, seed=config.train.seed)
     if dmt.partition == "cost":
-        return cost_partition(names, feature_costs(stats), dmt.num_towers)
+        return cost_partition(
+            names, feature_costs(stats, dmt.memory_weight, dmt.count_weight), dmt.num_towers
+        )
     log.info("tower partitioner: learning feature interactions (%d pilot steps)", dmt.pilot_steps)
     strength = learn_interaction_strength(config, dmt.pilot_steps)
     result = partition_features(
         names,
         strength,
-        feature_costs(stats),
+        feature_costs(stats, dmt.memory_weight, dmt.count_weight),
         dmt.num_towers,
         tolerance=dmt.balance_tolerance,
         seed=config.train.seed,
