@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from towerrec.models.common import sparse_flops_per_sample
+from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -91,10 +91,7 @@ class DCN(nn.Module):
     ) -> None:
         super().__init__()
         config = config or DCNConfig()
-        dims = set(sparse.embedding_dims)
-        if len(dims) != 1:
-            raise ValueError(f"DCN needs one embedding dim for every feature, got {sorted(dims)}")
-        dim = dims.pop()
+        dim = shared_embedding_dim(sparse, "DCN")
         if bottom_mlp[-1] != dim:
             raise ValueError(
                 f"the bottom MLP must end at the embedding dim {dim}, got {list(bottom_mlp)}"

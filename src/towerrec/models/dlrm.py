@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from towerrec.models.common import sparse_flops_per_sample
+from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -48,10 +48,7 @@ class DLRM(nn.Module):
         self_interaction: bool = False,
     ) -> None:
         super().__init__()
-        dims = set(sparse.embedding_dims)
-        if len(dims) != 1:
-            raise ValueError(f"DLRM needs one embedding dim for every feature, got {sorted(dims)}")
-        dim = dims.pop()
+        dim = shared_embedding_dim(sparse, "DLRM")
         if bottom_mlp[-1] != dim:
             raise ValueError(
                 f"the bottom MLP must end at the embedding dim {dim} (it is dotted with the "

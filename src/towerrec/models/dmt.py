@@ -41,6 +41,7 @@ from enum import StrEnum
 import torch
 from torch import nn
 
+from towerrec.models.common import shared_embedding_dim
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -242,10 +243,7 @@ class DMT(nn.Module):
         self_interaction: bool = False,
     ) -> None:
         super().__init__()
-        dims = set(sparse.embedding_dims)
-        if len(dims) != 1:
-            raise ValueError(f"DMT needs one embedding dim for every feature, got {sorted(dims)}")
-        dim = dims.pop()
+        dim = shared_embedding_dim(sparse, "DMT")
         if bottom_mlp[-1] != dim:
             raise ValueError(
                 f"the bottom MLP must end at the embedding dim {dim} (it is dotted with the "

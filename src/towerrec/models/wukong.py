@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from towerrec.models.common import sparse_flops_per_sample
+from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -132,12 +132,7 @@ class Wukong(nn.Module):
     ) -> None:
         super().__init__()
         config = config or WukongConfig()
-        dims = set(sparse.embedding_dims)
-        if len(dims) != 1:
-            raise ValueError(
-                f"Wukong needs one embedding dim for every feature, got {sorted(dims)}"
-            )
-        dim = dims.pop()
+        dim = shared_embedding_dim(sparse, "Wukong")
         if bottom_mlp[-1] != config.dense_rows * dim:
             raise ValueError(
                 f"the bottom MLP must end at dense_rows * embedding dim = {config.dense_rows} * "
