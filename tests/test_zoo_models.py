@@ -6,7 +6,9 @@ from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dcn import DCN, CrossNetwork, DCNConfig
 from towerrec.models.dlrm import DLRM
+from towerrec.models.dmt import DMT
 from towerrec.models.wukong import Wukong, WukongConfig, WukongLayer
+from towerrec.modules.compact import CompactConfig, CompactEmbeddingCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.sparse import KeyedJaggedTensor
@@ -17,6 +19,12 @@ def collection(num_tables=3, dim=4):
     return EmbeddingBagCollection(
         [TableConfig(f"t{i}", 10, dim) for i in range(num_tables)], backend="torch"
     )
+
+
+def mixed_dim_collection(num_tables=3, dim=4):
+    tables = [TableConfig(f"t{i}", 10 * 4**i, dim) for i in range(num_tables)]
+    config = CompactConfig(kind="md", md_alpha=0.5, md_min_dim=1, md_round_to=1)
+    return CompactEmbeddingCollection(tables, config, backend="torch")
 
 
 def batch(num_tables=3, size=5, seed=0):
@@ -95,6 +103,9 @@ def test_wukong_forward_and_backward():
         lambda: DCN(collection(), 6, [16, 4], [16, 1], DCNConfig(3)),
         lambda: DCN(collection(), 6, [16, 4], [16, 1], DCNConfig(2, rank=3, structure="parallel")),
         lambda: Wukong(collection(), 6, [16, 4], [16, 1], WukongConfig(2, 4, 3, 2, (16,))),
+        lambda: DMT(collection(), 6, [16, 4], [16, 1], [["t0", "t1"], ["t2"]]),
+        # mixed dims: the collection's own projections count too
+        lambda: DMT(mixed_dim_collection(), 6, [16, 4], [16, 1], [["t0"], ["t1", "t2"]]),
     ],
 )
 def test_flops_per_sample_matches_torch_flop_counter(make):

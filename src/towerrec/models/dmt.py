@@ -41,7 +41,7 @@ from enum import StrEnum
 import torch
 from torch import nn
 
-from towerrec.models.common import shared_embedding_dim
+from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -286,12 +286,14 @@ class DMT(nn.Module):
         return len(self.tower_order) / self.num_tower_vectors
 
     def flops_per_sample(self) -> int:
-        """Forward FLOPs of the dense part per sample (MLPs, towers, interaction)."""
+        """Forward FLOPs of the dense part per sample (MLPs, towers, interaction, and
+        the embedding collection's own projections, as the other models count)."""
         return (
             self.bottom.flops_per_sample()
             + sum(t.flops_per_sample() for t in self.towers)
             + self.interaction.flops_per_sample(self.embedding_dim)
             + self.top.flops_per_sample()
+            + sparse_flops_per_sample(self.sparse)
         )
 
     def tower_inputs(self, pooled) -> list[torch.Tensor]:
