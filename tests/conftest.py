@@ -1,4 +1,8 @@
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,3 +20,21 @@ def _single_thread_determinism():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+ROOT = Path(__file__).parent.parent
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``towerrec ARGS...`` in a subprocess on this checkout's code, from the repo root.
+
+    Keyword arguments add environment variables (e.g. ``OMP_NUM_THREADS="1"``).
+    """
+    return subprocess.run(
+        [sys.executable, "-m", "towerrec.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **env},
+    )

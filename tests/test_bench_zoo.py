@@ -1,14 +1,10 @@
 """The zoo benchmarks end to end through the CLI, tiny: the JSON shape and the FLOP matching."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
-ROOT = Path(__file__).parent.parent
 TINY = [
     "--steps",
     "3",
@@ -24,15 +20,7 @@ TINY = [
 
 
 def bench(*args, returncode=0):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    result = subprocess.run(
-        [sys.executable, "-m", "towerrec.cli", "bench", *args, "--json", *TINY],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    result = run_cli("bench", *args, "--json", *TINY)
     assert result.returncode == returncode, result.stderr
     if returncode:
         return result.stderr

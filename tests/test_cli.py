@@ -1,21 +1,8 @@
 """End to end through the real command line."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
-
-
-def towerrec(*args, cwd=ROOT):
-    return subprocess.run(
-        [sys.executable, "-m", "towerrec.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+from conftest import run_cli as towerrec
 
 
 def test_train_quick_config_end_to_end(tmp_path):

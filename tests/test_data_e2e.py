@@ -1,12 +1,9 @@
 """Preprocess then train, through the library and the real command line."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from towerrec.cli import main
 from towerrec.config import load_config
@@ -14,19 +11,9 @@ from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.train import trainer
 
-ROOT = Path(__file__).parent.parent
 
-
-def towerrec(*args, cwd=ROOT):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "towerrec.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+def towerrec(*args):
+    return run_cli(*args, OMP_NUM_THREADS="1")
 
 
 SMALL = [

@@ -3,14 +3,13 @@ stop every rank instead of hanging."""
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import run_cli
 
 from towerrec.distributed.launch import WorkerError, launch
 
@@ -32,14 +31,7 @@ QUICK = [
 
 
 def _cli(*args):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    return subprocess.run(
-        [sys.executable, "-m", "towerrec.cli", "train", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    return run_cli("train", *args)
 
 
 def _fail_on_rank_1():

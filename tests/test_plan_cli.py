@@ -1,34 +1,17 @@
 """`towerrec plan`, the `plan` config section, and planning on several ranks."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import run_cli as towerrec
 
 from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.plan import ShardingPlan
 from towerrec.train.planning import build_plan
-
-ROOT = Path(__file__).parent.parent
-
-
-def towerrec(*args, cwd=ROOT):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    return subprocess.run(
-        [sys.executable, "-m", "towerrec.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
 
 
 def _tables(config, source):
