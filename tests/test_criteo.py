@@ -223,6 +223,59 @@ def test_truncated_gzip_keeps_the_rows_before_the_cut(tmp_path):
         preprocess_criteo([cut], tmp_path / "c2", CriteoOptions(strict=True), progress=False)
 
 
+def test_verify_once_hashes_until_a_file_changes(days, tmp_path, monkeypatch):
+    from towerrec.data import cache as cache_module
+
+    out = tmp_path / "cache"
+    preprocess_criteo(days[:1], out, CriteoOptions(num_embeddings=(SIZE,)), progress=False)
+    hashed_files = []
+    real = cache_module.sha256_file
+    monkeypatch.setattr(
+        cache_module, "sha256_file", lambda path: hashed_files.append(path) or real(path)
+    )
+    open_cache(out)  # default "once": hashes and records the check
+    first = len(hashed_files)
+    assert first > 0 and (out / cache_module.VERIFIED_STAMP).is_file()
+    open_cache(out)
+    assert len(hashed_files) == first  # nothing changed: no hashing
+    target = out / "parts" / "00000-day_0" / "train.sparse.bin"
+    data = bytearray(target.read_bytes())
+    stat = target.stat()
+    data[1234] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match="does not match the checksum"):
+        open_cache(out)  # the mtime moved: hashed again, corruption found
+    assert not (out / cache_module.VERIFIED_STAMP).exists()
+    # Corruption that keeps size and mtime (a failing disk) is what "always" is for.
+    data[1234] ^= 0xFF
+    target.write_bytes(bytes(data))
+    os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    open_cache(out)
+    data[1234] ^= 0xFF
+    target.write_bytes(bytes(data))
+    os.utime(target, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    open_cache(out, verify="once")  # same size and mtime: trusted
+    with pytest.raises(CacheError, match="does not match the checksum"):
+        open_cache(out, verify="always")
+    with pytest.raises(ValueError, match=r"data\.loader\.verify"):
+        open_cache(out, verify="sometimes")
+
+
+def test_crlf_lines_give_the_same_cache(days, tmp_path):
+    crlf = tmp_path / "day_0"
+    crlf.write_bytes(days[0].read_bytes().replace(b"\n", b"\r\n"))
+    options = CriteoOptions(num_embeddings=(SIZE,))
+    preprocess_criteo([days[0]], tmp_path / "lf", options, progress=False)
+    manifest = preprocess_criteo([crlf], tmp_path / "crlf", options, progress=False)
+    assert manifest["report"]["malformed"] == 0
+    for a, b in zip(
+        split_arrays(open_cache(tmp_path / "lf"), "train"),
+        split_arrays(open_cache(tmp_path / "crlf"), "train"),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_corrupt_cache_is_refused(days, tmp_path):
     out = tmp_path / "cache"
     preprocess_criteo(days[:1], out, CriteoOptions(num_embeddings=(SIZE,)), progress=False)

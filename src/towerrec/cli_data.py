@@ -131,7 +131,7 @@ def _cmd_gen_criteo(args: argparse.Namespace) -> int:
 def _cmd_info(args: argparse.Namespace) -> int:
     from towerrec.data.cache import open_cache
 
-    store = open_cache(args.cache, verify=not args.no_verify)
+    store = open_cache(args.cache, verify="never" if args.no_verify else "always")
     manifest = store.manifest
     print(
         json.dumps(

@@ -16,23 +16,30 @@ split with n rows::
     <feature>.lengths int32  [n]              ids per sample
 
 Every file's SHA-256 is in the manifest. ``open_cache`` checks sizes always and
-checksums unless told not to, and refuses a cache that does not match with a
-message saying to rebuild it: a corrupt cache never trains silently.
+checksums by ``Verify``: by default (``once``) it hashes the files on the first
+open and records the files' sizes and mtimes in ``DIR/verified.json``, then
+hashes again only when one of them changed, so a terabyte cache is not re-read
+at every start; ``always`` hashes at every open (catches corruption that keeps
+size and mtime, e.g. a failing disk). A cache that does not match is refused
+with a message saying to rebuild it: a corrupt cache never trains silently.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from towerrec.data.batch import DataSchema, SparseFeature
+from towerrec.utils import parse_enum
 
 __all__ = [
     "FORMAT",
@@ -40,12 +47,15 @@ __all__ = [
     "ColumnStore",
     "PartWriter",
     "SplitColumns",
+    "Verify",
     "open_cache",
     "read_manifest",
     "schema_from_manifest",
     "schema_to_manifest",
     "write_manifest",
 ]
+
+log = logging.getLogger("towerrec")
 
 FORMAT = "towerrec-cache"
 VERSION = 1
@@ -274,23 +284,74 @@ def _map(path: Path, dtype: Any, shape: tuple[int, ...], cache_dir: Path) -> np.
     return np.memmap(path, dtype=dtype, mode="r", shape=shape)
 
 
-def open_cache(cache_dir: str | Path, verify: bool = True) -> ColumnStore:
-    """Memory-map a cache; ``verify`` checks every file's SHA-256 against the manifest."""
+class Verify(StrEnum):
+    """When ``open_cache`` hashes the cache's files against the manifest's SHA-256s."""
+
+    ONCE = "once"  # hash on the first open, then only when a file's size or mtime changed
+    ALWAYS = "always"  # hash every file on every open
+    NEVER = "never"  # file sizes only
+
+
+VERIFIED_STAMP = "verified.json"
+
+
+def _file_stamps(cache_dir: Path, manifest: dict[str, Any]) -> dict[str, list[int]]:
+    """Size and mtime of the manifest and of every file it lists."""
+    st = (cache_dir / "manifest.json").stat()
+    stamps = {"manifest.json": [st.st_size, st.st_mtime_ns]}
+    for part in manifest["parts"]:
+        for name in part["files"]:
+            path = cache_dir / "parts" / part["name"] / name
+            if path.is_file():
+                st = path.stat()
+                stamps[f"{part['name']}/{name}"] = [st.st_size, st.st_mtime_ns]
+    return stamps
+
+
+def _verify_checksums(cache_dir: Path, manifest: dict[str, Any], mode: Verify) -> None:
+    """Hash the files against the manifest (see ``Verify``); ``once`` remembers a clean
+    check in ``verified.json`` (file sizes and mtimes) and skips hashing while they match."""
+    if mode is Verify.NEVER:
+        return
+    stamp_path = cache_dir / VERIFIED_STAMP
+    stamps = _file_stamps(cache_dir, manifest)
+    if mode is Verify.ONCE and stamp_path.is_file():
+        try:
+            if json.loads(stamp_path.read_text()) == stamps:
+                return
+        except json.JSONDecodeError:
+            pass
+    for part in manifest["parts"]:
+        folder = cache_dir / "parts" / part["name"]
+        for name, digest in part["files"].items():
+            path = folder / name
+            if not path.is_file() or sha256_file(path) != digest:
+                stamp_path.unlink(missing_ok=True)
+                raise CacheError(
+                    f"cache file {path} does not match the checksum in {cache_dir}/"
+                    "manifest.json: the cache is corrupt; rebuild it (run the same "
+                    "`towerrec data ...` command into a fresh --out directory)"
+                )
+    if mode is Verify.ONCE:
+        try:
+            stamp_path.write_text(json.dumps(stamps, sort_keys=True))
+        except OSError as e:  # a read-only cache is checked again at the next open
+            log.info("could not record the checksum check in %s (%s)", stamp_path, e)
+
+
+def open_cache(cache_dir: str | Path, verify: Verify | str | bool = Verify.ONCE) -> ColumnStore:
+    """Memory-map a cache; ``verify`` says when its files are hashed (``Verify``; the
+    booleans of earlier versions mean ``always`` and ``never``)."""
     cache_dir = Path(cache_dir)
+    if isinstance(verify, bool):
+        verify = Verify.ALWAYS if verify else Verify.NEVER
+    verify = parse_enum(Verify, verify, "data.loader.verify")
     manifest = read_manifest(cache_dir)
     schema, single, multi = schema_from_manifest(manifest["schema"])
+    _verify_checksums(cache_dir, manifest, verify)
     splits: dict[str, list[SplitColumns]] = {}
     for part in manifest["parts"]:
         folder = cache_dir / "parts" / part["name"]
-        if verify:
-            for name, digest in part["files"].items():
-                path = folder / name
-                if not path.is_file() or sha256_file(path) != digest:
-                    raise CacheError(
-                        f"cache file {path} does not match the checksum in {cache_dir}/"
-                        "manifest.json: the cache is corrupt; rebuild it (run the same "
-                        "`towerrec data ...` command into a fresh --out directory)"
-                    )
         for split, n in part["rows"].items():
             prefix = folder / split
             columns = SplitColumns(

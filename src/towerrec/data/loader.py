@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from towerrec.data.batch import Batch
-from towerrec.data.cache import ColumnStore, SplitColumns
+from towerrec.data.cache import ColumnStore, SplitColumns, Verify
 from towerrec.sparse import KeyedJaggedTensor, can_pin_memory
-from towerrec.utils import stable_seed
+from towerrec.utils import parse_enum, stable_seed
 
 __all__ = ["BLOCK", "ColumnSource", "LoaderConfig"]
 
@@ -45,12 +45,15 @@ class LoaderConfig:
 
     shuffle: bool = True  # block shuffle per epoch; false: file order
     seed: int = 0
-    verify: bool = True  # check the cache's checksums when opening it
+    verify: Verify | str | bool = "once"  # checksums: once | always | never (Verify)
     num_workers: int = 0  # worker processes assembling batches; 0: in the training process
     prefetch: int = 4  # batches queued ahead per worker
     pin_memory: bool = True  # page-locked batches when an accelerator is present
 
     def __post_init__(self) -> None:
+        if isinstance(self.verify, bool):  # earlier versions: true hashed at every open
+            object.__setattr__(self, "verify", "always" if self.verify else "never")
+        object.__setattr__(self, "verify", parse_enum(Verify, self.verify, "data.loader.verify"))
         if self.num_workers < 0:
             raise ValueError(f"data.loader.num_workers must be >= 0, got {self.num_workers}")
         if self.prefetch < 1:
