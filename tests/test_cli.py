@@ -18,6 +18,7 @@ def test_train_quick_config_end_to_end(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "oracle AUC" in result.stdout
+    assert "eval AUC" in result.stderr and "eval AUC" not in result.stdout  # stdout: results
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 60 and 0.5 < summary["auc"] <= summary["oracle_auc"] + 0.02
     assert (out / "curves.png").stat().st_size > 1000
@@ -33,3 +34,16 @@ def test_user_errors_exit_2_with_one_line(tmp_path):
         assert result.returncode == 2, result.stderr
         assert result.stderr.strip().startswith("error:") and needle in result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_failed_run_leaves_no_directory_behind(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--config", "configs/quick.toml", "--out", str(out)]
+    bad = ["--set", "data.source=criteo", "--set", f"data.path={tmp_path / 'missing'}"]
+    result = towerrec(*args, *bad)  # the data is opened after the run directory is made
+    assert result.returncode == 2 and "is not a directory" in result.stderr, result.stderr
+    assert not out.exists()  # nothing to resume: the same --out works on the next try
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    result = towerrec(*args, *bad)
+    assert result.returncode == 2 and (out / "notes.txt").read_text() == "mine"

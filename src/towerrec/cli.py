@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -38,18 +39,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from towerrec.train.trainer import train
 
     config = load_config(args.config, args.overrides)
-    out = args.out or default_run_dir()
+    out = Path(args.out or default_run_dir())
     log.info("run directory: %s", out)
-    if "WORLD_SIZE" in os.environ:  # already a worker of torchrun: train, don't launch
-        if args.hosts > 1:
-            os.environ["TOWERREC_HOSTS"] = str(args.hosts)
-        summary = train(config, out, resume=args.resume)
-        if os.environ.get("RANK", "0") != "0":
-            return 0
-    elif args.nproc > 1 or args.hosts > 1:
-        summary = _launch_train(args, out)
-    else:
-        summary = train(config, out, resume=args.resume)
+    fresh = not out.exists()
+    try:
+        if "WORLD_SIZE" in os.environ:  # already a worker of torchrun: train, don't launch
+            if args.hosts > 1:
+                os.environ["TOWERREC_HOSTS"] = str(args.hosts)
+            summary = train(config, out, resume=args.resume)
+            if os.environ.get("RANK", "0") != "0":
+                return 0
+        elif args.nproc > 1 or args.hosts > 1:
+            summary = _launch_train(args, out)
+        else:
+            summary = train(config, out, resume=args.resume)
+    except BaseException:
+        if fresh:
+            _discard_unstarted_run(out)
+        raise
     oracle = summary.get("oracle_auc")
     line = f"AUC {summary['auc']:.4f}"
     if oracle is not None:
@@ -61,6 +68,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(line)
     print(f"results in {out}/ (summary.json, metrics.jsonl, curves.png, checkpoint/)")
     return 0
+
+
+def _discard_unstarted_run(out: Path) -> None:
+    """Remove a run directory this command created if the run failed before its first
+    logged step: it holds nothing but the config, and would make the next attempt with
+    the same --out fail with "already holds a run"."""
+    metrics = out / "metrics.jsonl"
+    has_checkpoint = (out / "checkpoint").is_dir() and any((out / "checkpoint").iterdir())
+    if out.is_dir() and not has_checkpoint and (not metrics.exists() or not metrics.stat().st_size):
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def _launch_train(args: argparse.Namespace, out: Path) -> dict:

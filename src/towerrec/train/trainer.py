@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -249,11 +250,12 @@ def train(
                     gather=eval_gather,
                 )
                 run.log({"kind": "eval", "step": step, **last_eval.as_dict()})
-                if ctx.is_main:
-                    bar.write(
-                        f"step {step}: eval AUC {last_eval.auc:.4f}, "
-                        f"log-loss {last_eval.logloss:.4f}"
-                    )
+                if ctx.is_main:  # stderr: stdout is for results (e.g. a bench's JSON)
+                    line = f"step {step}: eval AUC {last_eval.auc:.4f}, log-loss {last_eval.logloss:.4f}"
+                    if bar.disable:
+                        log.info(line)
+                    else:
+                        bar.write(line, file=sys.stderr)
                 window_start = time.perf_counter()  # keep eval time out of samples/s
             stopping = stop["signal"] is not None or step == stop_after
             if (
