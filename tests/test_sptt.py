@@ -13,9 +13,10 @@ from conftest import run_cli
 from dist_cases import make_batch
 from torch.distributed.device_mesh import init_device_mesh
 
+from towerrec.config import load_config
 from towerrec.distributed.comm import CommStats
 from towerrec.distributed.launch import spawn_world
-from towerrec.distributed.mesh import Topology
+from towerrec.distributed.mesh import HOSTS_ENV, Topology
 from towerrec.distributed.parallelize import comm_stats
 from towerrec.distributed.towers import _tower_tables, check_towers, parallelize_towers
 from towerrec.models.dlrm import DLRM
@@ -26,6 +27,7 @@ from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import Jagged, KeyedJaggedTensor
 from towerrec.train.checkpoint import CheckpointManager
+from towerrec.train.towers import check_towers_fit_hosts
 
 TABLES = [
     TableConfig("a", 40, 8),
@@ -303,38 +305,62 @@ def test_reference_and_transformed_models_start_identical():
 
 
 # ------------------------------------------------------------------ end to end
-QUICK = ["--config", "configs/quick.toml", "--set", "train.progress=false"]
+QUICK = [
+    "--config",
+    "configs/quick.toml",
+    *("--set", "train.progress=false"),
+    *("--set", "model.name=dmt"),
+    *("--set", "model.dmt.pilot_steps=20"),
+    *("--set", "train.steps=30"),
+    *("--set", "optimizer.warmup_steps=0"),
+    *("--set", "train.threads=1"),
+]
 
 
 @pytest.mark.multiprocess
 def test_train_dmt_on_two_hosts(tmp_path):
-    """``towerrec train --set model.name=dmt --nproc 4 --hosts 2``: a learned partition
-    (short pilot), AUC above chance, cross-host bytes per sample reported."""
-    out = tmp_path / "dmt"
-    result = run_cli(
-        "train",
-        *QUICK,
-        "--set",
-        "model.name=dmt",
-        "--set",
-        "model.dmt.pilot_steps=20",
-        "--set",
-        "train.steps=30",
-        "--set",
-        "train.threads=1",
-        "--nproc",
-        "4",
-        "--hosts",
-        "2",
-        "--out",
-        str(out),
-    )
+    """``towerrec train --set model.name=dmt --nproc 4 --hosts 2``: the learned partition
+    (short pilot on rank 0) and the metrics equal the one-process run's; AUC above chance;
+    bytes per sample reported, cross-host ones included."""
+    result = run_cli("train", *QUICK, "--nproc", "4", "--hosts", "2", "--out", str(tmp_path / "d"))
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    single = run_cli("train", *QUICK, "--out", str(tmp_path / "s"))
+    assert single.returncode == 0, single.stderr[-3000:]
+    summary = json.loads((tmp_path / "d" / "summary.json").read_text())
+    reference = json.loads((tmp_path / "s" / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 30
     assert 0.5 < summary["auc"] <= 1.0, summary
+    assert abs(summary["auc"] - reference["auc"]) < 2e-3, (summary, reference)
+    assert abs(summary["logloss"] - reference["logloss"]) < 2e-3, (summary, reference)
     assert summary["comm_bytes_per_sample_cross"] > 0, summary
     assert summary["comm_bytes_per_sample_intra"] > 0, summary
     assert summary["hosts"] == 2 and summary["world_size"] == 4
-    tables = [f"cat_{i}" for i in range(4)]
-    assert summary["num_embedding_params"] == sum(rows * 16 for rows in (100, 50, 200, 20)), tables
+    # every tower's tables count, not only those of rank 0's host
+    assert summary["num_embedding_params"] == reference["num_embedding_params"]
+    assert summary["flops_per_sample"] == reference["flops_per_sample"]
+    log = result.stderr + result.stdout
+    partition = [line for line in log.splitlines() if "tower partition [" in line]
+    single_partition = [line for line in single.stderr.splitlines() if "tower partition [" in line]
+    assert (
+        partition
+        and partition[0].split("towerrec: ")[1] == single_partition[0].split("towerrec: ")[1]
+    )
+
+
+def test_more_towers_than_hosts_fails_before_the_pilot_run(monkeypatch):
+    """What a worker of ``--nproc 4 --hosts 2 --set model.dmt.num_towers=3`` sees (the
+    launcher prints a worker's error as one ``error:`` line, tests/test_dist_launch.py)."""
+    config = load_config(None, ["model.name=dmt", "model.dmt.num_towers=3"])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(HOSTS_ENV, "2")
+    with pytest.raises(ValueError, match=r"num_towers = 3 but the run has 2 hosts.*= 2"):
+        check_towers_fit_hosts(config)
+    monkeypatch.setenv(HOSTS_ENV, "1")  # one host: flat sharding, any number of towers
+    check_towers_fit_hosts(config)
+
+
+def test_tower_sharding_config_is_checked():
+    with pytest.raises(ValueError, match=r"distributed.tower_sharding = 'table_row_wise'"):
+        load_config(None, ["distributed.tower_sharding=table_row_wise"])
+    assert load_config(None, []).distributed.tower_sharding == "row_wise"
