@@ -218,6 +218,10 @@ def _resume_check(model, optimizer, topology, case, directory):
     lo, hi = sum(batches[:rank]), sum(batches[: rank + 1])
     manager = CheckpointManager(directory)
     manager.save(1, model, optimizer, {"step": 1})
+    saved = (
+        {n: p.detach().clone() for n, p in dense_parameters(model)},
+        _gather_tables(model),
+    )
     mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
     fresh = parallelize_towers(_models(case)[2], mesh, sharding=sharding)
     fresh_opt = _optimizer(dense_opt, fresh)
@@ -228,12 +232,15 @@ def _resume_check(model, optimizer, topology, case, directory):
         local = (dense[lo:hi], _slice(sparse, lo, hi), labels[lo:hi])
         for m, o in ((model, optimizer), (fresh, fresh_opt)):
             _step(m, o, *local, torch.full((hi - lo,), 1.0 / (hi - lo)))
-    return loaded, _same_state(model, fresh)
+    return loaded, _same_state(model, fresh), saved
+
+
+SAVED = ("identity", "fm")  # cases that also check a checkpoint round trip
 
 
 def _all_cases(topology, checkpoint_dir):
     return {
-        case: _run_case(topology, case, 3, checkpoint_dir if case == "identity" else None)
+        case: _run_case(topology, case, 3, f"{checkpoint_dir}/{case}" if case in SAVED else None)
         for case in CASES
     }
 
@@ -260,9 +267,24 @@ def test_sptt_matches_single_process(tmp_path):
             expected = [] if case == "identity" else [str(host)]
             assert d["tower_params"] == expected, where  # host t holds tower t only
         assert per_case["identity"]["dlrm_logits"] < 1e-5, rank
-        loaded, trained = per_case["identity"]["resumed"]
-        assert loaded == 0.0 and trained < 1e-6, (rank, loaded, trained)
+        for case in SAVED:
+            loaded, trained, _ = per_case[case]["resumed"]
+            assert loaded == 0.0 and trained < 1e-6, (rank, case, loaded, trained)
         assert "tower_dense" in per_case["dot"]["names"], rank
+    # the checkpoints load into the single-process DMT (canonical names), weight for weight
+    for case in SAVED:
+        dense, tables = results[0][case]["resumed"][2]
+        for rank in (2, 3):  # host 1's tower parameters
+            dense.update(results[rank][case]["resumed"][2][0])
+        _, single, _ = _models(case)
+        optimizer = _optimizer(CASES[case][2], single)
+        manager = CheckpointManager(tmp_path / "ckpt" / case)
+        assert manager.load(manager.latest(), single, optimizer, {"step": 0}) == {"step": 1}
+        params = dict(dense_parameters(single))
+        assert sorted(params) == sorted(dense), case
+        assert all(torch.equal(params[n], p) for n, p in dense.items()), case
+        weights = single.sparse.table_weights()
+        assert all(torch.equal(weights[n], w) for n, w in tables.items()), case
 
 
 # ---------------------------------------------------------------- clear errors
