@@ -48,6 +48,7 @@ CASES = {
     "identity": ("identity", "rowwise_adagrad", "adam", "row_wise", False, False, [8] * 4),
     "dot": ("dot", "sgd", "sgd", "column_wise", True, True, [8, 5, 7, 3]),
     "fm": ("fm", "adagrad", "adam", "table_wise", False, False, [6] * 4),
+    "replicated": ("dot", "rowwise_adagrad", "adam", "data_parallel", False, False, [4] * 4),
 }
 
 
@@ -250,7 +251,8 @@ def test_sptt_matches_single_process(tmp_path):
     """2 hosts x 2 ranks: identity towers equal the flat DLRM and the single-process DMT
     (row-wise tables, exact row-wise Adagrad, Adam; and a checkpoint round trip);
     compressing towers (dot with x sent along, per-id weights, unequal local batches,
-    column-wise, SGD; fm, table-wise, Adagrad) equal the single-process DMT."""
+    column-wise, SGD; fm, table-wise, Adagrad; data-parallel tables inside the host) equal
+    the single-process DMT."""
     results = spawn_world(_all_cases, 4, 2, str(tmp_path / "ckpt"))
     for rank, per_case in enumerate(results):
         for case, d in per_case.items():
