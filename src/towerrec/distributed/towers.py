@@ -181,7 +181,8 @@ class TowerParallelDMT(nn.Module):
         received = peer.exchange_counts(counts.to(features.values().device), "tower_input_counts")
         received = received.cpu()
         batches, sizes = received[:, 0].tolist(), received[:, 1].tolist()
-        if bool(received[:, 3].any()) != (weights is not None):
+        weighted = received[:, 3]
+        if bool(weighted.any()) != bool(weighted.all()):
             raise ValueError(
                 "some ranks' batches carry per-id weights and some do not; give every rank "
                 "weighted features or none"
