@@ -27,6 +27,7 @@ from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import Jagged, KeyedJaggedTensor
 from towerrec.train.checkpoint import CheckpointManager
+from towerrec.train.distributed import RunContext
 from towerrec.train.towers import check_towers_fit_hosts
 
 TABLES = [
@@ -382,6 +383,13 @@ def test_more_towers_than_hosts_fails_before_the_pilot_run(monkeypatch):
         check_towers_fit_hosts(config)
     monkeypatch.setenv(HOSTS_ENV, "1")  # one host: flat sharding, any number of towers
     check_towers_fit_hosts(config)
+
+
+def test_pipeline_is_refused_under_the_tower_transform():
+    config = load_config(None, ["model.name=dmt", "distributed.pipeline=true"])
+    context = RunContext(Topology(4, 2, 0))
+    with pytest.raises(ValueError, match=r"distributed.pipeline = false"):
+        context.parallelize(_dmt(2), config, source=None)
 
 
 def test_tower_sharding_config_is_checked():
