@@ -363,6 +363,7 @@ def test_train_dmt_on_two_hosts(tmp_path):
     # every tower's tables count, not only those of rank 0's host
     assert summary["num_embedding_params"] == reference["num_embedding_params"]
     assert summary["flops_per_sample"] == reference["flops_per_sample"]
+    assert summary["num_dense_params"] == reference["num_dense_params"]
     log = result.stderr + result.stdout
     partition = [line for line in log.splitlines() if "tower partition [" in line]
     single_partition = [line for line in single.stderr.splitlines() if "tower partition [" in line]

@@ -51,7 +51,7 @@ from towerrec.distributed.input_dist import segment_permutation
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import topology_of, uniform_plan
 from towerrec.models.dmt import DMT
-from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.plan import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
@@ -141,6 +141,7 @@ class TowerParallelDMT(nn.Module):
         self.compresses = [t.compresses for t in model.towers]
         self.use_dense = model.towers[self.tower_index].use_dense
         self._flops = model.flops_per_sample()
+        self._num_dense = sum(p.numel() for _, p in dense_parameters(model))
         self.bottom = model.bottom
         self.sparse = sparse
         self.towers = nn.ModuleDict({str(self.tower_index): model.towers[self.tower_index]})
@@ -158,6 +159,10 @@ class TowerParallelDMT(nn.Module):
     def flops_per_sample(self) -> int:
         """The single-device DMT's forward FLOPs per sample (the transform adds none)."""
         return self._flops
+
+    def num_dense_parameters(self) -> int:
+        """Dense parameters of the whole model (every host's tower), not of this rank."""
+        return self._num_dense
 
     # ------------------------------------------------------------- (a) input
     def input_dist(
