@@ -178,6 +178,8 @@ def train(
         labels, probs = source.eval_oracle()
         oracle_auc = auc(probs, labels)
     num_dense = sum(p.numel() for _, p in dense_parameters(model))
+    if hasattr(model, "num_dense_parameters"):  # a rank that holds part of the dense model
+        num_dense = model.num_dense_parameters()
     num_embedding = sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model))
     log.info(
         "model: %s dense + %s embedding parameters, %s backend, device %s",
