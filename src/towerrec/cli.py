@@ -365,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
         "memory", help="per-rank and loader-worker memory with tables much larger than a rank's"
     )
     b.add_argument("--json", action="store_true", help="print one JSON object")
-    b.add_argument("--nproc", type=int, default=4, help="ranks sharing the tables row-wise")
+    b.add_argument(
+        "--nproc", type=int, default=4, help="ranks sharing the tables row-wise (0: skip)"
+    )
     b.add_argument("--steps", type=int, default=20, help="training steps per run")
     b.add_argument("--workers", type=int, default=2, help="data-loader workers (0: skip)")
     b.add_argument("--tables", type=int, default=4)

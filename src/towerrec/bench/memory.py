@@ -184,8 +184,9 @@ def run_memory_benchmark(
         "tables_mb": round(_table_mb(shape), 1),
         "step_working_set_mb_per_rank": round(_working_set_mb(shape), 2),
         "nproc": nproc,
-        "ranks": _ranks(shape, nproc, steps),
     }
+    if nproc:
+        result["ranks"] = _ranks(shape, nproc, steps)
     if workers:
         result["loader_workers"] = _workers(shape, workers, steps)
     return result
