@@ -216,3 +216,34 @@ def test_sharded_collections_never_hold_the_full_table_nor_copy_it_per_step():
             assert_no_table_sized_allocation(m)
     for rise in copied:  # building whole and copying shards out: the full table, then a shard
         assert rise > table_mb, (copied, table_mb)
+
+
+@pytest.mark.parametrize("backend", ["torch", "fbgemm"])
+def test_forked_loader_workers_hold_no_pages_of_the_tables(backend):
+    """A worker forked after the tables exist drops its mappings of them: its RSS is the
+    trainer's less (about) the tables, and rewriting rows leaves it no stale copies."""
+    import multiprocessing
+
+    from towerrec.data.loader import ColumnSource, LoaderConfig
+    from towerrec.data.movielens import bundled_movielens_path, load_movielens
+    from towerrec.memory import process_memory
+
+    torch.set_num_threads(1)
+    ebc = EmbeddingBagCollection(TABLES, backend=backend)
+    source = ColumnSource(
+        load_movielens(bundled_movielens_path()), LoaderConfig(num_workers=1, prefetch=1)
+    )
+    before = set(multiprocessing.active_children())
+    batches = source.train_batches(64, 0, 0, 1)
+    next(batches)  # forks the worker
+    (worker,) = set(multiprocessing.active_children()) - before
+    for i in range(3):
+        next(batches)
+        out = ebc(_batch(i)).values()
+        out.backward(torch.ones_like(out))
+    trainer, child = process_memory(), process_memory(worker.pid)
+    batches.close()
+    table_mb = TABLE_BYTES / MIB
+    assert trainer["rss_mb"] - child["rss_mb"] > 0.9 * table_mb, (trainer, child)
+    assert child["uss_mb"] < table_mb / 4, child
+    assert trainer["uss_mb"] > table_mb, trainer  # the tables are the trainer's alone
