@@ -199,10 +199,12 @@ def _cmd_bench_dist(args: argparse.Namespace) -> int:
 def _cmd_bench_memory(args: argparse.Namespace) -> int:
     from towerrec.bench.memory import run_memory_benchmark
 
+    for flag in ("tables", "rows", "dim", "steps"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"bench memory: --{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.nproc < 0 or args.workers < 0:
+        raise ValueError("bench memory: --nproc and --workers must be >= 0 (0 skips that part)")
     shape = {"num_tables": args.tables, "num_embeddings": args.rows, "embedding_dim": args.dim}
-    for name, value in shape.items():
-        if value < 1:
-            raise ValueError(f"bench memory: --{name} must be >= 1, got {value}")
     result = run_memory_benchmark(args.nproc, args.steps, args.workers, shape)
     _print_result(result, args.json)
     return 0
