@@ -73,9 +73,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     shards; if it was built with ``materialize=False`` (as distributed runs build
     it), every shard initialises itself from the tables' seeded init
     (``fill_table_block``), bit-identical to the blocks of the full tables, and
-    no rank ever holds a full table (data-parallel replicas excepted). ``grad_scale`` multiplies the gradients that reach the
-    embeddings (``parallelize`` sets 1/world so they match DDP's averaged dense
-    gradients).
+    no rank ever holds a full table (data-parallel replicas excepted).
+    ``grad_scale`` multiplies the gradients that reach the embeddings
+    (``parallelize`` sets 1/world so they match DDP's averaged dense gradients).
     """
 
     is_fused_embedding = True
