@@ -1,6 +1,7 @@
 """Process memory as the operating system counts it (Linux ``/proc``; rusage elsewhere).
 
-- ``peak_rss_mb()``: the high-water mark of this process's resident memory.
+- ``peak_rss_mb()``: the high-water mark of this process's resident memory
+  (``reset_peak_rss()`` restarts it from the current RSS).
 - ``process_memory(pid)``: current RSS, PSS and USS of a process. RSS counts
   every page the process maps, shared or not: a worker forked from a trainer
   that holds the tables shows them in its RSS although it holds no copy. PSS
@@ -32,14 +33,38 @@ import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
-__all__ = ["peak_rss_mb", "process_memory", "register_parent_only", "release_parent_only"]
+__all__ = [
+    "peak_rss_mb",
+    "process_memory",
+    "register_parent_only",
+    "release_parent_only",
+    "reset_peak_rss",
+]
 
 _MIB = 1024 * 1024
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far, in MiB."""
+    """Peak resident memory of this process (since ``reset_peak_rss``), in MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak count of ``peak_rss_mb`` from the current RSS (Linux); False
+    where that is not possible (the peak then stays the lifetime peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def process_memory(pid: int | None = None) -> dict[str, float]:

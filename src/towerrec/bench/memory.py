@@ -38,7 +38,7 @@ from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import uniform_plan
-from towerrec.memory import peak_rss_mb, process_memory
+from towerrec.memory import peak_rss_mb, process_memory, reset_peak_rss
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
@@ -92,6 +92,7 @@ def _rank_memory(topology: Topology, shape: dict, self_init: bool, steps: int) -
     torch.set_num_threads(1)
     EmbeddingBagCollection([TableConfig("warm", 8, 8)], backend="fbgemm")  # load kernel code
     gc.collect()
+    reset_peak_rss()  # count from here: start-up peaks are not the model's
     base = process_memory()["rss_mb"]
     tables = _tables(shape)
     ebc = EmbeddingBagCollection(
@@ -151,8 +152,9 @@ def _workers(shape: dict, workers: int, steps: int) -> dict:
     )
     ebc = EmbeddingBagCollection(_tables(shape), EmbeddingOptimizerConfig(lr=0.05))
     batches = source.train_batches(256, 0, 0, 1)
+    others = set(multiprocessing.active_children())
     next(batches)  # the workers are forked here, after the tables exist (as in training)
-    children = multiprocessing.active_children()
+    children = [p for p in multiprocessing.active_children() if p not in others]
     for i in range(steps):
         next(batches)  # loader batches flow; the lookups touch rows all over the tables
         _step(ebc, _batch(shape, i))
