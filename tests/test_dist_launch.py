@@ -62,6 +62,8 @@ def test_train_nproc_hosts_matches_single_process(tmp_path):
     assert (summary["world_size"], summary["hosts"]) == (2, 2)
     assert summary["comm_bytes_per_sample_cross"] > 0  # 2 hosts: every peer is remote
     assert summary["comm_bytes_per_sample_intra"] == 0
+    per_rank = summary["peak_rss_mb_per_rank"]  # each rank's peak resident memory
+    assert len(per_rank) == 2 and min(per_rank) > 50 and summary["peak_rss_mb"] == max(per_rank)
     records = [
         json.loads(x) for x in (tmp_path / "dist" / "metrics.jsonl").read_text().split("\n") if x
     ]

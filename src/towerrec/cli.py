@@ -213,6 +213,20 @@ def _cmd_bench_dist(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_memory(args: argparse.Namespace) -> int:
+    from towerrec.bench.memory import run_memory_benchmark
+
+    for flag in ("tables", "rows", "dim", "steps"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"bench memory: --{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.nproc < 0 or args.workers < 0:
+        raise ValueError("bench memory: --nproc and --workers must be >= 0 (0 skips that part)")
+    shape = {"num_tables": args.tables, "num_embeddings": args.rows, "embedding_dim": args.dim}
+    result = run_memory_benchmark(args.nproc, args.steps, args.workers, shape)
+    _print_result(result, args.json)
+    return 0
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
@@ -366,6 +380,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds")
     b.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec comparison")
     b.set_defaults(func=_cmd_bench_dist)
+    b = bench_sub.add_parser(
+        "memory", help="per-rank and loader-worker memory with tables much larger than a rank's"
+    )
+    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument(
+        "--nproc", type=int, default=4, help="ranks sharing the tables row-wise (0: skip)"
+    )
+    b.add_argument("--steps", type=int, default=20, help="training steps per run")
+    b.add_argument("--workers", type=int, default=2, help="data-loader workers (0: skip)")
+    b.add_argument("--tables", type=int, default=4)
+    b.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
+    b.add_argument("--dim", type=int, default=32)
+    b.set_defaults(func=_cmd_bench_memory)
     return parser
 
 

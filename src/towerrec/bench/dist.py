@@ -20,6 +20,7 @@ from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import uniform_plan
+from towerrec.memory import peak_rss_mb
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
@@ -102,7 +103,7 @@ def _world(topology: Topology, shape: dict, types: list[str], torchrec: bool, st
     systems, comms = {}, {}
     for kind in types:
         ebc = EmbeddingBagCollection(
-            _tables(shape), EmbeddingOptimizerConfig(lr=0.05), backend="fbgemm"
+            _tables(shape), EmbeddingOptimizerConfig(lr=0.05), backend="fbgemm", materialize=False
         )
         comm = Comm(topology)
         sharded = ShardedEmbeddingBagCollection(
@@ -140,7 +141,7 @@ def _world(topology: Topology, shape: dict, types: list[str], torchrec: bool, st
             entry["bytes_per_sample_intra"] = round(float(per_sample[0]), 1)
             entry["bytes_per_sample_cross"] = round(float(per_sample[1]), 1)
         results[name] = entry
-    return results
+    return results, peak_rss_mb()
 
 
 def run_dist_benchmark(
@@ -165,7 +166,8 @@ def run_dist_benchmark(
             rounds,
             timeout_s=600,
         )
-        results = per_rank[0]
+        results = per_rank[0][0]
+        peaks = [round(peak, 1) for _, peak in per_rank]
         ratios = {}
         for kind in types:
             ours, theirs = results.get(f"towerrec_{kind}"), results.get(f"torchrec_{kind}")
@@ -176,6 +178,11 @@ def run_dist_benchmark(
             "hosts": hosts,
             "results": results,
             "speedup_vs_torchrec": ratios,
+            # Every system of the world is alive at once (timed round-robin): the peak
+            # holds all of their shards (and TorchRec's), not one system's.
+            "peak_rss_mb_per_rank": peaks,
+            "peak_rss_mb_max": max(peaks),
+            "peak_rss_mb_sum": round(sum(peaks), 1),
         }
     return {
         "benchmark": "dist",

@@ -11,7 +11,10 @@ is the same stream, in the same order, as the in-process loader::
 Batches travel as pickled numpy arrays through a pipe (about 1 MB per batch of
 2,048 Criteo samples: cheaper than a shared-memory segment per tensor); the
 workers are forked, so they share the memory-mapped cache with the parent
-instead of copying it, and run one intra-op thread each.
+instead of copying it, and run one intra-op thread each. A worker first drops
+its copy-on-write mappings of the trainer's embedding tables
+(``towerrec.memory.release_parent_only``), so it never comes to hold a stale
+copy of the pages the trainer rewrites.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Iterator
 import torch
 
 from towerrec.data.batch import Batch
+from towerrec.memory import release_parent_only
 from towerrec.sparse import KeyedJaggedTensor, can_pin_memory
 
 __all__ = ["prefetched_batches"]
@@ -32,6 +36,7 @@ _POLL_S = 1.0
 
 def _worker(source, out, stop, worker: int, workers: int, args: tuple) -> None:
     batch_size, start, rank, world_size = args
+    release_parent_only()  # no stale copy of the trainer's tables here (towerrec.memory)
     torch.set_num_threads(1)
     out.cancel_join_thread()  # exit on stop even while batches are still queued
     index = start + worker

@@ -37,7 +37,7 @@ from towerrec.distributed.input_dist import Router, segment_permutation
 from towerrec.distributed.state import load_tensor, state_tensors
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy, apply_id_policy
 from towerrec.modules.kernels import Backend
-from towerrec.modules.tables import Pooling, TableConfig
+from towerrec.modules.tables import Pooling, TableConfig, fill_table_block
 from towerrec.planner.plan import Shard, ShardingPlan, ShardingType
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -68,10 +68,14 @@ class ShardView:
 class ShardedEmbeddingBagCollection(nn.Module):
     """The sharded twin of ``ebc`` under ``plan`` (module doc); made on every rank.
 
-    The weights and optimizer state of ``ebc`` (identical on every rank) are copied
-    into the shards. ``grad_scale`` multiplies the gradients that reach the
-    embeddings (``parallelize`` sets 1/world so they match DDP's averaged dense
-    gradients).
+    Each rank allocates only its own shards. If ``ebc`` holds its tables, their
+    weights and optimizer state (identical on every rank) are copied into the
+    shards; if it was built with ``materialize=False`` (as distributed runs build
+    it), every shard initialises itself from the tables' seeded init
+    (``fill_table_block``), bit-identical to the blocks of the full tables, and
+    no rank ever holds a full table (data-parallel replicas excepted).
+    ``grad_scale`` multiplies the gradients that reach the embeddings
+    (``parallelize`` sets 1/world so they match DDP's averaged dense gradients).
     """
 
     is_fused_embedding = True
@@ -171,7 +175,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
         if not shard_tables:
             return None
-        local = EmbeddingBagCollection(shard_tables, self.optimizer, **self._kernel_args())
+        local = EmbeddingBagCollection(
+            shard_tables, self.optimizer, **self._kernel_args(), materialize=False
+        ).materialize(init=False)
+        if not ebc.is_materialized:
+            by_name = {t.name: t for t in tables}
+            with torch.no_grad():
+                for view in self._views(local):
+                    table = by_name[view.table]
+                    fill_table_block(
+                        view.weight, table, self.seed, view.shard.rows, view.shard.cols
+                    )
+                    for s in view.state.values():
+                        s.zero_()
+            return local
         weights, states = ebc.table_weights(), ebc.optimizer_state_dict()
         with torch.no_grad():
             for view in self._views(local):
@@ -187,7 +204,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     ) -> EmbeddingBagCollection | None:
         if not tables:
             return None
+        # Built from the same tables and seed, a replica initialises itself as ``ebc`` did.
         replica = EmbeddingBagCollection(tables, self.optimizer, **self._kernel_args())
+        if not ebc.is_materialized:
+            return replica
         weights, states = ebc.table_weights(), ebc.optimizer_state_dict()
         with torch.no_grad():
             for name, w in replica.table_weights().items():

@@ -400,9 +400,17 @@ def build_embedding_collection(
     tables: list[TableConfig],
     config: CompactConfig,
     optimizer: EmbeddingOptimizerConfig | None = None,
+    *,
+    materialize: bool = True,
     **kwargs,
 ) -> nn.Module:
-    """A plain ``EmbeddingBagCollection`` for full tables, else the compact collection."""
+    """A plain ``EmbeddingBagCollection`` for full tables, else the compact collection.
+
+    ``materialize=False`` leaves full tables unallocated (their shards initialise
+    themselves when sharded); compact collections are always built whole: their
+    init is not a per-block function of the logical tables (mult factors, projections)
+    and their tables are small by design.
+    """
     if config.kind is EmbeddingKind.FULL:
-        return EmbeddingBagCollection(tables, optimizer, **kwargs)
+        return EmbeddingBagCollection(tables, optimizer, materialize=materialize, **kwargs)
     return CompactEmbeddingCollection(tables, config, optimizer, **kwargs)

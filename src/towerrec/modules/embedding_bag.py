@@ -15,6 +15,12 @@ dense optimizer never sees them. They appear in ``state_dict()`` under
 canonical per-table names, ``embedding_bags.<table>.weight``, and in
 ``optimizer_state_dict()`` as ``embedding_bags.<table>.<state>``, the same for
 every backend and (in the sharded twin) every layout.
+
+``materialize=False`` builds the collection without allocating its tables: it
+knows its features, dims and init (``seed``) but holds no weights. That is how
+a distributed run builds its model: the sharded twin then allocates and
+initialises only this rank's shards (``init_table_block`` makes any row/column
+block of a table on its own), so no rank ever holds the full tables.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from towerrec.modules.kernels import (
     build_kernel,
     resolve_backend,
 )
-from towerrec.modules.tables import TableConfig, init_table_block
+from towerrec.modules.tables import TableConfig, fill_table_block
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum
@@ -98,6 +104,7 @@ class EmbeddingBagCollection(nn.Module):
         device: torch.device | str | None = None,
         id_policy: IdPolicy | str = IdPolicy.ERROR,
         seed: int = 0,
+        materialize: bool = True,
     ) -> None:
         super().__init__()
         if not tables:
@@ -132,8 +139,30 @@ class EmbeddingBagCollection(nn.Module):
         self._rows_per_feature = torch.tensor(rows, dtype=torch.int64, device=self.device)
         # Kernels are plain attributes, not submodules: their FBGEMM parameters
         # must stay out of model.parameters() (the dense optimizer, DDP).
-        self._kernels: list[EmbeddingKernel] = self._build_kernels(self.device)
-        self.reset_parameters()
+        self._kernels: list[EmbeddingKernel] = []
+        if materialize:
+            self.materialize()
+
+    @property
+    def is_materialized(self) -> bool:
+        """Whether the tables are allocated (see ``materialize=False`` in the module doc)."""
+        return bool(self._kernels)
+
+    def materialize(self, init: bool = True) -> EmbeddingBagCollection:
+        """Allocate the tables (a no-op when they are); ``init`` fills them from ``seed``."""
+        if not self._kernels:
+            self._kernels = self._build_kernels(self.device)
+            if init:
+                self.reset_parameters()
+        return self
+
+    def _require_tables(self) -> None:
+        if not self._kernels:
+            raise ValueError(
+                "this EmbeddingBagCollection was built with materialize=False and holds no "
+                "tables; shard it (parallelize / ShardedEmbeddingBagCollection) or call "
+                ".materialize() first"
+            )
 
     def _build_kernels(self, device: torch.device) -> list[EmbeddingKernel]:
         kernels = []
@@ -155,7 +184,7 @@ class EmbeddingBagCollection(nn.Module):
     def reset_parameters(self) -> None:
         """Deterministic init from ``seed`` (see ``init_table_block``); state zeroed."""
         for table, weight in self._table_weights():
-            weight.copy_(init_table_block(table, self.seed))
+            fill_table_block(weight, table, self.seed)
         for _, states in self._table_optimizer_states():
             for s in states.values():
                 s.zero_()
@@ -171,6 +200,7 @@ class EmbeddingBagCollection(nn.Module):
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         """``{table: weight[rows, dim]}`` views; in-place writes reach the kernels."""
+        self._require_tables()
         return {t.name: w for t, w in self._table_weights()}
 
     @property
@@ -183,6 +213,7 @@ class EmbeddingBagCollection(nn.Module):
             kernel.set_learning_rate(lr)
 
     def optimizer_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        self._require_tables()
         return {
             f"{prefix}embedding_bags.{t.name}.{name}": s
             for t, states in self._table_optimizer_states()
@@ -198,6 +229,7 @@ class EmbeddingBagCollection(nn.Module):
 
     # ---------------------------------------------------------- state dict
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        self._require_tables()
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for table, weight in self._table_weights():
             destination[f"{prefix}embedding_bags.{table.name}.weight"] = weight
@@ -205,6 +237,7 @@ class EmbeddingBagCollection(nn.Module):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
+        self._require_tables()
         ours = f"{prefix}embedding_bags."
         others = {k: v for k, v in state_dict.items() if not k.startswith(ours)}
         super()._load_from_state_dict(
@@ -229,7 +262,10 @@ class EmbeddingBagCollection(nn.Module):
     def _apply(self, fn, recurse=True):
         # .to(device) / .cuda(): rebuild the kernels on the new device, keeping state.
         target = fn(torch.empty(0, device=self.device)).device
-        if target != self.device:
+        if target != self.device and not self._kernels:
+            self.device = target
+            self._rows_per_feature = self._rows_per_feature.to(target)
+        elif target != self.device:
             weights = {k: w.to(target) for k, w in self.table_weights().items()}
             states = {k: s.to(target) for k, s in self.optimizer_state_dict().items()}
             self._kernels = self._build_kernels(target)
@@ -243,6 +279,7 @@ class EmbeddingBagCollection(nn.Module):
 
     # -------------------------------------------------------------- forward
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        self._require_tables()
         if features.keys() != self.feature_names:
             features = features.select(self.feature_names)
         values = apply_id_policy(features, self._rows_per_feature, self.id_policy)
@@ -267,6 +304,7 @@ class EmbeddingBagCollection(nn.Module):
             f"tables={len(self.tables)}, features={len(self.feature_names)}, "
             f"params={self.num_embedding_parameters:,}, backend={self.backend.value}, "
             f"optimizer={self.optimizer.kind.value}"
+            + ("" if self._kernels else ", not materialized")
         )
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from towerrec.memory import register_parent_only
 from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, sparse_update
 
@@ -110,6 +111,14 @@ class EmbeddingKernel(nn.Module):
         self.optimizer = optimizer
         self.device = torch.device(device)
         self.embedding_dim = dims.pop()
+        if self.device.type == "cpu":
+            register_parent_only(self)  # forked loader workers drop the tables' pages
+
+    def memory_ranges(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the weights and optimizer state (CPU)."""
+        tensors = [*self.split_weights()]
+        tensors += [s for states in self.split_optimizer_states() for s in states.values()]
+        return [(t.data_ptr(), t.nbytes) for t in tensors if t.is_contiguous() and t.numel()]
 
     @property
     def num_features(self) -> int:

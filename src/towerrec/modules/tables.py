@@ -18,6 +18,7 @@ from towerrec.utils import parse_enum, stable_seed
 __all__ = [
     "Pooling",
     "TableConfig",
+    "fill_table_block",
     "init_table_block",
 ]
 
@@ -87,11 +88,36 @@ def init_table_block(
     """Initial weights of ``table[rows[0]:rows[1], cols[0]:cols[1]]`` (float32, CPU)."""
     row_start, row_end = rows if rows is not None else (0, table.num_embeddings)
     col_start, col_end = cols if cols is not None else (0, table.embedding_dim)
+    out = torch.empty(max(row_end - row_start, 0), max(col_end - col_start, 0))
+    return fill_table_block(out, table, seed, rows, cols)
+
+
+@torch.no_grad()
+def fill_table_block(
+    out: torch.Tensor,
+    table: TableConfig,
+    seed: int,
+    rows: tuple[int, int] | None = None,
+    cols: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Write the initial weights of ``table[rows, cols]`` into ``out`` ``[rows, cols]``.
+
+    ``out`` may live on any device and be a view (a shard inside a fused kernel's
+    weights): values are drawn one ``INIT_BLOCK_ROWS`` block at a time on the CPU,
+    so the extra memory is one block, never the table. Bit-identical to the same
+    slice of ``init_table_block(table, seed)``.
+    """
+    row_start, row_end = rows if rows is not None else (0, table.num_embeddings)
+    col_start, col_end = cols if cols is not None else (0, table.embedding_dim)
     if not 0 <= row_start <= row_end <= table.num_embeddings:
         raise ValueError(f"row range {rows} outside table {table.name!r}")
     if not 0 <= col_start <= col_end <= table.embedding_dim:
         raise ValueError(f"column range {cols} outside table {table.name!r}")
-    out = torch.empty(row_end - row_start, col_end - col_start)
+    if tuple(out.shape) != (row_end - row_start, col_end - col_start):
+        raise ValueError(
+            f"table {table.name!r}: block rows {rows} x cols {cols} need an output of shape "
+            f"{(row_end - row_start, col_end - col_start)}, got {tuple(out.shape)}"
+        )
     first, last = row_start // INIT_BLOCK_ROWS, (row_end - 1) // INIT_BLOCK_ROWS
     for block in range(first, last + 1) if row_end > row_start else ():
         block_lo = block * INIT_BLOCK_ROWS

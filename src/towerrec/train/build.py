@@ -69,8 +69,14 @@ def build_tables(config: Config, schema: DataSchema) -> list[TableConfig]:
     ]
 
 
-def build_model(config: Config, schema: DataSchema, device: torch.device) -> nn.Module:
-    """The single-device model; dense weights seeded by ``train.seed``."""
+def build_model(
+    config: Config, schema: DataSchema, device: torch.device, *, materialize_embeddings: bool = True
+) -> nn.Module:
+    """The single-device model; dense weights seeded by ``train.seed``.
+
+    ``materialize_embeddings=False`` (distributed runs) leaves full tables unallocated:
+    sharding then allocates and initialises only each rank's shards.
+    """
     emb = config.embedding
     sparse = build_embedding_collection(
         build_tables(config, schema),
@@ -82,6 +88,7 @@ def build_model(config: Config, schema: DataSchema, device: torch.device) -> nn.
         device=device,
         id_policy=emb.id_policy,
         seed=config.train.seed,
+        materialize=materialize_embeddings,
     )
     if config.model.name == "dmt":
         from towerrec.train.towers import build_dmt

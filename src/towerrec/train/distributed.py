@@ -27,6 +27,7 @@ from towerrec.config import Config, load_config
 from towerrec.distributed.comm import CommCodecs
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
+from towerrec.memory import peak_rss_mb
 from towerrec.train.build import build_tables
 from towerrec.train.planning import build_plan
 
@@ -151,6 +152,17 @@ class RunContext:
             "hosts": self.topology.hosts,
             "comm_bytes_per_sample_intra": intra,
             "comm_bytes_per_sample_cross": cross,
+        }
+
+    def memory_summary(self) -> dict[str, Any]:
+        """Peak resident memory (MiB): this process's, or the max and every rank's."""
+        peak = peak_rss_mb()
+        if self.world_size == 1:
+            return {"peak_rss_mb": round(peak, 1)}
+        per_rank = self.gather(torch.tensor([peak], dtype=torch.float64)).tolist()
+        return {
+            "peak_rss_mb": round(max(per_rank), 1),
+            "peak_rss_mb_per_rank": [round(x, 1) for x in per_rank],
         }
 
 

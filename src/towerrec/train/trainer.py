@@ -158,7 +158,9 @@ def train(
     source = build_source(config.data)
     if config.plan.strategy != "none" and ctx.world_size == 1:
         log.warning("plan.strategy only shards tables over ranks; one process keeps them all")
-    model = ctx.parallelize(build_model(config, source.schema, device), config, source)
+    # Distributed: no rank allocates the full tables; each builds only its shards.
+    model = build_model(config, source.schema, device, materialize_embeddings=ctx.world_size == 1)
+    model = ctx.parallelize(model, config, source)
     optimizer = build_dense_optimizer(config.optimizer, model)
     state: dict[str, Any] = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
     if resume:
@@ -292,6 +294,7 @@ def train(
         "device": str(device),
         "train_s": state["train_s"],
         **ctx.comm_per_sample(state["samples"]),
+        **ctx.memory_summary(),
     }
     run.write_summary(summary)
     run.plot_curves(oracle_auc)

@@ -1,0 +1,130 @@
+"""Process memory as the operating system counts it (Linux ``/proc``; rusage elsewhere).
+
+- ``peak_rss_mb()``: the high-water mark of this process's resident memory
+  (``reset_peak_rss()`` restarts it from the current RSS).
+- ``process_memory(pid)``: current RSS, PSS and USS of a process. RSS counts
+  every page the process maps, shared or not: a worker forked from a trainer
+  that holds the tables shows them in its RSS although it holds no copy. PSS
+  splits each shared page among its sharers and USS counts only pages no
+  other process has, so "does this worker hold its own copy of the tables?"
+  is a question about USS.
+
+Forked helpers and the tables. A process forked from a trainer (a data-loader
+worker) shares the trainer's pages copy-on-write. The trainer rewrites table
+rows every step; each rewritten page is copied for the trainer and the old
+page stays with the forked helpers alone, so over a run the helpers come to
+hold a stale copy of the tables. Owners of large memory that a helper never
+reads (the embedding kernels) ``register_parent_only`` themselves; a forked
+helper calls ``release_parent_only()`` first thing, which drops its mappings
+of those pages (``madvise(MADV_DONTNEED)``: the pages stay the trainer's; the
+helper would read zeros there, and never reads them). The registry holds weak
+references only: it is the list of what exists, not state that anything reads
+for results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import resource
+import sys
+import weakref
+from collections.abc import Iterable
+from typing import Protocol
+
+__all__ = [
+    "peak_rss_mb",
+    "process_memory",
+    "register_parent_only",
+    "release_parent_only",
+    "reset_peak_rss",
+]
+
+_MIB = 1024 * 1024
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (since ``reset_peak_rss``), in MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak count of ``peak_rss_mb`` from the current RSS (Linux); False
+    where that is not possible (the peak then stays the lifetime peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def process_memory(pid: int | None = None) -> dict[str, float]:
+    """``{"rss_mb", "pss_mb", "uss_mb"}`` of process ``pid`` (default: this one), in MiB.
+
+    Read from ``/proc/<pid>/smaps_rollup``; where that does not exist (not Linux,
+    old kernels) only ``rss_mb`` of this process is known, from rusage.
+    """
+    path = f"/proc/{pid if pid is not None else os.getpid()}/smaps_rollup"
+    try:
+        with open(path) as f:
+            fields = {}
+            for line in f:
+                name, _, rest = line.partition(":")
+                parts = rest.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    fields[name] = int(parts[0]) * 1024
+    except FileNotFoundError:
+        if pid not in (None, os.getpid()):
+            raise
+        return {"rss_mb": peak_rss_mb()}
+    private = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
+    return {
+        "rss_mb": fields.get("Rss", 0) / _MIB,
+        "pss_mb": fields.get("Pss", 0) / _MIB,
+        "uss_mb": private / _MIB,
+    }
+
+
+class HoldsRanges(Protocol):
+    def memory_ranges(self) -> Iterable[tuple[int, int]]:
+        """``(address, nbytes)`` of the memory a forked helper need not keep."""
+        ...
+
+
+_parent_only: weakref.WeakSet = weakref.WeakSet()
+_MADV_DONTNEED = 4
+
+
+def register_parent_only(owner: HoldsRanges) -> None:
+    """Let forked helpers drop ``owner.memory_ranges()`` (see the module doc)."""
+    _parent_only.add(owner)
+
+
+def release_parent_only() -> int:
+    """In a forked helper: drop the registered owners' pages; returns the bytes dropped.
+
+    Only whole pages inside each range are dropped (an allocator's bookkeeping
+    next to a range stays intact). Linux only; elsewhere nothing happens.
+    """
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    dropped = 0
+    for owner in list(_parent_only):
+        for address, nbytes in owner.memory_ranges():
+            start = -(-address // page) * page
+            end = (address + nbytes) // page * page
+            if end > start and libc.madvise(start, end - start, _MADV_DONTNEED) == 0:
+                dropped += end - start
+    return dropped

@@ -1,0 +1,249 @@
+"""Memory guards: a training step allocates nothing proportional to the tables, and a
+sharded collection built from an unallocated one never holds the full tables.
+
+Two views of "allocated", both needed: every tensor an operator creates (a
+``TorchDispatchMode`` that records the size of each output that is not a view
+or in-place result of an input: clones, concatenations, dense gradients), and
+what the operating system saw (the process's peak resident memory, reset
+before the step through ``/proc/self/clear_refs``), which also catches buffers
+that kernels allocate internally. The tables are 64 MiB; a step's batch touches
+a few hundred rows.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from towerrec.data.batch import Batch
+from towerrec.distributed.comm import Comm
+from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
+from towerrec.distributed.launch import spawn_world
+from towerrec.distributed.parallelize import uniform_plan
+from towerrec.models.dlrm import DLRM
+from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.tables import TableConfig
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.sparse import KeyedJaggedTensor
+from towerrec.train.trainer import train_step
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)"
+)
+
+ROWS, DIM = 1_000_000, 16  # 64 MB of weights
+TABLE_BYTES = ROWS * DIM * 4
+TABLES = [TableConfig("big", ROWS, DIM), TableConfig("small", 1000, DIM, pooling="mean")]
+MIB = 1024 * 1024
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Sizes of the tensors that operators create (outputs sharing no input's storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest, self.largest_op, self.total = 0, "", 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.total += t.nbytes
+                if t.nbytes > self.largest:
+                    self.largest, self.largest_op = t.nbytes, str(func)
+        return out
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def measure(step) -> dict[str, float]:
+    """Run ``step()`` once to warm up, then once measured: the largest and total bytes
+    operators allocated, and how far the peak resident memory rose above the start."""
+    with AllocationRecorder():
+        step()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size (VmHWM) to the current one
+    start = _status_mb("VmRSS")
+    with AllocationRecorder() as recorder:
+        step()
+    return {
+        "largest": recorder.largest,
+        "largest_op": recorder.largest_op,
+        "total": recorder.total,
+        "peak_rise_mb": _status_mb("VmHWM") - start,
+    }
+
+
+def _batch(seed: int, batch: int = 64) -> KeyedJaggedTensor:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (2 * batch,), generator=gen)
+    n_big = int(lengths[:batch].sum())
+    values = torch.cat(
+        [
+            torch.randint(0, ROWS, (n_big,), generator=gen),
+            torch.randint(0, 1000, (int(lengths.sum()) - n_big,), generator=gen),
+        ]
+    )
+    return KeyedJaggedTensor(["big", "small"], values, lengths)
+
+
+def assert_no_table_sized_allocation(m: dict) -> None:
+    assert m["largest"] < TABLE_BYTES / 64, m  # < 1 MB: batch-sized, not table-sized
+    assert m["total"] < TABLE_BYTES / 8, m
+    assert m["peak_rise_mb"] < TABLE_BYTES / MIB / 8, m
+
+
+CASES = [
+    ("torch", "rowwise_adagrad"),
+    ("torch", "adagrad"),
+    ("torch", "sgd"),
+    ("torch", "cf_sgd"),
+    ("fbgemm", "rowwise_adagrad"),
+    ("fbgemm", "adagrad"),
+]
+
+
+@pytest.mark.parametrize("backend,optimizer", CASES)
+def test_embedding_step_allocates_nothing_table_sized(backend, optimizer):
+    torch.set_num_threads(1)
+    ebc = EmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(kind=optimizer), backend=backend)
+    batches = iter(range(100))
+
+    def step():
+        out = ebc(_batch(next(batches))).values()
+        out.backward(torch.ones_like(out))
+
+    assert_no_table_sized_allocation(measure(step))
+
+
+def test_train_step_of_a_model_allocates_nothing_table_sized():
+    torch.set_num_threads(1)
+    model = DLRM(EmbeddingBagCollection(TABLES), num_dense=4, bottom_mlp=(8, DIM), top_mlp=(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    batches = iter(range(100))
+
+    def step():
+        i = next(batches)
+        gen = torch.Generator().manual_seed(i)
+        dense = torch.randn(64, 4, generator=gen)
+        labels = torch.randint(0, 2, (64,), generator=gen).float()
+        train_step(model, optimizer, Batch(dense, _batch(i), labels))
+
+    assert_no_table_sized_allocation(measure(step))
+
+
+def test_the_recorder_sees_a_table_copy():
+    """The guard can fail: a step that copies the table trips both measures."""
+    ebc = EmbeddingBagCollection(TABLES, backend="torch")
+
+    def step():
+        out = ebc(_batch(0)).values()
+        out.backward(torch.ones_like(out))
+        ebc.table_weights()["big"].clone()
+
+    m = measure(step)
+    assert m["largest"] >= TABLE_BYTES and m["peak_rise_mb"] > TABLE_BYTES / MIB / 2, m
+
+
+def _build_memory(topology, materialize: bool) -> float:
+    """How far this rank's peak resident memory rose while building its row-wise shards
+    (MiB), after a warm-up that loads the kernels' code."""
+    torch.set_num_threads(1)
+    EmbeddingBagCollection([TableConfig("warm", 8, DIM)], backend="fbgemm")
+    plan = uniform_plan(TABLES, topology, "row_wise")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = _status_mb("VmRSS")
+    ebc = EmbeddingBagCollection(TABLES, backend="fbgemm", materialize=materialize)
+    sharded = ShardedEmbeddingBagCollection(ebc, plan, Comm(topology))
+    del ebc
+    assert sharded.shard_views()
+    return _status_mb("VmHWM") - start
+
+
+STEP_CASES = [
+    ("row_wise", "fbgemm"),
+    ("table_wise", "torch"),
+    ("column_wise", "fbgemm"),
+    ("data_parallel", "torch"),
+]
+
+
+def _lazy_build_and_steps(topology) -> tuple[float, dict[str, dict]]:
+    """The build's peak rise (self-initialised shards), then each sharding type's step."""
+    rise = _build_memory(topology, materialize=False)
+    steps = {}
+    for kind, backend in STEP_CASES:
+        ebc = EmbeddingBagCollection(TABLES, backend=backend, materialize=False)
+        sharded = ShardedEmbeddingBagCollection(
+            ebc, uniform_plan(TABLES, topology, kind), Comm(topology)
+        )
+        batches = iter(range(topology.rank * 100, topology.rank * 100 + 100))
+
+        def step(sharded=sharded, batches=batches):
+            out = sharded(_batch(next(batches))).values()
+            out.backward(torch.ones_like(out))
+
+        steps[f"{kind}/{backend}"] = measure(step)
+    return rise, steps
+
+
+@pytest.mark.multiprocess
+def test_sharded_collections_never_hold_the_full_table_nor_copy_it_per_step():
+    table_mb = TABLE_BYTES / MIB
+    lazy = spawn_world(_lazy_build_and_steps, 2, 1)
+    copied = spawn_world(_build_memory, 2, 1, True)
+    for rank, (rise, steps) in enumerate(lazy):
+        # Half the rows each, plus the row-wise state (1/16 of that), an init block and slack.
+        assert rise < table_mb / 2 + 8, (rank, rise, table_mb)
+        assert set(steps) == {f"{k}/{b}" for k, b in STEP_CASES}
+        for m in steps.values():
+            assert_no_table_sized_allocation(m)
+    for rise in copied:  # building whole and copying shards out: the full table, then a shard
+        assert rise > table_mb, (copied, table_mb)
+
+
+@pytest.mark.parametrize("backend", ["torch", "fbgemm"])
+def test_forked_loader_workers_hold_no_pages_of_the_tables(backend):
+    """A worker forked after the tables exist drops its mappings of them: its RSS is the
+    trainer's less (about) the tables, and rewriting rows leaves it no stale copies."""
+    import multiprocessing
+
+    from towerrec.data.loader import ColumnSource, LoaderConfig
+    from towerrec.data.movielens import bundled_movielens_path, load_movielens
+    from towerrec.memory import process_memory
+
+    torch.set_num_threads(1)
+    ebc = EmbeddingBagCollection(TABLES, backend=backend)
+    source = ColumnSource(
+        load_movielens(bundled_movielens_path()), LoaderConfig(num_workers=1, prefetch=1)
+    )
+    before = set(multiprocessing.active_children())
+    batches = source.train_batches(64, 0, 0, 1)
+    next(batches)  # forks the worker
+    (worker,) = set(multiprocessing.active_children()) - before
+    for i in range(3):
+        next(batches)
+        out = ebc(_batch(i)).values()
+        out.backward(torch.ones_like(out))
+    trainer, child = process_memory(), process_memory(worker.pid)
+    batches.close()
+    table_mb = TABLE_BYTES / MIB
+    assert trainer["rss_mb"] - child["rss_mb"] > 0.9 * table_mb, (trainer, child)
+    assert child["uss_mb"] < table_mb / 4, child
+    assert trainer["uss_mb"] > table_mb, trainer  # the tables are the trainer's alone
