@@ -322,7 +322,8 @@ def parallelize_towers(
     """Apply SPTT to ``model`` (identical on every rank) on the (host, local) ``mesh``.
 
     Tower t's tables are sharded over host t's ranks as ``sharding`` (one of
-    ``TOWER_SHARDINGS``); weights and optimizer state are copied from ``model``.
+    ``TOWER_SHARDINGS``); weights and optimizer state are copied from ``model``
+    (or, when its collection is not materialized, the shards initialise themselves).
     """
     topology = topology_of(mesh)
     check_towers(model, topology)
@@ -350,14 +351,16 @@ def parallelize_towers(
         device=ebc.device,
         id_policy=ebc.id_policy,
         seed=ebc.seed,
+        materialize=ebc.is_materialized,
     )
-    weights, states = ebc.table_weights(), ebc.optimizer_state_dict()
-    with torch.no_grad():
-        for name, w in tower_ebc.table_weights().items():
-            w.copy_(weights[name])
-    tower_ebc.load_optimizer_state_dict(
-        {k: v for k, v in states.items() if k in tower_ebc.optimizer_state_dict()}
-    )
+    if ebc.is_materialized:  # else the host's shards initialise themselves from the seed
+        weights, states = ebc.table_weights(), ebc.optimizer_state_dict()
+        with torch.no_grad():
+            for name, w in tower_ebc.table_weights().items():
+                w.copy_(weights[name])
+        tower_ebc.load_optimizer_state_dict(
+            {k: v for k, v in states.items() if k in tower_ebc.optimizer_state_dict()}
+        )
     sparse = TowerEmbeddingBagCollection(
         tower_ebc,
         uniform_plan(tables, host.topology, sharding),
