@@ -151,3 +151,15 @@ def test_two_processes_match_one_with_per_table_storage(tmp_path):
     assert dist["embedding_tables"] == single["embedding_tables"]
     assert abs(dist["auc"] - single["auc"]) < 1e-3
     assert abs(dist["logloss"] - single["logloss"]) < 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["auto", "file"])
+def test_planned_sharding_refuses_compressed_tables(strategy):
+    from towerrec.distributed.mesh import Topology
+    from towerrec.train.distributed import RunContext
+
+    config = load_config(QUICK, [*MIXED, f"plan.strategy={strategy}", "plan.path=plan.json"])
+    source = SyntheticSource(config.data.synthetic)
+    context = RunContext(Topology(2, 1, 0))  # the check comes before any collective
+    with pytest.raises(ValueError, match=f"plan.strategy = '{strategy}' plans the data's tables"):
+        context.parallelize(quick_model(MIXED), config, source)
