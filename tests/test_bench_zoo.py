@@ -1,6 +1,7 @@
 """The zoo benchmarks end to end through the CLI, tiny: the JSON shape and the FLOP matching."""
 
 import json
+import statistics
 
 import pytest
 from conftest import run_cli
@@ -52,3 +53,39 @@ def test_optimizers_benchmark_json():
     assert set(results) == {"rowwise_adagrad", "cf_sgd"}
     assert results["cf_sgd"]["backend"] == "torch"
     assert results["rowwise_adagrad"]["num_embedding_params"] == (40 + 30 + 50) * 16
+
+
+def test_seeds_give_mean_std_and_paired_differences():
+    out = bench("embeddings-memory", "--variants", "full,qr_add_4x", "--seeds", "2")
+    assert out["seeds"] == 2
+    full, qr = out["results"]["full"], out["results"]["qr_add_4x"]
+    for r in (full, qr):
+        aucs = [s["auc"] for s in r["per_seed"]]
+        assert [s["seed"] for s in r["per_seed"]] == [0, 1]
+        assert aucs[0] != aucs[1]  # another init and data order
+        assert r["auc"] == pytest.approx(statistics.fmean(aucs), abs=1e-5)
+        assert r["auc_std"] == pytest.approx(statistics.stdev(aucs), abs=1e-5)
+        logs = [s["logloss"] for s in r["per_seed"]]
+        assert r["logloss_std"] == pytest.approx(statistics.stdev(logs), abs=1e-5)
+    diffs = [q["auc"] - f["auc"] for q, f in zip(qr["per_seed"], full["per_seed"])]
+    assert qr["auc_minus_full"] == pytest.approx(statistics.fmean(diffs), abs=1e-5)
+    assert qr["auc_minus_full_std"] == pytest.approx(statistics.stdev(diffs), abs=1e-5)
+
+
+def test_bad_seed_count_is_a_user_error(tmp_path):
+    from towerrec.bench.zoo import Sweep
+
+    with pytest.raises(ValueError, match="--seeds must be >= 1, got 0"):
+        Sweep(1, 64, "cpu", tmp_path, seeds=0)
+
+
+def test_flops_are_matched_on_movielens_too(tmp_path):
+    from towerrec.bench.zoo import HIGH_ORDER, Sweep, _matched_width
+
+    sweep = Sweep(1, 64, "cpu", tmp_path, ("data.source=movielens",))
+    target = sweep.flops([*HIGH_ORDER, "model.name=wukong"])
+    for extra in (["model.name=dlrm"], ["model.name=dcn", "model.dcn.rank=16"]):
+        _, flops = _matched_width(sweep, [*HIGH_ORDER, *extra], target)
+        assert abs(flops - target) <= 0.01 * target, extra
+    # the synthetic schema (13 dense, 9 tables) gives another count: the data's schema is used
+    assert Sweep(1, 64, "cpu", tmp_path).flops([*HIGH_ORDER, "model.name=wukong"]) != target

@@ -89,9 +89,21 @@ def test_eval_split_is_disjoint_from_train_and_rank_split():
     assert torch.equal(torch.cat([h.dense for h in halves]), torch.cat([b.dense for b in evals]))
 
 
+def test_stream_seed_redraws_training_samples_only():
+    src = SyntheticSource(SMALL)
+    other = SyntheticSource(SyntheticConfig(**{**SMALL.__dict__, "stream_seed": 3}))
+    train, probs = src.samples("train", 0, 500)
+    train3, probs3 = other.samples("train", 0, 500)
+    assert not torch.equal(train.dense, train3.dense) and not np.array_equal(probs, probs3)
+    assert same_batch(src.samples("eval", 0, 500)[0], other.samples("eval", 0, 500)[0])
+    # the same teacher: equal oracle on the shared eval set
+    assert np.array_equal(src.eval_oracle()[0], other.eval_oracle()[0])
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
+        ({"stream_seed": -1}, "stream_seed must be >= 0"),
         ({"num_embeddings": ()}, "at least one table size"),
         ({"num_embeddings": (10, 0)}, "must all be >= 1"),
         ({"num_embeddings": (5, 6, 7), "pooling_factors": (1, 2)}, "give one per table"),

@@ -130,7 +130,14 @@ def _cmd_bench_zoo(args: argparse.Namespace) -> int:
 
     variants = [v for v in args.variants.split(",") if v]
     result = run_zoo_benchmark(
-        args.bench, args.steps, args.batch_size, args.device, args.threads, args.overrides, variants
+        args.bench,
+        args.steps,
+        args.batch_size,
+        args.device,
+        args.threads,
+        args.overrides,
+        variants,
+        args.seeds,
     )
     _print_result(result, args.json)
     return 0
@@ -314,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--variants",
             default="",
             help="comma-separated variants of embeddings-memory or optimizers (default: all)",
+        )
+        b.add_argument(
+            "--seeds",
+            type=int,
+            default=1,
+            help="runs per variant (model-init and data-order seeds 0..N-1): mean and std",
         )
         b.set_defaults(func=_cmd_bench_zoo)
 

@@ -28,7 +28,12 @@ from towerrec.data.synthetic import SyntheticConfig
 from towerrec.models.dcn import DCNConfig
 from towerrec.models.dmt import DMTConfig
 from towerrec.models.wukong import WukongConfig
-from towerrec.modules.compact import Combine, CompactConfig, EmbeddingKind
+from towerrec.modules.compact import (
+    Combine,
+    CompactConfig,
+    EmbeddingKind,
+    TableStorageConfig,
+)
 from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
@@ -110,6 +115,8 @@ class EmbeddingConfig:
     md_min_dim: int = 4
     md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
     counter_halflife: float = 0.0  # cf_sgd: steps for a row's count to halve; 0 = no decay
+    # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*; unset: the above.
+    tables: dict[str, TableStorageConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -140,6 +147,7 @@ class EmbeddingConfig:
             md_budget=self.md_budget,
             md_min_dim=self.md_min_dim,
             md_round_to=self.md_round_to,
+            tables=self.tables,
         )
 
 
@@ -331,6 +339,11 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a table of settings, got {value!r}")
         return _build(hint, value, key)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table of named entries, got {value!r}")
+        item = typing.get_args(hint)[1]
+        return {str(k): _convert(v, item, f"{key}.{k}") for k, v in value.items()}
     if origin in (tuple, list):
         args = typing.get_args(hint)
         if not isinstance(value, list | tuple):
@@ -437,6 +450,8 @@ def _plain(value: Any) -> Any:
         }
     if isinstance(value, Enum):
         return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     return value

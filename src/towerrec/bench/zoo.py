@@ -10,12 +10,19 @@
   Criteo-Kaggle shape (timed round-robin in one process) and AUC on planted data.
 
 Every variant trains with ``towerrec.train.trainer.train`` on the same data
-stream and seed, so AUC differences come from the variant alone.
+stream and seed, so AUC differences come from the variant alone. With
+``seeds = N`` every variant trains N times, run s with model-init seed s
+(``train.seed``) and data-order seed s (``data.loader.seed`` for file data;
+``data.synthetic.stream_seed``, another draw of training samples from the same
+teacher, for planted data); the result then holds the mean, the standard
+deviation over seeds and the per-seed values of AUC and log-loss. Seed 0 is
+the one-seed run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -26,11 +33,10 @@ import torch
 from towerrec.bench.common import machine_info, matmul_peak_flops, time_interleaved
 from towerrec.bench.train import CRITEO_SHAPE, DENSE_LR, EMB_LR, build_tables, make_batches
 from towerrec.config import load_config
-from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.train.build import build_model
+from towerrec.train.build import build_model, build_source
 from towerrec.train.trainer import train, train_step
 
 __all__ = ["BENCHMARKS", "run_zoo_benchmark"]
@@ -66,6 +72,12 @@ class Sweep:
     root: Path
     extra: tuple[str, ...] = ()
     only: tuple[str, ...] = ()  # variant names to run; empty: all
+    seeds: int = 1
+
+    def __post_init__(self) -> None:
+        if self.seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {self.seeds}")
+        self._schemas: dict = {}
 
     def select(self, variants: dict[str, list[str]]) -> dict[str, list[str]]:
         unknown = sorted(set(self.only) - set(variants))
@@ -77,11 +89,21 @@ class Sweep:
         return load_config(None, [*overrides, *self.extra])
 
     def flops(self, overrides: list[str]) -> int:
+        """Forward FLOPs per sample of the model on the configured data's schema."""
         config = self.config(overrides)
-        schema = SyntheticSource(config.data.synthetic).schema
-        return build_model(config, schema, torch.device("cpu")).flops_per_sample()
+        key = repr(config.data)
+        if key not in self._schemas:  # reading MovieLens once, not per width tried
+            self._schemas[key] = build_source(config.data).schema
+        return build_model(config, self._schemas[key], torch.device("cpu")).flops_per_sample()
 
-    def run(self, overrides: list[str]) -> dict:
+    def run_one(self, overrides: list[str], seed: int = 0) -> dict:
+        seeded = []
+        if seed:
+            seeded = [
+                f"train.seed={seed}",
+                f"data.loader.seed={seed}",
+                f"data.synthetic.stream_seed={seed}",
+            ]
         config = self.config(
             [
                 f"train.steps={self.steps}",
@@ -90,6 +112,7 @@ class Sweep:
                 "train.progress=false",
                 f"train.device={self.device}",
                 *overrides,
+                *seeded,
             ]
         )
         out = Path(tempfile.mkdtemp(dir=self.root))
@@ -100,6 +123,41 @@ class Sweep:
             result[key] = round(result[key], 5) if result[key] is not None else None
         result["samples_per_s"] = round(result["samples_per_s"], 1)
         return result
+
+    def run(self, overrides: list[str]) -> dict:
+        """One variant: its result, or with ``seeds > 1`` the mean over seeds (``seed_stats``)."""
+        runs = [self.run_one(overrides, seed) for seed in range(self.seeds)]
+        return runs[0] if self.seeds == 1 else seed_stats(runs)
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def seed_stats(runs: list[dict]) -> dict:
+    """Runs of one variant over seeds 0..N-1: seed 0's sizes and FLOPs; the mean of the
+    metrics, their sample standard deviation (``*_std``) and per-seed values (``per_seed``)."""
+    result = dict(runs[0])
+    for key in ("auc", "logloss", "ne", "samples_per_s"):
+        values = [r[key] for r in runs if r[key] is not None]
+        if len(values) == len(runs):
+            mean, std = _mean_std(values)
+            digits = 1 if key == "samples_per_s" else 5
+            result[key], result[f"{key}_std"] = round(mean, digits), round(std, digits)
+    result["per_seed"] = [
+        {"seed": s, "auc": r["auc"], "logloss": r["logloss"]} for s, r in enumerate(runs)
+    ]
+    return result
+
+
+def paired_difference(result: dict, baseline: dict, key: str = "auc") -> tuple[float, float]:
+    """Mean and standard deviation over seeds of ``result[key] - baseline[key]``, seed by seed
+    (runs with the same seed share data order and initialisation)."""
+    if "per_seed" not in result:
+        return round(result[key] - baseline[key], 5), 0.0
+    diffs = [a[key] - b[key] for a, b in zip(result["per_seed"], baseline["per_seed"])]
+    mean, std = _mean_std(diffs)
+    return round(mean, 5), round(std, 5)
 
 
 def _matched_width(sweep: Sweep, prefix: list[str], target: int) -> tuple[int, int]:
@@ -132,6 +190,11 @@ def models_benchmark(sweep: Sweep) -> dict:
         widths[name] = [width, width // 2, 1]
         variants[name] = [*HIGH_ORDER, *extra, f"model.top_mlp=[{width}, {width // 2}, 1]"]
     results = {name: sweep.run(o) for name, o in variants.items()}
+    for name in ("dlrm", "dcn"):
+        mean, std = paired_difference(results["wukong"], results[name])
+        results[name]["wukong_auc_minus_this"] = mean
+        if sweep.seeds > 1:
+            results[name]["wukong_auc_minus_this_std"] = std
     return {
         "target_flops_per_sample": target,
         "top_mlp": widths,
@@ -168,7 +231,9 @@ def embeddings_benchmark(sweep: Sweep) -> dict:
     full = results.get("full")
     for r in results.values() if full else ():
         r["param_ratio"] = round(full["num_embedding_params"] / r["num_embedding_params"], 2)
-        r["auc_minus_full"] = round(r["auc"] - full["auc"], 5)
+        r["auc_minus_full"], std = paired_difference(r, full)
+        if sweep.seeds > 1:
+            r["auc_minus_full_std"] = std
     return {"results": results}
 
 
@@ -244,20 +309,25 @@ def run_zoo_benchmark(
     threads: int = 1,
     overrides: list[str] | tuple[str, ...] = (),
     variants: list[str] | tuple[str, ...] = (),
+    seeds: int = 1,
 ) -> dict:
     """``threads``: torch intra-op threads (1 keeps a shared machine's cores from
-    thrashing); ``overrides``: ``section.key=value`` settings for every variant."""
+    thrashing); ``overrides``: ``section.key=value`` settings for every variant;
+    ``seeds``: runs per variant (module docstring)."""
     if threads:
         torch.set_num_threads(threads)
     load_config(None, list(overrides))  # a bad override fails now, not after the first run
     with tempfile.TemporaryDirectory() as root:
-        sweep = Sweep(steps, batch_size, device, Path(root), tuple(overrides), tuple(variants))
+        sweep = Sweep(
+            steps, batch_size, device, Path(root), tuple(overrides), tuple(variants), seeds
+        )
         result = BENCHMARKS[name](sweep)
     return {
         "benchmark": name,
         "machine": machine_info(),
         "steps": steps,
         "batch_size": batch_size,
+        "seeds": seeds,
         "overrides": list(overrides),
         **result,
     }

@@ -59,6 +59,7 @@ class SyntheticConfig:
     ctr: float = 0.3
     eval_samples: int = 100_000
     seed: int = 0
+    stream_seed: int = 0  # another draw of training samples from the same teacher and eval set
     feature_prefix: str = "cat_"
 
     def __post_init__(self) -> None:
@@ -90,6 +91,8 @@ class SyntheticConfig:
             raise ValueError("data.synthetic.higher_order_share > 0 needs num_triples >= 1")
         if self.num_triples < 0:
             raise ValueError("data.synthetic.num_triples must be >= 0")
+        if self.stream_seed < 0:
+            raise ValueError(f"data.synthetic.stream_seed must be >= 0, got {self.stream_seed}")
         if self.teacher_dim < 1 or self.eval_samples < 1:
             raise ValueError("data.synthetic.teacher_dim and eval_samples must be >= 1")
         if not 0 < self.ctr < 1:
@@ -169,12 +172,19 @@ class SyntheticSource:
         teacher.shift = _shift_for_ctr(orders @ teacher.weights, cfg.ctr)
         return teacher
 
+    def _block_seed(self, split: str, block: int) -> list[int]:
+        """Seed of a block's generator; ``stream_seed`` changes only the training samples."""
+        seed = [self.config.seed, _SPLITS[split], block]
+        if split == "train" and self.config.stream_seed:
+            seed.append(1000 + self.config.stream_seed)
+        return seed
+
     def _raw_block(self, split: str, block: int, *, with_fields: bool = False):
         """One block: dense, per-table (lengths, ids), and the teacher's raw score
         ``[BLOCK, 3]`` of each order (first, pairwise, higher); with ``with_fields``
         also the teacher's field vectors ``[BLOCK, T+1, k]``."""
         cfg, teacher = self.config, self._teacher
-        rng = np.random.default_rng([cfg.seed, _SPLITS[split], block])
+        rng = np.random.default_rng(self._block_seed(split, block))
         dense = rng.standard_normal((BLOCK, cfg.num_dense), dtype=np.float32)
         fields = np.empty((BLOCK, cfg.num_tables + 1, cfg.teacher_dim))
         fields[:, 0] = dense @ teacher.dense_proj
@@ -212,7 +222,7 @@ class SyntheticSource:
         teacher = self._teacher
         logit = orders @ teacher.weights + teacher.shift
         prob = 1.0 / (1.0 + np.exp(-logit))
-        rng = np.random.default_rng([self.config.seed, _SPLITS[split], block, 7])
+        rng = np.random.default_rng([*self._block_seed(split, block), 7])
         labels = (rng.random(BLOCK) < prob).astype(np.float32)
         return dense, sparse, labels, prob
 

@@ -16,6 +16,14 @@ inner ``EmbeddingBagCollection`` (fused kernels, optimizer in backward)::
                     md            e_0 W_f                    W_f [d_f, D] (when d_f < D)
         ─► KeyedTensor [B, T*D]
 
+The collection-wide ``CompactConfig`` can be overridden per table
+(``CompactConfig.tables``, ``[embedding.tables.<name>]`` in a run's config):
+kind, compression and the partition settings, e.g. ``cat_3`` as QR 8x while
+the others stay full. A table named there is stored by its own settings
+whatever its size (``row_threshold`` picks among the others). Mixed
+dimensions are collection-wide only: a table's dim comes from the popularity
+of all tables together.
+
 Pooling commutes with add, concat and the projection, so those combine pooled
 bags. It does not commute with mult: a multi-hot (or weighted) batch is then
 looked up one id per bag (``[N_max, ...]``), combined per id and pooled here.
@@ -31,11 +39,16 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 
 import torch
 from torch import nn
 
+from towerrec.modules.compact_config import (
+    Combine,
+    CompactConfig,
+    EmbeddingKind,
+    TableStorageConfig,
+)
 from towerrec.modules.compositional import (
     PartitionScheme,
     hash_rows,
@@ -55,70 +68,10 @@ __all__ = [
     "CompactConfig",
     "CompactEmbeddingCollection",
     "EmbeddingKind",
+    "TableStorageConfig",
     "build_embedding_collection",
+    "describe_tables",
 ]
-
-
-class EmbeddingKind(StrEnum):
-    FULL = "full"  # one row per id
-    HASH = "hash"  # id mod m: the baseline, with collisions
-    QR = "qr"  # complementary partitions (quotient-remainder and generalisations)
-    MD = "md"  # mixed dimensions by popularity, projected to the common dim
-
-
-class Combine(StrEnum):
-    MULT = "mult"
-    ADD = "add"
-    CONCAT = "concat"
-
-
-@dataclass(frozen=True)
-class CompactConfig:
-    """How the tables of a collection are stored (see module docstring).
-
-    ``compression`` divides the rows of hashed tables and of the largest
-    (remainder) table of a partition; only tables with more than
-    ``row_threshold`` rows are compressed. ``md_budget = 0`` gives the most
-    popular table the full dim; otherwise dims fit ``sum rows * dim <= budget``.
-    """
-
-    kind: EmbeddingKind = EmbeddingKind.FULL
-    compression: float = 4.0
-    row_threshold: int = 0
-    operation: Combine = Combine.MULT
-    num_partitions: int = 2
-    scheme: PartitionScheme = PartitionScheme.QUOTIENT_REMAINDER
-    md_alpha: float = 0.3
-    md_budget: int = 0
-    md_min_dim: int = 4
-    md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", parse_enum(EmbeddingKind, self.kind, "embedding.kind"))
-        object.__setattr__(
-            self, "operation", parse_enum(Combine, self.operation, "embedding.qr_operation")
-        )
-        object.__setattr__(
-            self, "scheme", parse_enum(PartitionScheme, self.scheme, "embedding.qr_scheme")
-        )
-        if not self.compression > 1:
-            raise ValueError(
-                f"embedding.compression must be > 1 (rows are divided by it), got {self.compression}"
-            )
-        if self.row_threshold < 0:
-            raise ValueError(f"embedding.row_threshold must be >= 0, got {self.row_threshold}")
-        if self.num_partitions < 2:
-            raise ValueError(
-                f"embedding.qr_partitions must be >= 2 (2 = quotient-remainder), "
-                f"got {self.num_partitions}"
-            )
-        if self.md_alpha < 0:
-            raise ValueError(f"embedding.md_alpha must be >= 0, got {self.md_alpha}")
-        if self.md_budget < 0 or self.md_min_dim < 1 or self.md_round_to < 1:
-            raise ValueError(
-                "embedding.md_budget must be >= 0 and md_min_dim, md_round_to >= 1, got "
-                f"{self.md_budget}, {self.md_min_dim}, {self.md_round_to}"
-            )
 
 
 @dataclass
@@ -154,8 +107,10 @@ def _split_dim(dim: int, parts: int) -> list[int]:
     return [unit * (blocks // parts + (1 if j < blocks % parts else 0)) for j in range(parts)]
 
 
-def _plans(tables: list[TableConfig], config: CompactConfig) -> list[_Plan]:
+def _plans(tables: list[TableConfig], collection: CompactConfig) -> list[_Plan]:
+    collection.check_table_names(tables)
     md_dims = None
+    config = collection
     if config.kind is EmbeddingKind.MD:
         dims = {t.embedding_dim for t in tables}
         md_dims = mixed_dimensions(
@@ -170,6 +125,7 @@ def _plans(tables: list[TableConfig], config: CompactConfig) -> list[_Plan]:
     plans = []
     for i, t in enumerate(tables):
         s = t.scale
+        config = collection.for_table(t.name)
         compress = t.num_embeddings > config.row_threshold
         if config.kind is EmbeddingKind.MD:
             part = replace(t, embedding_dim=md_dims[i], init_scale=s)
@@ -393,7 +349,8 @@ class CompactEmbeddingCollection(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"kind={self.config.kind.value}, tables={len(self.tables)}"
+        kinds = sorted({plan.kind.value for plan in self.plans})
+        return f"kinds={kinds}, tables={len(self.tables)}"
 
 
 def build_embedding_collection(
@@ -411,6 +368,26 @@ def build_embedding_collection(
     init is not a per-block function of the logical tables (mult factors, projections)
     and their tables are small by design.
     """
-    if config.kind is EmbeddingKind.FULL:
+    config.check_table_names(tables)
+    if config.is_full:
         return EmbeddingBagCollection(tables, optimizer, materialize=materialize, **kwargs)
     return CompactEmbeddingCollection(tables, config, optimizer, **kwargs)
+
+
+def describe_tables(collection: nn.Module) -> list[dict] | None:
+    """Per logical table of a (compact, plain or sharded) collection: kind, storage rows
+    and dims, parameters; None for a module that is none of these."""
+    if hasattr(collection, "describe"):
+        return collection.describe()
+    if not hasattr(collection, "tables"):
+        return None
+    return [
+        {
+            "table": t.name,
+            "kind": EmbeddingKind.FULL.value,
+            "rows": [t.num_embeddings],
+            "dims": [t.embedding_dim],
+            "params": t.num_parameters,
+        }
+        for t in collection.tables
+    ]

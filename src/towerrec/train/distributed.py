@@ -28,7 +28,7 @@ from towerrec.distributed.comm import CommCodecs
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
 from towerrec.memory import peak_rss_mb
-from towerrec.train.build import build_tables
+from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.train.planning import build_plan
 
 __all__ = ["RunContext", "start_distributed", "train_worker"]
@@ -80,11 +80,21 @@ class RunContext:
                 config.plan.hosts,
                 self.topology.hosts,
             )
+        # What gets sharded: the storage tables (a compressed table's smaller tables).
+        storage = [t for _, m in fused_embedding_modules(model) for t in m.tables]
+        stored = sorted(t.name for t in storage)
+        if config.plan.strategy != "none" and stored != sorted(
+            f.name for f in source.schema.sparse
+        ):
+            raise ValueError(
+                f"plan.strategy = {config.plan.strategy!r} plans the data's tables, but "
+                f"compressed tables (embedding.kind, embedding.tables) are stored as {stored}; "
+                "use plan.strategy = 'none' to shard those by distributed.sharding"
+            )
         run_plan = replace(config.plan, hosts=self.topology.hosts, ranks_per_host=0)
         plan = build_plan(replace(config, plan=run_plan), source, self.world_size)
         if plan is None:
-            tables = build_tables(config, source.schema)
-            plan = uniform_plan(tables, self.topology, settings.sharding)
+            plan = uniform_plan(storage, self.topology, settings.sharding)
         elif self.is_main:
             kinds = Counter(tp.sharding.value for tp in plan.tables.values())
             log.info("plan.strategy = %s: %s", config.plan.strategy, dict(kinds))

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from towerrec.config import Config
 from towerrec.data.batch import Batch
+from towerrec.modules.compact import describe_tables
 from towerrec.modules.embedding_bag import dense_parameters, fused_embedding_modules
 from towerrec.train.build import (
     build_dense_optimizer,
@@ -291,6 +292,7 @@ def train(
         "hash_collisions": sum(model.sparse.collisions().values())
         if hasattr(model.sparse, "collisions")
         else None,
+        "embedding_tables": describe_tables(model.sparse) if hasattr(model, "sparse") else None,
         "device": str(device),
         "train_s": state["train_s"],
         **ctx.comm_per_sample(state["samples"]),

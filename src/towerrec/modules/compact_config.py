@@ -1,0 +1,180 @@
+"""Settings of memory-efficient embedding collections (``modules/compact.py``).
+
+``CompactConfig`` says how a collection stores its tables; its ``tables``
+map overrides the settings of single tables (``TableStorageConfig``)::
+
+    CompactConfig(kind="full", tables={"cat_3": TableStorageConfig(kind="qr", compression=8)})
+        cat_3: QR 8x, whatever its size; every other table: full
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
+
+from towerrec.modules.compositional import PartitionScheme
+from towerrec.modules.tables import TableConfig
+from towerrec.utils import parse_enum
+
+__all__ = ["Combine", "CompactConfig", "EmbeddingKind", "TableStorageConfig"]
+
+
+class EmbeddingKind(StrEnum):
+    FULL = "full"  # one row per id
+    HASH = "hash"  # id mod m: the baseline, with collisions
+    QR = "qr"  # complementary partitions (quotient-remainder and generalisations)
+    MD = "md"  # mixed dimensions by popularity, projected to the common dim
+
+
+class Combine(StrEnum):
+    MULT = "mult"
+    ADD = "add"
+    CONCAT = "concat"
+
+
+@dataclass(frozen=True)
+class TableStorageConfig:
+    """How one table is stored, overriding the collection's settings; None: the collection's.
+
+    Field names are those of the run config's ``embedding`` section.
+    """
+
+    kind: EmbeddingKind | None = None
+    compression: float | None = None
+    qr_operation: Combine | None = None
+    qr_partitions: int | None = None
+    qr_scheme: PartitionScheme | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind is not None:
+            object.__setattr__(self, "kind", parse_enum(EmbeddingKind, self.kind, "kind"))
+        if self.qr_operation is not None:
+            object.__setattr__(
+                self, "qr_operation", parse_enum(Combine, self.qr_operation, "qr_operation")
+            )
+        if self.qr_scheme is not None:
+            object.__setattr__(
+                self, "qr_scheme", parse_enum(PartitionScheme, self.qr_scheme, "qr_scheme")
+            )
+        if self.kind is EmbeddingKind.MD:
+            raise ValueError(
+                "kind = 'md' cannot be set per table: mixed dimensions are chosen from the "
+                "popularity of all tables together; set embedding.kind = 'md' for all tables"
+            )
+        if self.compression is not None and not self.compression > 1:
+            raise ValueError(
+                f"compression must be > 1 (rows are divided by it), got {self.compression}"
+            )
+        if self.qr_partitions is not None and self.qr_partitions < 2:
+            raise ValueError(
+                f"qr_partitions must be >= 2 (2 = quotient-remainder), got {self.qr_partitions}"
+            )
+
+    def set_fields(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+
+_QR_ONLY = ("qr_operation", "qr_partitions", "qr_scheme")
+
+
+@dataclass(frozen=True)
+class CompactConfig:
+    """How the tables of a collection are stored (see module docstring).
+
+    ``compression`` divides the rows of hashed tables and of the largest
+    (remainder) table of a partition; only tables with more than
+    ``row_threshold`` rows are compressed. ``md_budget = 0`` gives the most
+    popular table the full dim; otherwise dims fit ``sum rows * dim <= budget``.
+    """
+
+    kind: EmbeddingKind = EmbeddingKind.FULL
+    compression: float = 4.0
+    row_threshold: int = 0
+    operation: Combine = Combine.MULT
+    num_partitions: int = 2
+    scheme: PartitionScheme = PartitionScheme.QUOTIENT_REMAINDER
+    md_alpha: float = 0.3
+    md_budget: int = 0
+    md_min_dim: int = 4
+    md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
+    tables: Mapping[str, TableStorageConfig] = field(default_factory=dict)  # per-table overrides
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", parse_enum(EmbeddingKind, self.kind, "embedding.kind"))
+        self._check_tables()
+        object.__setattr__(
+            self, "operation", parse_enum(Combine, self.operation, "embedding.qr_operation")
+        )
+        object.__setattr__(
+            self, "scheme", parse_enum(PartitionScheme, self.scheme, "embedding.qr_scheme")
+        )
+        if not self.compression > 1:
+            raise ValueError(
+                f"embedding.compression must be > 1 (rows are divided by it), got {self.compression}"
+            )
+        if self.row_threshold < 0:
+            raise ValueError(f"embedding.row_threshold must be >= 0, got {self.row_threshold}")
+        if self.num_partitions < 2:
+            raise ValueError(
+                f"embedding.qr_partitions must be >= 2 (2 = quotient-remainder), "
+                f"got {self.num_partitions}"
+            )
+        if self.md_alpha < 0:
+            raise ValueError(f"embedding.md_alpha must be >= 0, got {self.md_alpha}")
+        if self.md_budget < 0 or self.md_min_dim < 1 or self.md_round_to < 1:
+            raise ValueError(
+                "embedding.md_budget must be >= 0 and md_min_dim, md_round_to >= 1, got "
+                f"{self.md_budget}, {self.md_min_dim}, {self.md_round_to}"
+            )
+
+    def _check_tables(self) -> None:
+        if self.tables and self.kind is EmbeddingKind.MD:
+            raise ValueError(
+                "embedding.kind = 'md' sets every table's dim from the popularity of all "
+                f"tables, so it takes no per-table settings (embedding.tables: "
+                f"{', '.join(self.tables)}); remove them, or use kind = 'hash' or 'qr'"
+            )
+        for name, table in self.tables.items():
+            kind = table.kind or self.kind
+            set_fields = table.set_fields()
+            unused = {
+                EmbeddingKind.FULL: [f for f in set_fields if f != "kind"],
+                EmbeddingKind.HASH: [f for f in set_fields if f in _QR_ONLY],
+            }.get(kind, [])
+            if unused:
+                raise ValueError(
+                    f"embedding.tables.{name} sets {', '.join(unused)}, which a "
+                    f"{kind.value!r} table does not use; set its kind (e.g. kind = 'qr') "
+                    "or remove them"
+                )
+
+    def for_table(self, name: str) -> CompactConfig:
+        """The settings table ``name`` is stored by (its overrides over the collection's)."""
+        table = self.tables.get(name)
+        if table is None:
+            return self
+        return replace(
+            self,
+            kind=table.kind or self.kind,
+            compression=table.compression or self.compression,
+            operation=table.qr_operation or self.operation,
+            num_partitions=table.qr_partitions or self.num_partitions,
+            scheme=table.qr_scheme or self.scheme,
+            row_threshold=0,  # a table named in the overrides is stored as they say
+            tables={},
+        )
+
+    def check_table_names(self, tables: list[TableConfig]) -> None:
+        unknown = sorted(set(self.tables) - {t.name for t in tables})
+        if unknown:
+            raise ValueError(
+                f"embedding.tables names {unknown}, which are not tables of this model; its "
+                f"tables: {', '.join(t.name for t in tables)}"
+            )
+
+    @property
+    def is_full(self) -> bool:
+        """Every table stored whole (a plain ``EmbeddingBagCollection`` does)."""
+        kinds = {self.kind} | {t.kind or self.kind for t in self.tables.values()}
+        return kinds == {EmbeddingKind.FULL}
