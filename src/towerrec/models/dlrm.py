@@ -77,4 +77,7 @@ class DLRM(nn.Module):
         embeddings = self.sparse(sparse).stacked()
         stacked = torch.cat([x.unsqueeze(1), embeddings], dim=1)
         interactions = self.interaction(stacked)
-        return self.top(torch.cat([x, interactions], dim=1)).squeeze(1)
+        parts = [x, interactions]
+        if self.top.input_padding:  # the top MLP's zero columns, in the same copy
+            parts.append(x.new_zeros(x.shape[0], self.top.input_padding))
+        return self.top(torch.cat(parts, dim=1)).squeeze(1)

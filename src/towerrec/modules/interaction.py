@@ -1,4 +1,12 @@
-"""Feature interactions over stacked embeddings ``[B, F, D]``."""
+"""Feature interactions over stacked embeddings ``[B, F, D]``.
+
+::
+
+    X [B, F, D] ──► G = X X^T [B, F, F] (one bmm) ──► upper triangle [B, P]
+                                                      (one gather, row-major pairs)
+    backward: grad [B, P] ──► S [B, F, F]: S[i,j] = S[j,i] = grad of pair (i,j)
+              ──► grad X = S X (one bmm, instead of two and a sum)
+"""
 
 from __future__ import annotations
 
@@ -8,12 +16,35 @@ from torch import nn
 __all__ = ["DotInteraction"]
 
 
+class _PairwiseDots(torch.autograd.Function):
+    """Upper triangle of ``X X^T`` with a one-bmm backward (module picture)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
+        batch, features, _ = x.shape
+        ctx.save_for_backward(x, flat_index)
+        gram = torch.bmm(x, x.transpose(1, 2))
+        return gram.view(batch, features * features).index_select(1, flat_index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, flat_index = ctx.saved_tensors
+        batch, features, _ = x.shape
+        upper = grad.new_zeros(batch, features * features)
+        upper.index_copy_(1, flat_index, grad.contiguous())
+        upper = upper.view(batch, features, features)
+        # d(x_i . x_j) reaches x_i through x_j and x_j through x_i; a self pair
+        # (i, i) lands on the diagonal twice: d(x_i . x_i)/dx_i = 2 x_i.
+        symmetric = upper + upper.transpose(1, 2)
+        return torch.bmm(symmetric, x.to(symmetric.dtype)), None
+
+
 class DotInteraction(nn.Module):
     """Pairwise dot products of F vectors: the upper triangle of ``X X^T``.
 
     ``[B, F, D] -> [B, F(F-1)/2]`` (``[B, F(F+1)/2]`` with ``self_interaction``),
     pairs in row-major order (0,1), (0,2), ..., (1,2), ...; one batched matmul
-    and one gather.
+    and one gather forward, one batched matmul backward.
     """
 
     def __init__(self, num_features: int, self_interaction: bool = False) -> None:
@@ -35,6 +66,6 @@ class DotInteraction(nn.Module):
         return 2 * self.num_features * self.num_features * dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch = x.shape[0]
-        gram = torch.bmm(x, x.transpose(1, 2))
-        return gram.view(batch, -1).index_select(1, self.flat_index)
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return _PairwiseDots.apply(x, self.flat_index)
