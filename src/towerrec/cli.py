@@ -90,6 +90,7 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
         backends=args.backends,
         torchrec=not args.no_torchrec,
         batch_size=args.batch_size,
+        threads=args.threads,
     )
     _print_result(result, args.json)
     return 0
@@ -258,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec comparison")
         if name == "train":
             b.add_argument("--batch-size", type=int, default=2048)
+            b.add_argument("--threads", type=int, default=None, help="intra-op threads")
         b.set_defaults(func=func)
     for name, help_text in (
         ("models", "DLRM vs DCNv2 vs Wukong at matched FLOPs per sample (planted data)"),

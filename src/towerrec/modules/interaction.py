@@ -5,7 +5,7 @@
     X [B, F, D] ──► G = X X^T [B, F, F] (one bmm) ──► upper triangle [B, P]
                                                       (one gather, row-major pairs)
     backward: grad [B, P] ──► S [B, F, F]: S[i,j] = S[j,i] = grad of pair (i,j)
-              ──► grad X = S X (one bmm, instead of two and a sum)
+              (one gather) ──► grad X = S X (one bmm, instead of two and a sum)
 """
 
 from __future__ import annotations
@@ -20,23 +20,24 @@ class _PairwiseDots(torch.autograd.Function):
     """Upper triangle of ``X X^T`` with a one-bmm backward (module picture)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, flat_index: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x, flat_index, pair_of_position, self_interaction: bool):
         batch, features, _ = x.shape
-        ctx.save_for_backward(x, flat_index)
+        ctx.save_for_backward(x, pair_of_position)
+        ctx.self_interaction = self_interaction
         gram = torch.bmm(x, x.transpose(1, 2))
         return gram.view(batch, features * features).index_select(1, flat_index)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, flat_index = ctx.saved_tensors
+    def backward(ctx, grad):
+        x, pair_of_position = ctx.saved_tensors
         batch, features, _ = x.shape
-        upper = grad.new_zeros(batch, features * features)
-        upper.index_copy_(1, flat_index, grad.contiguous())
-        upper = upper.view(batch, features, features)
-        # d(x_i . x_j) reaches x_i through x_j and x_j through x_i; a self pair
-        # (i, i) lands on the diagonal twice: d(x_i . x_i)/dx_i = 2 x_i.
-        symmetric = upper + upper.transpose(1, 2)
-        return torch.bmm(symmetric, x.to(symmetric.dtype)), None
+        # S[i, j] = S[j, i] = grad of pair (i, j), 0 (the appended column) where
+        # no pair is: one gather of contiguous rows.
+        padded = torch.nn.functional.pad(grad, (0, 1))
+        symmetric = padded.index_select(1, pair_of_position).view(batch, features, features)
+        if ctx.self_interaction:  # d(x_i . x_i)/dx_i = 2 x_i
+            symmetric.diagonal(dim1=1, dim2=2).mul_(2)
+        return torch.bmm(symmetric, x.to(symmetric.dtype)), None, None, None
 
 
 class DotInteraction(nn.Module):
@@ -57,6 +58,13 @@ class DotInteraction(nn.Module):
             num_features, num_features, offset=0 if self_interaction else 1
         )
         self.register_buffer("flat_index", rows * num_features + cols, persistent=False)
+        # For backward: position (i, j) of the F x F grid -> its pair, or the
+        # number of pairs (a zero column) on the diagonal without self pairs.
+        pairs = torch.arange(rows.numel())
+        pair_of_position = torch.full((num_features * num_features,), rows.numel())
+        pair_of_position[rows * num_features + cols] = pairs
+        pair_of_position[cols * num_features + rows] = pairs
+        self.register_buffer("pair_of_position", pair_of_position, persistent=False)
 
     @property
     def out_features(self) -> int:
@@ -68,4 +76,4 @@ class DotInteraction(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return _PairwiseDots.apply(x, self.flat_index)
+        return _PairwiseDots.apply(x, self.flat_index, self.pair_of_position, self.self_interaction)
