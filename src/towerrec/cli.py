@@ -183,12 +183,26 @@ def _cmd_bench_dmt_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+_ALL_TYPES = "table_wise,row_wise,column_wise,table_row_wise,table_column_wise,data_parallel"
+
+
 def _cmd_bench_dist(args: argparse.Namespace) -> int:
     from towerrec.bench.dist import run_dist_benchmark
+    from towerrec.bench.dist_train import TORCHREC_TYPES, run_dist_train_benchmark
 
+    if args.model == "dlrm":
+        result = run_dist_train_benchmark(
+            nprocs=tuple(int(n) for n in args.nproc.split(",")),
+            types=tuple(args.types.split(",")) if args.types else TORCHREC_TYPES,
+            steps=args.steps,
+            rounds=args.rounds,
+            torchrec=not args.no_torchrec,
+        )
+        _print_result(result, args.json)
+        return 0
     result = run_dist_benchmark(
         nprocs=tuple(int(n) for n in args.nproc.split(",")),
-        types=tuple(args.types.split(",")),
+        types=tuple((args.types or _ALL_TYPES).split(",")),
         steps=args.steps,
         rounds=args.rounds,
         torchrec=not args.no_torchrec,
@@ -344,8 +358,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--nproc", default="2,4", help="comma-separated world sizes (4: 2 hosts)")
     b.add_argument(
         "--types",
-        default="table_wise,row_wise,column_wise,table_row_wise,table_column_wise,data_parallel",
-        help="comma-separated sharding types",
+        default=None,
+        help=f"comma-separated sharding types (default: {_ALL_TYPES}; with --model dlrm: "
+        "the types TorchRec has on CPU)",
+    )
+    b.add_argument(
+        "--model",
+        choices=("embedding", "dlrm"),
+        default="embedding",
+        help="embedding: the sharded collection's step alone; dlrm: full DLRM training "
+        "steps (pipelined input_dist, fp16 wires) against TorchRec's TrainPipelineSparseDist",
     )
     b.add_argument("--steps", type=int, default=20, help="timed steps per system")
     b.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds")

@@ -10,6 +10,7 @@ process, timed round-robin (see ``time_interleaved``).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -165,6 +166,7 @@ def run_train_benchmark(
             systems, rounds, max(steps // rounds, 1), warmup, cpu_seconds=cpu_seconds
         )
         peak = max(peak, matmul_peak_flops())
+        cpu_peak = matmul_peak_flops(clock=time.process_time)
     for name, s in seconds.items():
         sps = batch_size / s
         results[name] = {
@@ -172,6 +174,9 @@ def run_train_benchmark(
             "step_ms": round(s * 1e3, 3),
             "matmul_peak_fraction": round(sps * train_flops / peak, 4),
             "cpu_ms_per_step": round(cpu_seconds[name] * 1e3, 3),
+            "cpu_matmul_peak_fraction": round(
+                batch_size * train_flops / cpu_seconds[name] / cpu_peak, 4
+            ),
         }
     return {
         "benchmark": "train",
@@ -180,6 +185,7 @@ def run_train_benchmark(
         "steps": steps,
         "rounds": rounds,
         "matmul_peak_gflops": round(peak / 1e9, 1),
+        "cpu_matmul_peak_gflops": round(cpu_peak / 1e9, 1),
         "train_flops_per_sample": train_flops,
         "results": results,
         "ratios": ratios_to(results, "torchrec"),

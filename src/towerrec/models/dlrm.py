@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample
+from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample, start_lookup
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -73,8 +73,9 @@ class DLRM(nn.Module):
         )
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        x = self.bottom(dense)
-        embeddings = self.sparse(sparse).stacked()
+        in_flight = start_lookup(self.sparse, sparse)  # sharded: all-to-all in flight ...
+        x = self.bottom(dense)  # ... while the bottom MLP runs
+        embeddings = in_flight.wait().stacked()
         stacked = torch.cat([x.unsqueeze(1), embeddings], dim=1)
         interactions = self.interaction(stacked)
         parts = [x, interactions]
