@@ -127,3 +127,52 @@ def test_auto_resolves_by_this_machines_capability():
     expected = auto_backend("cpu", capability, fbgemm_available())
     assert resolve_backend("auto", torch.device("cpu")) is expected
     assert EmbeddingBagCollection([TableConfig("t", 4, 2)]).backend is expected
+
+
+def test_dense_optimizers_are_fused_on_cpu():
+    from towerrec.config import OptimizerConfig
+    from towerrec.train.build import build_dense_optimizer
+
+    model = tiny_dlrm()
+    for name in ("adam", "adagrad", "sgd"):
+        optimizer = build_dense_optimizer(OptimizerConfig(name=name), model)
+        assert optimizer.defaults["fused"] is True, name
+        # the embedding tables stay with their fused in-backward optimizer
+        params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        assert params == {id(p) for p in model.parameters()}
+
+
+def test_bench_train_reports_wall_and_cpu_ratios_side_by_side():
+    from towerrec.bench.train import run_train_benchmark
+
+    shape = {
+        "num_dense": 13,
+        "num_tables": 3,
+        "num_embeddings": 50,
+        "embedding_dim": 8,
+        "bottom_mlp": [16, 8],
+        "top_mlp": [8, 1],
+    }
+    result = run_train_benchmark(
+        steps=2, warmup=1, backends="torch", batch_size=32, shape=shape, rounds=2, threads=1
+    )
+    ours = result["results"]["towerrec_torch"]
+    assert ours["samples_per_s"] > 0 and ours["cpu_ms_per_step"] > 0
+    assert 0 < ours["cpu_matmul_peak_fraction"]
+    if "samples_per_s" in result["results"].get("torchrec", {}):
+        assert set(result["cpu_ratios"]) == {"towerrec_torch/torchrec"}
+    assert result["default_backend"] == resolve_backend("auto", torch.device("cpu")).value
+
+
+@pytest.mark.multiprocess
+def test_bench_dist_dlrm_times_every_system_on_two_ranks():
+    from towerrec.bench.dist_train import DIST_DLRM_SHAPE, run_dist_train_benchmark
+
+    shape = dict(DIST_DLRM_SHAPE, num_tables=3, num_embeddings=100, batch_per_rank=16)
+    result = run_dist_train_benchmark((2,), ("table_wise",), steps=1, rounds=1, shape=shape)
+    results = result["worlds"]["2x1"]["results"]
+    expected = {"towerrec_table_wise", "towerrec_table_wise_pipelined_fp16"}
+    if result["torchrec"] is True:
+        expected.add("torchrec_table_wise")
+    assert set(results) == expected
+    assert all(r["samples_per_s"] > 0 for r in results.values())

@@ -12,6 +12,10 @@
                                                                           │
                                                          top MLP ─► logit [B]
 
+The lookup starts first (``start_lookup``): with a sharded collection its output
+all-to-all is in flight while the bottom MLP runs. The top MLP's input gets
+its alignment zeros (``MLP.input_padding``) in the same concatenation.
+
 The loss lives outside the model (``binary_cross_entropy_with_logits`` in the
 trainer); ``forward`` returns logits.
 """
