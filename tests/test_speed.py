@@ -158,7 +158,7 @@ def test_bench_train_reports_wall_and_cpu_ratios_side_by_side():
     )
     ours = result["results"]["towerrec_torch"]
     assert ours["samples_per_s"] > 0 and ours["cpu_ms_per_step"] > 0
-    assert 0 < ours["cpu_matmul_peak_fraction"]
+    assert ours["cpu_matmul_peak_fraction"] > 0
     if "samples_per_s" in result["results"].get("torchrec", {}):
         assert set(result["cpu_ratios"]) == {"towerrec_torch/torchrec"}
     assert result["default_backend"] == resolve_backend("auto", torch.device("cpu")).value
