@@ -1,9 +1,11 @@
-"""The dense fast paths compute what the plain PyTorch formulation computes:
-the one-bmm interaction backward, the 8-aligned linear layers, in-place ReLU,
-fused Adam."""
+"""The speed paths compute what the plain formulation computes (the one-bmm
+interaction backward, 8-aligned linear layers, in-place ReLU, fused optimizers);
+the ``auto`` backend rule; the benchmark commands run and report every system.
+No timing is asserted."""
 
 import pytest
 import torch
+from conftest import run_cli
 from torch import nn
 
 from towerrec.models.dlrm import DLRM
@@ -176,3 +178,9 @@ def test_bench_dist_dlrm_times_every_system_on_two_ranks():
         expected.add("torchrec_table_wise")
     assert set(results) == expected
     assert all(r["samples_per_s"] > 0 for r in results.values())
+
+
+def test_bench_train_refuses_zero_threads():
+    result = run_cli("bench", "train", "--threads", "0", "--no-torchrec")
+    assert result.returncode == 2
+    assert "error: --threads must be >= 1, got 0" in result.stderr

@@ -111,7 +111,9 @@ def run_train_benchmark(
     rounds: int = 5,
     threads: int | None = None,
 ) -> dict:
-    if threads:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     shape = dict(shape or CRITEO_SHAPE)
     batches = make_batches(shape, batch_size)
