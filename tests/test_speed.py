@@ -54,7 +54,7 @@ def reference_mlp(mlp: MLP) -> nn.Sequential:
     return nn.Sequential(*[nn.ReLU() if isinstance(m, nn.ReLU) else m for m in mlp])
 
 
-@pytest.mark.parametrize("widths", [(13, [24, 16]), (367, [32, 1]), (8, [5, 3]), (3, [4])])
+@pytest.mark.parametrize("widths", [(13, [24, 16]), (367, [32, 1]), (100, [5, 3]), (3, [4])])
 def test_aligned_mlp_matches_plain_sequential_outputs_and_gradients(widths):
     in_features, sizes = widths
     torch.manual_seed(0)
@@ -73,33 +73,33 @@ def test_aligned_mlp_matches_plain_sequential_outputs_and_gradients(widths):
 
 
 def test_padding_rule_and_prepadded_input():
-    assert [padding_for(n) for n in (3, 8, 13, 16, 367, 368)] == [0, 0, 3, 0, 1, 0]
+    assert [padding_for(n) for n in (3, 13, 63, 64, 65, 367, 368)] == [0, 0, 0, 0, 7, 1, 0]
     torch.manual_seed(0)
-    layer = nn.Linear(13, 4).double()
-    x = torch.randn(5, 13, dtype=torch.float64)
-    padded = torch.cat([x, x.new_zeros(5, 3)], dim=1)
+    layer = nn.Linear(67, 4).double()
+    x = torch.randn(5, 67, dtype=torch.float64)
+    padded = torch.cat([x, x.new_zeros(5, 5)], dim=1)
     torch.testing.assert_close(aligned_linear(padded, layer), layer(x))
     torch.testing.assert_close(aligned_linear(x, layer), layer(x))
     with pytest.raises(RuntimeError):
-        aligned_linear(torch.randn(5, 12, dtype=torch.float64), layer)
+        aligned_linear(torch.randn(5, 66, dtype=torch.float64), layer)
 
 
 def tiny_dlrm(seed: int = 0) -> DLRM:
-    tables = [TableConfig(f"t{i}", 20, 4) for i in range(5)]
+    tables = [TableConfig(f"t{i}", 20, 4) for i in range(12)]
     torch.manual_seed(seed)
     ebc = EmbeddingBagCollection(tables, backend="torch")
     return DLRM(ebc, num_dense=13, bottom_mlp=[16, 4], top_mlp=[8, 1])
 
 
 def test_dlrm_logits_equal_the_unpadded_formulation():
-    """The top MLP's input (4 + 15 = 19 columns) is padded inside the concat."""
+    """The top MLP's input (4 + 78 = 82 columns) is padded inside the concat."""
     model = tiny_dlrm().double()
-    assert model.top.input_padding == 5
+    assert model.top.input_padding == 6
     gen = torch.Generator().manual_seed(1)
     sparse = KeyedJaggedTensor(
-        [f"t{i}" for i in range(5)],
-        torch.randint(0, 20, (5 * 6,), generator=gen),
-        torch.ones(5 * 6, dtype=torch.int64),
+        [f"t{i}" for i in range(12)],
+        torch.randint(0, 20, (12 * 6,), generator=gen),
+        torch.ones(12 * 6, dtype=torch.int64),
     )
     dense = torch.randn(6, 13, dtype=torch.float64, generator=gen)
     x = reference_mlp(model.bottom)(dense)

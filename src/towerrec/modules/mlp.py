@@ -1,7 +1,7 @@
 """Multi-layer perceptron.
 
-A linear layer whose input width is not a multiple of 8 (13 dense features, a
-DLRM top MLP over 16 + 351 interaction outputs) runs its matmuls on operands
+A linear layer of 64 inputs or more whose width is not a multiple of 8 (a DLRM
+top MLP over 16 + 351 interaction outputs) runs its matmuls on operands
 zero-padded to the next multiple of 8: row strides that are not a multiple of
 the vector width slow the BLAS kernels by up to 1.5x on CPU (docs/benchmarks.md,
 speed notes). The zeros add nothing to the result; the weight keeps its shape.
@@ -20,9 +20,13 @@ __all__ = ["MLP", "aligned_linear", "padding_for"]
 ALIGN = 8
 
 
+MIN_PADDED = 64
+
+
 def padding_for(in_features: int) -> int:
-    """Zero columns that take ``in_features`` to a multiple of 8 (0 for narrow inputs)."""
-    if in_features <= ALIGN:
+    """Zero columns that take ``in_features`` to a multiple of 8; 0 below 64 inputs,
+    where the extra columns would add up to 2x work to a layer that costs little."""
+    if in_features < MIN_PADDED:
         return 0
     return -in_features % ALIGN
 
