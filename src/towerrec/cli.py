@@ -107,6 +107,7 @@ def _cmd_bench_train(args: argparse.Namespace) -> int:
         backends=args.backends,
         torchrec=not args.no_torchrec,
         batch_size=args.batch_size,
+        threads=args.threads,
     )
     _print_result(result, args.json)
     return 0
@@ -206,12 +207,26 @@ def _cmd_bench_dmt_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+_ALL_TYPES = "table_wise,row_wise,column_wise,table_row_wise,table_column_wise,data_parallel"
+
+
 def _cmd_bench_dist(args: argparse.Namespace) -> int:
     from towerrec.bench.dist import run_dist_benchmark
+    from towerrec.bench.dist_train import TORCHREC_TYPES, run_dist_train_benchmark
 
+    if args.model == "dlrm":
+        result = run_dist_train_benchmark(
+            nprocs=tuple(int(n) for n in args.nproc.split(",")),
+            types=tuple(args.types.split(",")) if args.types else TORCHREC_TYPES,
+            steps=args.steps,
+            rounds=args.rounds,
+            torchrec=not args.no_torchrec,
+        )
+        _print_result(result, args.json)
+        return 0
     result = run_dist_benchmark(
         nprocs=tuple(int(n) for n in args.nproc.split(",")),
-        types=tuple(args.types.split(",")),
+        types=tuple((args.types or _ALL_TYPES).split(",")),
         steps=args.steps,
         rounds=args.rounds,
         torchrec=not args.no_torchrec,
@@ -296,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         b.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec comparison")
         if name == "train":
             b.add_argument("--batch-size", type=int, default=2048)
+            b.add_argument("--threads", type=int, default=None, help="intra-op threads")
         b.set_defaults(func=func)
     for name, help_text in (
         ("models", "DLRM vs DCNv2 vs Wukong at matched FLOPs per sample (planted data)"),
@@ -386,8 +402,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--nproc", default="2,4", help="comma-separated world sizes (4: 2 hosts)")
     b.add_argument(
         "--types",
-        default="table_wise,row_wise,column_wise,table_row_wise,table_column_wise,data_parallel",
-        help="comma-separated sharding types",
+        default=None,
+        help=f"comma-separated sharding types (default: {_ALL_TYPES}; with --model dlrm: "
+        "the types TorchRec has on CPU)",
+    )
+    b.add_argument(
+        "--model",
+        choices=("embedding", "dlrm"),
+        default="embedding",
+        help="embedding: the sharded collection's step alone; dlrm: full DLRM training "
+        "steps (pipelined input_dist, fp16 wires) against TorchRec's TrainPipelineSparseDist",
     )
     b.add_argument("--steps", type=int, default=20, help="timed steps per system")
     b.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds")

@@ -42,14 +42,21 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) -> float:
-    """Best measured FLOP/s of a dense matmul on this machine (MLP-like shapes)."""
+def matmul_peak_flops(
+    dtype: torch.dtype = torch.float32,
+    seconds: float = 1.0,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Best measured FLOP/s of a dense matmul on this machine (MLP-like shapes).
+
+    ``clock=time.process_time``: per CPU second of this process (with one
+    intra-op thread, the peak of one core however busy the machine is)."""
     best = 0.0
     for m, k, n in ((2048, 512, 512), (2048, 1024, 1024), (4096, 1024, 1024)):
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         torch.mm(a, b)
-        reps, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds / 3:
+        reps, start = 0, clock()
+        while (elapsed := clock() - start) < seconds / 3:
             torch.mm(a, b)
             reps += 1
         best = max(best, 2 * m * k * n * reps / elapsed)
@@ -57,24 +64,35 @@ def matmul_peak_flops(dtype: torch.dtype = torch.float32, seconds: float = 1.0) 
 
 
 def time_interleaved(
-    steps: dict[str, Callable[[int], None]], rounds: int, steps_per_round: int, warmup: int
+    steps: dict[str, Callable[[int], None]],
+    rounds: int,
+    steps_per_round: int,
+    warmup: int,
+    cpu_seconds: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Median seconds per step of each system, timed round-robin.
 
     Every system runs ``warmup`` steps, then ``rounds`` rounds in which each
     runs ``steps_per_round`` steps in turn: drift in the machine's speed (other
     tenants, clocks) hits all systems alike instead of whichever ran last.
+    ``cpu_seconds``, when given, receives the median CPU seconds of this process
+    per step: with one intra-op thread, the compute itself, less sensitive than
+    wall time to other tenants taking the cores away.
     """
     for step in steps.values():
         for i in range(warmup):
             step(i)
     samples: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     counter = warmup
     for _ in range(rounds):
         for name, step in steps.items():
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             for i in range(steps_per_round):
                 step(counter + i)
             samples[name].append((time.perf_counter() - start) / steps_per_round)
+            cpu[name].append((time.process_time() - cpu_start) / steps_per_round)
         counter += steps_per_round
+    if cpu_seconds is not None:
+        cpu_seconds.update({name: statistics.median(values) for name, values in cpu.items()})
     return {name: statistics.median(values) for name, values in samples.items()}

@@ -10,6 +10,7 @@ process, timed round-robin (see ``time_interleaved``).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -90,6 +91,16 @@ def ratios_to(results: dict, reference: str) -> dict[str, float]:
     }
 
 
+def cpu_ratios_to(results: dict, reference: str) -> dict[str, float]:
+    """Speed-ups by CPU time per step (meaningful with one thread on a shared machine)."""
+    base = results.get(reference, {}).get("cpu_ms_per_step")
+    return {
+        f"{name}/{reference}": round(base / r["cpu_ms_per_step"], 3)
+        for name, r in results.items()
+        if base and name != reference and r.get("cpu_ms_per_step")
+    }
+
+
 def run_train_benchmark(
     steps: int = 30,
     warmup: int = 5,
@@ -98,7 +109,12 @@ def run_train_benchmark(
     batch_size: int = 2048,
     shape: dict | None = None,
     rounds: int = 5,
+    threads: int | None = None,
 ) -> dict:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     shape = dict(shape or CRITEO_SHAPE)
     batches = make_batches(shape, batch_size)
     results: dict[str, dict] = {}
@@ -110,7 +126,9 @@ def run_train_benchmark(
         )
         torch.manual_seed(0)
         model = DLRM(ebc, shape["num_dense"], shape["bottom_mlp"], shape["top_mlp"])
-        optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=DENSE_LR)
+        optimizer = torch.optim.Adam(
+            [p for _, p in dense_parameters(model)], lr=DENSE_LR, fused=True
+        )
         train_flops = 3 * model.flops_per_sample()  # forward + backward (2x) of the dense part
         systems[f"towerrec_{backend}"] = lambda i, m=model, o=optimizer: train_step(
             m, o, batches[i % len(batches)]
@@ -145,14 +163,22 @@ def run_train_benchmark(
         # The peak before and after the timed steps, best of both: one short
         # measurement on a shared machine can land in a slow moment.
         peak = matmul_peak_flops()
-        seconds = time_interleaved(systems, rounds, max(steps // rounds, 1), warmup)
+        cpu_seconds: dict[str, float] = {}
+        seconds = time_interleaved(
+            systems, rounds, max(steps // rounds, 1), warmup, cpu_seconds=cpu_seconds
+        )
         peak = max(peak, matmul_peak_flops())
+        cpu_peak = matmul_peak_flops(clock=time.process_time)
     for name, s in seconds.items():
         sps = batch_size / s
         results[name] = {
             "samples_per_s": round(sps, 1),
             "step_ms": round(s * 1e3, 3),
             "matmul_peak_fraction": round(sps * train_flops / peak, 4),
+            "cpu_ms_per_step": round(cpu_seconds[name] * 1e3, 3),
+            "cpu_matmul_peak_fraction": round(
+                batch_size * train_flops / cpu_seconds[name] / cpu_peak, 4
+            ),
         }
     return {
         "benchmark": "train",
@@ -161,9 +187,11 @@ def run_train_benchmark(
         "steps": steps,
         "rounds": rounds,
         "matmul_peak_gflops": round(peak / 1e9, 1),
+        "cpu_matmul_peak_gflops": round(cpu_peak / 1e9, 1),
         "train_flops_per_sample": train_flops,
         "results": results,
         "ratios": ratios_to(results, "torchrec"),
+        "cpu_ratios": cpu_ratios_to(results, "torchrec"),
         "default_backend": resolve_backend(Backend.AUTO, torch.device("cpu")).value,
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }

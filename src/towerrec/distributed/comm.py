@@ -200,6 +200,25 @@ class Comm:
             return _AllToAll.apply(x, self, list(send_counts), list(recv_counts), name, codecs)
         return self.all_to_all_async(x, send_counts, recv_counts, name, codecs.forward).wait()
 
+    def all_to_all_start(
+        self,
+        x: torch.Tensor,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int],
+        name: str,
+        codecs: CommCodecs | None = None,
+    ) -> Pending:
+        """``all_to_all`` begun: returns while the data is in flight, so the caller can
+        compute meanwhile; ``.wait()`` gives what ``all_to_all`` returns (differentiable
+        for float ``x``: its backward is the same all-to-all of the gradient)."""
+        codecs = codecs or CommCodecs()
+        send_counts, recv_counts = list(send_counts), list(recv_counts)
+        if not (x.is_floating_point() and torch.is_grad_enabled() and x.requires_grad):
+            return self.all_to_all_async(x, send_counts, recv_counts, name, codecs.forward)
+        flight: dict[str, Pending] = {}
+        link = _AllToAllStart.apply(x, self, send_counts, recv_counts, name, codecs, flight)
+        return Pending(None, lambda: _AllToAllWait.apply(link, flight["pending"]))
+
     def exchange_counts(self, counts: torch.Tensor, name: str) -> torch.Tensor:
         """``counts[world, k]`` int64 (row r goes to rank r) -> what every rank sent us."""
         k = counts.shape[1]
@@ -237,3 +256,32 @@ class _AllToAll(torch.autograd.Function):
             ctx.codecs.backward,
         ).wait()
         return back, None, None, None, None, None
+
+
+class _AllToAllStart(torch.autograd.Function):
+    """Forward: launch the all-to-all (into ``flight``) and return an unfilled tensor
+    of the received size that links the graph to ``_AllToAllWait``. Backward: the
+    all-to-all of the gradient, counts swapped."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, send_counts, recv_counts, name, codecs: CommCodecs, flight):
+        ctx.comm, ctx.name, ctx.codecs = comm, name, codecs
+        ctx.send_counts, ctx.recv_counts = send_counts, recv_counts
+        flight["pending"] = comm.all_to_all_async(x, send_counts, recv_counts, name, codecs.forward)
+        return x.new_empty(sum(recv_counts))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.backward(ctx, grad)[:1] + (None,) * 6
+
+
+class _AllToAllWait(torch.autograd.Function):
+    """Forward: wait for the all-to-all and return its data. Backward: identity."""
+
+    @staticmethod
+    def forward(ctx, link, pending: Pending):
+        return pending.wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

@@ -445,12 +445,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._prefetched.append((features, self.input_dist(features)))
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return self.forward_start(features).wait()
+
+    def forward_start(self, features: KeyedJaggedTensor) -> Pending:
+        """``forward`` begun: input_dist (or its prefetched result), lookup, and the output
+        all-to-all started; ``.wait()`` gives the ``KeyedTensor``. A model computes its
+        dense layers in between (the all-to-all overlaps them)."""
         index = next((i for i, (f, _) in enumerate(self._prefetched) if f is features), None)
         if index is not None:
             pending = self._prefetched.pop(index)[1]
         else:
             pending = self.input_dist(features)
-        return self.output_dist(self.lookup(pending.wait()))
+        return self.output_dist_start(self.lookup(pending.wait()))
 
     def lookup(self, dist_input: DistInput) -> tuple[DistInput, torch.Tensor, torch.Tensor | None]:
         """Pool this rank's shards: ``[sum_r B_r, W_rank]`` and replicas ``[sum_r B_r, W_dp]``."""
@@ -472,6 +478,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return dist_input, values, replicated
 
     def output_dist(self, looked_up) -> KeyedTensor:
+        return self.output_dist_start(looked_up).wait()
+
+    def output_dist_start(self, looked_up) -> Pending:
+        """Start the output all-to-all of ``lookup``'s result; ``.wait()`` finishes
+        ``output_dist`` (the hierarchical and replicated parts run there)."""
         dist_input, pooled, replicated = looked_up
         comm, batch, batches = self.comm, dist_input.batch, dist_input.batches
         hierarchical = None
@@ -481,13 +492,24 @@ class ShardedEmbeddingBagCollection(nn.Module):
             pooled = pooled.index_select(1, direct_cols)
         width = pooled.shape[1]
         widths = [self._router.width(r) for r in range(comm.world_size)]
-        received = comm.all_to_all(
+        in_flight = comm.all_to_all_start(
             pooled.reshape(-1),
             [b * width for b in batches],
             [batch * w for w in widths],
             "output_pooled",
             self.codecs,
         )
+        return Pending(
+            None,
+            lambda: self._output_dist_finish(
+                dist_input, in_flight.wait(), widths, hierarchical, replicated
+            ),
+        )
+
+    def _output_dist_finish(
+        self, dist_input, received, widths, hierarchical, replicated
+    ) -> KeyedTensor:
+        comm, batch, batches = self.comm, dist_input.batch, dist_input.batches
         parts = [
             p.view(batch, w) for p, w in zip(received.split([batch * w for w in widths]), widths)
         ]

@@ -4,7 +4,27 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["shared_embedding_dim", "sparse_flops_per_sample"]
+from towerrec.sparse import KeyedJaggedTensor
+
+__all__ = ["Ready", "shared_embedding_dim", "sparse_flops_per_sample", "start_lookup"]
+
+
+class Ready:
+    """A result already computed, with the ``wait()`` of one still in flight."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def wait(self):
+        return self.value
+
+
+def start_lookup(sparse: nn.Module, features: KeyedJaggedTensor):
+    """Begin ``sparse(features)``; ``.wait()`` gives its ``KeyedTensor``. A sharded
+    collection returns with its output all-to-all in flight, so the model computes
+    its bottom layers meanwhile; any other collection computes here."""
+    start = getattr(sparse, "forward_start", None)
+    return start(features) if start is not None else Ready(sparse(features))
 
 
 def sparse_flops_per_sample(sparse: nn.Module) -> int:

@@ -12,6 +12,10 @@
                                                                           │
                                                          top MLP ─► logit [B]
 
+The lookup starts first (``start_lookup``): with a sharded collection its output
+all-to-all is in flight while the bottom MLP runs. The top MLP's input gets
+its alignment zeros (``MLP.input_padding``) in the same concatenation.
+
 The loss lives outside the model (``binary_cross_entropy_with_logits`` in the
 trainer); ``forward`` returns logits.
 """
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample
+from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample, start_lookup
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -73,8 +77,12 @@ class DLRM(nn.Module):
         )
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        x = self.bottom(dense)
-        embeddings = self.sparse(sparse).stacked()
+        in_flight = start_lookup(self.sparse, sparse)  # sharded: all-to-all in flight ...
+        x = self.bottom(dense)  # ... while the bottom MLP runs
+        embeddings = in_flight.wait().stacked()
         stacked = torch.cat([x.unsqueeze(1), embeddings], dim=1)
         interactions = self.interaction(stacked)
-        return self.top(torch.cat([x, interactions], dim=1)).squeeze(1)
+        parts = [x, interactions]
+        if self.top.input_padding:  # the top MLP's zero columns, in the same copy
+            parts.append(x.new_zeros(x.shape[0], self.top.input_padding))
+        return self.top(torch.cat(parts, dim=1)).squeeze(1)

@@ -1,4 +1,12 @@
-"""Feature interactions over stacked embeddings ``[B, F, D]``."""
+"""Feature interactions over stacked embeddings ``[B, F, D]``.
+
+::
+
+    X [B, F, D] ──► G = X X^T [B, F, F] (one bmm) ──► upper triangle [B, P]
+                                                      (one gather, row-major pairs)
+    backward: grad [B, P] ──► S [B, F, F]: S[i,j] = S[j,i] = grad of pair (i,j)
+              (one gather) ──► grad X = S X (one bmm, instead of two and a sum)
+"""
 
 from __future__ import annotations
 
@@ -8,12 +16,36 @@ from torch import nn
 __all__ = ["DotInteraction"]
 
 
+class _PairwiseDots(torch.autograd.Function):
+    """Upper triangle of ``X X^T`` with a one-bmm backward (module picture)."""
+
+    @staticmethod
+    def forward(ctx, x, flat_index, pair_of_position, self_interaction: bool):
+        batch, features, _ = x.shape
+        ctx.save_for_backward(x, pair_of_position)
+        ctx.self_interaction = self_interaction
+        gram = torch.bmm(x, x.transpose(1, 2))
+        return gram.view(batch, features * features).index_select(1, flat_index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, pair_of_position = ctx.saved_tensors
+        batch, features, _ = x.shape
+        # S[i, j] = S[j, i] = grad of pair (i, j), 0 (the appended column) where
+        # no pair is: one gather of contiguous rows.
+        padded = torch.nn.functional.pad(grad, (0, 1))
+        symmetric = padded.index_select(1, pair_of_position).view(batch, features, features)
+        if ctx.self_interaction:  # d(x_i . x_i)/dx_i = 2 x_i
+            symmetric.diagonal(dim1=1, dim2=2).mul_(2)
+        return torch.bmm(symmetric, x.to(symmetric.dtype)), None, None, None
+
+
 class DotInteraction(nn.Module):
     """Pairwise dot products of F vectors: the upper triangle of ``X X^T``.
 
     ``[B, F, D] -> [B, F(F-1)/2]`` (``[B, F(F+1)/2]`` with ``self_interaction``),
     pairs in row-major order (0,1), (0,2), ..., (1,2), ...; one batched matmul
-    and one gather.
+    and one gather forward, one batched matmul backward.
     """
 
     def __init__(self, num_features: int, self_interaction: bool = False) -> None:
@@ -26,6 +58,13 @@ class DotInteraction(nn.Module):
             num_features, num_features, offset=0 if self_interaction else 1
         )
         self.register_buffer("flat_index", rows * num_features + cols, persistent=False)
+        # For backward: position (i, j) of the F x F grid -> its pair, or the
+        # number of pairs (a zero column) on the diagonal without self pairs.
+        pairs = torch.arange(rows.numel())
+        pair_of_position = torch.full((num_features * num_features,), rows.numel())
+        pair_of_position[rows * num_features + cols] = pairs
+        pair_of_position[cols * num_features + rows] = pairs
+        self.register_buffer("pair_of_position", pair_of_position, persistent=False)
 
     @property
     def out_features(self) -> int:
@@ -35,6 +74,6 @@ class DotInteraction(nn.Module):
         return 2 * self.num_features * self.num_features * dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch = x.shape[0]
-        gram = torch.bmm(x, x.transpose(1, 2))
-        return gram.view(batch, -1).index_select(1, self.flat_index)
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return _PairwiseDots.apply(x, self.flat_index, self.pair_of_position, self.self_interaction)

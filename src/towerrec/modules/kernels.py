@@ -40,6 +40,7 @@ __all__ = [
     "FbgemmKernel",
     "TableSpec",
     "TorchKernel",
+    "auto_backend",
     "build_kernel",
     "fbgemm_available",
     "resolve_backend",
@@ -64,23 +65,40 @@ def fbgemm_available() -> bool:
     return importlib.util.find_spec("fbgemm_gpu") is not None
 
 
+def auto_backend(
+    device_type: str,
+    cpu_capability: str,
+    fbgemm_installed: bool,
+    optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD,
+) -> Backend:
+    """The kernel ``auto`` stands for: FBGEMM on CUDA, and on CPUs with AVX-512
+    (its CPU kernels are generated for 512-bit vectors); the pure-PyTorch kernel
+    on narrower CPUs (AVX2: 1.25x faster in the full DLRM step, docs/benchmarks.md),
+    without fbgemm_gpu, or for an optimizer FBGEMM has no kernel for."""
+    if not fbgemm_installed or optimizer not in _FBGEMM_OPTIMIZERS:
+        return Backend.TORCH
+    if device_type == "cpu" and not cpu_capability.upper().startswith("AVX512"):
+        return Backend.TORCH
+    return Backend.FBGEMM
+
+
 def resolve_backend(
     backend: Backend | str,
     device: torch.device,
     optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD,
 ) -> Backend:
-    """``auto`` picks FBGEMM when it is installed (faster on CPU and CUDA, see
-    docs/benchmarks.md) and has a kernel for ``optimizer``, else the pure-PyTorch kernel."""
+    """``auto`` resolves by ``auto_backend`` for this machine; ``fbgemm`` needs fbgemm_gpu."""
     backend = Backend(backend)
-    if backend is Backend.AUTO and optimizer not in _FBGEMM_OPTIMIZERS:
-        return Backend.TORCH
     if backend is Backend.FBGEMM and not fbgemm_available():
         raise ValueError(
             "embedding backend 'fbgemm' needs fbgemm_gpu: install towerrec[cpu] "
             "(fbgemm-gpu-cpu) or towerrec[cuda] (fbgemm-gpu), or set embedding.backend = 'torch'"
         )
     if backend is Backend.AUTO:
-        return Backend.FBGEMM if fbgemm_available() else Backend.TORCH
+        device = torch.device(device)
+        return auto_backend(
+            device.type, torch.backends.cpu.get_cpu_capability(), fbgemm_available(), optimizer
+        )
     return backend
 
 

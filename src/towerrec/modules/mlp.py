@@ -1,19 +1,54 @@
-"""Multi-layer perceptron."""
+"""Multi-layer perceptron.
+
+A linear layer of 64 inputs or more whose width is not a multiple of 8 (a DLRM
+top MLP over 16 + 351 interaction outputs) runs its matmuls on operands
+zero-padded to the next multiple of 8: row strides that are not a multiple of
+the vector width slow the BLAS kernels by up to 1.5x on CPU (docs/benchmarks.md,
+speed notes). The zeros add nothing to the result; the weight keeps its shape.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MLP"]
+__all__ = ["MLP", "aligned_linear", "padding_for"]
+
+ALIGN = 8
+
+
+MIN_PADDED = 64
+
+
+def padding_for(in_features: int) -> int:
+    """Zero columns that take ``in_features`` to a multiple of 8; 0 below 64 inputs,
+    where the extra columns would add up to 2x work to a layer that costs little."""
+    if in_features < MIN_PADDED:
+        return 0
+    return -in_features % ALIGN
+
+
+def aligned_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer(x)`` for ``x`` of ``[B, in]``, or ``[B, in + padding_for(in)]`` whose
+    last columns are already zero; the matmul runs on 8-aligned operands."""
+    pad = padding_for(layer.in_features)
+    if pad == 0:
+        return F.linear(x, layer.weight, layer.bias)
+    if x.shape[-1] == layer.in_features:
+        x = F.pad(x, (0, pad))
+    return F.linear(x, F.pad(layer.weight, (0, pad)), layer.bias)
 
 
 class MLP(nn.Sequential):
     """``in_features -> layer_sizes[0] -> ... -> layer_sizes[-1]``, ReLU between layers.
 
     ``final_activation=False`` leaves the last layer linear (a logit head).
+    ``forward`` takes ``[B, in_features]``, or ``[B, in_features + input_padding]``
+    with zeros in the last ``input_padding`` columns (a caller that concatenates
+    its input anyway appends them there and saves a copy).
     """
 
     def __init__(
@@ -33,10 +68,18 @@ class MLP(nn.Sequential):
         super().__init__(*layers)
         self.in_features = in_features
         self.out_features = width
+        self.input_padding = padding_for(in_features)
 
     def flops_per_sample(self) -> int:
         """Multiply-adds x2 of the forward pass, per sample."""
         return sum(2 * m.in_features * m.out_features for m in self if isinstance(m, nn.Linear))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)
+        for layer in self:
+            if isinstance(layer, nn.Linear):
+                x = aligned_linear(x, layer)
+            elif isinstance(layer, nn.ReLU):
+                x = torch.relu_(x)  # in place on the fresh linear output: one buffer less
+            else:
+                x = layer(x)
+        return x

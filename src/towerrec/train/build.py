@@ -112,12 +112,24 @@ def build_model(
 
 def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
     params = [p for _, p in dense_parameters(model) if p.requires_grad]
+    # One fused kernel over all parameters instead of a few ops per tensor (CPU, CUDA).
+    fused = bool(params) and all(
+        p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params
+    )
     if config.name == "adam":
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.Adam(
+            params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None
+        )
     if config.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=config.lr, weight_decay=config.weight_decay)
+        return torch.optim.Adagrad(
+            params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None
+        )
     return torch.optim.SGD(
-        params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        params,
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        fused=fused or None,
     )
 
 
