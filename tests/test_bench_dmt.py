@@ -50,12 +50,18 @@ def test_report_ratios_and_targets_from_run_summaries():
         "dmt_partitioner": [fake_summary(1800.0, 0.8140, 500.0)],
         "dmt_random": [fake_summary(1700.0, 0.8135, 520.0)],
     }
-    report = assemble_report(runs, LAYOUTS, 2, 2, {"network": "local"})
-    assert report["network"] == "local" and report["hosts"] == 2
+    for summary in runs["flat_table_wise"] + runs["dmt_partitioner"]:
+        summary["batch_size"] = 1000
+    report = assemble_report(runs, LAYOUTS, 2, 2, {"network": "netns"}, link_gbit=0.008)
+    assert report["network"] == "netns" and report["hosts"] == 2
     rows = {row["variant"]: row for row in report["variants"]}
     base = rows["flat_table_wise"]
     assert base["samples_per_s"] == 1100.0  # median of the rounds
     assert base["max_cross_host_peers_per_collective"] == 2
+    assert base["step_ms"] == pytest.approx(1000 * 1000 / 1100)
+    # 2400 B x 1000 samples, half each way, at 1 MB/s: 1.2 s
+    assert base["link_ms_per_step"] == pytest.approx(1200.0)
+    assert "link_ms_per_step" not in rows["dmt_identity"]  # no batch size in its summary
     dmt = rows["dmt_partitioner"]
     assert dmt["max_peers_per_collective"] == 1
     vs = dmt["vs_flat_table_wise"]

@@ -276,4 +276,6 @@ def run_dmt_benchmark(
         "overrides": list(shape),
     }
     layouts = {v: VARIANTS[v][0] for v in variants}
-    return assemble_report(runs, layouts, HOSTS, RANKS_PER_HOST, settings)
+    return assemble_report(
+        runs, layouts, HOSTS, RANKS_PER_HOST, settings, link_gbit if link else None
+    )

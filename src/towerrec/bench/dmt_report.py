@@ -66,7 +66,12 @@ def peers_per_collective(layout: str, hosts: int, ranks_per_host: int) -> list[d
 
 
 def _row(
-    name: str, layout: str, runs: Sequence[Mapping[str, Any]], hosts: int, ranks_per_host: int
+    name: str,
+    layout: str,
+    runs: Sequence[Mapping[str, Any]],
+    hosts: int,
+    ranks_per_host: int,
+    link_gbit: float | None = None,
 ) -> dict[str, Any]:
     """One variant's row from its runs (rounds); medians of samples/s, the last run's rest."""
     errors = [r["error"] for r in runs if "error" in r]
@@ -94,6 +99,13 @@ def _row(
     for key in ("partition", "train_s", "steps", "batch_size"):
         if key in last:
             row[key] = last[key]
+    batch = last.get("batch_size")
+    if batch and row["samples_per_s"]:
+        row["step_ms"] = 1000.0 * batch / row["samples_per_s"]
+    cross = row["cross_host_bytes_per_sample"]
+    if link_gbit and batch and cross is not None:
+        # the two hosts send alike: half the step's cross-host bytes each way, at the rate
+        row["link_ms_per_step"] = 1000.0 * cross * batch / 2 / (link_gbit * 1e9 / 8)
     return row
 
 
@@ -107,10 +119,16 @@ def assemble_report(
     hosts: int,
     ranks_per_host: int,
     settings: Mapping[str, Any] | None = None,
+    link_gbit: float | None = None,
 ) -> dict[str, Any]:
     """The JSON report: ``runs[variant]`` are its rounds' summaries (or ``{"error": ...}``),
-    ``layouts[variant]`` its layout. Ratios are against ``flat_table_wise`` when it ran."""
-    rows = {name: _row(name, layouts[name], rs, hosts, ranks_per_host) for name, rs in runs.items()}
+    ``layouts[variant]`` its layout. Ratios are against ``flat_table_wise`` when it ran.
+    With ``link_gbit`` (a shaped link), each row adds ``link_ms_per_step``: the time its
+    cross-host bytes need on that link alone, beside ``step_ms``, the measured step."""
+    rows = {
+        name: _row(name, layouts[name], rs, hosts, ranks_per_host, link_gbit)
+        for name, rs in runs.items()
+    }
     base = rows.get(BASELINE, {})
     for row in rows.values():
         if "auc" not in row or "auc" not in base:
