@@ -276,6 +276,7 @@ class DistributedConfig:
     backward_codec: str = "fp32"  # wire format of their gradients
     pipeline: bool = False  # overlap the next batch's input_dist with this batch's compute
     timeout_s: float = 300.0  # a collective waiting longer for a peer fails the run
+    tower_sharding: str = "row_wise"  # DMT on several hosts: tower t's tables inside host t
 
     def __post_init__(self) -> None:
         _choice(
@@ -294,6 +295,11 @@ class DistributedConfig:
         _choice(self.backward_codec, ("fp32", "fp16", "bf16"), "distributed.backward_codec")
         if not self.timeout_s > 0:
             raise ValueError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
+        _choice(
+            self.tower_sharding,
+            ("table_wise", "row_wise", "column_wise", "data_parallel"),
+            "distributed.tower_sharding",
+        )
 
 
 @dataclass(frozen=True)

@@ -55,14 +55,22 @@ def sharded_tensor(
     )
 
 
-def _blocks(shards: Sequence[Shard], rowwise_state: bool):
+def _global_rank(sebc, rank: int) -> int:
+    """The default-group rank of ``rank`` of the collection's process group (a tower's
+    collection talks over the ranks of one host)."""
+    group = sebc.comm.group
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
+def _blocks(sebc, shards: Sequence[Shard], rowwise_state: bool):
     out = []
     for s in shards:
+        rank = _global_rank(sebc, s.rank)
         if rowwise_state:
             if s.cols[0] == 0:
-                out.append((s.rank, [s.rows[0]], [s.num_rows]))
+                out.append((rank, [s.rows[0]], [s.num_rows]))
         else:
-            out.append((s.rank, [s.rows[0], s.cols[0]], [s.num_rows, s.num_cols]))
+            out.append((rank, [s.rows[0], s.cols[0]], [s.num_rows, s.num_cols]))
     return out
 
 
@@ -89,7 +97,9 @@ def state_tensors(sebc, kind: str, prefix: str = "") -> dict[str, object]:
             if view is not None and (not rowwise or view.shard.cols[0] == 0):
                 local = [view.weight if name == "weight" else view.state[name]]
             like = local[0] if local else torch.empty(0, device=sebc.device)
-            out[key + name] = sharded_tensor(_blocks(plan.shards, rowwise), shape, local, like)
+            out[key + name] = sharded_tensor(
+                _blocks(sebc, plan.shards, rowwise), shape, local, like
+            )
     return out
 
 
@@ -135,7 +145,7 @@ def _share_rowwise_state(sebc, plan, target, shards) -> None:
         if shards
         else torch.empty(table.num_embeddings, device=sebc.device)
     )
-    if dist.get_world_size() > 1:
-        dist.broadcast(buffer, src=owner)
+    if sebc.comm.world_size > 1:
+        dist.broadcast(buffer, src=_global_rank(sebc, owner), group=sebc.comm.group)
     if target is not None and target.dim() == 1:
         target.copy_(buffer)

@@ -71,6 +71,8 @@ class RunContext:
         if self.world_size == 1:
             return model
         settings = config.distributed
+        if config.model.name == "dmt" and self.topology.hosts > 1:
+            return self._parallelize_towers(model, config)
         if config.plan.hosts not in (1, self.topology.hosts):
             log.warning(
                 "plan.hosts = %d but the run has %d hosts; planning for the run's",
@@ -87,6 +89,38 @@ class RunContext:
             log.info("plan.strategy = %s: %s", config.plan.strategy, dict(kinds))
         codecs = CommCodecs(settings.forward_codec, settings.backward_codec)
         return parallelize(model, self.mesh, plan, codecs=codecs)
+
+    def _parallelize_towers(self, model: nn.Module, config: Config) -> nn.Module:
+        """A DMT on several hosts: the tower transform, tower t on host t
+        (``distributed/towers.py``)."""
+        from towerrec.distributed.towers import parallelize_towers
+
+        settings = config.distributed
+        if settings.pipeline:
+            raise ValueError(
+                "distributed.pipeline does not apply to model.name = 'dmt' on several hosts "
+                "(the tower transform routes ids itself); set distributed.pipeline = false"
+            )
+        if config.plan.strategy != "none" and self.is_main:
+            log.warning(
+                "plan.strategy = %s is ignored by the tower transform: tower t's tables are "
+                "sharded inside host t by distributed.tower_sharding = %s",
+                config.plan.strategy,
+                settings.tower_sharding,
+            )
+        codecs = CommCodecs(settings.forward_codec, settings.backward_codec)
+        parallel = parallelize_towers(
+            model, self.mesh, sharding=settings.tower_sharding, codecs=codecs
+        )
+        if self.is_main:
+            log.info(
+                "tower transform: %d towers on %d hosts x %d ranks, tables %s inside each host",
+                self.topology.hosts,
+                self.topology.hosts,
+                self.topology.ranks_per_host,
+                settings.tower_sharding,
+            )
+        return parallel
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenation over ranks of equal-sized 1-D tensors, in rank order."""

@@ -13,10 +13,12 @@ import logging
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from towerrec.config import Config
 from towerrec.data.batch import Batch, DataSchema
+from towerrec.distributed.mesh import topology_from_env
 from towerrec.models.dmt import DMT, check_partition
 from towerrec.planner.towers import (
     FeatureStats,
@@ -123,7 +125,7 @@ def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:
             names, feature_costs(stats, dmt.memory_weight, dmt.count_weight), dmt.num_towers
         )
     log.info("tower partitioner: learning feature interactions (%d pilot steps)", dmt.pilot_steps)
-    strength = learn_interaction_strength(config, dmt.pilot_steps)
+    strength = _on_first_rank(lambda: learn_interaction_strength(config, dmt.pilot_steps))
     result = partition_features(
         names,
         strength,
@@ -141,8 +143,32 @@ def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:
     return result.groups
 
 
+def _on_first_rank(compute):
+    """``compute()`` on rank 0 of a distributed run, its result broadcast to every rank (one
+    pilot run instead of one per rank, and every rank gets the same partition)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return compute()
+    box = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_towers_fit_hosts(config: Config) -> None:
+    """Under the tower transform (several hosts) each host runs one tower: fail before the
+    pilot run when ``model.dmt.num_towers`` does not match."""
+    topology = topology_from_env()
+    towers = config.model.dmt.num_towers
+    if topology.world_size > 1 and topology.hosts > 1 and towers != topology.hosts:
+        raise ValueError(
+            f"model.dmt.num_towers = {towers} but the run has {topology.hosts} hosts; the tower "
+            f"transform runs one tower per host: set model.dmt.num_towers = {topology.hosts} "
+            f"(or run on --hosts {towers})"
+        )
+
+
 def build_dmt(config: Config, schema: DataSchema, sparse: nn.Module, device: torch.device) -> DMT:
     """The DMT model of ``config`` over ``sparse``; dense weights seeded by ``train.seed``."""
+    check_towers_fit_hosts(config)
     groups = resolve_partition(config, schema)
     torch.manual_seed(config.train.seed)
     model, dmt = config.model, config.model.dmt

@@ -1,0 +1,369 @@
+"""Semantic-preserving tower transform (SPTT): a DMT over N hosts x L ranks, tower t on host t.
+
+::
+
+    rank (h, l): local batch B_{h,l}            (h: host, l: local rank; N hosts, L ranks each)
+      dense ─► bottom MLP ─► x [B, D] ─────────────────────────────────────────────┐
+      sparse KJT (all features)                                                     │
+        │ split by tower: tower t's features ─► peer (t, l)                         │
+        ▼ (a) peer all-to-all across hosts, rank l <-> rank l only (lengths + ids)  │
+    rank (t, l): tower t's features of the peer batch P = sum_h B_{h,l}             │
+        ▼ (b) host-local sharded lookup of tower t's tables (row-wise, ... inside   │
+        │     host t: ShardedEmbeddingBagCollection on the host's L ranks)          │
+      E_t [P, T_t, D] ─► (c) tower t (DDP over the L ranks of host t) ─► O_t [P, K_t, D]
+        ▼ (d) peer all-to-all back: each sample's O_t to the rank that owns it      │
+    rank (h, l): O_0 .. O_{N-1} [B, K_t, D], in tower order ─► interact(x, O) ◄─────┘
+                                                                ─► logits [B]
+
+Bottom MLP, interaction and top run data-parallel over the whole world (DDP);
+only tower t's module and tables exist on host t. With ``tower_dense`` the
+bottom output x travels with the ids in (a) (differentiably). Every collective
+is counted by ``CommStats``: the peer all-to-alls as cross-host bytes, the
+lookup's as intra-host bytes (one stats object for the whole model).
+
+Gradient scaling. Each rank's loss is the mean over its B samples and DDP
+averages, so the run follows the single-process model on the global batch of
+G = N L B samples when every parameter's gradient is ``(1/NL) sum_r grad loss_r``:
+
+- bottom, top: DDP over the N L ranks averages: ``1/NL`` as in the flat model;
+- tower t on rank (t, l) sees the gradients of the N peers' losses (its peer
+  batch); the returned outputs' gradients are scaled by ``1/N`` and DDP over
+  the host's L ranks averages: ``1/NL``;
+- tower t's tables get the same ``1/N`` and the host collection's
+  ``grad_scale = 1/L``: ``1/NL``, as the flat sharded collection's ``1/world``;
+- x sent to the towers (``tower_dense``): its gradient from the tower is
+  scaled back by ``N`` so that the owner's x receives the unscaled gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import replicate
+from torch.distributed.device_mesh import DeviceMesh
+
+from towerrec.distributed.comm import Comm, CommCodecs, CommStats
+from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
+from towerrec.distributed.input_dist import segment_permutation
+from towerrec.distributed.mesh import Topology
+from towerrec.distributed.parallelize import topology_of, uniform_plan
+from towerrec.models.dmt import DMT
+from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.tables import TableConfig
+from towerrec.planner.plan import ShardingType
+from towerrec.sparse import KeyedJaggedTensor
+
+__all__ = ["TOWER_SHARDINGS", "TowerParallelDMT", "parallelize_towers", "tower_groups"]
+
+# Sharding types of a tower's tables inside its host (the host is the whole world there).
+TOWER_SHARDINGS = ("table_wise", "row_wise", "column_wise", "data_parallel")
+
+
+def tower_groups(
+    topology: Topology,
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (peer group, host group, host group for DDP).
+
+    Every rank creates every group in the same order (``new_group`` is
+    collective): the peer group of local rank l holds rank l of each host
+    (group rank = host), a host group the L ranks of one host (group rank =
+    local rank). The tower's DDP gets a host group of its own, so the
+    transform's all-to-alls never interleave with DDP's all-reduces.
+    """
+    hosts, per_host = topology.hosts, topology.ranks_per_host
+    backend = dist.get_backend()
+    peer = None
+    for local in range(per_host):
+        group = dist.new_group([h * per_host + local for h in range(hosts)], backend=backend)
+        if local == topology.local_rank:
+            peer = group
+    host = []
+    for _ in range(2):
+        for h in range(hosts):
+            group = dist.new_group(topology.host_ranks(h), backend=backend)
+            if h == topology.host:
+                host.append(group)
+    return peer, host[0], host[1]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return _ScaleGrad.apply(x, scale) if x.requires_grad and scale != 1.0 else x
+
+
+class TowerEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """Tower t's tables sharded over host t; counts every tower's tables as the model's."""
+
+    def __init__(self, *args, total_embedding_parameters: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.total_embedding_parameters = total_embedding_parameters
+
+    @property
+    def num_embedding_parameters(self) -> int:
+        return self.total_embedding_parameters
+
+
+class TowerParallelDMT(nn.Module):
+    """The DMT of this rank under SPTT (module doc); ``forward(dense [B, F], sparse) -> [B]``.
+
+    Made by ``parallelize_towers`` on every rank. Parameter and state-dict names
+    are the single-device DMT's (``bottom.*``, ``towers.<t>.*``, ``top.*``,
+    ``sparse.embedding_bags.<table>.*``): host t holds tower t only.
+    """
+
+    def __init__(
+        self,
+        model: DMT,
+        topology: Topology,
+        sparse: ShardedEmbeddingBagCollection,
+        peer: Comm,
+        codecs: CommCodecs,
+    ) -> None:
+        super().__init__()
+        self.topology, self.peer, self.codecs = topology, peer, codecs
+        self.tower_index = topology.host
+        self.partition = [list(g) for g in model.partition]
+        self.embedding_dim = model.embedding_dim
+        self.num_outputs = [t.num_outputs for t in model.towers]
+        self.compresses = [t.compresses for t in model.towers]
+        self.use_dense = model.towers[self.tower_index].use_dense
+        self._flops = model.flops_per_sample()
+        self.bottom = model.bottom
+        self.sparse = sparse
+        self.towers = nn.ModuleDict({str(self.tower_index): model.towers[self.tower_index]})
+        self.interaction = model.interaction
+        self.top = model.top
+        group = self.partition[self.tower_index]
+        position = {f: i for i, f in enumerate(sparse.feature_names)}
+        order = [position[f] for f in group]
+        self.register_buffer("tower_order", torch.tensor(order), persistent=False)
+
+    @property
+    def tower(self) -> nn.Module:
+        return self.towers[str(self.tower_index)]
+
+    def flops_per_sample(self) -> int:
+        """The single-device DMT's forward FLOPs per sample (the transform adds none)."""
+        return self._flops
+
+    # ------------------------------------------------------------- (a) input
+    def input_dist(
+        self, features: KeyedJaggedTensor, x: torch.Tensor | None
+    ) -> tuple[KeyedJaggedTensor, torch.Tensor | None, list[int]]:
+        """Send each tower's features (and x) to its host: tower t's features of the peer
+        batch ``[sum_h B_h]``, x of the peer batch ``[sum_h B_h, D]``, and ``B_h`` per host."""
+        peer, hosts, batch = self.peer, self.topology.hosts, features.stride()
+        weights = features.weights_or_none()
+        payloads, id_weights, num_ids = [], [], []
+        for group in self.partition:
+            part = features.select(group)
+            payloads.append(torch.cat([part.lengths().long(), part.values().long()]))
+            num_ids.append(part.values().numel())
+            if weights is not None:
+                id_weights.append(part.weights())
+        counts = torch.tensor(
+            [[batch, p.numel(), n, int(weights is not None)] for p, n in zip(payloads, num_ids)],
+            dtype=torch.int64,
+        )
+        received = peer.exchange_counts(counts.to(features.values().device), "tower_input_counts")
+        received = received.cpu()
+        batches, sizes = received[:, 0].tolist(), received[:, 1].tolist()
+        if bool(received[:, 3].any()) != (weights is not None):
+            raise ValueError(
+                "some ranks' batches carry per-id weights and some do not; give every rank "
+                "weighted features or none"
+            )
+        pending = peer.all_to_all_async(
+            torch.cat(payloads), [p.numel() for p in payloads], sizes, "tower_input_ids"
+        )
+        got_weights = None
+        if weights is not None:
+            got_weights = peer.all_to_all_async(
+                torch.cat(id_weights), num_ids, received[:, 2].tolist(), "tower_input_weights"
+            )
+        x_peer = None
+        if self.use_dense:
+            if x is None:
+                raise ValueError("tower_dense needs the bottom output x")
+            dim = x.shape[1]
+            flat = x.reshape(-1).repeat(hosts) if hosts > 1 else x.reshape(-1)
+            got = peer.all_to_all(
+                flat, [batch * dim] * hosts, [b * dim for b in batches], "tower_dense", self.codecs
+            )
+            x_peer = _scale_grad(got.view(-1, dim), float(hosts))
+        local = self._assemble(
+            pending.wait(),
+            batches,
+            received[:, 2].tolist(),
+            got_weights.wait() if got_weights is not None else None,
+        )
+        return local, x_peer, batches
+
+    def _assemble(
+        self,
+        received: torch.Tensor,
+        batches: Sequence[int],
+        num_ids: Sequence[int],
+        weights: torch.Tensor | None,
+    ) -> KeyedJaggedTensor:
+        """This tower's ``KeyedJaggedTensor`` over the peer batch (hosts in order)."""
+        keys = self.partition[self.tower_index]
+        k = len(keys)
+        blocks = received.split([k * b + n for b, n in zip(batches, num_ids)])
+        lengths = [block[: k * b].view(k, b) for block, b in zip(blocks, batches)]
+        values = torch.cat([block[k * b :] for block, b in zip(blocks, batches)])
+        if len(batches) > 1 and k > 1:
+            # segments arrive (host, feature)-major; the lookup wants (feature, host)-major
+            index = segment_permutation(torch.stack([ln.sum(dim=1) for ln in lengths]))
+            values = values[index]
+            weights = weights[index] if weights is not None else None
+        return KeyedJaggedTensor(
+            keys, values, torch.cat(lengths, dim=1).reshape(-1), weights, validate=False
+        )
+
+    # ------------------------------------------------------------ (d) output
+    def output_dist(self, out: torch.Tensor, batches: Sequence[int]) -> list[torch.Tensor]:
+        """Tower outputs ``[sum_h B_h, K_t, D]`` -> every tower's ``[B, K_u, D]`` for our samples."""
+        batch, dim = batches[self.topology.host], self.embedding_dim
+        width = out.shape[1] * dim
+        received = self.peer.all_to_all(
+            out.reshape(-1),
+            [b * width for b in batches],
+            [batch * k * dim for k in self.num_outputs],
+            "tower_outputs",
+            self.codecs,
+        )
+        parts = received.split([batch * k * dim for k in self.num_outputs])
+        return [p.view(batch, k, dim) for p, k in zip(parts, self.num_outputs)]
+
+    def interact(self, x: torch.Tensor, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """As ``DMT.interact``: x ``[B, D]`` and every tower's ``[B, K_t, D]`` -> ``[B]``."""
+        stacked = torch.cat([x.unsqueeze(1), *outputs], dim=1)
+        flat = [o.flatten(1) for o, c in zip(outputs, self.compresses) if c]
+        return self.top(torch.cat([x, *flat, self.interaction(stacked)], dim=1)).squeeze(1)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        local, x_peer, batches = self.input_dist(sparse, x if self.use_dense else None)
+        embeddings = self.sparse(local).stacked().index_select(1, self.tower_order)
+        out = self.tower(embeddings, x_peer)  # [sum_h B_h, K_t, D]
+        out = _scale_grad(out, 1.0 / self.topology.hosts)
+        return self.interact(x, self.output_dist(out, batches))
+
+
+def _tower_tables(
+    ebc: EmbeddingBagCollection, group: Sequence[str], tower: int
+) -> list[TableConfig]:
+    """Tower ``tower``'s tables, in the order their features first appear in ``group``."""
+    chosen: list[TableConfig] = []
+    for name in group:
+        table = next(t for t in ebc.tables if name in t.feature_names)
+        if table in chosen:
+            continue
+        others = [f for f in table.feature_names if f not in group]
+        if others:
+            raise ValueError(
+                f"table {table.name!r} serves features {list(table.feature_names)} but only "
+                f"{[f for f in table.feature_names if f in group]} are in tower {tower}; put all "
+                "features of a table in one tower (model.dmt.partition)"
+            )
+        chosen.append(table)
+    return chosen
+
+
+def check_towers(model: nn.Module, topology: Topology) -> None:
+    """Raise ``ValueError`` unless ``model`` can run under SPTT on ``topology``."""
+    if not isinstance(model, DMT):
+        raise ValueError(
+            f"the tower transform needs a DMT model, got {type(model).__name__}; "
+            "set model.name = 'dmt'"
+        )
+    if len(model.towers) != topology.hosts:
+        raise ValueError(
+            f"model.dmt.num_towers = {len(model.towers)} but the run has {topology.hosts} hosts; "
+            f"the tower transform runs one tower per host: set model.dmt.num_towers = "
+            f"{topology.hosts} (or run on --hosts {len(model.towers)})"
+        )
+    if not isinstance(model.sparse, EmbeddingBagCollection):
+        raise ValueError(
+            f"the tower transform shards full embedding tables, but the model's are "
+            f"{type(model.sparse).__name__}; use embedding.kind = 'full' with model.name = 'dmt' "
+            "on several hosts"
+        )
+
+
+def parallelize_towers(
+    model: DMT,
+    mesh: DeviceMesh,
+    *,
+    sharding: ShardingType | str = ShardingType.ROW_WISE,
+    codecs: CommCodecs | None = None,
+    stats: CommStats | None = None,
+) -> TowerParallelDMT:
+    """Apply SPTT to ``model`` (identical on every rank) on the (host, local) ``mesh``.
+
+    Tower t's tables are sharded over host t's ranks as ``sharding`` (one of
+    ``TOWER_SHARDINGS``); weights and optimizer state are copied from ``model``.
+    """
+    topology = topology_of(mesh)
+    check_towers(model, topology)
+    if str(sharding) not in TOWER_SHARDINGS:
+        raise ValueError(
+            f"distributed.tower_sharding = {str(sharding)!r}: a tower's tables are sharded "
+            f"inside its host; use one of {', '.join(map(repr, TOWER_SHARDINGS))}"
+        )
+    codecs = codecs or CommCodecs()
+    stats = stats if stats is not None else CommStats()
+    hosts, per_host = topology.hosts, topology.ranks_per_host
+    peer_group, host_group, ddp_group = tower_groups(topology)
+    peer = Comm(Topology(hosts, hosts, topology.host), peer_group, stats)
+    host = Comm(Topology(per_host, 1, topology.local_rank), host_group, stats)
+    ebc: EmbeddingBagCollection = model.sparse
+    group = model.partition[topology.host]
+    tables = _tower_tables(ebc, group, topology.host)
+    for t, other in enumerate(model.partition):
+        if t != topology.host:
+            _tower_tables(ebc, other, t)  # the same error on every rank
+    tower_ebc = EmbeddingBagCollection(
+        tables,
+        ebc.optimizer,
+        backend=ebc.backend,
+        device=ebc.device,
+        id_policy=ebc.id_policy,
+        seed=ebc.seed,
+    )
+    weights, states = ebc.table_weights(), ebc.optimizer_state_dict()
+    with torch.no_grad():
+        for name, w in tower_ebc.table_weights().items():
+            w.copy_(weights[name])
+    tower_ebc.load_optimizer_state_dict(
+        {k: v for k, v in states.items() if k in tower_ebc.optimizer_state_dict()}
+    )
+    sparse = TowerEmbeddingBagCollection(
+        tower_ebc,
+        uniform_plan(tables, host.topology, sharding),
+        host,
+        codecs=codecs,
+        grad_scale=1.0 / per_host,
+        total_embedding_parameters=ebc.num_embedding_parameters,
+    )
+    parallel = TowerParallelDMT(model, topology, sparse, peer, codecs)
+    if topology.world_size > 1:
+        for module in (parallel.bottom, parallel.top):
+            replicate(module)
+        if per_host > 1 and any(True for _ in parallel.tower.parameters()):
+            replicate(parallel.tower, process_group=ddp_group)
+    return parallel
