@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -220,7 +221,12 @@ def _summary(out: Path, log: Path, codes: list[int]) -> dict:
     path = out / "summary.json"
     if any(codes) or not path.exists():
         return {"error": _failure(log, codes)}
-    return json.loads(path.read_text())
+    summary = json.loads(path.read_text())
+    # the learned partition is only in the run's log (rank 0's "tower partition [[...]]")
+    found = re.search(r"tower partition (\[\[.*?\]\])", log.read_text(errors="replace"))
+    if found:
+        summary["partition"] = found.group(1)
+    return summary
 
 
 def run_dmt_benchmark(
