@@ -170,3 +170,19 @@ def test_bench_dmt_local_runs_flat_layouts_side_by_side(tmp_path):
     summary = json.loads((tmp_path / "flat_table_wise-0" / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["hosts"] == 2
     assert flat["cross_host_bytes_per_sample"] == summary["comm_bytes_per_sample_cross"]
+
+
+def test_a_run_is_read_from_its_summary_and_log(tmp_path):
+    out = tmp_path / "dmt_partitioner-0"
+    out.mkdir()
+    log = out.with_suffix(".log")
+    log.write_text(
+        "04:31:25 INFO towerrec: tower partition [['cat_0', 'cat_2'], ['cat_1']]: 80.0% of ...\n"
+    )
+    (out / "summary.json").write_text(json.dumps(fake_summary(10.0, 0.8, 5.0)))
+    run = bench_dmt._summary(out, log, [0, 0])
+    assert run["partition"] == "[['cat_0', 'cat_2'], ['cat_1']]" and run["auc"] == 0.8
+    # a failed host: the error line of the log, never the stale summary's numbers
+    log.write_text("Traceback ...\nerror: model.dmt.num_towers = 3 but 2 hosts\n")
+    failed = bench_dmt._summary(out, log, [0, 1])
+    assert failed == {"error": "exit codes [0, 1]: error: model.dmt.num_towers = 3 but 2 hosts"}
