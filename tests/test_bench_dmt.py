@@ -99,7 +99,7 @@ def test_report_keeps_failed_runs_as_errors_not_numbers():
     "kwargs, message",
     [
         ({"network": "wifi"}, "--network 'wifi': use one of local, netns"),
-        ({"steps": 0}, "--steps must be >= 1"),
+        ({"steps": 10}, "--steps must be > 10: the first 5 are warm-up"),
         ({"rounds": 0}, "--rounds must be >= 1"),
         ({"batch_size": 1022}, "multiple of 4"),
         ({"embedding_dim": 0}, "--embedding-dim must be >= 1"),
@@ -145,7 +145,7 @@ def test_bench_dmt_local_runs_flat_layouts_side_by_side(tmp_path):
         "--network",
         "local",
         "--steps",
-        "4",
+        "12",
         "--batch-size",
         "256",
         "--embedding-dim",
@@ -186,3 +186,17 @@ def test_a_run_is_read_from_its_summary_and_log(tmp_path):
     log.write_text("Traceback ...\nerror: model.dmt.num_towers = 3 but 2 hosts\n")
     failed = bench_dmt._summary(out, log, [0, 1])
     assert failed == {"error": "exit codes [0, 1]: error: model.dmt.num_towers = 3 but 2 hosts"}
+
+
+def test_samples_per_s_leaves_out_the_warm_up_window(tmp_path):
+    records = [
+        {"kind": "train", "step": 5, "samples": 500, "samples_per_s": 10.0},  # warm-up: 50 s
+        {"kind": "train", "step": 10, "samples": 1000, "samples_per_s": 100.0},  # 5 s
+        {"kind": "eval", "step": 10, "auc": 0.7},
+        {"kind": "train", "step": 12, "samples": 1200, "samples_per_s": 40.0},  # 5 s
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert bench_dmt.steady_samples_per_s(path) == pytest.approx(700 / 10)
+    path.write_text(json.dumps(records[0]) + "\n")
+    assert bench_dmt.steady_samples_per_s(path) is None

@@ -11,7 +11,8 @@
 
 Every variant is one ordinary ``towerrec train`` run on the same data and
 shape (only the overrides below differ); its ``summary.json`` gives samples/s
-(training steps only: no startup, pilot run or evaluation), AUC and the
+(training steps after a warm-up of ``WARMUP_STEPS``: no start-up, pilot run or
+evaluation), AUC and the
 embedding collectives' bytes per sample, intra- and cross-host.
 ``bench/dmt_report.py`` turns the summaries into the report.
 """
@@ -19,6 +20,7 @@ embedding collectives' bytes per sample, intra- and cross-host.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import re
@@ -35,9 +37,19 @@ import towerrec
 from towerrec.bench.dmt_report import assemble_report
 from towerrec.bench.netns import LinkConfig, TwoHostNetwork, two_host_network
 
-__all__ = ["NETWORKS", "VARIANTS", "bench_overrides", "run_dmt_benchmark"]
+__all__ = [
+    "NETWORKS",
+    "VARIANTS",
+    "WARMUP_STEPS",
+    "bench_overrides",
+    "run_dmt_benchmark",
+    "steady_samples_per_s",
+]
 
 HOSTS, RANKS_PER_HOST = 2, 2
+# The first steps pay one-off costs (connections of new process groups, allocator and
+# DDP warm-up); samples/s is measured from the train records after this many steps.
+WARMUP_STEPS = 5
 NETWORKS = ("local", "netns")
 
 # variant -> (layout, overrides); compressing towers: `dot`, one D-vector per tower
@@ -68,16 +80,17 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 def bench_overrides(
-    steps: int, batch_size: int, embedding_dim: int, threads: int
+    steps: int, batch_size: int, embedding_dim: int, threads: int, warmup: int = WARMUP_STEPS
 ) -> tuple[str, ...]:
     """The shape every variant trains: the synthetic default data (9 features), wider
-    embeddings so that the pooled rows dominate the traffic, evaluation only at the end."""
+    embeddings so that the pooled rows dominate the traffic, evaluation only at the end,
+    a train record every ``warmup`` steps (the first one, warm-up, is left out of samples/s)."""
     return (
         f"train.steps={steps}",
         f"train.batch_size={batch_size}",
         f"train.threads={threads}",
         "train.eval_every=0",
-        f"train.log_every={steps}",
+        f"train.log_every={warmup}",
         "train.checkpoint_every=0",
         "train.progress=false",
         f"model.embedding_dim={embedding_dim}",
@@ -91,8 +104,11 @@ def _check_args(
 ) -> None:
     if network not in NETWORKS:
         raise ValueError(f"--network {network!r}: use one of {', '.join(NETWORKS)}")
-    if steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {steps}")
+    if steps <= 2 * WARMUP_STEPS:
+        raise ValueError(
+            f"--steps must be > {2 * WARMUP_STEPS}: the first {WARMUP_STEPS} are warm-up, "
+            f"left out of samples/s; got {steps}"
+        )
     if rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {rounds}")
     world = HOSTS * RANKS_PER_HOST
@@ -217,11 +233,30 @@ def _run_netns(
     return _summary(out, log, codes)
 
 
+def steady_samples_per_s(metrics: Path) -> float | None:
+    """Samples/s over the train records after the first (warm-up) window of a run's
+    ``metrics.jsonl``; None when it has fewer than two train records."""
+    if not metrics.exists():
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("kind") == "train"]
+    samples = seconds = 0.0
+    for before, record in itertools.pairwise(train):
+        window = record["samples"] - before["samples"]
+        samples += window
+        seconds += window / record["samples_per_s"]
+    return samples / seconds if seconds else None
+
+
 def _summary(out: Path, log: Path, codes: list[int]) -> dict:
     path = out / "summary.json"
     if any(codes) or not path.exists():
         return {"error": _failure(log, codes)}
     summary = json.loads(path.read_text())
+    steady = steady_samples_per_s(out / "metrics.jsonl")
+    if steady is not None:
+        summary["samples_per_s_all_steps"] = summary["samples_per_s"]
+        summary["samples_per_s"] = steady
     # the learned partition is only in the run's log (rank 0's "tower partition [[...]]")
     found = re.search(r"tower partition (\[\[.*?\]\])", log.read_text(errors="replace"))
     if found:

@@ -96,7 +96,7 @@ def _row(
         max_cross_host_peers_per_collective=max(c["cross_host_peers"] for c in peers),
         collectives=peers,
     )
-    for key in ("partition", "train_s", "steps", "batch_size"):
+    for key in ("partition", "train_s", "steps", "batch_size", "samples_per_s_all_steps"):
         if key in last:
             row[key] = last[key]
     batch = last.get("batch_size")
