@@ -40,14 +40,15 @@ def test_partition_strategies(strategy, expected):
     assert len(groups) == 2 and all(groups)
     if expected:
         assert groups == expected
-    if strategy == "cost":  # the 2-hot feature with the most rows is heaviest: alone
-        assert ["cat_2"] in groups
-        count_only = quick(
+    if strategy == "cost":  # the default balances feature counts
+        assert sorted(len(g) for g in groups) == [2, 2]
+        by_bytes = quick(
             f"model.dmt.partition={strategy}",
-            "model.dmt.memory_weight=0",
-            "model.dmt.count_weight=1",
+            "model.dmt.memory_weight=0.5",
+            "model.dmt.count_weight=0",
         )
-        assert sorted(len(g) for g in resolve_partition(count_only, schema)) == [2, 2]
+        # the 2-hot feature with the most rows is heaviest: alone
+        assert ["cat_2"] in resolve_partition(by_bytes, schema)
 
 
 def test_explicit_partition_is_checked_against_the_data():

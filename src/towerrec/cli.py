@@ -387,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--throughput-only", action="store_true", help="only the side-by-side step timing"
     )
     towers.set_defaults(func=_cmd_bench_towers)
+    from towerrec.cli_dmt import add_bench_dmt_command
+
+    add_bench_dmt_command(bench_sub)
     scale = bench_sub.add_parser(
         "dmt-scale", help="analytic step time of flat DLRM vs DMT, 16 to 512 accelerators"
     )

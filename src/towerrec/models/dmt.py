@@ -76,9 +76,12 @@ class DMTConfig:
     fm_rank: int = 4
     tower_dense: bool = False  # give each tower the bottom output x as one more vector
     pilot_steps: int = 300
-    balance_tolerance: float = 0.25
-    memory_weight: float = 0.5  # tower cost: share of table memory (rest: lookup bytes ...)
-    count_weight: float = 0.0  # ... and of feature count, what a tower compresses
+    balance_tolerance: float = 0.0
+    # Tower cost mix: the share of feature count (what a tower compresses), of table
+    # memory, and (the rest) of lookup bytes. Count balance is the default: with
+    # every tower compressing into the same K vectors, its feature count is its load.
+    memory_weight: float = 0.0
+    count_weight: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tower", parse_enum(TowerKind, self.tower, "model.dmt.tower"))
