@@ -177,8 +177,13 @@ def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
 
 def _failure(log: Path, codes: list[int]) -> str:
     lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    errors = [ln for ln in lines if ln.startswith("error:") or "Error" in ln]
-    return f"exit codes {codes}: " + (errors[-1] if errors else (lines[-1] if lines else ""))
+    # A worker's own error (the CLI's "error:" line, else the first exception line that is
+    # not the launcher's ChildFailedError wrapper), not the launcher's summary of it.
+    user = [ln for ln in lines if ln.startswith("error:")]
+    raised = [ln for ln in lines if "Error" in ln and "ChildFailedError" not in ln]
+    wrapped = [ln for ln in lines if "Error" in ln]
+    found = user[-1:] or raised[:1] or wrapped[-1:] or lines[-1:]
+    return f"exit codes {codes}: " + (found[0] if found else "")
 
 
 def _run_local(overrides: Sequence[str], out: Path, threads: int, timeout_s: float) -> dict:
