@@ -33,7 +33,7 @@ DIST_SHAPE = {"num_tables": 8, "num_embeddings": 20_000, "embedding_dim": 32, "b
 TORCHREC_TYPES = ("table_wise", "column_wise", "data_parallel")
 
 
-def _tables(shape: dict) -> list[TableConfig]:
+def table_configs(shape: dict) -> list[TableConfig]:
     return [
         TableConfig(f"t{i}", shape["num_embeddings"], shape["embedding_dim"], (f"f{i}",))
         for i in range(shape["num_tables"])
@@ -74,7 +74,7 @@ def _torchrec_sharded(shape: dict, sharding: str, world: int):
             num_embeddings=t.num_embeddings,
             feature_names=list(t.feature_names),
         )
-        for t in _tables(shape)
+        for t in table_configs(shape)
     ]
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
@@ -103,11 +103,14 @@ def _world(topology: Topology, shape: dict, types: list[str], torchrec: bool, st
     systems, comms = {}, {}
     for kind in types:
         ebc = EmbeddingBagCollection(
-            _tables(shape), EmbeddingOptimizerConfig(lr=0.05), backend="fbgemm", materialize=False
+            table_configs(shape),
+            EmbeddingOptimizerConfig(lr=0.05),
+            backend="fbgemm",
+            materialize=False,
         )
         comm = Comm(topology)
         sharded = ShardedEmbeddingBagCollection(
-            ebc, uniform_plan(_tables(shape), topology, kind), comm
+            ebc, uniform_plan(table_configs(shape), topology, kind), comm
         )
 
         def step(i: int, sharded=sharded) -> None:

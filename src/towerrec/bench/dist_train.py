@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from towerrec.bench.common import machine_info, time_interleaved
+from towerrec.bench.dist import TORCHREC_TYPES, table_configs
 from towerrec.bench.torchrec_ref import quiet_torchrec_logs, torchrec_available
 from towerrec.data.batch import Batch
 from towerrec.distributed.comm import CommCodecs
@@ -35,7 +36,6 @@ from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import parallelize, uniform_plan
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
-from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.pipeline import pipelined
@@ -52,15 +52,7 @@ DIST_DLRM_SHAPE = {
     "top_mlp": [256, 128, 1],
     "batch_per_rank": 512,
 }
-TORCHREC_TYPES = ("table_wise", "column_wise", "data_parallel")
 EMB_LR, DENSE_LR = 0.05, 1e-3
-
-
-def _tables(shape: dict) -> list[TableConfig]:
-    return [
-        TableConfig(f"t{i}", shape["num_embeddings"], shape["embedding_dim"], (f"f{i}",))
-        for i in range(shape["num_tables"])
-    ]
 
 
 def _batches(shape: dict, rank: int, count: int = 8) -> list[Batch]:
@@ -83,12 +75,14 @@ def _batches(shape: dict, rank: int, count: int = 8) -> list[Batch]:
 
 def _towerrec_model(shape: dict, kind: str, topology: Topology, codecs: CommCodecs):
     ebc = EmbeddingBagCollection(
-        _tables(shape), EmbeddingOptimizerConfig(lr=EMB_LR), backend="auto"
+        table_configs(shape), EmbeddingOptimizerConfig(lr=EMB_LR), backend="auto"
     )
     torch.manual_seed(0)
     model = DLRM(ebc, shape["num_dense"], shape["bottom_mlp"], shape["top_mlp"])
     mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
-    model = parallelize(model, mesh, uniform_plan(_tables(shape), topology, kind), codecs=codecs)
+    model = parallelize(
+        model, mesh, uniform_plan(table_configs(shape), topology, kind), codecs=codecs
+    )
     optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=DENSE_LR, fused=True)
     return model, optimizer
 
@@ -114,7 +108,7 @@ def _torchrec_pipeline(shape: dict, kind: str, world: int):
             num_embeddings=t.num_embeddings,
             feature_names=list(t.feature_names),
         )
-        for t in _tables(shape)
+        for t in table_configs(shape)
     ]
     torch.manual_seed(0)
     model = DLRMTrain(

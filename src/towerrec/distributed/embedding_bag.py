@@ -41,7 +41,7 @@ from towerrec.modules.tables import Pooling, TableConfig, fill_table_block
 from towerrec.planner.plan import Shard, ShardingPlan, ShardingType
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 
-__all__ = ["DistInput", "ShardView", "ShardedEmbeddingBagCollection"]
+__all__ = ["DistInput", "ScaleGrad", "ShardView", "ShardedEmbeddingBagCollection"]
 
 
 @dataclass
@@ -533,7 +533,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if dist_input.divisor is not None:
             out = out / dist_input.divisor
         if self.grad_scale != 1.0 and out.requires_grad:
-            out = _ScaleGrad.apply(out, self.grad_scale)
+            out = ScaleGrad.apply(out, self.grad_scale)
         return KeyedTensor(self.feature_names, self.embedding_dims, out)
 
     def extra_repr(self) -> str:
@@ -604,7 +604,9 @@ class _KeepLocalSamples(torch.autograd.Function):
         return gathered.view(-1, width), None, None, None, None, None
 
 
-class _ScaleGrad(torch.autograd.Function):
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` in backward."""
+
     @staticmethod
     def forward(ctx, x, scale):
         ctx.scale = scale

@@ -46,7 +46,7 @@ from torch.distributed._composable import replicate
 from torch.distributed.device_mesh import DeviceMesh
 
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats
-from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
+from towerrec.distributed.embedding_bag import ScaleGrad, ShardedEmbeddingBagCollection
 from towerrec.distributed.input_dist import segment_permutation
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import topology_of, uniform_plan
@@ -89,19 +89,8 @@ def tower_groups(
     return peer, host[0], host[1]
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 def _scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return _ScaleGrad.apply(x, scale) if x.requires_grad and scale != 1.0 else x
+    return ScaleGrad.apply(x, scale) if x.requires_grad and scale != 1.0 else x
 
 
 class TowerEmbeddingBagCollection(ShardedEmbeddingBagCollection):
