@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from towerrec.sparse import KeyedJaggedTensor
 
-__all__ = ["Ready", "shared_embedding_dim", "sparse_flops_per_sample", "start_lookup"]
+__all__ = [
+    "Ready",
+    "check_mlp_ends",
+    "shared_embedding_dim",
+    "sparse_flops_per_sample",
+    "start_lookup",
+]
 
 
 class Ready:
@@ -39,3 +47,14 @@ def shared_embedding_dim(sparse: nn.Module, model: str) -> int:
     if len(dims) != 1:
         raise ValueError(f"{model} needs one embedding dim for every feature, got {sorted(dims)}")
     return dims.pop()
+
+
+def check_mlp_ends(
+    bottom_mlp: Sequence[int], top_mlp: Sequence[int], bottom_end: int, what: str
+) -> None:
+    """Raise unless the bottom MLP ends at ``bottom_end`` (``what`` says why, e.g. "the
+    embedding dim 16") and the top MLP in one logit."""
+    if bottom_mlp[-1] != bottom_end:
+        raise ValueError(f"the bottom MLP must end at {what}, got bottom_mlp={list(bottom_mlp)}")
+    if top_mlp[-1] != 1:
+        raise ValueError(f"the top MLP must end in one logit, got top_mlp={list(top_mlp)}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample
+from towerrec.models.common import check_mlp_ends, shared_embedding_dim, sparse_flops_per_sample
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -92,12 +92,7 @@ class DCN(nn.Module):
         super().__init__()
         config = config or DCNConfig()
         dim = shared_embedding_dim(sparse, "DCN")
-        if bottom_mlp[-1] != dim:
-            raise ValueError(
-                f"the bottom MLP must end at the embedding dim {dim}, got {list(bottom_mlp)}"
-            )
-        if top_mlp[-1] != 1:
-            raise ValueError(f"the top MLP must end in one logit, got top_mlp={list(top_mlp)}")
+        check_mlp_ends(bottom_mlp, top_mlp, dim, f"the embedding dim {dim}")
         self.config = config
         self.sparse = sparse
         self.embedding_dim = dim

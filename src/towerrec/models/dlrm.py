@@ -27,7 +27,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample, start_lookup
+from towerrec.models.common import (
+    check_mlp_ends,
+    shared_embedding_dim,
+    sparse_flops_per_sample,
+    start_lookup,
+)
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -53,13 +58,9 @@ class DLRM(nn.Module):
     ) -> None:
         super().__init__()
         dim = shared_embedding_dim(sparse, "DLRM")
-        if bottom_mlp[-1] != dim:
-            raise ValueError(
-                f"the bottom MLP must end at the embedding dim {dim} (it is dotted with the "
-                f"embeddings), got bottom_mlp={list(bottom_mlp)}"
-            )
-        if top_mlp[-1] != 1:
-            raise ValueError(f"the top MLP must end in one logit, got top_mlp={list(top_mlp)}")
+        check_mlp_ends(
+            bottom_mlp, top_mlp, dim, f"the embedding dim {dim} (it is dotted with the embeddings)"
+        )
         self.num_sparse = len(sparse.feature_names)
         self.embedding_dim = dim
         self.sparse = sparse

@@ -41,7 +41,7 @@ from enum import StrEnum
 import torch
 from torch import nn
 
-from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample
+from towerrec.models.common import check_mlp_ends, shared_embedding_dim, sparse_flops_per_sample
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -247,13 +247,12 @@ class DMT(nn.Module):
     ) -> None:
         super().__init__()
         dim = shared_embedding_dim(sparse, "DMT")
-        if bottom_mlp[-1] != dim:
-            raise ValueError(
-                f"the bottom MLP must end at the embedding dim {dim} (it is dotted with the "
-                f"tower outputs), got bottom_mlp={list(bottom_mlp)}"
-            )
-        if top_mlp[-1] != 1:
-            raise ValueError(f"the top MLP must end in one logit, got top_mlp={list(top_mlp)}")
+        check_mlp_ends(
+            bottom_mlp,
+            top_mlp,
+            dim,
+            f"the embedding dim {dim} (it is dotted with the tower outputs)",
+        )
         features = list(sparse.feature_names)
         check_partition(partition, features)
         self.partition = [list(group) for group in partition]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from towerrec.models.common import shared_embedding_dim, sparse_flops_per_sample
+from towerrec.models.common import check_mlp_ends, shared_embedding_dim, sparse_flops_per_sample
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -133,13 +133,13 @@ class Wukong(nn.Module):
         super().__init__()
         config = config or WukongConfig()
         dim = shared_embedding_dim(sparse, "Wukong")
-        if bottom_mlp[-1] != config.dense_rows * dim:
-            raise ValueError(
-                f"the bottom MLP must end at dense_rows * embedding dim = {config.dense_rows} * "
-                f"{dim} = {config.dense_rows * dim}, got bottom_mlp={list(bottom_mlp)}"
-            )
-        if top_mlp[-1] != 1:
-            raise ValueError(f"the top MLP must end in one logit, got top_mlp={list(top_mlp)}")
+        rows = config.dense_rows
+        check_mlp_ends(
+            bottom_mlp,
+            top_mlp,
+            rows * dim,
+            f"dense_rows * embedding dim = {rows} * {dim} = {rows * dim}",
+        )
         self.config = config
         self.sparse = sparse
         self.embedding_dim = dim
