@@ -21,7 +21,7 @@ same error).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +146,25 @@ class _Misfits:
             raise _NoRoom(self.first, self.tables)
 
 
+def _place_each(
+    items: Sequence[Item],
+    loads: Loads,
+    order: Sequence[int],
+    choose: Callable[[int, Item, np.ndarray], int],
+) -> None:
+    """Place the fixed shards, then each other item in ``order`` on the rank ``choose``
+    picks among those with room (``ok``); every item that fits nowhere is reported."""
+    misfits = _Misfits()
+    for i in _place_fixed(items, loads, order):
+        item = items[i]
+        ok = loads.feasible(item)
+        if not ok.any():
+            misfits.add(item, loads)
+            continue
+        loads.add(choose(i, item, ok), i, item)
+    misfits.check()
+
+
 def _greedy(items: Sequence[Item], loads: Loads, key: str, seed: int) -> list[int]:
     assign = [-1] * len(items)
     rng = np.random.default_rng(seed)
@@ -166,20 +185,16 @@ def _greedy(items: Sequence[Item], loads: Loads, key: str, seed: int) -> list[in
         )
         order = sorted(range(len(items)), key=lambda i: (-values[i], i))
     proxy = np.zeros(len(loads.cost))
-    misfits = _Misfits()
-    for i in _place_fixed(items, loads, order):
-        item = items[i]
-        ok = loads.feasible(item)
-        if not ok.any():
-            misfits.add(item, loads)
-            continue
+
+    def choose(i: int, item: Item, ok: np.ndarray) -> int:
         if key == "random":
             rank = int(rng.choice(np.flatnonzero(ok)))
         else:
             rank = int(np.argmin(np.where(ok, proxy, np.inf)))
         proxy[rank] += values[i]
-        loads.add(rank, i, item)
-    misfits.check()
+        return rank
+
+    _place_each(items, loads, order, choose)
     for rank, members in enumerate(loads.on):
         for i in members:
             assign[i] = rank
@@ -195,19 +210,14 @@ def _lpt(items: Sequence[Item], loads: Loads) -> None:
         return (0, -it.memory, i) if it.memory > big else (1, -it.cost, i)
 
     order = sorted(range(len(items)), key=key)
-    misfits = _Misfits()
-    for i in _place_fixed(items, loads, order):
-        item = items[i]
-        ok = loads.feasible(item)
-        if not ok.any():
-            misfits.add(item, loads)
-            continue
+
+    def choose(_i: int, item: Item, ok: np.ndarray) -> int:
         after = np.where(ok, loads.totals_with(item), np.inf)
-        best = after.min()
         # Ties (e.g. empty devices): the one with the most free memory, then the lowest rank.
-        ties = np.flatnonzero(after <= best * (1 + 1e-12))
-        loads.add(int(ties[np.argmin(loads.memory[ties])]), i, item)
-    misfits.check()
+        ties = np.flatnonzero(after <= after.min() * (1 + 1e-12))
+        return int(ties[np.argmin(loads.memory[ties])])
+
+    _place_each(items, loads, order, choose)
 
 
 def _refine(items: Sequence[Item], loads: Loads, max_rounds: int, candidates: int = 8) -> None:
