@@ -58,5 +58,10 @@ def test_costmodel_benchmark_from_saved_samples(tmp_path):
     path.write_text(json.dumps(_to_json(devices, [_fused_cost(d) for d in devices])))
     result = run_costmodel_benchmark(samples_in=str(path))
     assert result["devices"] == {"train": 30, "held_out": 10, "batch": 2048}
+    # Both fit the made-up cost within 30% (measured: about 3% and 10%); a model that
+    # has not been trained is off by orders of magnitude, so the bound can fail.
     for key in ("analytic_calibrated", "learned"):
-        assert 0 <= result[key]["median_rel_error"] < 10
+        assert 0 <= result[key]["median_rel_error"] < 0.3, result[key]
+    untrained = np.array(LearnedCostModel(batch=2048).predict(devices))
+    truth = np.array([_fused_cost(d) for d in devices])
+    assert np.median(np.abs(untrained - truth) / truth) > 0.3

@@ -105,7 +105,9 @@ def _batch(seed: int, batch: int = 64) -> KeyedJaggedTensor:
 def assert_no_table_sized_allocation(m: dict) -> None:
     assert m["largest"] < TABLE_BYTES / 64, m  # < 1 MB: batch-sized, not table-sized
     assert m["total"] < TABLE_BYTES / 8, m
-    assert m["peak_rise_mb"] < TABLE_BYTES / MIB / 8, m
+    # A quarter of the table: allocator and page noise stay far below, a copy of the
+    # table (or of its row state) would be far above.
+    assert m["peak_rise_mb"] < TABLE_BYTES / MIB / 4, m
 
 
 CASES = [
@@ -160,20 +162,27 @@ def test_the_recorder_sees_a_table_copy():
     assert m["largest"] >= TABLE_BYTES and m["peak_rise_mb"] > TABLE_BYTES / MIB / 2, m
 
 
-def _build_memory(topology, materialize: bool) -> float:
-    """How far this rank's peak resident memory rose while building its row-wise shards
-    (MiB), after a warm-up that loads the kernels' code."""
+def _build_memory(topology, materialize: bool) -> dict[str, float]:
+    """Building this rank's row-wise shards: the largest tensor any operator created, and
+    how far the peak resident memory rose (MiB), after a warm-up that loads the kernels'
+    code."""
     torch.set_num_threads(1)
     EmbeddingBagCollection([TableConfig("warm", 8, DIM)], backend="fbgemm")
     plan = uniform_plan(TABLES, topology, "row_wise")
+
+    def build() -> ShardedEmbeddingBagCollection:
+        ebc = EmbeddingBagCollection(TABLES, backend="fbgemm", materialize=materialize)
+        return ShardedEmbeddingBagCollection(ebc, plan, Comm(topology))
+
+    # Two builds: the recorder's Python dispatch holds temporaries longer than a plain
+    # build, so the resident memory is measured on a build of its own.
+    with AllocationRecorder() as recorder:
+        assert build().shard_views()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     start = _status_mb("VmRSS")
-    ebc = EmbeddingBagCollection(TABLES, backend="fbgemm", materialize=materialize)
-    sharded = ShardedEmbeddingBagCollection(ebc, plan, Comm(topology))
-    del ebc
-    assert sharded.shard_views()
-    return _status_mb("VmHWM") - start
+    assert build().shard_views()
+    return {"largest": recorder.largest, "rise_mb": _status_mb("VmHWM") - start}
 
 
 STEP_CASES = [
@@ -184,7 +193,7 @@ STEP_CASES = [
 ]
 
 
-def _lazy_build_and_steps(topology) -> tuple[float, dict[str, dict]]:
+def _lazy_build_and_steps(topology) -> tuple[dict[str, float], dict[str, dict]]:
     """The build's peak rise (self-initialised shards), then each sharding type's step."""
     rise = _build_memory(topology, materialize=False)
     steps = {}
@@ -208,14 +217,20 @@ def test_sharded_collections_never_hold_the_full_table_nor_copy_it_per_step():
     table_mb = TABLE_BYTES / MIB
     lazy = spawn_world(_lazy_build_and_steps, 2, 1)
     copied = spawn_world(_build_memory, 2, 1, True)
-    for rank, (rise, steps) in enumerate(lazy):
-        # Half the rows each, plus the row-wise state (1/16 of that), an init block and slack.
-        assert rise < table_mb / 2 + 8, (rank, rise, table_mb)
+    for rank, (build, steps) in enumerate(lazy):
+        # The largest tensor built is this rank's shard (half the rows of "big", possibly in
+        # one buffer with its share of "small"), never the whole table.
+        assert build["largest"] <= 0.55 * TABLE_BYTES, (rank, build)
+        # Resident memory: the shard (table/2) plus row-wise state (1/16 of that) is about
+        # 0.53 of the table; 0.8 leaves 17 MiB of margin for allocator and code pages,
+        # while holding the full table even briefly would pass 1.0.
+        assert build["rise_mb"] < 0.8 * table_mb, (rank, build, table_mb)
         assert set(steps) == {f"{k}/{b}" for k, b in STEP_CASES}
         for m in steps.values():
             assert_no_table_sized_allocation(m)
-    for rise in copied:  # building whole and copying shards out: the full table, then a shard
-        assert rise > table_mb, (copied, table_mb)
+    for build in copied:  # building whole and copying shards out: the full table, then a shard
+        assert build["largest"] >= TABLE_BYTES, (copied, TABLE_BYTES)
+        assert build["rise_mb"] > table_mb, (copied, table_mb)
 
 
 @pytest.mark.parametrize("backend", ["torch", "fbgemm"])

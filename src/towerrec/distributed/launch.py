@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import traceback
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.connection import wait as connection_wait
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -40,7 +43,14 @@ def free_port() -> int:
 
 
 def _spawned(
-    rank: int, fn, world_size: int, hosts: int, port: int, timeout_s: float, results, args
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    hosts: int,
+    port: int,
+    timeout_s: float,
+    results_dir: str,
+    args: tuple,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -56,14 +66,49 @@ def _spawned(
         "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
     try:
-        results[rank] = fn(Topology(world_size, hosts, rank), *args)
+        result: Any = fn(Topology(world_size, hosts, rank), *args)
     except Exception as e:
-        results[rank] = WorkerError(
-            f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        _write_result(
+            results_dir,
+            rank,
+            WorkerError(f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"),
         )
         raise
+    else:
+        _write_result(results_dir, rank, result)
     finally:
         dist.destroy_process_group()
+
+
+def _write_result(results_dir: str, rank: int, value: Any) -> None:
+    """Each rank's return value goes to a file of its own (written whole, then renamed),
+    so no shared server process is needed to collect them."""
+    path = os.path.join(results_dir, f"rank{rank}.pt")
+    torch.save(value, path + ".part")
+    os.replace(path + ".part", path)
+
+
+def _read_result(results_dir: str, rank: int) -> Any:
+    path = os.path.join(results_dir, f"rank{rank}.pt")
+    if not os.path.exists(path):
+        return None
+    return torch.load(path, weights_only=False)
+
+
+def _wait_for_workers(procs: list[BaseProcess]) -> list[int]:
+    """Block until every process has ended or one has failed; the ranks in the order
+    they failed (empty when all succeeded). On a failure the others are terminated, so a
+    rank waiting on a collective with a dead peer never hangs the caller."""
+    failed: list[int] = []
+    running = dict(enumerate(procs))
+    while running and not failed:
+        connection_wait([p.sentinel for p in running.values()])
+        for rank, p in list(running.items()):
+            if p.exitcode is not None:
+                del running[rank]
+                if p.exitcode != 0:
+                    failed.append(rank)
+    return failed
 
 
 def spawn_world(
@@ -76,26 +121,42 @@ def spawn_world(
     """Run ``fn(topology, *args)`` on ``world_size`` gloo ranks; their return values.
 
     ``fn`` must be importable (a module-level function). Collectives wait at
-    most ``timeout_s`` for a peer.
+    most ``timeout_s`` for a peer. The ranks are started with the ``spawn``
+    method (never forked from this process, which may already run torch's
+    threads) and return their values through files, not a manager process.
     """
-    manager = mp.Manager()
-    results = manager.dict()
-    try:
-        mp.spawn(
-            _spawned,
-            args=(fn, world_size, hosts, free_port(), timeout_s, results, args),
-            nprocs=world_size,
-            join=True,
-        )
-    except mp.ProcessRaisedException as e:
-        errors = [v for v in results.values() if isinstance(v, WorkerError)]
-        raise WorkerError(str(errors[0]) if errors else str(e)) from None
-    except mp.ProcessExitedException as e:
-        raise WorkerError(f"a worker exited: {e}") from None
-    finally:
-        out = [results.get(r) for r in range(world_size)]
-        manager.shutdown()
-    return out
+    context = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="towerrec-world-") as results_dir:
+        procs = [
+            context.Process(
+                target=_spawned,
+                args=(rank, fn, world_size, hosts, port, timeout_s, results_dir, args),
+                name=f"towerrec-rank{rank}",
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            failed = _wait_for_workers(procs)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join()
+        results = [_read_result(results_dir, rank) for rank in range(world_size)]
+    if failed:
+        # The first rank that failed with an error of its own; a peer that died waiting
+        # on it, or was terminated, has no error file or a secondary one.
+        errors = [results[r] for r in failed if isinstance(results[r], WorkerError)]
+        errors += [e for e in results if isinstance(e, WorkerError) and e not in errors]
+        if errors:
+            raise WorkerError(str(errors[0]))
+        codes = ", ".join(f"rank {r}: exit code {procs[r].exitcode}" for r in failed)
+        raise WorkerError(f"a worker exited without a result ({codes})")
+    return results
 
 
 def launch(
