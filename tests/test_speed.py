@@ -124,11 +124,20 @@ def test_auto_backend_rule(device, capability, installed, optimizer, expected):
     assert auto_backend(device, capability, installed, optimizer) is expected
 
 
+def test_auto_backend_keeps_tables_fbgemm_cannot_align_on_the_torch_kernel():
+    rowwise = EmbeddingOptimizer.ROWWISE_ADAGRAD
+    assert auto_backend("cpu", "AVX512", True, rowwise, [8, 16]) is Backend.FBGEMM
+    assert auto_backend("cpu", "AVX512", True, rowwise, [8, 2]) is Backend.TORCH
+    assert auto_backend("cuda", "AVX2", True, rowwise, [6]) is Backend.TORCH
+
+
 def test_auto_resolves_by_this_machines_capability():
     capability = torch.backends.cpu.get_cpu_capability()
     expected = auto_backend("cpu", capability, fbgemm_available())
     assert resolve_backend("auto", torch.device("cpu")) is expected
-    assert EmbeddingBagCollection([TableConfig("t", 4, 2)]).backend is expected
+    assert EmbeddingBagCollection([TableConfig("t", 4, 8)]).backend is expected
+    # A dimension FBGEMM cannot align trains on the torch kernel on any machine.
+    assert EmbeddingBagCollection([TableConfig("t", 4, 2)]).backend is Backend.TORCH
 
 
 def test_dense_optimizers_are_fused_on_cpu():

@@ -182,6 +182,7 @@ class CompactEmbeddingCollection(nn.Module):
                 parse_enum(Backend, backend, "embedding backend"),
                 torch.device(device or "cpu"),
                 (optimizer or EmbeddingOptimizerConfig()).kind,
+                [p.embedding_dim for plan in self.plans for p in plan.parts],
             )
             is Backend.FBGEMM
         ):

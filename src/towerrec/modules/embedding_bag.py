@@ -120,7 +120,10 @@ class EmbeddingBagCollection(nn.Module):
         self.optimizer = optimizer or EmbeddingOptimizerConfig()
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.backend = resolve_backend(
-            parse_enum(Backend, backend, "embedding backend"), self.device, self.optimizer.kind
+            parse_enum(Backend, backend, "embedding backend"),
+            self.device,
+            self.optimizer.kind,
+            [t.embedding_dim for t in self.tables],
         )
         self.id_policy = parse_enum(IdPolicy, id_policy, "embedding id_policy")
         self.seed = seed

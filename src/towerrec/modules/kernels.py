@@ -70,12 +70,16 @@ def auto_backend(
     cpu_capability: str,
     fbgemm_installed: bool,
     optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD,
+    embedding_dims: Sequence[int] = (),
 ) -> Backend:
     """The kernel ``auto`` stands for: FBGEMM on CUDA, and on CPUs with AVX-512
     (its CPU kernels are generated for 512-bit vectors); the pure-PyTorch kernel
     on narrower CPUs (AVX2: 1.25x faster in the full DLRM step, docs/benchmarks.md),
-    without fbgemm_gpu, or for an optimizer FBGEMM has no kernel for."""
+    without fbgemm_gpu, for an optimizer FBGEMM has no kernel for, or for tables
+    whose dimension is not a multiple of 4 (FBGEMM's row alignment)."""
     if not fbgemm_installed or optimizer not in _FBGEMM_OPTIMIZERS:
+        return Backend.TORCH
+    if any(dim % 4 for dim in embedding_dims):
         return Backend.TORCH
     if device_type == "cpu" and not cpu_capability.upper().startswith("AVX512"):
         return Backend.TORCH
@@ -86,8 +90,10 @@ def resolve_backend(
     backend: Backend | str,
     device: torch.device,
     optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD,
+    embedding_dims: Sequence[int] = (),
 ) -> Backend:
-    """``auto`` resolves by ``auto_backend`` for this machine; ``fbgemm`` needs fbgemm_gpu."""
+    """``auto`` resolves by ``auto_backend`` for this machine and these table dimensions;
+    ``fbgemm`` needs fbgemm_gpu."""
     backend = Backend(backend)
     if backend is Backend.FBGEMM and not fbgemm_available():
         raise ValueError(
@@ -97,7 +103,11 @@ def resolve_backend(
     if backend is Backend.AUTO:
         device = torch.device(device)
         return auto_backend(
-            device.type, torch.backends.cpu.get_cpu_capability(), fbgemm_available(), optimizer
+            device.type,
+            torch.backends.cpu.get_cpu_capability(),
+            fbgemm_available(),
+            optimizer,
+            embedding_dims,
         )
     return backend
 
