@@ -39,21 +39,29 @@ def _logits(model, topology):
     return logits
 
 
+def _train_steps(model, optimizer, topology, steps):
+    """Adam steps on a global batch of 16 samples per step, sliced over the ranks."""
+    per_rank = 16 // topology.world_size
+    lo = topology.rank * per_rank
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        sparse = make_batch(step, 16, False, FEATURES, ROWS)
+        dense = torch.randn(16, NUM_DENSE, generator=gen)
+        labels = torch.randint(0, 2, (16,), generator=gen).float()
+        logits = model(
+            dense[lo : lo + per_rank], local_slice(sparse, topology.rank, topology.world_size)
+        )
+        F.binary_cross_entropy_with_logits(logits, labels[lo : lo + per_rank]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _save(topology, directory):
     mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
     model = build(seed=1)
     model = parallelize(model, mesh, uniform_plan(TABLES, topology, "table_wise"))
     optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=0.01)
-    for step in range(3):
-        gen = torch.Generator().manual_seed(step)
-        sparse = make_batch(step, 4 * topology.world_size, False, FEATURES, ROWS)
-        dense = torch.randn(4 * topology.world_size, NUM_DENSE, generator=gen)
-        labels = torch.randint(0, 2, (dense.shape[0],), generator=gen).float()
-        lo = topology.rank * 4
-        logits = model(dense[lo : lo + 4], local_slice(sparse, topology.rank, topology.world_size))
-        F.binary_cross_entropy_with_logits(logits, labels[lo : lo + 4]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    _train_steps(model, optimizer, topology, range(3))
     CheckpointManager(directory).save(3, model, optimizer, {"step": 3})
     weights, states = gather_tables(model.sparse)
     return _logits(model, topology), weights, states
@@ -94,3 +102,39 @@ def test_save_on_4_ranks_table_wise_load_on_2_ranks_mixed_and_unsharded(tmp_path
         assert torch.equal(w, saved[0][1][name]), name
     for key, s in embedding_optimizer_state_dict(model).items():
         assert torch.equal(s, saved[0][2][key.removeprefix("sparse.")]), key
+
+
+def _load_and_train(topology, directory):
+    """Load the 4-rank table-wise checkpoint under the mixed plan and train on."""
+    mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
+    model = parallelize(build(seed=2), mesh, plan_mixed(topology, TABLES))
+    optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=0.01)
+    manager = CheckpointManager(directory)
+    manager.load(manager.latest(), model, optimizer, {"step": 0})
+    _train_steps(model, optimizer, topology, range(3, 6))
+    weights, states = gather_tables(model.sparse)
+    dense = {n: p.detach().clone() for n, p in dense_parameters(model)}
+    return weights, states, dense
+
+
+@pytest.mark.multiprocess
+def test_resharded_load_then_training_equals_an_uninterrupted_run(tmp_path):
+    """3 steps on 4 ranks (table-wise), saved; loaded on 2 ranks under every sharding type
+    and trained 3 steps more: the weights and optimizer state of an uninterrupted
+    single-process run of 6 steps."""
+    spawn_world(_save, 4, 2, tmp_path)
+    weights, states, dense = spawn_world(_load_and_train, 2, 1, tmp_path)[0]
+
+    reference = build(seed=1)
+    optimizer = torch.optim.Adam([p for _, p in dense_parameters(reference)], lr=0.01)
+    _train_steps(reference, optimizer, _OneProcess(), range(6))
+    for name, w in reference.sparse.table_weights().items():
+        torch.testing.assert_close(weights[name], w, rtol=0, atol=1e-5, msg=name)
+    for key, s in embedding_optimizer_state_dict(reference).items():
+        torch.testing.assert_close(states[key.removeprefix("sparse.")], s, rtol=0, atol=1e-5)
+    for name, p in dense_parameters(reference):
+        torch.testing.assert_close(dense[name], p.detach(), rtol=0, atol=1e-5, msg=name)
+
+
+class _OneProcess:
+    world_size, rank = 1, 0
