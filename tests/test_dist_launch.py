@@ -148,7 +148,14 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
 
     from towerrec.train.distributed import train_worker
 
-    launch(train_worker, (config_path, overrides, tmp_path / "full", False), nproc=2)
+    full_summary = launch(
+        train_worker, (config_path, overrides, tmp_path / "full", False), nproc=2
+    )[0]
+    # The byte counters are saved with the checkpoint: the restarted run reports the
+    # whole run's traffic, as the uninterrupted one does.
+    byte_fields = [k for k in full_summary if "bytes_per_sample" in k]
+    assert len(byte_fields) == 6 and full_summary["total_bytes_per_sample_intra"] > 0
+    assert {k: summary[k] for k in byte_fields} == {k: full_summary[k] for k in byte_fields}
     config = load_config(config_path, overrides)
     restarted, full = final_state(tmp_path / "run", config), final_state(tmp_path / "full", config)
     assert restarted.keys() == full.keys()

@@ -9,7 +9,7 @@ from dist_cases import gather_tables, local_slice, make_batch, plan_mixed
 from torch.distributed.device_mesh import init_device_mesh
 
 from towerrec.data.batch import Batch
-from towerrec.distributed.comm import Codec, CommCodecs
+from towerrec.distributed.comm import Codec, CommCodecs, CommStats
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
 from towerrec.models.dlrm import DLRM
@@ -45,7 +45,8 @@ def _compare(topology):
     reference = build()
     model = build()
     mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
-    model = parallelize(model, mesh, plan_mixed(topology, TABLES))
+    dense_stats = CommStats()
+    model = parallelize(model, mesh, plan_mixed(topology, TABLES), dense_stats=dense_stats)
     opt_ref = torch.optim.Adam([p for _, p in dense_parameters(reference)], lr=0.01)
     opt = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=0.01)
     diffs = {"logits": 0.0, "dense_grad": 0.0}
@@ -83,6 +84,8 @@ def _compare(topology):
     stats = comm_stats(model)
     diffs["intra_bytes"] = stats.intra_bytes
     diffs["cross_bytes"] = stats.cross_bytes
+    diffs["dense_bytes"] = dense_stats.snapshot()
+    diffs["dense_gradient_bytes"] = sum(p.numel() * 4 for _, p in dense_parameters(model))
     diffs["same_state_keys"] = sorted(model.state_dict()) == sorted(reference.state_dict())
     dist.barrier()
     return diffs
@@ -105,12 +108,16 @@ def _train(model, topology, steps, pipeline):
             )
 
     stream = pipelined(model, batches()) if pipeline else batches()
+    stats = comm_stats(model)
+    step_bytes = []  # as the trainer counts them: around each train step
     for batch in stream:
+        before = stats.snapshot()
         train_step(model, optimizer, batch)
+        step_bytes.append([a - b for a, b in zip(stats.snapshot(), before)])
     assert not model.sparse._prefetched, "a prefetched input_dist was never used"
     weights, states = gather_tables(model.sparse)
     dense = {n: p.detach().clone() for n, p in dense_parameters(model)}
-    return weights, states, dense
+    return weights, states, dense, {"step_bytes": torch.tensor(step_bytes)}
 
 
 def _pipeline_and_codecs(topology):
@@ -127,7 +134,9 @@ def _pipeline_and_codecs(topology):
     plan = plan_mixed(topology, TABLES)
     plain = _train(parallelize(build(), mesh, plan), topology, 4, pipeline=False)
     piped = _train(parallelize(build(), mesh, plan), topology, 4, pipeline=True)
+    # Weights, state and each step's bytes (a prefetch counts in the step that trains it).
     identical = all(torch.equal(a[k], b[k]) for a, b in zip(plain, piped) for k in a)
+    identical &= bool(plain[3]["step_bytes"].sum() > 0)
     sparse = local_slice(
         make_batch(42, BATCH * topology.world_size, False, FEATURES, ROWS),
         topology.rank,
@@ -174,3 +183,10 @@ def test_parallel_dlrm_matches_single_process(world, hosts):
         assert d["same_state_keys"], rank
         assert d["intra_bytes"] > 0
         assert (d["cross_bytes"] > 0) == (hosts > 1), (rank, d)
+        # Ring all-reduce: each step, 2 (n-1)/n of the gradients to the next rank, which
+        # is on the other host for the last rank of each host (1 -> 2 and 3 -> 0).
+        expected = STEPS * 2 * (world - 1) * d["dense_gradient_bytes"] / world
+        intra, cross = d["dense_bytes"]
+        crosses = hosts > 1 and (rank + 1) % (world // hosts) == 0
+        assert (intra, cross)[1 - crosses] == 0, (rank, d)
+        assert abs((intra, cross)[crosses] - expected) <= STEPS * 4, (rank, d, expected)

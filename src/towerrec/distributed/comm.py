@@ -12,14 +12,17 @@ Every collective of the sharded embedding path goes through ``Comm``:
   payloads travel as raw bytes, which every backend (gloo included) carries.
 - accounting: each call records the bytes this rank sent to other ranks,
   split into intra-host and cross-host (``CommStats``); bytes a rank "sends"
-  to itself are not traffic and are not counted.
+  to itself are not traffic and are not counted. The dense layers' gradient
+  all-reduces are counted by a DDP communication hook
+  (``ring_allreduce_hook``) into a ``CommStats`` of their own.
 
 Shapes: ``x [N]`` flat; ``send_counts[world]``, ``recv_counts[world]`` ints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -29,7 +32,7 @@ import torch.distributed as dist
 from towerrec.distributed.mesh import Topology
 from towerrec.utils import parse_enum
 
-__all__ = ["Codec", "Comm", "CommCodecs", "CommStats", "Pending"]
+__all__ = ["Codec", "Comm", "CommCodecs", "CommStats", "Pending", "ring_allreduce_hook"]
 
 
 class Codec(StrEnum):
@@ -86,6 +89,13 @@ class CommStats:
 
     def snapshot(self) -> tuple[int, int]:
         return self.intra_bytes, self.cross_bytes
+
+    def merge(self, other: CommStats) -> None:
+        """Add ``other``'s counts (collectives recorded aside, e.g. a prefetch's)."""
+        for name, calls in other.calls.items():
+            self.intra[name] = self.intra.get(name, 0) + other.intra[name]
+            self.cross[name] = self.cross.get(name, 0) + other.cross[name]
+            self.calls[name] = self.calls.get(name, 0) + calls
 
     def reset(self) -> None:
         self.intra.clear()
@@ -146,6 +156,16 @@ class Comm:
     @property
     def rank(self) -> int:
         return self.topology.rank
+
+    @contextmanager
+    def recording_into(self, stats: CommStats) -> Iterator[None]:
+        """Count the collectives started inside the block in ``stats`` instead (a
+        prefetched batch's, merged into the totals when that batch is trained)."""
+        kept, self.stats = self.stats, stats
+        try:
+            yield
+        finally:
+            self.stats = kept
 
     @property
     def world_size(self) -> int:
@@ -236,6 +256,40 @@ class Comm:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
+
+
+def ring_allreduce_hook(
+    topology: Topology, stats: CommStats, group: dist.ProcessGroup | None = None
+) -> Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+    """A DDP communication hook that all-reduces each gradient bucket as DDP does by
+    default (averaged over the group) and records the bytes this rank sends as
+    ``dense_allreduce``.
+
+    The bytes follow the ring algorithm gloo runs: over a reduce-scatter and an
+    all-gather, each of the group's ``n`` ranks sends ``2 (n - 1) / n`` of the bucket
+    to the next rank of the group in rank order, so the link class (intra- or
+    cross-host) is that of this rank's ring neighbour. NCCL on GPUs may choose a tree
+    for small buckets; the count stays the ring's.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ranks = (
+        dist.get_process_group_ranks(group)
+        if group is not None
+        else list(range(topology.world_size))
+    )
+    n = len(ranks)
+    neighbour = ranks[(ranks.index(topology.rank) + 1) % n]
+    cross_host = topology.is_cross_host(neighbour)
+
+    # No annotations: DDP checks them at run time, and this module's are strings.
+    def hook(_state, bucket):  # type: ignore[no-untyped-def]
+        buffer = bucket.buffer()
+        sent = 2 * (n - 1) * buffer.numel() * buffer.element_size() // n
+        stats.record("dense_allreduce", 0 if cross_host else sent, sent if cross_host else 0)
+        return allreduce_hook(group, bucket)  # type: ignore[arg-type]
+
+    return hook
 
 
 class _AllToAll(torch.autograd.Function):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from towerrec.distributed.comm import Comm, CommCodecs, Pending
+from towerrec.distributed.comm import Comm, CommCodecs, CommStats, Pending
 from towerrec.distributed.input_dist import Router, segment_permutation
 from towerrec.distributed.state import load_tensor, state_tensors
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy, apply_id_policy
@@ -134,7 +134,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._col_identity = bool((gather == torch.arange(total, device=self.device)).all())
             self._col_gather = gather
         self._mean_partial = self._mean_partial_columns()
-        self._prefetched: list[tuple[KeyedJaggedTensor, Pending]] = []
+        self._prefetched: list[tuple[KeyedJaggedTensor, Pending, CommStats]] = []
 
     # ------------------------------------------------------------- building
     def _kernel_args(self) -> dict:
@@ -442,7 +442,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def prefetch(self, features: KeyedJaggedTensor) -> None:
         """Start ``input_dist`` of a batch that a later ``forward(features)`` (the same
         object) will use; every rank must prefetch the same sequence of batches."""
-        self._prefetched.append((features, self.input_dist(features)))
+        held = CommStats()  # counted when the batch is trained, not while it waits
+        with self.comm.recording_into(held):
+            pending = self.input_dist(features)
+        self._prefetched.append((features, pending, held))
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         return self.forward_start(features).wait()
@@ -451,9 +454,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """``forward`` begun: input_dist (or its prefetched result), lookup, and the output
         all-to-all started; ``.wait()`` gives the ``KeyedTensor``. A model computes its
         dense layers in between (the all-to-all overlaps them)."""
-        index = next((i for i, (f, _) in enumerate(self._prefetched) if f is features), None)
+        index = next((i for i, (f, _, _) in enumerate(self._prefetched) if f is features), None)
         if index is not None:
-            pending = self._prefetched.pop(index)[1]
+            _, pending, held = self._prefetched.pop(index)
+            self.comm.stats.merge(held)
         else:
             pending = self.input_dist(features)
         return self.output_dist_start(self.lookup(pending.wait()))

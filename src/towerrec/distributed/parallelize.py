@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed._composable import replicate
 from torch.distributed.device_mesh import DeviceMesh
 
-from towerrec.distributed.comm import Comm, CommCodecs, CommStats
+from towerrec.distributed.comm import Comm, CommCodecs, CommStats, ring_allreduce_hook
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.mesh import Topology
 from towerrec.modules.embedding_bag import (
@@ -39,6 +39,7 @@ __all__ = [
     "apply_sharding",
     "comm_stats",
     "parallelize",
+    "replicate_counted",
     "topology_of",
     "uniform_plan",
 ]
@@ -103,11 +104,27 @@ def apply_sharding(
     return model
 
 
-def apply_ddp(model: nn.Module) -> nn.Module:
-    """Replicate the dense parameters with DDP (gradients averaged over ranks)."""
-    if dist.get_world_size() > 1 and any(True for _ in dense_parameters(model)):
-        replicate(model)
+def apply_ddp(
+    model: nn.Module, topology: Topology, dense_stats: CommStats | None = None
+) -> nn.Module:
+    """Replicate the dense parameters with DDP (gradients averaged over ranks); the
+    gradient all-reduces' bytes go to ``dense_stats`` when given."""
+    if topology.world_size > 1 and any(True for _ in dense_parameters(model)):
+        replicate_counted(model, topology, dense_stats)
     return model
+
+
+def replicate_counted(
+    module: nn.Module,
+    topology: Topology,
+    dense_stats: CommStats | None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """DDP (composable ``replicate``) over ``group``, its all-reduces counted in
+    ``dense_stats`` (``ring_allreduce_hook``) when given."""
+    replicate(module, process_group=group) if group is not None else replicate(module)
+    if dense_stats is not None:
+        module.register_comm_hook(None, ring_allreduce_hook(topology, dense_stats, group))
 
 
 def comm_stats(model: nn.Module) -> CommStats:
@@ -124,9 +141,11 @@ def parallelize(
     plan: ShardingPlan,
     *,
     codecs: CommCodecs | None = None,
+    dense_stats: CommStats | None = None,
 ) -> nn.Module:
-    """Shard the embeddings by ``plan`` and replicate the dense layers (module doc)."""
+    """Shard the embeddings by ``plan`` and replicate the dense layers (module doc);
+    ``dense_stats`` counts the dense gradient all-reduces' bytes."""
     topology = topology_of(mesh)
     group = dist.new_group(backend=dist.get_backend()) if topology.world_size > 1 else None
     model = apply_sharding(model, topology, plan, codecs=codecs, stats=CommStats(), group=group)
-    return apply_ddp(model)
+    return apply_ddp(model, topology, dense_stats)

@@ -42,14 +42,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable import replicate
 from torch.distributed.device_mesh import DeviceMesh
 
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats
 from towerrec.distributed.embedding_bag import ScaleGrad, ShardedEmbeddingBagCollection
 from towerrec.distributed.input_dist import segment_permutation
 from towerrec.distributed.mesh import Topology
-from towerrec.distributed.parallelize import topology_of, uniform_plan
+from towerrec.distributed.parallelize import replicate_counted, topology_of, uniform_plan
 from towerrec.models.dmt import DMT
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
@@ -307,6 +306,7 @@ def parallelize_towers(
     sharding: ShardingType | str = ShardingType.ROW_WISE,
     codecs: CommCodecs | None = None,
     stats: CommStats | None = None,
+    dense_stats: CommStats | None = None,
 ) -> TowerParallelDMT:
     """Apply SPTT to ``model`` (identical on every rank) on the (host, local) ``mesh``.
 
@@ -361,7 +361,7 @@ def parallelize_towers(
     parallel = TowerParallelDMT(model, topology, sparse, peer, codecs)
     if topology.world_size > 1:
         for module in (parallel.bottom, parallel.top):
-            replicate(module)
+            replicate_counted(module, topology, dense_stats)
         if per_host > 1 and any(True for _ in parallel.tower.parameters()):
-            replicate(parallel.tower, process_group=ddp_group)
+            replicate_counted(parallel.tower, topology, dense_stats, ddp_group)
     return parallel

@@ -16,6 +16,7 @@ previous one.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import shutil
@@ -43,10 +44,12 @@ __all__ = [
     "capture_rng",
     "embedding_optimizer_state_dict",
     "load_embedding_optimizer_state_dict",
+    "read_meta",
     "restore_rng",
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+META = "meta.json"
 
 
 def embedding_optimizer_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -122,8 +125,15 @@ class CheckpointManager:
         }
 
     def save(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, train: dict[str, Any]
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train: dict[str, Any],
+        meta: dict[str, Any] | None = None,
     ) -> Path:
+        """Save a checkpoint of ``step``; ``meta`` (JSON, the same on every rank) goes
+        beside it as ``meta.json`` for values that a later version may add or drop."""
         final = self.directory / f"step_{step:08d}"
         partial = self.directory / f"step_{step:08d}.partial"
         if _is_main():
@@ -134,6 +144,8 @@ class CheckpointManager:
             dcp.save(self._state(model, optimizer, train), checkpoint_id=partial)
         _barrier()
         if _is_main():
+            if meta is not None:
+                (partial / META).write_text(json.dumps(meta) + "\n")
             shutil.rmtree(final, ignore_errors=True)
             partial.rename(final)
             for old in self.steps()[: -self.keep]:
@@ -175,6 +187,12 @@ class CheckpointManager:
         load_embedding_optimizer_state_dict(model, state["embedding_optimizer"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
         return state["train"]
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The ``meta`` saved with the checkpoint at ``path`` ({} for one saved without)."""
+    file = Path(path) / META
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 def _first_line(error: BaseException) -> str:

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from towerrec.config import Config, load_config
-from towerrec.distributed.comm import CommCodecs
+from towerrec.distributed.comm import CommCodecs, CommStats
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
 from towerrec.memory import peak_rss_mb
@@ -40,7 +40,11 @@ log = logging.getLogger("towerrec")
 class RunContext:
     topology: Topology
     mesh: DeviceMesh | None = None
-    train_bytes: list[int] = field(default_factory=lambda: [0, 0])  # intra, cross
+    # Bytes this rank sent in training steps: embedding collectives (intra, cross), then
+    # the dense gradient all-reduces (intra, cross); on a resumed run rank 0 starts from
+    # the run's totals so far (``restore_train_bytes``).
+    train_bytes: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    dense_stats: CommStats = field(default_factory=CommStats)
 
     @property
     def world_size(self) -> int:
@@ -99,7 +103,7 @@ class RunContext:
             kinds = Counter(tp.sharding.value for tp in plan.tables.values())
             log.info("plan.strategy = %s: %s", config.plan.strategy, dict(kinds))
         codecs = CommCodecs(settings.forward_codec, settings.backward_codec)
-        return parallelize(model, self.mesh, plan, codecs=codecs)
+        return parallelize(model, self.mesh, plan, codecs=codecs, dense_stats=self.dense_stats)
 
     def _parallelize_towers(self, model: nn.Module, config: Config) -> nn.Module:
         """A DMT on several hosts: the tower transform, tower t on host t
@@ -121,7 +125,11 @@ class RunContext:
             )
         codecs = CommCodecs(settings.forward_codec, settings.backward_codec)
         parallel = parallelize_towers(
-            model, self.mesh, sharding=settings.tower_sharding, codecs=codecs
+            model,
+            self.mesh,
+            sharding=settings.tower_sharding,
+            codecs=codecs,
+            dense_stats=self.dense_stats,
         )
         if self.is_main:
             log.info(
@@ -141,27 +149,52 @@ class RunContext:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts)
 
-    def comm_snapshot(self, model: nn.Module) -> tuple[int, int]:
-        return comm_stats(model).snapshot() if self.world_size > 1 else (0, 0)
+    def comm_snapshot(self, model: nn.Module) -> tuple[int, int, int, int]:
+        """Bytes this rank has sent: embedding collectives, then dense all-reduces
+        (intra-host, cross-host each)."""
+        if self.world_size == 1:
+            return (0, 0, 0, 0)
+        return (*comm_stats(model).snapshot(), *self.dense_stats.snapshot())
 
-    def count_train_bytes(self, model: nn.Module, before: tuple[int, int]) -> None:
-        """Add the bytes sent since ``before`` (a training step's) to the training totals."""
+    def count_train_bytes(self, model: nn.Module, before: tuple[int, ...]) -> None:
+        """Add the bytes sent since ``before`` (a training step's) to the training totals.
+        A pipelined batch's input collectives count here too: they are recorded when
+        the batch is trained, not when its prefetch starts."""
         after = self.comm_snapshot(model)
-        self.train_bytes[0] += after[0] - before[0]
-        self.train_bytes[1] += after[1] - before[1]
+        for i, (a, b) in enumerate(zip(after, before)):
+            self.train_bytes[i] += a - b
+
+    def run_train_bytes(self) -> list[float]:
+        """The whole run's training bytes over all ranks (a collective: every rank calls
+        it), as saved with a checkpoint."""
+        totals = torch.tensor(self.train_bytes, dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(totals)
+        return totals.tolist()
+
+    def restore_train_bytes(self, totals: list[float]) -> None:
+        """Continue the counts of a resumed run: rank 0 holds the totals so far."""
+        if len(totals) == len(self.train_bytes) and self.rank == 0:
+            self.train_bytes = [int(x) for x in totals]
 
     def comm_per_sample(self, samples: int) -> dict[str, Any]:
-        """Bytes all ranks sent in training steps per (global) training sample."""
+        """Bytes all ranks sent in training steps per (global) training sample: the
+        embedding collectives, the dense gradient all-reduces, and their total, per link
+        class."""
         if self.world_size == 1:
             return {}
-        totals = torch.tensor(self.train_bytes, dtype=torch.float64)
-        dist.all_reduce(totals)
-        intra, cross = (totals / max(samples, 1)).tolist()
+        emb_intra, emb_cross, dense_intra, dense_cross = (
+            x / max(samples, 1) for x in self.run_train_bytes()
+        )
         return {
             "world_size": self.world_size,
             "hosts": self.topology.hosts,
-            "comm_bytes_per_sample_intra": intra,
-            "comm_bytes_per_sample_cross": cross,
+            "comm_bytes_per_sample_intra": emb_intra,
+            "comm_bytes_per_sample_cross": emb_cross,
+            "dense_allreduce_bytes_per_sample_intra": dense_intra,
+            "dense_allreduce_bytes_per_sample_cross": dense_cross,
+            "total_bytes_per_sample_intra": emb_intra + dense_intra,
+            "total_bytes_per_sample_cross": emb_cross + dense_cross,
         }
 
     def memory_summary(self) -> dict[str, Any]:

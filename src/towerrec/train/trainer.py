@@ -33,7 +33,7 @@ from towerrec.train.build import (
     lr_factor,
     resolve_device,
 )
-from towerrec.train.checkpoint import CheckpointManager, capture_rng, restore_rng
+from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
 from towerrec.train.distributed import start_distributed
 from towerrec.train.metrics import EvalMetrics, auc, compute_metrics
 from towerrec.train.pipeline import pipelined
@@ -173,6 +173,7 @@ def train(
                 f"{cfg.steps}; raise train.steps (--set train.steps=N) to train further"
             )
         restore_rng(state["rng"])
+        ctx.restore_train_bytes(read_meta(path).get("train_bytes", []))
         run.truncate_after(state["step"])
         log.info("resumed from %s at step %d", path, state["step"])
 
@@ -194,7 +195,7 @@ def train(
 
     def checkpoint(step: int) -> None:
         state.update(step=step, rng=capture_rng())
-        checkpoints.save(step, model, optimizer, state)
+        checkpoints.save(step, model, optimizer, state, {"train_bytes": ctx.run_train_bytes()})
 
     local_batch = ctx.local_batch(cfg.batch_size)
     local_eval_batch = ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
