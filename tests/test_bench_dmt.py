@@ -10,7 +10,7 @@ from towerrec.bench.dmt import VARIANTS, bench_overrides, run_dmt_benchmark
 from towerrec.bench.dmt_report import assemble_report, peers_per_collective
 
 
-def fake_summary(samples_per_s, auc, cross, intra=100.0):
+def fake_summary(samples_per_s, auc, cross, intra=100.0, dense_cross=300.0):
     return {
         "samples_per_s": samples_per_s,
         "auc": auc,
@@ -18,6 +18,10 @@ def fake_summary(samples_per_s, auc, cross, intra=100.0):
         "oracle_auc": 0.82,
         "comm_bytes_per_sample_cross": cross,
         "comm_bytes_per_sample_intra": intra,
+        "dense_allreduce_bytes_per_sample_cross": dense_cross,
+        "dense_allreduce_bytes_per_sample_intra": dense_cross,
+        "total_bytes_per_sample_cross": cross + dense_cross,
+        "total_bytes_per_sample_intra": intra + dense_cross,
         "steps": 10,
     }
 
@@ -59,17 +63,20 @@ def test_report_ratios_and_targets_from_run_summaries():
     assert base["samples_per_s"] == 1100.0  # median of the rounds
     assert base["max_cross_host_peers_per_collective"] == 2
     assert base["step_ms"] == pytest.approx(1000 * 1000 / 1100)
-    # 2400 B x 1000 samples, half each way, at 1 MB/s: 1.2 s
-    assert base["link_ms_per_step"] == pytest.approx(1200.0)
+    # all cross-host traffic, (2400 + 300) B x 1000 samples, half each way, at 1 MB/s
+    assert base["link_ms_per_step"] == pytest.approx(1350.0)
     assert "link_ms_per_step" not in rows["dmt_identity"]  # no batch size in its summary
     dmt = rows["dmt_partitioner"]
     assert dmt["max_peers_per_collective"] == 1
     vs = dmt["vs_flat_table_wise"]
     assert vs["cross_host_bytes_reduction"] == pytest.approx(4.8)
+    # on all traffic the dense all-reduces (300 B each) shrink the ratio: 2700 / 800
+    assert vs["total_cross_host_bytes_reduction"] == pytest.approx(2700 / 800)
     assert vs["speedup"] == pytest.approx(1800 / 1100)
     assert vs["auc_delta"] == pytest.approx(-0.0010)
     targets = report["targets"]
     assert targets["cross_host_bytes_reduction"]["met"] is True
+    assert targets["total_cross_host_bytes_reduction"]["met"] is False
     assert targets["auc_delta"]["met"] is True
     assert targets["speedup"]["met"] is True
     assert targets["partitioner_vs_random_auc"]["value"] == pytest.approx(0.0005)

@@ -92,6 +92,11 @@ def _row(
         oracle_auc=last.get("oracle_auc"),
         cross_host_bytes_per_sample=last.get("comm_bytes_per_sample_cross"),
         intra_host_bytes_per_sample=last.get("comm_bytes_per_sample_intra"),
+        # all training traffic: the embedding collectives plus DDP's gradient all-reduces
+        dense_cross_host_bytes_per_sample=last.get("dense_allreduce_bytes_per_sample_cross"),
+        dense_intra_host_bytes_per_sample=last.get("dense_allreduce_bytes_per_sample_intra"),
+        total_cross_host_bytes_per_sample=last.get("total_bytes_per_sample_cross"),
+        total_intra_host_bytes_per_sample=last.get("total_bytes_per_sample_intra"),
         max_peers_per_collective=max(c["peers"] for c in peers),
         max_cross_host_peers_per_collective=max(c["cross_host_peers"] for c in peers),
         collectives=peers,
@@ -102,7 +107,7 @@ def _row(
     batch = last.get("batch_size")
     if batch and row["samples_per_s"]:
         row["step_ms"] = 1000.0 * batch / row["samples_per_s"]
-    cross = row["cross_host_bytes_per_sample"]
+    cross = row["total_cross_host_bytes_per_sample"] or row["cross_host_bytes_per_sample"]
     if link_gbit and batch and cross is not None:
         # the two hosts send alike: half the step's cross-host bytes each way, at the rate
         row["link_ms_per_step"] = 1000.0 * cross * batch / 2 / (link_gbit * 1e9 / 8)
@@ -137,6 +142,10 @@ def assemble_report(
             "cross_host_bytes_reduction": _ratio(
                 base["cross_host_bytes_per_sample"], row["cross_host_bytes_per_sample"]
             ),
+            "total_cross_host_bytes_reduction": _ratio(
+                base["total_cross_host_bytes_per_sample"],
+                row["total_cross_host_bytes_per_sample"],
+            ),
             "speedup": _ratio(row["samples_per_s"], base["samples_per_s"]),
             "auc_delta": row["auc"] - base["auc"]
             if row["auc"] is not None and base["auc"] is not None
@@ -162,10 +171,17 @@ def _targets(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             vs["speedup"],
             vs["auc_delta"],
         )
+        target = TARGETS["cross_bytes_reduction"]
         out["cross_host_bytes_reduction"] = {
             "value": reduction,
-            "target": TARGETS["cross_bytes_reduction"],
-            "met": None if reduction is None else reduction >= TARGETS["cross_bytes_reduction"],
+            "target": target,
+            "met": None if reduction is None else reduction >= target,
+        }
+        total = vs["total_cross_host_bytes_reduction"]
+        out["total_cross_host_bytes_reduction"] = {
+            "value": total,
+            "target": target,
+            "met": None if total is None else total >= target,
         }
         out["auc_delta"] = {
             "value": delta,
