@@ -5,7 +5,11 @@ each sharding type: lookup + backward + fused row-wise Adagrad update of the
 sharded collection, samples/s of the global batch and the bytes every rank sent
 per sample, intra- and cross-host. TorchRec 1.8's sharded collection runs in
 the same processes, on the same batches, timed round-robin with ours, for the
-types it has on CPU (table-wise, column-wise, data-parallel).
+types whose step it trains on CPU: table-wise and column-wise. Its data-parallel
+tables have no fused optimizer (a separate optimizer steps them after DDP's
+all-reduce, which this embedding-only step does not run), so that row would
+time a step that leaves the tables unchanged and is not offered; ``bench dist
+--model dlrm`` compares data-parallel tables with TorchRec's optimizer stepped.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from towerrec.sparse import KeyedJaggedTensor
 __all__ = ["DIST_SHAPE", "run_dist_benchmark"]
 
 DIST_SHAPE = {"num_tables": 8, "num_embeddings": 20_000, "embedding_dim": 32, "batch_per_rank": 512}
-TORCHREC_TYPES = ("table_wise", "column_wise", "data_parallel")
+TORCHREC_TYPES = ("table_wise", "column_wise")  # see the module doc for data-parallel
 
 
 def table_configs(shape: dict) -> list[TableConfig]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from towerrec.bench.common import machine_info, time_interleaved
-from towerrec.bench.dist import TORCHREC_TYPES, table_configs
+from towerrec.bench.dist import table_configs
 from towerrec.bench.torchrec_ref import quiet_torchrec_logs, torchrec_available
 from towerrec.data.batch import Batch
 from towerrec.distributed.comm import CommCodecs
@@ -42,6 +42,9 @@ from towerrec.train.pipeline import pipelined
 from towerrec.train.trainer import train_step
 
 __all__ = ["DIST_DLRM_SHAPE", "TORCHREC_TYPES", "run_dist_train_benchmark"]
+
+# Data-parallel tables included: TorchRec's are stepped by a fused dense Adagrad here.
+TORCHREC_TYPES = ("table_wise", "column_wise", "data_parallel")
 
 DIST_DLRM_SHAPE = {
     "num_tables": 26,

@@ -1,8 +1,9 @@
 """``towerrec bench embedding``: the embedding lookup + backward + fused update alone.
 
 26 tables of 100k rows, dim 64, batch 2048, one id per table, exact row-wise
-Adagrad; each backend (and TorchRec's fused sharded collection, if installed)
-runs the same batches.
+Adagrad; each backend and TorchRec (if installed) both ways it runs on one
+device, under DMP and its fused collection alone, run the same batches; ratios
+are against the faster TorchRec.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from towerrec.bench.torchrec_ref import (
     single_process_group,
     torchrec_available,
 )
-from towerrec.bench.train import build_tables, make_batches, ratios_to, selected_backends
+from towerrec.bench.train import (
+    build_tables,
+    fastest_torchrec,
+    make_batches,
+    ratios_to,
+    selected_backends,
+)
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 
@@ -67,6 +74,25 @@ def _torchrec_ebc(shape: dict):
     )
 
 
+def _torchrec_fused_ebc(shape: dict):
+    """TorchRec's ``FusedEmbeddingBagCollection`` without DMP (FBGEMM's kernel, row-wise
+    Adagrad in the backward)."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=shape["embedding_dim"],
+            num_embeddings=shape["num_embeddings"],
+            feature_names=[f"f{i}"],
+        )
+        for i in range(shape["num_tables"])
+    ]
+    return FusedEmbeddingBagCollection(tables, RowWiseAdagrad, {"lr": 0.05})
+
+
 def run_embedding_benchmark(
     steps: int = 30,
     warmup: int = 5,
@@ -102,6 +128,13 @@ def run_embedding_benchmark(
                 out.backward(torch.ones_like(out))
 
             systems["torchrec"] = torchrec_step
+            fused = _torchrec_fused_ebc(shape)
+
+            def torchrec_fused_step(i: int) -> None:
+                out = fused(trec[i % len(trec)]).values()
+                out.backward(torch.ones_like(out))
+
+            systems["torchrec_no_dmp"] = torchrec_fused_step
         seconds = time_interleaved(systems, rounds, max(steps // rounds, 1), warmup)
     for name, s in seconds.items():
         results[name] = {"step_ms": round(s * 1e3, 3), "samples_per_s": round(BATCH / s, 1)}
@@ -112,6 +145,7 @@ def run_embedding_benchmark(
         "steps": steps,
         "rounds": rounds,
         "results": results,
-        "ratios": ratios_to(results, "torchrec"),
+        "torchrec_reference": (reference := fastest_torchrec(results)),
+        "ratios": ratios_to(results, reference),
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }

@@ -1,8 +1,11 @@
 """TorchRec reference models for side-by-side benchmarks (torchrec is optional).
 
-TorchRec's fused FBGEMM kernels need ``DistributedModelParallel``; at world
-size 1 we run it over a one-process gloo group with every table table-wise on
-the fused kernel.
+On one device TorchRec runs two ways, and the benchmarks time both:
+``DistributedModelParallel`` over a one-process gloo group with every table
+table-wise on the fused kernel (how its users run a model they will shard),
+and its ``FusedEmbeddingBagCollection`` without DMP (the same FBGEMM kernel
+with the optimizer in backward, no collectives). Ratios are taken against the
+faster of the two.
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-__all__ = ["single_process_group", "torchrec_available", "torchrec_dlrm"]
+__all__ = [
+    "single_process_group",
+    "torchrec_available",
+    "torchrec_dlrm",
+    "torchrec_dlrm_fused",
+    "torchrec_step",
+]
 
 
 def torchrec_available() -> bool:
@@ -45,6 +54,47 @@ def single_process_group():
         dist.destroy_process_group()
 
 
+def _tables_and_model(
+    num_tables: int,
+    num_embeddings: int,
+    embedding_dim: int,
+    num_dense: int,
+    bottom_mlp: list[int],
+    top_mlp: list[int],
+    ebc_factory,
+):
+    """TorchRec's DLRM over ``ebc_factory(tables)``; features ``f0..f{T-1}``."""
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=embedding_dim,
+            num_embeddings=num_embeddings,
+            feature_names=[f"f{i}"],
+        )
+        for i in range(num_tables)
+    ]
+    model = DLRM(
+        embedding_bag_collection=ebc_factory(tables),
+        dense_in_features=num_dense,
+        dense_arch_layer_sizes=list(bottom_mlp),
+        over_arch_layer_sizes=list(top_mlp),
+        dense_device=torch.device("cpu"),
+    )
+    return tables, model
+
+
+def _dense_adam(named_params: dict, dense_lr: float):
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+    # The same fused dense Adam as towerrec's: the comparison is of the libraries.
+    return KeyedOptimizerWrapper(
+        named_params, lambda params: torch.optim.Adam(params, lr=dense_lr, fused=True)
+    )
+
+
 def torchrec_dlrm(
     num_tables: int,
     num_embeddings: int,
@@ -55,7 +105,8 @@ def torchrec_dlrm(
     emb_lr: float,
     dense_lr: float,
 ):
-    """TorchRec DLRM under DMP (fused row-wise Adagrad) and its combined optimizer.
+    """TorchRec DLRM under DMP (fused row-wise Adagrad) and its combined optimizer: how
+    TorchRec's users run a model on one device.
 
     Call inside ``single_process_group()``. Features are named ``f0..f{T-1}``.
     """
@@ -69,27 +120,17 @@ def torchrec_dlrm(
         Topology,
     )
     from torchrec.distributed.types import ShardingType
-    from torchrec.models.dlrm import DLRM
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.keyed import CombinedOptimizer
 
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=embedding_dim,
-            num_embeddings=num_embeddings,
-            feature_names=[f"f{i}"],
-        )
-        for i in range(num_tables)
-    ]
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    model = DLRM(
-        embedding_bag_collection=ebc,
-        dense_in_features=num_dense,
-        dense_arch_layer_sizes=list(bottom_mlp),
-        over_arch_layer_sizes=list(top_mlp),
-        dense_device=torch.device("cpu"),
+    tables, model = _tables_and_model(
+        num_tables,
+        num_embeddings,
+        embedding_dim,
+        num_dense,
+        bottom_mlp,
+        top_mlp,
+        lambda tables: EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
     )
     sharder = EmbeddingBagCollectionSharder(
         fused_params={
@@ -111,11 +152,48 @@ def torchrec_dlrm(
     plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
     dense = {k: v for k, v in dmp.named_parameters() if "embedding_bags" not in k}
-    # The same fused dense Adam as towerrec's: the comparison is of the libraries.
-    dense_opt = KeyedOptimizerWrapper(
-        dense, lambda params: torch.optim.Adam(params, lr=dense_lr, fused=True)
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, _dense_adam(dense, dense_lr)])
+
+
+def torchrec_dlrm_fused(
+    num_tables: int,
+    num_embeddings: int,
+    embedding_dim: int,
+    num_dense: int,
+    bottom_mlp: list[int],
+    top_mlp: list[int],
+    emb_lr: float,
+    dense_lr: float,
+):
+    """TorchRec DLRM over its ``FusedEmbeddingBagCollection`` without DMP: FBGEMM's
+    table-batched kernel with row-wise Adagrad in the backward, no process group, no
+    input/output all-to-alls; and the dense Adam. Needs no ``single_process_group``."""
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad
+
+    _, model = _tables_and_model(
+        num_tables,
+        num_embeddings,
+        embedding_dim,
+        num_dense,
+        bottom_mlp,
+        top_mlp,
+        lambda tables: FusedEmbeddingBagCollection(
+            tables, RowWiseAdagrad, {"lr": emb_lr, "eps": 1e-8}, device=torch.device("cpu")
+        ),
     )
-    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense_opt])
+    dense = {k: v for k, v in model.named_parameters() if "embedding_bags" not in k}
+    return model, _dense_adam(dense, dense_lr)
+
+
+def torchrec_step(model, optimizer, batch) -> None:
+    """One TorchRec training step on ``batch = (dense, KeyedJaggedTensor, labels)``."""
+    dense, sparse, labels = batch
+    logits = model(dense, sparse).squeeze(1)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
 
 
 def quiet_torchrec_logs() -> None:
