@@ -209,14 +209,17 @@ def train_worker(
     )
     if int(os.environ.get("RANK", "0")) == 0:
         log.setLevel(logging.INFO)  # rank 0 speaks for the run, as the one process does
-    config = load_config(config_path, overrides)
+    run = RunDir(out)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        run = RunDir(out)
         if CheckpointManager(run.checkpoint_dir).latest() is not None:
             resume = True
             log.warning("restarted: resuming from the last checkpoint in %s", out)
         elif not resume and int(os.environ.get("RANK", "0")) == 0:
             run.metrics_path.unlink(missing_ok=True)
+    if resume:
+        config = run.resume_config(config_path, overrides)
+    else:
+        config = load_config(config_path, overrides)
     try:
         summary = train(config, out, resume=resume)
     finally:

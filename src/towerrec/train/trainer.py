@@ -138,7 +138,8 @@ def train(
 ) -> dict[str, Any]:
     """Train ``config`` into ``out_dir``; returns the summary (also in summary.json).
 
-    ``resume`` continues from the directory's latest checkpoint; ``stop_after``
+    ``resume`` continues from the directory's latest checkpoint (``config`` may differ
+    from its config.toml only in ``RESUME_SAFE_KEYS``); ``stop_after``
     ends the run (with a checkpoint) after that step, as a stop signal does.
     """
     cfg = config.train
@@ -152,6 +153,7 @@ def train(
         raise FileNotFoundError(
             f"--resume: {run.checkpoint_dir} holds no checkpoint to resume from"
         )
+    changed = run.resume_changes(config) if resume else {}
     if ctx.is_main:
         run.start(config, resume=resume)
     ctx.barrier()
@@ -174,6 +176,7 @@ def train(
             )
         restore_rng(state["rng"])
         run.truncate_after(state["step"])
+        run.log({"kind": "resume", "step": state["step"], "changed": changed})
         log.info("resumed from %s at step %d", path, state["step"])
 
     oracle_auc = None
