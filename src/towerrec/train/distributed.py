@@ -41,6 +41,7 @@ class RunContext:
     topology: Topology
     mesh: DeviceMesh | None = None
     train_bytes: list[int] = field(default_factory=lambda: [0, 0])  # intra, cross
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def world_size(self) -> int:
@@ -57,6 +58,16 @@ class RunContext:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+    def stop_agreed(self, requested: bool) -> bool:
+        """Whether any rank asked to stop after this step (a signal reaches one process,
+        not all): one all-reduce MAX of a 0/1 flag, so every rank stops after the same
+        step and they write one checkpoint together."""
+        if self.world_size == 1:
+            return requested
+        flag = torch.tensor([int(requested)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def local_batch(self, global_batch: int, what: str = "train.batch_size") -> int:
         if global_batch % self.world_size:
@@ -187,7 +198,7 @@ def start_distributed(config: Config, device: torch.device) -> RunContext:
     mesh = init_distributed(topology, device, timeout_s=config.distributed.timeout_s)
     if topology.rank != 0:  # rank 0 speaks for the run
         log.setLevel(logging.WARNING)
-    return RunContext(topology, mesh)
+    return RunContext(topology, mesh, device=device)
 
 
 def train_worker(

@@ -101,7 +101,8 @@ def set_learning_rates(
 
 @contextmanager
 def _stop_on_signal():
-    """SIGINT/SIGTERM ask the loop to stop after the current step (and checkpoint)."""
+    """SIGINT/SIGTERM ask the loop to stop after the current step (and checkpoint); in a
+    distributed run the ranks agree on that step (``RunContext.stop_agreed``)."""
     requested = {"signal": None}
 
     def handler(signum, _frame):
@@ -265,7 +266,7 @@ def train(
                     else:
                         bar.write(line, file=sys.stderr)
                 window_start = time.perf_counter()  # keep eval time out of samples/s
-            stopping = stop["signal"] is not None or step == stop_after
+            stopping = ctx.stop_agreed(stop["signal"] is not None or step == stop_after)
             if (
                 (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                 or step == cfg.steps
