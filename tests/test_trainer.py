@@ -164,6 +164,21 @@ def test_nan_dense_feature_stops_training_with_a_clear_error(tmp_path, monkeypat
         trainer.train(quick_config("train.steps=5"), tmp_path)
 
 
+def test_a_negative_synthetic_id_stops_training_with_a_clear_error(tmp_path, monkeypatch):
+    class Poisoned(SyntheticSource):  # its batches skip the KeyedJaggedTensor checks
+        def train_batches(self, batch_size, start_batch=0, rank=0, world_size=1):
+            for i, batch in enumerate(
+                super().train_batches(batch_size, start_batch, rank, world_size)
+            ):
+                if i == 2:
+                    batch.sparse.values()[0] = -3
+                yield batch
+
+    monkeypatch.setattr(trainer, "build_source", lambda cfg: Poisoned(cfg.synthetic))
+    with pytest.raises(ValueError, match=r"id -3 of feature 'cat_0' \(sample 0\) is out of"):
+        trainer.train(quick_config("train.steps=5", "embedding.backend=auto"), tmp_path)
+
+
 def test_batch_validation_errors():
     jag = SyntheticSource(load_config(None, QUICK).data.synthetic).samples("train", 0, 4)[0].sparse
     with pytest.raises(ValueError, match="dense feature 1 of sample 2 is inf"):
