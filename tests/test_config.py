@@ -1,3 +1,4 @@
+import re
 import tomllib
 
 import pytest
@@ -72,3 +73,23 @@ def test_example_configs_load():
     assert configs
     for path in configs:
         load_config(path)
+
+
+def test_resume_config_keeps_the_saved_values_and_refuses_conflicts(tmp_path):
+    from towerrec.config import resume_changes
+
+    saved = tmp_path / "config.toml"
+    original = load_config(None, ["embedding.lr=0.3", "train.steps=40"])
+    saved.write_text(config_to_toml(original))
+    same = load_config(None, ["train.log_every=7"], base=saved)
+    assert same.embedding.lr == 0.3 and same.train.steps == 40  # the saved run's, not defaults
+    assert resume_changes(original, same) == {"train.log_every": {"from": 50, "to": 7}}
+    layout = load_config(None, ["plan.strategy=auto", "distributed.sharding=row_wise"], base=saved)
+    assert set(resume_changes(original, layout)) == {"plan.strategy", "distributed.sharding"}
+    for overrides, key in (
+        (["embedding.lr=0.5"], "embedding.lr = 0.5 (the run has 0.3)"),
+        (["model.top_mlp=[16, 1]", "train.steps=50"], "model.top_mlp"),
+        (["data.loader.seed=3"], "data.loader.seed"),
+    ):
+        with pytest.raises(ConfigError, match=f"cannot change {re.escape(key)}"):
+            resume_changes(original, load_config(None, overrides, base=saved))

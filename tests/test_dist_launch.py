@@ -3,6 +3,7 @@ stop every rank instead of hanging."""
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -161,3 +162,60 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
     assert restarted.keys() == full.keys()
     for key, value in full.items():
         assert torch.equal(restarted[key], value), key
+
+
+def _sigterm_rank_1_at(step, config_path, overrides, out):
+    """A worker of ``towerrec train --nproc 2`` in which rank 1 alone receives SIGTERM,
+    from inside its training step ``step``: the stop request reaches one process only,
+    at a known step, whatever the speed of the machine."""
+    from towerrec.train import trainer
+    from towerrec.train.distributed import train_worker
+
+    if os.environ["RANK"] == "1":
+        real_step, calls = trainer.train_step, [0]
+
+        def train_step(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real_step(*args, **kwargs)
+
+        trainer.train_step = train_step
+    return train_worker(config_path, overrides, out, resume=False)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """Without an agreed stop step, rank 1 would write its checkpoint while rank 0 runs
+    the next step's collectives (a hang until distributed.timeout_s, then an error)."""
+    from test_trainer import final_state
+
+    from towerrec.config import load_config
+    from towerrec.train.checkpoint import CheckpointManager
+
+    settings = [*QUICK[3::2], "train.steps=10", "distributed.timeout_s=60"]
+    config_path = REPO / "configs" / "quick.toml"
+    config = load_config(config_path, settings)
+    full = _cli(
+        "--config",
+        str(config_path),
+        *[a for s in settings for a in ("--set", s)],
+        "--nproc",
+        "2",
+        "--out",
+        str(tmp_path / "full"),
+    )
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    split = tmp_path / "split"
+    summary = launch(_sigterm_rank_1_at, (4, config_path, settings, split), nproc=2)[0]
+    assert summary["steps"] == 4 and not summary["completed"]
+    assert CheckpointManager(split / "checkpoint").steps() == [4]  # one save, by both ranks
+    resumed = _cli("--out", str(split), "--resume", "--nproc", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads((split / "summary.json").read_text())["completed"]
+    a, b = final_state(tmp_path / "full", config), final_state(split, config)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

@@ -216,3 +216,39 @@ def test_config_validation():
         )
     with pytest.raises(ValueError, match="lr must be > 0"):
         EmbeddingOptimizerConfig(lr=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("fbgemm", marks=needs_fbgemm)])
+def test_ids_outside_the_table_are_refused_on_every_backend(backend):
+    """The loaders build batches without the KeyedJaggedTensor checks; the collection is
+    where every id is checked (FBGEMM reads rows without bounds checks)."""
+    tables = [TableConfig("a", 10, 4), TableConfig("b", 5, 4)]
+    ebc = EmbeddingBagCollection(tables, backend=backend)
+    lengths = torch.ones(4, dtype=torch.int64)
+    for values, match in (
+        ([3, 1, -2, 4], r"id -2 of feature 'b' \(sample 0\) is out of range for its table of 5"),
+        ([-1, 1, 2, 4], r"id -1 of feature 'a' \(sample 0\).*embedding.id_policy = 'hash'"),
+        ([3, 1, 2, 5], r"id 5 of feature 'b' \(sample 1\)"),
+    ):
+        batch = KeyedJaggedTensor(["a", "b"], torch.tensor(values), lengths, validate=False)
+        with pytest.raises(ValueError, match=match):
+            ebc(batch)
+    negative = KeyedJaggedTensor(["a", "b"], torch.tensor([3, 1, -2, 4]), lengths, validate=False)
+    w = ebc.table_weights()
+    for policy, row in (("hash", 3), ("clip", 0)):  # -2 mod 5; clipped up to the first row
+        mapped = EmbeddingBagCollection(tables, backend=backend, id_policy=policy)
+        torch.testing.assert_close(mapped(negative).values()[0, 4:], w["b"][row])
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("fbgemm", marks=needs_fbgemm)])
+def test_per_id_weights_with_mean_pooling_are_refused_on_every_backend(backend):
+    ebc = EmbeddingBagCollection(TABLES, backend=backend)
+    gen = torch.Generator().manual_seed(0)
+    batch = random_batch(gen)
+    weighted = KeyedJaggedTensor(
+        batch.keys(), batch.values(), batch.lengths(), torch.rand(batch.values().numel())
+    )
+    with pytest.raises(ValueError, match=r"table 'c' pools by mean.*embedding.pooling = 'sum'"):
+        ebc(weighted)
+    sum_tables = [*TABLES[:2], TableConfig("c", 30, 4)]
+    EmbeddingBagCollection(sum_tables, backend=backend)(weighted)  # sum pooling: weighted

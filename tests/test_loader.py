@@ -156,3 +156,30 @@ def test_worker_processes_deliver_the_same_stream():
         assert torch.equal(a.sparse.lengths(), b.sparse.lengths())
         assert b.sparse.keys() == ["single", "bag"]
     stream.close()  # stops and joins the workers
+
+
+@pytest.mark.parametrize("num_workers", [0, pytest.param(1, marks=pytest.mark.multiprocess)])
+def test_a_negative_id_in_the_cache_is_refused_where_ids_enter_the_embeddings(num_workers):
+    """A corrupt cache: the loader and its workers build batches without per-id checks,
+    so the embedding collection must refuse the id before a kernel reads the row."""
+    from towerrec.modules.embedding_bag import EmbeddingBagCollection
+    from towerrec.modules.tables import TableConfig
+
+    rows = 64
+    single = (np.arange(rows) % 97)[:, None].astype(np.int32)
+    single[10, 0] = -5
+    part = SplitColumns.from_arrays(
+        np.zeros(rows, np.float32),
+        np.zeros((rows, 2), np.float32),
+        single,
+        {"bag": (np.ones(rows, np.int32), np.ones(rows, np.int32))},
+    )
+    store = make_store()
+    store = ColumnStore(store.schema, ["single"], ["bag"], {**store.splits, "train": [part]})
+    source = ColumnSource(store, LoaderConfig(shuffle=False, num_workers=num_workers))
+    tables = [TableConfig(f.name, f.num_embeddings, 4) for f in store.schema.sparse]
+    ebc = EmbeddingBagCollection(tables, backend="torch")
+    stream = source.train_batches(32)
+    with pytest.raises(ValueError, match=r"id -5 of feature 'single' \(sample 10\).*97 rows"):
+        ebc(next(stream).sparse)
+    stream.close()

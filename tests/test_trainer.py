@@ -3,8 +3,9 @@ import tomllib
 
 import pytest
 import torch
+from conftest import run_cli
 
-from towerrec.config import config_from_dict, load_config
+from towerrec.config import ConfigError, config_from_dict, config_to_toml, load_config
 from towerrec.data.batch import Batch
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.train import trainer
@@ -72,6 +73,37 @@ def test_resume_equals_uninterrupted(tmp_path, backend):
     assert [r["loss"] for r in records if r["kind"] == "train"][2:] == full_losses[2:]
 
 
+def test_resume_through_the_cli_keeps_the_run_config(tmp_path):
+    """`towerrec train --resume` continues with the run's saved overrides (not the
+    defaults), refuses a conflicting --set, extends with train.steps, and never rewrites
+    config.toml."""
+    config = quick_config("train.steps=12", "embedding.lr=0.2", "optimizer.lr=0.005")
+    trainer.train(config, tmp_path / "full")
+    split = tmp_path / "split"
+    trainer.train(config, split, stop_after=6)
+    saved = (split / "config.toml").read_text()
+
+    refused = run_cli("train", "--out", str(split), "--resume", "--set", "embedding.lr=0.5")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "cannot change embedding.lr = 0.5 (the run has 0.2)" in refused.stderr
+    resumed = run_cli("train", "--out", str(split), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = final_state(tmp_path / "full", config), final_state(split, config)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+    extended = run_cli("train", "--out", str(split), "--resume", "--set", "train.steps=15")
+    assert extended.returncode == 0, extended.stderr[-2000:]
+    assert json.loads((split / "summary.json").read_text())["steps"] == 15
+    assert (split / "config.toml").read_text() == saved
+    records = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in records if r["kind"] == "resume"] == [
+        {"kind": "resume", "step": 6, "changed": {}},
+        {"kind": "resume", "step": 12, "changed": {"train.steps": {"from": 12, "to": 15}}},
+    ]
+
+
 def test_run_directory_contents(tmp_path):
     config = quick_config("train.steps=10", "train.eval_every=5")
     summary = trainer.train(config, tmp_path)
@@ -110,6 +142,9 @@ def test_resume_without_checkpoint_is_an_error(tmp_path):
 def test_resume_with_other_model_is_an_error(tmp_path):
     trainer.train(quick_config("train.steps=2"), tmp_path)
     other = quick_config("train.steps=4", "model.top_mlp=[16, 1]")
+    with pytest.raises(ConfigError, match=r"cannot change model.top_mlp = \[16, 1\]"):
+        trainer.train(other, tmp_path, resume=True)
+    (tmp_path / "config.toml").write_text(config_to_toml(other))  # edited by hand
     with pytest.raises(ValueError, match="does not fit this model"):
         trainer.train(other, tmp_path, resume=True)
 
@@ -127,6 +162,21 @@ def test_nan_dense_feature_stops_training_with_a_clear_error(tmp_path, monkeypat
     monkeypatch.setattr(trainer, "build_source", lambda cfg: Poisoned(cfg.synthetic))
     with pytest.raises(ValueError, match=r"dense feature 3 of sample 7 is nan"):
         trainer.train(quick_config("train.steps=5"), tmp_path)
+
+
+def test_a_negative_synthetic_id_stops_training_with_a_clear_error(tmp_path, monkeypatch):
+    class Poisoned(SyntheticSource):  # its batches skip the KeyedJaggedTensor checks
+        def train_batches(self, batch_size, start_batch=0, rank=0, world_size=1):
+            for i, batch in enumerate(
+                super().train_batches(batch_size, start_batch, rank, world_size)
+            ):
+                if i == 2:
+                    batch.sparse.values()[0] = -3
+                yield batch
+
+    monkeypatch.setattr(trainer, "build_source", lambda cfg: Poisoned(cfg.synthetic))
+    with pytest.raises(ValueError, match=r"id -3 of feature 'cat_0' \(sample 0\) is out of"):
+        trainer.train(quick_config("train.steps=5", "embedding.backend=auto"), tmp_path)
 
 
 def test_batch_validation_errors():

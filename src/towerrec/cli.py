@@ -35,11 +35,14 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from towerrec.config import load_config
-    from towerrec.train.run_dir import default_run_dir
+    from towerrec.train.run_dir import RunDir, default_run_dir
     from towerrec.train.trainer import train
 
-    config = load_config(args.config, args.overrides)
     out = Path(args.out or default_run_dir())
+    if args.resume:  # the run's saved config; a conflicting --set is refused before launching
+        config = RunDir(out).resume_config(args.config, args.overrides)
+    else:
+        config = load_config(args.config, args.overrides)
     log.info("run directory: %s", out)
     fresh = not out.exists()
     try:
@@ -270,7 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     train.add_argument("--out", type=Path, help="run directory (default: runs/train-<time>)")
     train.add_argument(
-        "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its last checkpoint, with its saved config.toml "
+        "(--set may change only train.steps, logging, checkpointing, loader and layout settings)",
     )
     train.add_argument(
         "--nproc", type=int, default=1, help="start N local worker processes (gloo on CPU)"

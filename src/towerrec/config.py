@@ -5,12 +5,17 @@ file (``--config``), and ``--set section.key=value`` overrides (values in TOML
 syntax; bare words are strings). Unknown keys and bad values raise
 ``ConfigError`` naming the key and the fix. ``config_to_toml`` writes the
 resolved config back, so a run directory's ``config.toml`` reproduces the run.
+
+A resumed run (``towerrec train --resume``) starts from that saved
+``config.toml`` instead of the defaults; it may change only the settings in
+``RESUME_SAFE_KEYS`` (``resume_changes`` refuses the rest).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import fnmatch
 import tomllib
 import types
 import typing
@@ -41,6 +46,7 @@ from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import EmbeddingOptimizer
 
 __all__ = [
+    "RESUME_SAFE_KEYS",
     "Config",
     "ConfigError",
     "DataConfig",
@@ -54,7 +60,32 @@ __all__ = [
     "config_to_dict",
     "config_to_toml",
     "load_config",
+    "resume_changes",
 ]
+
+# Settings a resumed run may change (``--resume --set KEY=VALUE``): how long it runs,
+# what it logs and keeps, how it reads data and how it is laid out over ranks; a
+# checkpoint resumes under any layout. Any other change to the saved config is refused.
+RESUME_SAFE_KEYS = (
+    "train.steps",  # extends (or shortens) the run; the LR decay then ends at the new step
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batch_size",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.progress",
+    "train.threads",
+    "train.device",
+    "data.loader.num_workers",
+    "data.loader.prefetch",
+    "data.loader.pin_memory",
+    "data.loader.verify",
+    "distributed.sharding",
+    "distributed.tower_sharding",
+    "distributed.pipeline",
+    "distributed.timeout_s",
+    "plan.*",
+)
 
 
 class ConfigError(ValueError):
@@ -413,21 +444,36 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; see configs/ for examples")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def _merge(into: dict[str, Any], data: dict[str, Any]) -> None:
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    base: str | Path | None = None,
 ) -> Config:
-    """Defaults, then the TOML file at ``path``, then ``section.key=value`` overrides."""
+    """Defaults, then the TOML file at ``base`` (a resumed run's saved config.toml), then
+    the TOML file at ``path``, then ``section.key=value`` overrides."""
     data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(
-                f"config file {str(path)!r} does not exist; see configs/ for examples"
-            )
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    for file in (base, path):
+        if file is not None:
+            _merge(data, _read_toml(file))
     for text in overrides:
         parts, value = _parse_override(text)
         node = data
@@ -438,6 +484,44 @@ def load_config(
             node = child
         node[parts[-1]] = value
     return config_from_dict(data)
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resume_changes(saved: Config, config: Config) -> dict[str, dict[str, Any]]:
+    """The settings ``config`` changes of a run's ``saved`` config, ``{key: {"from": saved
+    value, "to": new value}}``; a ``ConfigError`` names every change not in
+    ``RESUME_SAFE_KEYS``."""
+    old, new = _flatten(config_to_dict(saved)), _flatten(config_to_dict(config))
+    changed = {
+        key: {"from": old.get(key), "to": new.get(key)}
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    }
+    refused = [
+        key
+        for key in changed
+        if not any(fnmatch.fnmatchcase(key, safe) for safe in RESUME_SAFE_KEYS)
+    ]
+    if refused:
+        detail = ", ".join(
+            f"{key} = {changed[key]['to']!r} (the run has {changed[key]['from']!r})"
+            for key in refused
+        )
+        raise ConfigError(
+            f"--resume continues the run with its saved config.toml; it cannot change {detail}. "
+            f"Drop those --set/--config values, or start a new run with another --out "
+            f"(a resume may change only {', '.join(RESUME_SAFE_KEYS)})"
+        )
+    return changed
 
 
 # ------------------------------------------------------------------ writing

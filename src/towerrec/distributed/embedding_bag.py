@@ -35,7 +35,12 @@ from torch import nn
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats, Pending
 from towerrec.distributed.input_dist import Router, segment_permutation
 from towerrec.distributed.state import load_tensor, state_tensors
-from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy, apply_id_policy
+from towerrec.modules.embedding_bag import (
+    EmbeddingBagCollection,
+    IdPolicy,
+    apply_id_policy,
+    check_weighted_pooling,
+)
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling, TableConfig, fill_table_block
 from towerrec.planner.plan import Shard, ShardingPlan, ShardingType
@@ -338,6 +343,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """Start sending this batch's ids to their shards; ``.wait()`` gives a ``DistInput``."""
         if features.keys() != self.feature_names:
             features = features.select(self.feature_names)
+        check_weighted_pooling(features, self.tables)
         values = apply_id_policy(features, self._rows_per_feature, self.id_policy)
         features = KeyedJaggedTensor(
             features.keys(), values, features.lengths(), features.weights_or_none(), validate=False

@@ -55,7 +55,12 @@ from towerrec.modules.compositional import (
     partition_ids,
     partition_sizes,
 )
-from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy, apply_id_policy
+from towerrec.modules.embedding_bag import (
+    EmbeddingBagCollection,
+    IdPolicy,
+    apply_id_policy,
+    check_weighted_pooling,
+)
 from towerrec.modules.kernels import Backend, resolve_backend
 from towerrec.modules.mixed_dim import mixed_dimensions
 from towerrec.modules.tables import Pooling, TableConfig
@@ -298,6 +303,7 @@ class CompactEmbeddingCollection(nn.Module):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if features.keys() != self.feature_names:
             features = features.select(self.feature_names)
+        check_weighted_pooling(features, self.tables)
         values = apply_id_policy(features, self._rows_per_feature, self.id_policy).long()
         batch, lengths = features.stride(), features.lengths()
         weights = features.weights_or_none()

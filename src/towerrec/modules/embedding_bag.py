@@ -38,7 +38,7 @@ from towerrec.modules.kernels import (
     build_kernel,
     resolve_backend,
 )
-from towerrec.modules.tables import TableConfig, fill_table_block
+from towerrec.modules.tables import Pooling, TableConfig, fill_table_block
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum
@@ -47,6 +47,7 @@ __all__ = [
     "EmbeddingBagCollection",
     "IdPolicy",
     "apply_id_policy",
+    "check_weighted_pooling",
     "dense_parameters",
     "fused_embedding_modules",
 ]
@@ -65,7 +66,9 @@ def apply_id_policy(
     rows_per_feature: torch.Tensor,
     policy: IdPolicy,
 ) -> torch.Tensor:
-    """The ids of ``features`` checked or mapped into each feature's table range."""
+    """The ids of ``features`` checked or mapped into each feature's table range
+    ``[0, rows)``: every path into a collection passes here (the kernels run without
+    bounds checks), whatever built the batch."""
     values = features.values()
     if values.numel() == 0:
         return values
@@ -75,8 +78,8 @@ def apply_id_policy(
     if policy is IdPolicy.HASH:
         return torch.remainder(values, limit)
     if policy is IdPolicy.CLIP:
-        return torch.minimum(values, limit - 1)
-    bad = values >= limit
+        return torch.minimum(values.clamp(min=0), limit - 1)
+    bad = (values < 0) | (values >= limit)
     if bool(bad.any()):
         position = int(bad.nonzero()[0])
         offsets = features.offsets()
@@ -88,6 +91,21 @@ def apply_id_policy(
             "data or table size, or set embedding.id_policy = 'hash' (id mod rows) or 'clip'"
         )
     return values
+
+
+def check_weighted_pooling(features: KeyedJaggedTensor, tables: Sequence[TableConfig]) -> None:
+    """Per-id weights pool by sum: refuse them for a mean-pooled table (FBGEMM would divide
+    the weighted sum by the bag length, torch's ``embedding_bag`` has no weighted mean)."""
+    if features.weights_or_none() is None:
+        return
+    keys = set(features.keys())
+    for table in tables:
+        if table.pooling is Pooling.MEAN and keys.intersection(table.feature_names):
+            raise ValueError(
+                f"table {table.name!r} pools by mean, but the batch carries per-id weights; "
+                "weighted bags pool by sum: set the table's pooling to 'sum' "
+                "(embedding.pooling = 'sum'), or drop the weights"
+            )
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -285,6 +303,7 @@ class EmbeddingBagCollection(nn.Module):
         self._require_tables()
         if features.keys() != self.feature_names:
             features = features.select(self.feature_names)
+        check_weighted_pooling(features, self.tables)
         values = apply_id_policy(features, self._rows_per_feature, self.id_policy)
         weights = features.weights_or_none()
         offsets = features.offsets()

@@ -45,6 +45,7 @@ class RunContext:
     # the run's totals so far (``restore_train_bytes``).
     train_bytes: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
     dense_stats: CommStats = field(default_factory=CommStats)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def world_size(self) -> int:
@@ -61,6 +62,16 @@ class RunContext:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+    def stop_agreed(self, requested: bool) -> bool:
+        """Whether any rank asked to stop after this step (a signal reaches one process,
+        not all): one all-reduce MAX of a 0/1 flag, so every rank stops after the same
+        step and they write one checkpoint together."""
+        if self.world_size == 1:
+            return requested
+        flag = torch.tensor([int(requested)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def local_batch(self, global_batch: int, what: str = "train.batch_size") -> int:
         if global_batch % self.world_size:
@@ -220,7 +231,7 @@ def start_distributed(config: Config, device: torch.device) -> RunContext:
     mesh = init_distributed(topology, device, timeout_s=config.distributed.timeout_s)
     if topology.rank != 0:  # rank 0 speaks for the run
         log.setLevel(logging.WARNING)
-    return RunContext(topology, mesh)
+    return RunContext(topology, mesh, device=device)
 
 
 def train_worker(
@@ -242,14 +253,17 @@ def train_worker(
     )
     if int(os.environ.get("RANK", "0")) == 0:
         log.setLevel(logging.INFO)  # rank 0 speaks for the run, as the one process does
-    config = load_config(config_path, overrides)
+    run = RunDir(out)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        run = RunDir(out)
         if CheckpointManager(run.checkpoint_dir).latest() is not None:
             resume = True
             log.warning("restarted: resuming from the last checkpoint in %s", out)
         elif not resume and int(os.environ.get("RANK", "0")) == 0:
             run.metrics_path.unlink(missing_ok=True)
+    if resume:
+        config = run.resume_config(config_path, overrides)
+    else:
+        config = load_config(config_path, overrides)
     try:
         summary = train(config, out, resume=resume)
     finally:

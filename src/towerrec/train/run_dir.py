@@ -3,8 +3,9 @@
 ::
 
     <out>/config.toml      resolved config (``towerrec train --config <out>/config.toml``
-                           reproduces the run)
-    <out>/metrics.jsonl    one JSON object per logging or evaluation step
+                           reproduces the run); written once, a resume never rewrites it
+    <out>/metrics.jsonl    one JSON object per logging or evaluation step, and one per
+                           resume with the settings it changed
     <out>/summary.json     final metrics, throughput, sizes
     <out>/curves.png       training loss and eval AUC over steps
     <out>/checkpoint/      DCP checkpoints (step_<N>/)
@@ -18,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from towerrec.config import Config, config_to_toml
+from towerrec.config import Config, config_to_toml, load_config, resume_changes
 
 __all__ = ["RunDir", "default_run_dir"]
 
@@ -48,19 +49,47 @@ class RunDir:
     def metrics_path(self) -> Path:
         return self.path / "metrics.jsonl"
 
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.toml"
+
+    def resume_config(
+        self, path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+    ) -> Config:
+        """The config a resumed run continues with: its saved config.toml, then the TOML
+        file at ``path`` and ``overrides`` on top, which may change only
+        ``RESUME_SAFE_KEYS``."""
+        self._saved_config()  # a clear error where there is no run
+        config = load_config(path, overrides, base=self.config_path)
+        self.resume_changes(config)
+        return config
+
+    def resume_changes(self, config: Config) -> dict[str, dict[str, Any]]:
+        """The settings ``config`` changes of the run's saved config.toml (only
+        ``RESUME_SAFE_KEYS`` may change; ``ConfigError`` names any other)."""
+        return resume_changes(self._saved_config(), config)
+
+    def _saved_config(self) -> Config:
+        if not self.config_path.is_file():
+            raise FileNotFoundError(
+                f"--resume: {self.path} has no config.toml, so it holds no run to continue; "
+                "start a new run without --resume"
+            )
+        return load_config(base=self.config_path)
+
     def start(self, config: Config, *, resume: bool) -> None:
-        """Create the directory; refuse to overwrite a run unless resuming it."""
+        """Create the directory; refuse to overwrite a run unless resuming it. A resumed
+        run keeps its config.toml (what changed goes into metrics.jsonl)."""
         if not resume and (self.metrics_path.exists() or self.checkpoint_dir.exists()):
             raise FileExistsError(
                 f"{self.path} already holds a run; pass --resume to continue it, or choose "
                 "another --out"
             )
-        if not self.writer:
+        if not self.writer or resume:
             return
         self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "config.toml").write_text(config_to_toml(config))
-        if not resume:
-            self.metrics_path.write_text("")
+        self.config_path.write_text(config_to_toml(config))
+        self.metrics_path.write_text("")
 
     def log(self, record: dict[str, Any]) -> None:
         if self.writer:

@@ -101,7 +101,8 @@ def set_learning_rates(
 
 @contextmanager
 def _stop_on_signal():
-    """SIGINT/SIGTERM ask the loop to stop after the current step (and checkpoint)."""
+    """SIGINT/SIGTERM ask the loop to stop after the current step (and checkpoint); in a
+    distributed run the ranks agree on that step (``RunContext.stop_agreed``)."""
     requested = {"signal": None}
 
     def handler(signum, _frame):
@@ -138,7 +139,8 @@ def train(
 ) -> dict[str, Any]:
     """Train ``config`` into ``out_dir``; returns the summary (also in summary.json).
 
-    ``resume`` continues from the directory's latest checkpoint; ``stop_after``
+    ``resume`` continues from the directory's latest checkpoint (``config`` may differ
+    from its config.toml only in ``RESUME_SAFE_KEYS``); ``stop_after``
     ends the run (with a checkpoint) after that step, as a stop signal does.
     """
     cfg = config.train
@@ -152,6 +154,7 @@ def train(
         raise FileNotFoundError(
             f"--resume: {run.checkpoint_dir} holds no checkpoint to resume from"
         )
+    changed = run.resume_changes(config) if resume else {}
     if ctx.is_main:
         run.start(config, resume=resume)
     ctx.barrier()
@@ -175,6 +178,7 @@ def train(
         restore_rng(state["rng"])
         ctx.restore_train_bytes(read_meta(path).get("train_bytes", []))
         run.truncate_after(state["step"])
+        run.log({"kind": "resume", "step": state["step"], "changed": changed})
         log.info("resumed from %s at step %d", path, state["step"])
 
     oracle_auc = None
@@ -263,7 +267,7 @@ def train(
                     else:
                         bar.write(line, file=sys.stderr)
                 window_start = time.perf_counter()  # keep eval time out of samples/s
-            stopping = stop["signal"] is not None or step == stop_after
+            stopping = ctx.stop_agreed(stop["signal"] is not None or step == stop_after)
             if (
                 (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                 or step == cfg.steps
