@@ -2,7 +2,10 @@
 
 For each plan, every rank runs 5 steps on its slice of a global batch while an
 unsharded collection runs the global batch; the pooled outputs must match at
-every step and the weights and optimizer state after the last one.
+every step and the weights and optimizer state after the last one. Every plan
+runs the default optimizer, row-wise Adagrad (column splits included: their
+shards combine the row statistic), on both kernels; the mixed plan also runs
+SGD and Adagrad.
 """
 
 import pytest
@@ -21,19 +24,25 @@ from towerrec.distributed.comm import Comm
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.planner.plan import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
 BATCH = 6  # per rank
 STEPS = 5
+# FBGEMM kernels need shard widths that are multiples of 4: 4 column shards of 16+.
+WIDE_TABLES = [
+    TableConfig(t.name, t.num_embeddings, 4 * t.embedding_dim, t.feature_names, t.pooling)
+    for t in TABLES
+]
 
 
-def _golden(topology, plan, optimizer, backend, weighted, seed):
+def _golden(topology, plan, optimizer, backend, weighted, seed, tables=None):
     """Max abs differences (outputs, weights, states) between sharded and unsharded."""
     world, rank = topology.world_size, topology.rank
     opt = EmbeddingOptimizerConfig(kind=optimizer, lr=0.1)
-    tables = SUM_TABLES if weighted else TABLES
+    tables = tables or (SUM_TABLES if weighted else TABLES)
     reference = EmbeddingBagCollection(tables, opt, backend=backend, seed=seed)
     sharded = ShardedEmbeddingBagCollection(
         EmbeddingBagCollection(tables, opt, backend=backend, seed=seed), plan, Comm(topology)
@@ -91,17 +100,26 @@ def _measured_and_expected_bytes(topology):
 
 
 def _all_types(topology):
-    """Every sharding type and the mixed plan, with the optimizers that are exact for it."""
+    """Every sharding type and the mixed plan with the default optimizer (row-wise
+    Adagrad) on both kernels; the mixed plan also with SGD and Adagrad."""
     results = {"bytes": _measured_and_expected_bytes(topology)}
     kinds = list(ShardingType)
     for i, kind in enumerate(kinds):
         plan = plan_all(kind, topology)
-        column = kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
-        optimizer = "adagrad" if column else "rowwise_adagrad"
         backend = "torch" if i % 2 else "fbgemm"
-        results[kind.value] = _golden(topology, plan, optimizer, backend, i == 2, seed=i)
-    results["mixed_sgd"] = _golden(topology, plan_mixed(topology), "sgd", "torch", False, 7)
-    results["mixed_adagrad"] = _golden(topology, plan_mixed(topology), "adagrad", "fbgemm", True, 8)
+        results[kind.value] = _golden(topology, plan, "rowwise_adagrad", backend, i == 2, seed=i)
+    for kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE):
+        plan = plan_all(kind, topology, WIDE_TABLES)
+        results[f"{kind.value}_fbgemm"] = _golden(
+            topology, plan, "rowwise_adagrad", "fbgemm", False, 9, tables=WIDE_TABLES
+        )
+    mixed, wide_mixed = plan_mixed(topology), plan_mixed(topology, WIDE_TABLES)
+    results["mixed_rowwise_torch"] = _golden(topology, mixed, "rowwise_adagrad", "torch", True, 6)
+    results["mixed_rowwise_fbgemm"] = _golden(
+        topology, wide_mixed, "rowwise_adagrad", "fbgemm", False, 10, tables=WIDE_TABLES
+    )
+    results["mixed_sgd"] = _golden(topology, mixed, "sgd", "torch", False, 7)
+    results["mixed_adagrad"] = _golden(topology, mixed, "adagrad", "fbgemm", True, 8)
     return results
 
 
