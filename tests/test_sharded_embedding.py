@@ -20,6 +20,8 @@ from dist_cases import (
     plan_mixed,
 )
 
+from towerrec.config import load_config
+from towerrec.data.synthetic import SyntheticSource
 from towerrec.distributed.comm import Comm
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
@@ -28,6 +30,7 @@ from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.planner.plan import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
+from towerrec.train.planning import build_plan
 
 BATCH = 6  # per rank
 STEPS = 5
@@ -43,13 +46,15 @@ def _golden(topology, plan, optimizer, backend, weighted, seed, tables=None):
     world, rank = topology.world_size, topology.rank
     opt = EmbeddingOptimizerConfig(kind=optimizer, lr=0.1)
     tables = tables or (SUM_TABLES if weighted else TABLES)
+    features = [f for t in tables for f in t.feature_names]
+    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
     reference = EmbeddingBagCollection(tables, opt, backend=backend, seed=seed)
     sharded = ShardedEmbeddingBagCollection(
         EmbeddingBagCollection(tables, opt, backend=backend, seed=seed), plan, Comm(topology)
     )
     out_diff = 0.0
     for step in range(STEPS):
-        batch = make_batch(1000 * seed + step, BATCH * world, weighted)
+        batch = make_batch(1000 * seed + step, BATCH * world, weighted, features, rows)
         grad = torch.randn(
             BATCH * world,
             sum(reference.embedding_dims),
@@ -99,6 +104,20 @@ def _measured_and_expected_bytes(topology):
     return {"intra": comm.stats.intra_bytes, "cross": comm.stats.cross_bytes}, expected
 
 
+def _auto_plan(topology):
+    """The default planner's plan (``plan.strategy = auto``) for the default config's
+    tables, the default kernel and optimizer; it splits some tables by columns."""
+    config = load_config(
+        overrides=["plan.strategy=auto", "plan.stats_batches=1", f"plan.hosts={topology.hosts}"]
+    )
+    source = SyntheticSource(config.data.synthetic)
+    plan = build_plan(config, source, topology.world_size)
+    dim = config.model.embedding_dim
+    tables = [TableConfig(f.name, f.num_embeddings, dim) for f in source.schema.sparse]
+    assert any(tp.sharding is ShardingType.COLUMN_WISE for tp in plan.tables.values()), plan
+    return _golden(topology, plan, "rowwise_adagrad", "auto", False, 11, tables=tables)
+
+
 def _all_types(topology):
     """Every sharding type and the mixed plan with the default optimizer (row-wise
     Adagrad) on both kernels; the mixed plan also with SGD and Adagrad."""
@@ -118,6 +137,7 @@ def _all_types(topology):
     results["mixed_rowwise_fbgemm"] = _golden(
         topology, wide_mixed, "rowwise_adagrad", "fbgemm", False, 10, tables=WIDE_TABLES
     )
+    results["auto_plan"] = _auto_plan(topology)
     results["mixed_sgd"] = _golden(topology, mixed, "sgd", "torch", False, 7)
     results["mixed_adagrad"] = _golden(topology, mixed, "adagrad", "fbgemm", True, 8)
     return results
