@@ -215,7 +215,7 @@ class EmbeddingKernel(nn.Module):
         (module doc); the other tables keep updating in backward."""
         if self.optimizer.kind is not EmbeddingOptimizer.ROWWISE_ADAGRAD:
             raise ValueError(
-                f"only rowwise_adagrad updates are deferred, not {self.optimizer.kind}"
+                f"only rowwise_adagrad updates are deferred, not {self.optimizer.kind.value!r}"
             )
         self._deferred = dict(tables)
         self._sync = sync

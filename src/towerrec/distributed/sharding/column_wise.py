@@ -145,7 +145,8 @@ class _Fence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.step.finish()
+        step, ctx.step = ctx.step, None  # the step holds this node through its trigger
+        step.finish()
         return None, None
 
 
