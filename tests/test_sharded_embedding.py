@@ -104,6 +104,24 @@ def _measured_and_expected_bytes(topology):
     return {"intra": comm.stats.intra_bytes, "cross": comm.stats.cross_bytes}, expected
 
 
+def _rowwise_stat_bytes(topology):
+    """Bytes of the row-statistic exchange in one column-wise step, measured and by hand:
+    each shard sends (k - 1) x U floats for a table of k shards and U distinct ids."""
+    world, rank = topology.world_size, topology.rank
+    comm = Comm(topology)
+    plan = plan_all(ShardingType.COLUMN_WISE, topology)
+    ebc = EmbeddingBagCollection(TABLES, backend="torch")
+    sharded = ShardedEmbeddingBagCollection(ebc, plan, comm)
+    batch = make_batch(5, BATCH * world)
+    out = sharded(local_slice(batch, rank, world)).values()
+    out.backward(torch.ones_like(out))
+    distinct = sum(
+        torch.cat([batch[f].values for f in t.feature_names]).unique().numel() for t in TABLES
+    )
+    measured = comm.stats.intra.get("rowwise_stat", 0) + comm.stats.cross.get("rowwise_stat", 0)
+    return measured, (world - 1) * distinct * 4
+
+
 def _auto_plan(topology):
     """The default planner's plan (``plan.strategy = auto``) for the default config's
     tables, the default kernel and optimizer; it splits some tables by columns."""
@@ -122,6 +140,7 @@ def _all_types(topology):
     """Every sharding type and the mixed plan with the default optimizer (row-wise
     Adagrad) on both kernels; the mixed plan also with SGD and Adagrad."""
     results = {"bytes": _measured_and_expected_bytes(topology)}
+    results["rowwise_stat_bytes"] = _rowwise_stat_bytes(topology)
     kinds = list(ShardingType)
     for i, kind in enumerate(kinds):
         plan = plan_all(kind, topology)
@@ -152,6 +171,8 @@ def test_every_sharding_type_matches_unsharded(world, hosts):
         measured, expected = per_plan.pop("bytes")
         assert measured == expected, (rank, measured, expected)
         assert (expected["cross"] > 0) == (hosts > 1)
+        measured, expected = per_plan.pop("rowwise_stat_bytes")
+        assert measured == expected > 0, (rank, measured, expected)
         for name, (out_diff, weight_diff, state_diff) in per_plan.items():
             assert out_diff < 1e-5, (rank, name, "outputs", out_diff)
             assert weight_diff < 1e-5, (rank, name, "weights", weight_diff)
