@@ -96,7 +96,8 @@ def local_slice(kjt: KeyedJaggedTensor, rank: int, world: int) -> KeyedJaggedTen
 
 def gather_tables(sharded) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Full weights and optimizer state of every table, assembled from every rank's shards
-    (a column-split row-wise state keeps the first column shard's)."""
+    (a column-split table's row-wise state must be the same, bit for bit, on each of its
+    column shards)."""
     mine = [
         (
             v.table,
@@ -109,7 +110,7 @@ def gather_tables(sharded) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     ]
     everything = [None] * dist.get_world_size()
     dist.all_gather_object(everything, mine)
-    weights, states = {}, {}
+    weights, states, column_states = {}, {}, {}
     for table in sharded.tables:
         weights[table.name] = torch.full((table.num_embeddings, table.embedding_dim), float("nan"))
     for shards in everything:
@@ -124,10 +125,14 @@ def gather_tables(sharded) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
                     )
                     if c0 == 0:
                         target[r0:r1] = s
+                    column_states.setdefault((full_key, r0, r1), []).append(s)
                 else:
                     target = states.setdefault(
                         full_key,
                         torch.full((table.num_embeddings, table.embedding_dim), float("nan")),
                     )
                     target[r0:r1, c0:c1] = s
+    for (key, _, _), shard_states in column_states.items():
+        if not all(torch.equal(s, shard_states[0]) for s in shard_states):
+            raise AssertionError(f"the column shards of {key} hold different row-wise states")
     return weights, states

@@ -2,7 +2,10 @@
 
 For each plan, every rank runs 5 steps on its slice of a global batch while an
 unsharded collection runs the global batch; the pooled outputs must match at
-every step and the weights and optimizer state after the last one.
+every step and the weights and optimizer state after the last one. Every plan
+runs the default optimizer, row-wise Adagrad (column splits included: their
+shards combine the row statistic), on both kernels; the mixed plan also runs
+SGD and Adagrad.
 """
 
 import pytest
@@ -17,30 +20,41 @@ from dist_cases import (
     plan_mixed,
 )
 
+from towerrec.config import load_config
+from towerrec.data.synthetic import SyntheticSource
 from towerrec.distributed.comm import Comm
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.planner.plan import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
+from towerrec.train.planning import build_plan
 
 BATCH = 6  # per rank
 STEPS = 5
+# FBGEMM kernels need shard widths that are multiples of 4: 4 column shards of 16+.
+WIDE_TABLES = [
+    TableConfig(t.name, t.num_embeddings, 4 * t.embedding_dim, t.feature_names, t.pooling)
+    for t in TABLES
+]
 
 
-def _golden(topology, plan, optimizer, backend, weighted, seed):
+def _golden(topology, plan, optimizer, backend, weighted, seed, tables=None):
     """Max abs differences (outputs, weights, states) between sharded and unsharded."""
     world, rank = topology.world_size, topology.rank
     opt = EmbeddingOptimizerConfig(kind=optimizer, lr=0.1)
-    tables = SUM_TABLES if weighted else TABLES
+    tables = tables or (SUM_TABLES if weighted else TABLES)
+    features = [f for t in tables for f in t.feature_names]
+    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
     reference = EmbeddingBagCollection(tables, opt, backend=backend, seed=seed)
     sharded = ShardedEmbeddingBagCollection(
         EmbeddingBagCollection(tables, opt, backend=backend, seed=seed), plan, Comm(topology)
     )
     out_diff = 0.0
     for step in range(STEPS):
-        batch = make_batch(1000 * seed + step, BATCH * world, weighted)
+        batch = make_batch(1000 * seed + step, BATCH * world, weighted, features, rows)
         grad = torch.randn(
             BATCH * world,
             sum(reference.embedding_dims),
@@ -90,18 +104,61 @@ def _measured_and_expected_bytes(topology):
     return {"intra": comm.stats.intra_bytes, "cross": comm.stats.cross_bytes}, expected
 
 
+def _rowwise_stat_bytes(topology):
+    """Bytes of the row-statistic exchange in one column-wise step, measured and by hand:
+    each shard sends (k - 1) x U floats for a table of k shards and U distinct ids."""
+    world, rank = topology.world_size, topology.rank
+    comm = Comm(topology)
+    plan = plan_all(ShardingType.COLUMN_WISE, topology)
+    ebc = EmbeddingBagCollection(TABLES, backend="torch")
+    sharded = ShardedEmbeddingBagCollection(ebc, plan, comm)
+    batch = make_batch(5, BATCH * world)
+    out = sharded(local_slice(batch, rank, world)).values()
+    out.backward(torch.ones_like(out))
+    distinct = sum(
+        torch.cat([batch[f].values for f in t.feature_names]).unique().numel() for t in TABLES
+    )
+    measured = comm.stats.intra.get("rowwise_stat", 0) + comm.stats.cross.get("rowwise_stat", 0)
+    return measured, (world - 1) * distinct * 4
+
+
+def _auto_plan(topology):
+    """The default planner's plan (``plan.strategy = auto``) for the default config's
+    tables, the default kernel and optimizer; it splits some tables by columns."""
+    config = load_config(
+        overrides=["plan.strategy=auto", "plan.stats_batches=1", f"plan.hosts={topology.hosts}"]
+    )
+    source = SyntheticSource(config.data.synthetic)
+    plan = build_plan(config, source, topology.world_size)
+    dim = config.model.embedding_dim
+    tables = [TableConfig(f.name, f.num_embeddings, dim) for f in source.schema.sparse]
+    assert any(tp.sharding is ShardingType.COLUMN_WISE for tp in plan.tables.values()), plan
+    return _golden(topology, plan, "rowwise_adagrad", "auto", False, 11, tables=tables)
+
+
 def _all_types(topology):
-    """Every sharding type and the mixed plan, with the optimizers that are exact for it."""
+    """Every sharding type and the mixed plan with the default optimizer (row-wise
+    Adagrad) on both kernels; the mixed plan also with SGD and Adagrad."""
     results = {"bytes": _measured_and_expected_bytes(topology)}
+    results["rowwise_stat_bytes"] = _rowwise_stat_bytes(topology)
     kinds = list(ShardingType)
     for i, kind in enumerate(kinds):
         plan = plan_all(kind, topology)
-        column = kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
-        optimizer = "adagrad" if column else "rowwise_adagrad"
         backend = "torch" if i % 2 else "fbgemm"
-        results[kind.value] = _golden(topology, plan, optimizer, backend, i == 2, seed=i)
-    results["mixed_sgd"] = _golden(topology, plan_mixed(topology), "sgd", "torch", False, 7)
-    results["mixed_adagrad"] = _golden(topology, plan_mixed(topology), "adagrad", "fbgemm", True, 8)
+        results[kind.value] = _golden(topology, plan, "rowwise_adagrad", backend, i == 2, seed=i)
+    for kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE):
+        plan = plan_all(kind, topology, WIDE_TABLES)
+        results[f"{kind.value}_fbgemm"] = _golden(
+            topology, plan, "rowwise_adagrad", "fbgemm", False, 9, tables=WIDE_TABLES
+        )
+    mixed, wide_mixed = plan_mixed(topology), plan_mixed(topology, WIDE_TABLES)
+    results["mixed_rowwise_torch"] = _golden(topology, mixed, "rowwise_adagrad", "torch", True, 6)
+    results["mixed_rowwise_fbgemm"] = _golden(
+        topology, wide_mixed, "rowwise_adagrad", "fbgemm", False, 10, tables=WIDE_TABLES
+    )
+    results["auto_plan"] = _auto_plan(topology)
+    results["mixed_sgd"] = _golden(topology, mixed, "sgd", "torch", False, 7)
+    results["mixed_adagrad"] = _golden(topology, mixed, "adagrad", "fbgemm", True, 8)
     return results
 
 
@@ -114,6 +171,8 @@ def test_every_sharding_type_matches_unsharded(world, hosts):
         measured, expected = per_plan.pop("bytes")
         assert measured == expected, (rank, measured, expected)
         assert (expected["cross"] > 0) == (hosts > 1)
+        measured, expected = per_plan.pop("rowwise_stat_bytes")
+        assert measured == expected > 0, (rank, measured, expected)
         for name, (out_diff, weight_diff, state_diff) in per_plan.items():
             assert out_diff < 1e-5, (rank, name, "outputs", out_diff)
             assert weight_diff < 1e-5, (rank, name, "weights", weight_diff)

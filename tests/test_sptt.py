@@ -47,7 +47,7 @@ NUM_DENSE = 3
 #  tower_dense, per-id weights, local batch of each rank)
 CASES = {
     "identity": ("identity", "rowwise_adagrad", "adam", "row_wise", False, False, [8] * 4),
-    "dot": ("dot", "sgd", "sgd", "column_wise", True, True, [8, 5, 7, 3]),
+    "dot": ("dot", "rowwise_adagrad", "sgd", "column_wise", True, True, [8, 5, 7, 3]),
     "fm": ("fm", "adagrad", "adam", "table_wise", False, False, [6] * 4),
     "replicated": ("dot", "rowwise_adagrad", "adam", "data_parallel", False, False, [4] * 4),
 }

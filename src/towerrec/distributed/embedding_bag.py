@@ -20,8 +20,9 @@
 Backward runs the same collectives in reverse (autograd functions), so every
 shard's fused optimizer sees exactly the gradient rows it owns, summed over
 the samples of every rank: the updates equal the unsharded collection's on the
-global batch (``rowwise_adagrad`` under column splits excepted, see
-``sharding/column_wise.py``).
+global batch. ``rowwise_adagrad`` under column splits adds one all-to-all of a
+float per touched row at the end of the lookup's backward
+(``sharding/column_wise.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats, Pending
 from towerrec.distributed.input_dist import Router, segment_permutation
+from towerrec.distributed.sharding.column_wise import ColumnRowwiseSync
 from towerrec.distributed.state import load_tensor, state_tensors
 from towerrec.modules.embedding_bag import (
     EmbeddingBagCollection,
@@ -127,6 +129,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         # Plain attributes, not submodules: the shards' state is ours to name (see state.py).
         object.__setattr__(self, "_local", self._build_local(ebc, sharded_tables))
         object.__setattr__(self, "_replica", self._build_replica(ebc, replicated_tables))
+        split = ColumnRowwiseSync.split_tables(plan, sharded_tables, self.optimizer.kind)
+        self._rowwise = ColumnRowwiseSync(comm, plan, split, self.device) if split else None
+        if self._rowwise is not None and self._local is not None:
+            self._local.defer_rowwise({t.name for t in split}, self._rowwise)
         self._col_map = self._column_map()
         self._split_columns = self._direct_and_host_columns()
         # Without row splits the received columns are a permutation of the output's:
@@ -471,6 +477,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def lookup(self, dist_input: DistInput) -> tuple[DistInput, torch.Tensor, torch.Tensor | None]:
         """Pool this rank's shards: ``[sum_r B_r, W_rank]`` and replicas ``[sum_r B_r, W_dp]``."""
         total = sum(dist_input.batches)
+        fence = self._rowwise.start() if self._rowwise is not None else None
         if self._local is not None and dist_input.local is not None:
             pooled = self._local(dist_input.local)
             order = [s.feature for s in self._router.slots[self.comm.rank]]
@@ -482,6 +489,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             values = torch.zeros(
                 total, 0, device=self.device, requires_grad=torch.is_grad_enabled()
             )
+        if fence is not None and torch.is_grad_enabled():
+            values = ColumnRowwiseSync.tie(values, fence)  # the fence runs on every rank
         replicated = None
         if self._replica is not None:
             replicated = self._replica(dist_input.replicated).values()

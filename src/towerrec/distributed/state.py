@@ -7,9 +7,10 @@ full (unsharded) shape; its optimizer state under ``embedding_bags.<table>.<name
   (offsets ``(row0, col0)``), so DCP stores each block once and a later load
   under another plan or world size reads whatever blocks overlap its own;
 - data-parallel tables: a plain tensor (identical on every rank; DCP keeps one);
-- row-wise Adagrad state ``[rows]`` of a column-split table: each column shard
-  has its own; the first column shard's is saved, and on load it is broadcast
-  to every column shard of the table.
+- row-wise Adagrad state ``[rows]`` of a column-split table: every column shard
+  holds the same (the row statistic is combined across them,
+  ``sharding/column_wise.py``), so the first column shard's is saved, and on
+  load it is broadcast to every column shard of the table.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ block of a table on its own), so no rank ever holds the full tables.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from enum import StrEnum
 
 import torch
@@ -34,6 +34,7 @@ from torch import nn
 from towerrec.modules.kernels import (
     Backend,
     EmbeddingKernel,
+    RowwiseSync,
     TableSpec,
     build_kernel,
     resolve_backend,
@@ -232,6 +233,15 @@ class EmbeddingBagCollection(nn.Module):
     def set_learning_rate(self, lr: float) -> None:
         for kernel in self._kernels:
             kernel.set_learning_rate(lr)
+
+    def defer_rowwise(self, tables: Collection[str], sync: RowwiseSync) -> None:
+        """Hand the row-wise Adagrad updates of ``tables`` to ``sync`` (a sharded
+        collection's column shards; see ``modules/kernels.py``)."""
+        self._require_tables()
+        for group, kernel in zip(self._groups, self._kernels):
+            mine = {i: t.name for i, t in enumerate(group) if t.name in tables}
+            if mine:
+                kernel.defer_rowwise(mine, sync)
 
     def optimizer_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
         self._require_tables()

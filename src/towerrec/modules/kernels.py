@@ -17,14 +17,27 @@ arithmetic:
   an exact sparse update (sort + segment-sum) in a custom autograd function.
 - ``FbgemmKernel``: FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` (CPU or
   CUDA build) with the optimizer fused into its backward kernel.
+
+Tables whose columns are split over ranks (a sharded collection's column
+shards) cannot finish a row-wise Adagrad step alone: the row statistic is the
+mean of g^2 over all the table's columns. ``defer_rowwise`` hands such tables'
+updates to a ``RowwiseSync`` (``distributed/sharding/column_wise.py``): the
+backward computes their row gradients, the sync combines the statistic across
+the shards and then calls back to apply the update. A kernel with deferred
+tables runs its backward and updates on the pure-PyTorch path on either
+backend (FBGEMM's fused kernel takes the mean over its own columns); its
+forward is unchanged.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
+from itertools import pairwise
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +45,19 @@ from torch import nn
 
 from towerrec.memory import register_parent_only
 from towerrec.modules.tables import Pooling
-from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, sparse_update
+from towerrec.optim.sparse import (
+    EmbeddingOptimizer,
+    EmbeddingOptimizerConfig,
+    rowwise_adagrad_update,
+    sparse_update,
+)
 
 __all__ = [
     "Backend",
     "EmbeddingKernel",
     "FbgemmKernel",
+    "RowwiseStep",
+    "RowwiseSync",
     "TableSpec",
     "TorchKernel",
     "auto_backend",
@@ -59,6 +79,26 @@ class TableSpec:
 
     num_embeddings: int
     embedding_dim: int
+
+
+class RowwiseStep(Protocol):
+    """One lookup's collector of deferred row-wise Adagrad updates."""
+
+    @property
+    def trigger(self) -> torch.Tensor:
+        """The lookup's autograd input: its backward runs after every kernel's."""
+        ...
+
+    def defer(self, table: str, grad: torch.Tensor, apply: Callable[[torch.Tensor], None]) -> None:
+        """``grad [U, D_shard]`` of the U rows of ``table`` this lookup touched;
+        ``apply(mean_square [U])`` updates them once the statistic is combined."""
+        ...
+
+
+class RowwiseSync(Protocol):
+    """Gives the kernels the current lookup's ``RowwiseStep``."""
+
+    def step(self) -> RowwiseStep: ...
 
 
 def fbgemm_available() -> bool:
@@ -139,6 +179,18 @@ class EmbeddingKernel(nn.Module):
         self.optimizer = optimizer
         self.device = torch.device(device)
         self.embedding_dim = dims.pop()
+        self.lr = optimizer.lr
+        self.row_offsets = [0]
+        for t in self.tables:
+            self.row_offsets.append(self.row_offsets[-1] + t.num_embeddings)
+        # Row base of each feature's table inside the concatenated rows.
+        self.feature_row_base = torch.tensor(
+            [self.row_offsets[t] for t in self.feature_table_map],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        self._deferred: dict[int, str] = {}  # table index -> name given to the sync
+        self._sync: RowwiseSync | None = None
         if self.device.type == "cpu":
             register_parent_only(self)  # forked loader workers drop the tables' pages
 
@@ -168,13 +220,80 @@ class EmbeddingKernel(nn.Module):
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def defer_rowwise(self, tables: Mapping[int, str], sync: RowwiseSync) -> None:
+        """Hand the row-wise Adagrad updates of ``tables`` (index -> name) to ``sync``
+        (module doc); the other tables keep updating in backward."""
+        if self.optimizer.kind is not EmbeddingOptimizer.ROWWISE_ADAGRAD:
+            raise ValueError(
+                f"only rowwise_adagrad updates are deferred, not {self.optimizer.kind.value!r}"
+            )
+        self._deferred = dict(tables)
+        self._sync = sync
+
+    def _global_ids(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        values = values.long()
+        if len(self.tables) == 1:
+            return values
+        batch = (offsets.numel() - 1) // self.num_features
+        per_feature = offsets[::batch].diff()
+        base = torch.repeat_interleave(
+            self.feature_row_base, per_feature, output_size=values.numel()
+        )
+        return values + base
+
+    @torch.no_grad()
+    def _update_split(self, rows: torch.Tensor, grad_rows: torch.Tensor, step: RowwiseStep) -> None:
+        """Update unique concatenated ``rows``: deferred tables through ``step``, others now."""
+        edges = torch.tensor(self.row_offsets, device=rows.device)
+        bounds = torch.searchsorted(rows, edges).tolist()
+        weights, states = self.split_weights(), self.split_optimizer_states()
+        for t, (lo, hi) in enumerate(pairwise(bounds)):
+            local, grad = rows[lo:hi] - self.row_offsets[t], grad_rows[lo:hi]
+            if t in self._deferred:
+                step.defer(self._deferred[t], grad, partial(self._apply_rowwise, t, local, grad))
+            elif hi > lo:
+                kind, eps = self.optimizer.kind, self.optimizer.eps
+                sparse_update(kind, weights[t], states[t], local, grad, self.lr, eps)
+
+    @torch.no_grad()
+    def _apply_rowwise(self, table: int, rows, grad, mean_square) -> None:
+        momentum = self.split_optimizer_states()[table]["momentum1"]
+        weight = self.split_weights()[table]
+        rowwise_adagrad_update(
+            weight, momentum, rows, grad, mean_square, self.lr, self.optimizer.eps
+        )
+
+
+def _row_gradients(ids, offsets, weights, grad_bags, pooling: Pooling, dim: int):
+    """Unique ``rows [U]`` of ``ids`` and their summed gradients ``[U, dim]`` from the
+    bags' gradients ``grad_bags [bags, dim]``."""
+    lengths = offsets.diff()
+    bag_of_id = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=ids.device), lengths, output_size=ids.numel()
+    )
+    if pooling is Pooling.MEAN:
+        grad_bags = grad_bags / lengths.clamp(min=1).unsqueeze(1).to(grad_bags.dtype)
+    grad_ids = grad_bags.index_select(0, bag_of_id)
+    if weights is not None:
+        grad_ids = grad_ids * weights.unsqueeze(1)
+    rows, inverse = torch.unique(ids, return_inverse=True)
+    grad_rows = torch.zeros(rows.numel(), dim, dtype=grad_ids.dtype, device=ids.device)
+    if ids.is_cuda:
+        # index_add_ uses atomics on CUDA (the sum's order varies run to run);
+        # index_put_ with accumulate sorts the indices: deterministic, so a
+        # resumed run reproduces an uninterrupted one bit for bit on GPUs too.
+        grad_rows.index_put_((inverse,), grad_ids, accumulate=True)
+    else:
+        grad_rows.index_add_(0, inverse, grad_ids)
+    return rows, grad_rows
+
 
 class _FusedLookup(torch.autograd.Function):
     """``embedding_bag`` forward; backward applies the sparse optimizer in place."""
 
     @staticmethod
-    def forward(ctx, _trigger, kernel: TorchKernel, ids, offsets, weights):
-        ctx.kernel = kernel
+    def forward(ctx, trigger, kernel: TorchKernel, ids, offsets, weights, step=None):
+        ctx.kernel, ctx.step, ctx.trigger_shape = kernel, step, trigger.shape
         ctx.save_for_backward(ids, offsets, weights)
         mode = "sum" if kernel.pooling is Pooling.SUM else "mean"
         return F.embedding_bag(
@@ -189,8 +308,16 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_bags):
         ids, offsets, weights = ctx.saved_tensors
-        ctx.kernel.apply_gradient(ids, offsets, weights, grad_bags)
-        return None, None, None, None, None
+        if ctx.step is None:
+            ctx.kernel.apply_gradient(ids, offsets, weights, grad_bags)
+            return None, None, None, None, None, None
+        kernel = ctx.kernel
+        rows, grad_rows = _row_gradients(
+            ids, offsets, weights, grad_bags, kernel.pooling, kernel.embedding_dim
+        )
+        kernel._update_split(rows, grad_rows, ctx.step)
+        # A gradient for the step's trigger, so its backward runs after this one.
+        return grad_bags.new_zeros(ctx.trigger_shape), None, None, None, None, None
 
 
 class TorchKernel(EmbeddingKernel):
@@ -198,23 +325,12 @@ class TorchKernel(EmbeddingKernel):
 
     def __init__(self, tables, feature_table_map, pooling, optimizer, device) -> None:
         super().__init__(tables, feature_table_map, pooling, optimizer, device)
-        rows = [t.num_embeddings for t in self.tables]
-        self.row_offsets = [0]
-        for r in rows:
-            self.row_offsets.append(self.row_offsets[-1] + r)
         dim = self.embedding_dim
         self.weight = torch.zeros(self.row_offsets[-1], dim, device=self.device)
         self.state = {
             name: torch.zeros((self.row_offsets[-1], *shape[1:]), device=self.device)
             for name, shape in optimizer.kind.state_shapes(1, dim).items()
         }
-        self.lr = optimizer.lr
-        # Row base of each feature's table inside the concatenated weight.
-        self.feature_row_base = torch.tensor(
-            [self.row_offsets[t] for t in self.feature_table_map],
-            dtype=torch.int64,
-            device=self.device,
-        )
         # Leaf that makes autograd call backward; not a parameter of any model.
         self._trigger = torch.zeros(0, device=self.device, requires_grad=True)
 
@@ -230,22 +346,13 @@ class TorchKernel(EmbeddingKernel):
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
 
-    def _global_ids(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        values = values.long()
-        if len(self.tables) == 1:
-            return values
-        batch = (offsets.numel() - 1) // self.num_features
-        per_feature = offsets[::batch].diff()
-        base = torch.repeat_interleave(
-            self.feature_row_base, per_feature, output_size=values.numel()
-        )
-        return values + base
-
     def forward(self, values, offsets, weights=None):
         num_bags = offsets.numel() - 1
         batch = num_bags // self.num_features
         ids = self._global_ids(values, offsets)
-        bags = _FusedLookup.apply(self._trigger, self, ids, offsets.long(), weights)
+        step = self._sync.step() if self._sync is not None else None
+        trigger = step.trigger if step is not None else self._trigger
+        bags = _FusedLookup.apply(trigger, self, ids, offsets.long(), weights, step)
         # [F*B, D] feature-major -> [B, F*D] sample-major
         return (
             bags.view(self.num_features, batch, self.embedding_dim)
@@ -255,26 +362,9 @@ class TorchKernel(EmbeddingKernel):
 
     @torch.no_grad()
     def apply_gradient(self, ids, offsets, weights, grad_bags) -> None:
-        lengths = offsets.diff()
-        bag_of_id = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=ids.device), lengths, output_size=ids.numel()
+        rows, grad_rows = _row_gradients(
+            ids, offsets, weights, grad_bags, self.pooling, self.embedding_dim
         )
-        if self.pooling is Pooling.MEAN:
-            grad_bags = grad_bags / lengths.clamp(min=1).unsqueeze(1).to(grad_bags.dtype)
-        grad_ids = grad_bags.index_select(0, bag_of_id)
-        if weights is not None:
-            grad_ids = grad_ids * weights.unsqueeze(1)
-        rows, inverse = torch.unique(ids, return_inverse=True)
-        grad_rows = torch.zeros(
-            rows.numel(), self.embedding_dim, dtype=grad_ids.dtype, device=ids.device
-        )
-        if ids.is_cuda:
-            # index_add_ uses atomics on CUDA (the sum's order varies run to run);
-            # index_put_ with accumulate sorts the indices: deterministic, so a
-            # resumed run reproduces an uninterrupted one bit for bit on GPUs too.
-            grad_rows.index_put_((inverse,), grad_ids, accumulate=True)
-        else:
-            grad_rows.index_add_(0, inverse, grad_ids)
         sparse_update(
             self.optimizer.kind,
             self.weight,
@@ -349,10 +439,36 @@ class FbgemmKernel(EmbeddingKernel):
         return out
 
     def set_learning_rate(self, lr: float) -> None:
+        self.lr = lr
         self.tbe.set_learning_rate(lr)
 
     def forward(self, values, offsets, weights=None):
+        if self._sync is not None:
+            step = self._sync.step()
+            return _DeferredFbgemmLookup.apply(step.trigger, self, values, offsets, weights, step)
         return self.tbe(values.long(), offsets.long(), per_sample_weights=weights)
+
+
+class _DeferredFbgemmLookup(torch.autograd.Function):
+    """FBGEMM's forward; backward on the PyTorch path with deferred tables (module doc)."""
+
+    @staticmethod
+    def forward(ctx, trigger, kernel: FbgemmKernel, values, offsets, weights, step):
+        ctx.kernel, ctx.step, ctx.trigger_shape = kernel, step, trigger.shape
+        values, offsets = values.long(), offsets.long()
+        ctx.save_for_backward(kernel._global_ids(values, offsets), offsets, weights)
+        return kernel.tbe(values, offsets, per_sample_weights=weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, offsets, weights = ctx.saved_tensors
+        kernel = ctx.kernel
+        dim, features = kernel.embedding_dim, kernel.num_features
+        # [B, F*D] sample-major -> [F*B, D] feature-major bags
+        grad_bags = grad.reshape(-1, features, dim).transpose(0, 1).reshape(-1, dim)
+        rows, grad_rows = _row_gradients(ids, offsets, weights, grad_bags, kernel.pooling, dim)
+        kernel._update_split(rows, grad_rows, ctx.step)
+        return grad.new_zeros(ctx.trigger_shape), None, None, None, None, None
 
 
 def build_kernel(

@@ -21,7 +21,12 @@ import torch
 from towerrec.optim.counter import counter_sgd_update
 from towerrec.utils import parse_enum
 
-__all__ = ["EmbeddingOptimizer", "EmbeddingOptimizerConfig", "sparse_update"]
+__all__ = [
+    "EmbeddingOptimizer",
+    "EmbeddingOptimizerConfig",
+    "rowwise_adagrad_update",
+    "sparse_update",
+]
 
 
 class EmbeddingOptimizer(StrEnum):
@@ -89,10 +94,9 @@ def sparse_update(
     if kind is EmbeddingOptimizer.SGD:
         step = grad * lr
     elif kind is EmbeddingOptimizer.ROWWISE_ADAGRAD:
-        momentum = state["momentum1"]
-        m = momentum.index_select(0, rows).add_(grad.square().mean(dim=1))
-        momentum.index_copy_(0, rows, m)
-        step = grad * (lr / m.sqrt_().add_(eps)).unsqueeze(1)
+        mean_square = grad.square().mean(dim=1)
+        rowwise_adagrad_update(weight, state["momentum1"], rows, grad, mean_square, lr, eps)
+        return
     elif kind is EmbeddingOptimizer.ADAGRAD:
         momentum = state["momentum1"]
         m = momentum.index_select(0, rows).add_(grad.square())
@@ -100,4 +104,22 @@ def sparse_update(
         step = grad * lr / m.sqrt_().add_(eps)
     else:  # pragma: no cover - the enum is closed
         raise ValueError(f"unsupported embedding optimizer {kind}")
+    weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(step))
+
+
+def rowwise_adagrad_update(
+    weight: torch.Tensor,
+    momentum: torch.Tensor,
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    mean_square: torch.Tensor,
+    lr: float,
+    eps: float,
+) -> None:
+    """Row-wise Adagrad on unique ``rows[U]`` given ``grad[U, D]`` and each row's
+    ``mean_square[U]`` (``mean_j g[r, j]^2``, passed in so that a table split by
+    columns can use the mean over all of its columns, not only the shard's)."""
+    m = momentum.index_select(0, rows).add_(mean_square)
+    momentum.index_copy_(0, rows, m)
+    step = grad * (lr / m.sqrt_().add_(eps)).unsqueeze(1)
     weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(step))
