@@ -105,7 +105,7 @@ class Pending:
     def __init__(self, work, finish: Callable[[], object]) -> None:
         self._work = work
         self._finish = finish
-        self._result = None
+        self._result: object = None
         self._done = False
 
     def wait(self):
