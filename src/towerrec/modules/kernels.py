@@ -25,6 +25,7 @@ import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -163,7 +164,14 @@ class _FusedLookup(torch.autograd.Function):
     """``embedding_bag`` forward; backward applies the sparse optimizer in place."""
 
     @staticmethod
-    def forward(ctx, _trigger, kernel: TorchKernel, ids, offsets, weights):
+    def forward(
+        ctx: Any,
+        _trigger: torch.Tensor,
+        kernel: TorchKernel,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> torch.Tensor:
         ctx.kernel = kernel
         ctx.save_for_backward(ids, offsets, weights)
         mode = "sum" if kernel.pooling is Pooling.SUM else "mean"
@@ -177,7 +185,7 @@ class _FusedLookup(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx, grad_bags):
+    def backward(ctx: Any, grad_bags: torch.Tensor) -> tuple[None, None, None, None, None]:
         ids, offsets, weights = ctx.saved_tensors
         ctx.kernel.apply_gradient(ids, offsets, weights, grad_bags)
         return None, None, None, None, None
@@ -186,7 +194,14 @@ class _FusedLookup(torch.autograd.Function):
 class TorchKernel(EmbeddingKernel):
     """Pure-PyTorch fused kernel: runs wherever PyTorch runs (CPU, CUDA)."""
 
-    def __init__(self, tables, feature_table_map, pooling, optimizer, device) -> None:
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        feature_table_map: Sequence[int],
+        pooling: Pooling,
+        optimizer: EmbeddingOptimizerConfig,
+        device: torch.device,
+    ) -> None:
         super().__init__(tables, feature_table_map, pooling, optimizer, device)
         rows = [t.num_embeddings for t in self.tables]
         self.row_offsets = [0]
@@ -231,11 +246,13 @@ class TorchKernel(EmbeddingKernel):
         )
         return values + base
 
-    def forward(self, values, offsets, weights=None):
+    def forward(
+        self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         num_bags = offsets.numel() - 1
         batch = num_bags // self.num_features
         ids = self._global_ids(values, offsets)
-        bags = _FusedLookup.apply(self._trigger, self, ids, offsets.long(), weights)
+        bags: torch.Tensor = _FusedLookup.apply(self._trigger, self, ids, offsets.long(), weights)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
         # [F*B, D] feature-major -> [B, F*D] sample-major
         return (
             bags.view(self.num_features, batch, self.embedding_dim)
@@ -244,7 +261,13 @@ class TorchKernel(EmbeddingKernel):
         )
 
     @torch.no_grad()
-    def apply_gradient(self, ids, offsets, weights, grad_bags) -> None:
+    def apply_gradient(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        grad_bags: torch.Tensor,
+    ) -> None:
         lengths = offsets.diff()
         bag_of_id = torch.repeat_interleave(
             torch.arange(lengths.numel(), device=ids.device), lengths, output_size=ids.numel()
@@ -287,7 +310,14 @@ _FBGEMM_OPTIMIZERS = {
 class FbgemmKernel(EmbeddingKernel):
     """FBGEMM ``SplitTableBatchedEmbeddingBagsCodegen`` with its fused optimizer."""
 
-    def __init__(self, tables, feature_table_map, pooling, optimizer, device) -> None:
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        feature_table_map: Sequence[int],
+        pooling: Pooling,
+        optimizer: EmbeddingOptimizerConfig,
+        device: torch.device,
+    ) -> None:
         super().__init__(tables, feature_table_map, pooling, optimizer, device)
         if optimizer.kind not in _FBGEMM_OPTIMIZERS:
             raise ValueError(
@@ -341,8 +371,12 @@ class FbgemmKernel(EmbeddingKernel):
     def set_learning_rate(self, lr: float) -> None:
         self.tbe.set_learning_rate(lr)
 
-    def forward(self, values, offsets, weights=None):
-        return self.tbe(values.long(), offsets.long(), per_sample_weights=weights)
+    def forward(
+        self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return cast(
+            torch.Tensor, self.tbe(values.long(), offsets.long(), per_sample_weights=weights)
+        )
 
 
 def build_kernel(
