@@ -23,7 +23,7 @@ import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import tomli_w
 
@@ -369,7 +369,7 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a table of settings, got {value!r}")
-        return _build(hint, value, key)
+        return _build(cast(type, hint), value, key)  # a dataclass type hint, not an instance
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key} must be a table of named entries, got {value!r}")

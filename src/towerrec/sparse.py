@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, overload
 
 import torch
 
@@ -218,13 +219,23 @@ class KeyedJaggedTensor:
         )
 
     # ----------------------------------------------------------- transforms
-    def _like(self, values, lengths, weights, offsets=None) -> KeyedJaggedTensor:
+    def _like(
+        self,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None,
+        offsets: torch.Tensor | None = None,
+    ) -> KeyedJaggedTensor:
         return KeyedJaggedTensor(
             self._keys, values, lengths, weights, offsets=offsets, validate=False
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJaggedTensor:
-        def move(t):
+        @overload
+        def move(t: torch.Tensor) -> torch.Tensor: ...
+        @overload
+        def move(t: None) -> None: ...
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
         moved = self._like(
@@ -239,7 +250,11 @@ class KeyedJaggedTensor:
         if not can_pin_memory():
             return self
 
-        def pin(t):
+        @overload
+        def pin(t: torch.Tensor) -> torch.Tensor: ...
+        @overload
+        def pin(t: None) -> None: ...
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.pin_memory()
 
         pinned = self._like(
@@ -343,7 +358,7 @@ class KeyedJaggedTensor:
         if any(p.weights is not None for p in parts):
             if not all(p.weights is not None for p in parts):
                 raise ValueError("either every key has weights or none does")
-            weights = torch.cat([p.weights for p in parts])
+            weights = torch.cat([p.weights for p in parts if p.weights is not None])
         return KeyedJaggedTensor(
             keys,
             torch.cat([p.values for p in parts]),
@@ -352,7 +367,7 @@ class KeyedJaggedTensor:
         )
 
     # ----------------------------------------------------------- torchrec
-    def to_torchrec(self):
+    def to_torchrec(self) -> Any:
         """The same batch as ``torchrec.sparse.jagged_tensor.KeyedJaggedTensor``."""
         try:
             from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchrecKJT
@@ -370,7 +385,7 @@ class KeyedJaggedTensor:
         )
 
     @staticmethod
-    def from_torchrec(kjt) -> KeyedJaggedTensor:
+    def from_torchrec(kjt: Any) -> KeyedJaggedTensor:
         """Copy-free view of a TorchRec ``KeyedJaggedTensor`` (validated)."""
         if kjt.variable_stride_per_key():
             raise ValueError("variable batch size per key is not supported; pad to one stride")

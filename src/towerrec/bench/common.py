@@ -7,7 +7,7 @@ import platform
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import date
 
 import torch
@@ -64,7 +64,7 @@ def matmul_peak_flops(
 
 
 def time_interleaved(
-    steps: dict[str, Callable[[int], None]],
+    steps: Mapping[str, Callable[[int], object]],
     rounds: int,
     steps_per_round: int,
     warmup: int,

@@ -14,6 +14,8 @@ time a step that leaves the tables unchanged and is not offered; ``bench dist
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -104,6 +106,7 @@ def _world(topology: Topology, shape: dict, types: list[str], torchrec: bool, st
     torch.set_num_threads(1)
     rank, world = topology.rank, topology.world_size
     batches = _batches(shape, rank)
+    systems: dict[str, Callable[[int], object]]
     systems, comms = {}, {}
     for kind in types:
         ebc = EmbeddingBagCollection(
@@ -153,7 +156,7 @@ def _world(topology: Topology, shape: dict, types: list[str], torchrec: bool, st
 
 def run_dist_benchmark(
     nprocs: tuple[int, ...] = (2, 4),
-    types: tuple[str, ...] = tuple(t.value for t in ShardingType),
+    types: tuple[str, ...] = tuple(t.value for t in ShardingType),  # type: ignore[name-defined]  # mypy bug: a generator in a default value
     steps: int = 20,
     rounds: int = 5,
     torchrec: bool = True,

@@ -21,6 +21,7 @@ its dense Adagrad updates them after DDP's all-reduce).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from towerrec.bench.common import machine_info, time_interleaved
 from towerrec.bench.dist import table_configs
 from towerrec.bench.torchrec_ref import quiet_torchrec_logs, torchrec_available
 from towerrec.data.batch import Batch
-from towerrec.distributed.comm import CommCodecs
+from towerrec.distributed.comm import Codec, CommCodecs
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import parallelize, uniform_plan
@@ -163,13 +164,15 @@ def _world(topology: Topology, shape: dict, types: list[str], torchrec: bool, st
     torch.set_num_threads(1)
     rank, world = topology.rank, topology.world_size
     batches = _batches(shape, rank)
-    systems = {}
+    systems: dict[str, Callable[..., object]] = {}
     for kind in types:
         model, optimizer = _towerrec_model(shape, kind, topology, CommCodecs())
         systems[f"towerrec_{kind}"] = lambda i, m=model, o=optimizer: train_step(
             m, o, batches[i % len(batches)]
         )
-        model, optimizer = _towerrec_model(shape, kind, topology, CommCodecs("fp16", "fp16"))
+        model, optimizer = _towerrec_model(
+            shape, kind, topology, CommCodecs(Codec.FP16, Codec.FP16)
+        )
         stream = pipelined(model, itertools.cycle(batches))
         systems[f"towerrec_{kind}_pipelined_fp16"] = lambda i, m=model, o=optimizer, s=stream: (
             train_step(m, o, next(s))

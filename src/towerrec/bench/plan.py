@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -90,9 +91,9 @@ def _model(topology, calibration, hosts, local, batch, **overrides):
 
 def _tasks_part(suite, model, num_tasks, torchrec_tasks, seed) -> dict:
     tasks = planning_tasks(suite, num_tasks, 10, 60, seed=seed)
-    cost = {p: [] for p in PLANNERS}
-    seconds = {p: [] for p in PLANNERS}
-    cpu_seconds = {p: [] for p in PLANNERS}
+    cost: dict[str, list[float]] = {p: [] for p in PLANNERS}
+    seconds: dict[str, list[float]] = {p: [] for p in PLANNERS}
+    cpu_seconds: dict[str, list[float]] = {p: [] for p in PLANNERS}
     for task in tasks:
         for p in PLANNERS:
             r = plan_tables(task, model, p, seed=seed)
@@ -167,8 +168,8 @@ def _measured_part(suite, calibration, num_tasks, seed, max_rows=50_000, rounds=
         for s in suite
     ]
     tasks = planning_tasks(small, num_tasks, 8, 16, seed=seed + 1)
-    measured = {p: [] for p in PLANNERS}
-    predicted = {p: [] for p in PLANNERS}
+    measured: dict[str, list[float]] = {p: [] for p in PLANNERS}
+    predicted: dict[str, list[float]] = {p: [] for p in PLANNERS}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -238,7 +239,7 @@ def run_plan_benchmark(
 ) -> dict:
     suite = dlrm_like_suite(856, seed=seed, batch_size=batch_size)
     small_model = _model(topology, calibration, 1, 4, batch_size, device_memory=TASK_DEVICE_MEMORY)
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "plan",
         "machine": machine_info(),
         "cost_model": {

@@ -26,6 +26,7 @@ import torch
 from towerrec.bench.common import machine_info, time_interleaved
 from towerrec.config import Config, load_config
 from towerrec.data.synthetic import SyntheticSource
+from towerrec.models.dmt import TowerKind
 from towerrec.planner.towers import (
     cost_partition,
     evaluate_partition,
@@ -69,7 +70,7 @@ def step_time_ratios(config: Config, groups: list[list[str]], rounds: int = 5) -
     batch_size = config.train.batch_size
     batches = [source.samples("train", i * batch_size, batch_size)[0] for i in range(4)]
     identity = dataclasses.replace(
-        config.model.dmt, tower="identity", partition=tuple(tuple(g) for g in groups)
+        config.model.dmt, tower=TowerKind.IDENTITY, partition=tuple(tuple(g) for g in groups)
     )
     systems = {
         "flat_dlrm": config,
@@ -141,7 +142,7 @@ def run_towers_benchmark(
         "flat_dlrm": {**_train(base), "floats_to_top_per_sample": len(names) * dim}
     }
     identity = dataclasses.replace(
-        _with_partition(base, partitions["partitioner"]).model.dmt, tower="identity"
+        _with_partition(base, partitions["partitioner"]).model.dmt, tower=TowerKind.IDENTITY
     )
     runs["dmt_identity"] = {
         **_train(

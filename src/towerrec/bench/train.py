@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ __all__ = [
     "selected_backends",
 ]
 
-CRITEO_SHAPE = {
+CRITEO_SHAPE: dict[str, Any] = {
     "num_dense": 13,
     "num_tables": 26,
     "num_embeddings": 100_000,
@@ -134,7 +135,7 @@ def run_train_benchmark(
     shape = dict(shape or CRITEO_SHAPE)
     batches = make_batches(shape, batch_size)
     results: dict[str, dict] = {}
-    systems: dict[str, Callable[[int], None]] = {}
+    systems: dict[str, Callable[..., object]] = {}
     train_flops = 0
     for backend in selected_backends(backends, results):
         ebc = EmbeddingBagCollection(

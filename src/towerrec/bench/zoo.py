@@ -27,6 +27,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -94,7 +95,7 @@ class Sweep:
         key = repr(config.data)
         if key not in self._schemas:  # reading MovieLens once, not per width tried
             self._schemas[key] = build_source(config.data).schema
-        return build_model(config, self._schemas[key], torch.device("cpu")).flops_per_sample()
+        return build_model(config, self._schemas[key], torch.device("cpu")).flops_per_sample()  # type: ignore[operator]  # duck-typed model attribute (nn.Module types it Tensor | Module)
 
     def run_one(self, overrides: list[str], seed: int = 0) -> dict:
         seeded = []
@@ -118,7 +119,7 @@ class Sweep:
         out = Path(tempfile.mkdtemp(dir=self.root))
         with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON result
             summary = train(config, out)
-        result = {k: summary.get(k) for k in SUMMARY_KEYS}
+        result: dict[str, Any] = {k: summary.get(k) for k in SUMMARY_KEYS}
         for key in ("auc", "logloss", "ne", "oracle_auc"):
             result[key] = round(result[key], 5) if result[key] is not None else None
         result["samples_per_s"] = round(result["samples_per_s"], 1)
@@ -230,6 +231,7 @@ def embeddings_benchmark(sweep: Sweep) -> dict:
     results = {name: sweep.run(o) for name, o in sweep.select(embedding_variants()).items()}
     full = results.get("full")
     for r in results.values() if full else ():
+        assert full is not None  # the loop runs only with a full-table result
         r["param_ratio"] = round(full["num_embedding_params"] / r["num_embedding_params"], 2)
         r["auc_minus_full"], std = paired_difference(r, full)
         if sweep.seeds > 1:

@@ -27,7 +27,7 @@ import hashlib
 import json
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -342,7 +342,7 @@ def _count_values(paths, options: CriteoOptions, problems: Problems, bar) -> _Vo
 
 
 def preprocess_criteo(
-    inputs: list[str | Path],
+    inputs: Sequence[str | Path],
     out_dir: str | Path,
     options: CriteoOptions | None = None,
     progress: bool = True,

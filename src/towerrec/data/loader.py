@@ -18,7 +18,7 @@ w reads rows [r*N/w, (r+1)*N/w).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -198,7 +198,7 @@ class ColumnSource:
 
     def train_batches(
         self, batch_size: int, start_batch: int = 0, rank: int = 0, world_size: int = 1
-    ) -> Iterator[Batch]:
+    ) -> Generator[Batch, None, None]:
         """Endless training stream from global batch ``start_batch`` (see module docstring)."""
         _check_rank(rank, world_size)
         if self.config.num_workers:

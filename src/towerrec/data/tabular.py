@@ -421,7 +421,7 @@ def preprocess_table(
     )
 
 
-def _where(unit: str, start: int, row: int) -> int:
+def _where(unit: str, start: int, row: int | np.integer) -> int:
     return start + int(row)
 
 

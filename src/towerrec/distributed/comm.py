@@ -115,7 +115,7 @@ class Pending:
     def __init__(self, work, finish: Callable[[], object]) -> None:
         self._work = work
         self._finish = finish
-        self._result = None
+        self._result: object = None
         self._done = False
 
     def wait(self):
@@ -283,7 +283,7 @@ def ring_allreduce_hook(
     cross_host = topology.is_cross_host(neighbour)
 
     # No annotations: DDP checks them at run time, and this module's are strings.
-    def hook(_state, bucket):  # type: ignore[no-untyped-def]
+    def hook(_state, bucket):
         buffer = bucket.buffer()
         sent = 2 * (n - 1) * buffer.numel() * buffer.element_size() // n
         stats.record("dense_allreduce", 0 if cross_host else sent, sent if cross_host else 0)

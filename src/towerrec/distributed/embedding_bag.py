@@ -85,6 +85,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     (``parallelize`` sets 1/world so they match DDP's averaged dense gradients).
     """
 
+    _local: EmbeddingBagCollection | None
+    _replica: EmbeddingBagCollection | None
+
     is_fused_embedding = True
 
     def __init__(
@@ -249,7 +252,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def _column_map(self) -> torch.Tensor:
         """Output column of every column received: slots of rank 0, 1, ..., then replicas."""
         offsets = self._feature_offsets()
-        columns = []
+        columns: list[int] = []
         direct = [[s for s in slots if not s.hierarchical] for slots in self._router.slots]
         hierarchical = [self._router.host_slots(h) for h in range(self.comm.topology.hosts)]
         for slots in [*direct, *hierarchical]:
@@ -263,6 +266,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def _direct_and_host_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Columns of this rank's pooled output sent directly, and those added inside the host."""
+        direct: list[int]
+        host: list[int]
         direct, host, position = [], [], 0
         for s in self._router.slots[self.comm.rank]:
             (host if s.hierarchical else direct).extend(range(position, position + s.width))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -123,9 +124,10 @@ class Router:
         values, lengths = features.values().long(), features.lengths().long()
         weights = features.weights_or_none()
         starts = features.offset_per_key()
-        slot_lengths = [[None] * len(s) for s in self.slots]
-        slot_values = [[None] * len(s) for s in self.slots]
-        slot_weights = [[None] * len(s) for s in self.slots]
+        # Every slot is filled by exactly one route below.
+        slot_lengths: list[list[Any]] = [[None] * len(s) for s in self.slots]
+        slot_values: list[list[Any]] = [[None] * len(s) for s in self.slots]
+        slot_weights: list[list[Any]] = [[None] * len(s) for s in self.slots]
         for i, feature in enumerate(self.features):
             v = values[starts[i] : starts[i + 1]]
             n = lengths[i * batch : (i + 1) * batch]
@@ -139,6 +141,7 @@ class Router:
                 slot_lengths[rank][slot], slot_values[rank][slot], slot_weights[rank][slot] = (
                     buckets[bucket]
                 )
+        payload_weights: list[torch.Tensor] | None
         payloads, payload_weights, num_ids = [], [] if weights is not None else None, []
         empty = values.new_zeros(0)
         for rank in range(world):
@@ -146,6 +149,7 @@ class Router:
             payloads.append(torch.cat(parts) if parts else empty)
             num_ids.append(sum(x.numel() for x in slot_values[rank]))
             if payload_weights is not None:
+                assert weights is not None  # payload_weights exist only with weights
                 ws = slot_weights[rank]
                 payload_weights.append(torch.cat(ws) if ws else weights.new_zeros(0))
         return payloads, payload_weights, num_ids

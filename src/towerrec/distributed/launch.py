@@ -17,7 +17,7 @@ import socket
 import tempfile
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing.connection import wait as connection_wait
 from multiprocessing.process import BaseProcess
@@ -95,7 +95,7 @@ def _read_result(results_dir: str, rank: int) -> Any:
     return torch.load(path, weights_only=False)
 
 
-def _wait_for_workers(procs: list[BaseProcess]) -> list[int]:
+def _wait_for_workers(procs: Sequence[BaseProcess]) -> list[int]:
     """Block until every process has ended or one has failed; the ranks in the order
     they failed (empty when all succeeded). On a failure the others are terminated, so a
     rank waiting on a collective with a dead peer never hangs the caller."""

@@ -17,6 +17,7 @@ over the ranks follows the single-process model trained on that global batch.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch import nn
@@ -124,7 +125,10 @@ def replicate_counted(
     ``dense_stats`` (``ring_allreduce_hook``) when given."""
     replicate(module, process_group=group) if group is not None else replicate(module)
     if dense_stats is not None:
-        module.register_comm_hook(None, ring_allreduce_hook(topology, dense_stats, group))
+        # replicate() gave the module DDP's register_comm_hook (applied at its first forward)
+        cast(Any, module).register_comm_hook(
+            None, ring_allreduce_hook(topology, dense_stats, group)
+        )
 
 
 def comm_stats(model: nn.Module) -> CommStats:

@@ -90,6 +90,7 @@ def state_tensors(sebc, kind: str, prefix: str = "") -> dict[str, object]:
             names = list(sebc.optimizer.kind.state_shapes(1, 1))
         for name in names:
             if plan.sharding is ShardingType.DATA_PARALLEL:
+                assert view is not None  # every rank holds a data-parallel replica
                 out[key + name] = view.weight if name == "weight" else view.state[name]
                 continue
             shape = sebc.optimizer.kind.state_shapes(*full)[name] if name != "weight" else full
@@ -125,6 +126,7 @@ def load_tensor(sebc, key: str, value, prefix: str = "") -> None:
         return
     if target is None:
         return
+    assert view is not None  # target is one of its tensors
     (r0, r1), (c0, c1) = view.shard.rows, view.shard.cols
     source = value[r0:r1] if value.dim() == 1 else value[r0:r1, c0:c1]
     if tuple(source.shape) != tuple(target.shape):

@@ -37,7 +37,8 @@ G = N L B samples when every parameter's gradient is ``(1/NL) sum_r grad loss_r`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ from towerrec.distributed.embedding_bag import ScaleGrad, ShardedEmbeddingBagCol
 from towerrec.distributed.input_dist import segment_permutation
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import replicate_counted, topology_of, uniform_plan
-from towerrec.models.dmt import DMT
+from towerrec.models.dmt import DMT, TowerModule
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.plan import ShardingType
@@ -85,6 +86,7 @@ def tower_groups(
             group = dist.new_group(topology.host_ranks(h), backend=backend)
             if h == topology.host:
                 host.append(group)
+    assert peer is not None  # every rank is local rank l of its host for one l
     return peer, host[0], host[1]
 
 
@@ -125,7 +127,7 @@ class TowerParallelDMT(nn.Module):
         self.tower_index = topology.host
         self.partition = [list(g) for g in model.partition]
         self.embedding_dim = model.embedding_dim
-        self.num_outputs = [t.num_outputs for t in model.towers]
+        self.num_outputs = [t.num_outputs for t in cast("Iterable[TowerModule]", model.towers)]
         self.compresses = [t.compresses for t in model.towers]
         self.use_dense = model.towers[self.tower_index].use_dense
         self._flops = model.flops_per_sample()
@@ -327,7 +329,7 @@ def parallelize_towers(
     peer_group, host_group, ddp_group = tower_groups(topology)
     peer = Comm(Topology(hosts, hosts, topology.host), peer_group, stats)
     host = Comm(Topology(per_host, 1, topology.local_rank), host_group, stats)
-    ebc: EmbeddingBagCollection = model.sparse
+    ebc = cast(EmbeddingBagCollection, model.sparse)
     group = model.partition[topology.host]
     tables = _tower_tables(ebc, group, topology.host)
     for t, other in enumerate(model.partition):

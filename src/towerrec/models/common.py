@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from torch import nn
 
@@ -43,7 +44,7 @@ def sparse_flops_per_sample(sparse: nn.Module) -> int:
 
 def shared_embedding_dim(sparse: nn.Module, model: str) -> int:
     """The one embedding dim of every feature of ``sparse`` (the models stack them)."""
-    dims = set(sparse.embedding_dims)
+    dims = set(cast("list[int]", sparse.embedding_dims))
     if len(dims) != 1:
         raise ValueError(f"{model} needs one embedding dim for every feature, got {sorted(dims)}")
     return dims.pop()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -96,12 +97,12 @@ class DCN(nn.Module):
         self.config = config
         self.sparse = sparse
         self.embedding_dim = dim
-        self.num_sparse = len(sparse.feature_names)
+        self.num_sparse = len(cast("list[str]", sparse.feature_names))
         width = dim * (self.num_sparse + 1)
         self.bottom = MLP(num_dense, bottom_mlp)
         self.cross = CrossNetwork(width, config.num_layers, config.rank)
         if config.structure == "stacked":
-            self.deep = MLP(width, top_mlp, final_activation=False)
+            self.deep: MLP | None = MLP(width, top_mlp, final_activation=False)
             self.head = None
         else:
             hidden = list(top_mlp[:-1])
@@ -121,6 +122,7 @@ class DCN(nn.Module):
         x0 = torch.cat([self.bottom(dense), self.sparse(sparse).values()], dim=1)
         crossed = self.cross(x0)
         if self.head is None:
+            assert self.deep is not None  # stacked: the deep MLP ends in the logit
             return self.deep(crossed).squeeze(1)
         parts = [crossed] if self.deep is None else [crossed, self.deep(x0)]
         return self.head(torch.cat(parts, dim=1)).squeeze(1)

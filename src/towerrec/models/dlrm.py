@@ -23,6 +23,7 @@ trainer); ``forward`` returns logits.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ class DLRM(nn.Module):
         check_mlp_ends(
             bottom_mlp, top_mlp, dim, f"the embedding dim {dim} (it is dotted with the embeddings)"
         )
-        self.num_sparse = len(sparse.feature_names)
+        self.num_sparse = len(cast("list[str]", sparse.feature_names))
         self.embedding_dim = dim
         self.sparse = sparse
         self.bottom = MLP(num_dense, bottom_mlp)

@@ -34,9 +34,10 @@ tower transform splits it at ``tower_inputs`` / ``towers[t]`` / ``interact``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -46,6 +47,9 @@ from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.utils import parse_enum
+
+if TYPE_CHECKING:
+    from towerrec.models.dlrm import DLRM
 
 __all__ = ["DMT", "DMTConfig", "LowRankFM", "TowerKind", "TowerModule", "check_partition"]
 
@@ -186,7 +190,7 @@ class TowerModule(nn.Module):
             )
         self.num_features, self.dim, self.use_dense = num_features, dim, use_dense
         vectors = num_features + int(use_dense)
-        self.interaction: nn.Module | None = None
+        self.interaction: DotInteraction | LowRankFM | None = None
         self.projection: MLP | None = None
         if self.kind is TowerKind.IDENTITY:
             self.num_outputs = num_features
@@ -209,6 +213,7 @@ class TowerModule(nn.Module):
     def flops_per_sample(self) -> int:
         if self.projection is None:
             return 0
+        assert self.interaction is not None  # built with the projection
         return self.interaction.flops_per_sample(self.dim) + self.projection.flops_per_sample()
 
     def forward(self, embeddings: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
@@ -218,6 +223,7 @@ class TowerModule(nn.Module):
             if dense is None:
                 raise ValueError("this tower was built with use_dense: pass the bottom output x")
             embeddings = torch.cat([dense.unsqueeze(1), embeddings], dim=1)
+        assert self.interaction is not None  # built with the projection
         mixed = torch.cat([embeddings.flatten(1), self.interaction(embeddings)], dim=1)
         return self.projection(mixed).view(-1, self.num_outputs, self.dim)
 
@@ -229,6 +235,8 @@ class DMT(nn.Module):
     ``sparse`` exactly once). ``sparse`` maps a ``KeyedJaggedTensor`` to a
     ``KeyedTensor`` (the ``EmbeddingBagCollection`` or a sharded twin).
     """
+
+    tower_order: torch.Tensor
 
     def __init__(
         self,
@@ -253,7 +261,7 @@ class DMT(nn.Module):
             dim,
             f"the embedding dim {dim} (it is dotted with the tower outputs)",
         )
-        features = list(sparse.feature_names)
+        features = list(cast("list[str]", sparse.feature_names))
         check_partition(partition, features)
         self.partition = [list(group) for group in partition]
         self.embedding_dim = dim
@@ -275,9 +283,13 @@ class DMT(nn.Module):
             )
             for size in self.tower_sizes
         )
-        self.num_tower_vectors = sum(t.num_outputs for t in self.towers)
+        self.num_tower_vectors = sum(
+            t.num_outputs for t in cast("Iterable[TowerModule]", self.towers)
+        )
         self.interaction = DotInteraction(1 + self.num_tower_vectors, self_interaction)
-        concat = sum(t.num_outputs * dim for t in self.towers if t.compresses)
+        concat = sum(
+            t.num_outputs * dim for t in cast("Iterable[TowerModule]", self.towers) if t.compresses
+        )
         self.top = MLP(
             dim + concat + self.interaction.out_features, top_mlp, final_activation=False
         )
@@ -292,7 +304,7 @@ class DMT(nn.Module):
         the embedding collection's own projections, as the other models count)."""
         return (
             self.bottom.flops_per_sample()
-            + sum(t.flops_per_sample() for t in self.towers)
+            + sum(t.flops_per_sample() for t in cast("Iterable[TowerModule]", self.towers))
             + self.interaction.flops_per_sample(self.embedding_dim)
             + self.top.flops_per_sample()
             + sparse_flops_per_sample(self.sparse)
@@ -317,7 +329,7 @@ class DMT(nn.Module):
 
     @classmethod
     def from_dlrm(
-        cls, dlrm: nn.Module, partition: Sequence[Sequence[str]], sparse: nn.Module | None = None
+        cls, dlrm: DLRM, partition: Sequence[Sequence[str]], sparse: nn.Module | None = None
     ) -> DMT:
         """An identity-tower DMT computing the same function as ``dlrm``.
 
@@ -333,7 +345,7 @@ class DMT(nn.Module):
             partition,
             tower=TowerKind.IDENTITY,
             self_interaction=dlrm.interaction.self_interaction,
-        ).to(dlrm.top[0].weight.device)
+        ).to(cast(nn.Linear, dlrm.top[0]).weight.device)
         model.bottom.load_state_dict(dlrm.bottom.state_dict())
         model.top.load_state_dict(dlrm.top.state_dict())
         dim = model.embedding_dim
@@ -344,7 +356,9 @@ class DMT(nn.Module):
             for i, j in zip(*_triu(len(vector_of), dlrm.interaction.self_interaction))
         ]
         with torch.no_grad():
-            model.top[0].weight.copy_(dlrm.top[0].weight[:, columns])
+            cast(nn.Linear, model.top[0]).weight.copy_(
+                cast(nn.Linear, dlrm.top[0]).weight[:, columns]
+            )
         return model
 
 
@@ -353,6 +367,6 @@ def _triu(n: int, self_interaction: bool) -> tuple[list[int], list[int]]:
     return rows.tolist(), cols.tolist()
 
 
-def _pair_positions(n: int, self_interaction: bool) -> dict[tuple[int, int], int]:
+def _pair_positions(n: int, self_interaction: bool) -> dict[tuple[int, ...], int]:
     rows, cols = _triu(n, self_interaction)
     return {(i, j): k for k, (i, j) in enumerate(zip(rows, cols))}

@@ -21,8 +21,9 @@ for the full ``X X^T``, and its output size (n k) does not grow with n^2.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -143,7 +144,7 @@ class Wukong(nn.Module):
         self.config = config
         self.sparse = sparse
         self.embedding_dim = dim
-        self.num_sparse = len(sparse.feature_names)
+        self.num_sparse = len(cast("list[str]", sparse.feature_names))
         self.bottom = MLP(num_dense, bottom_mlp)
         layers, width = [], config.dense_rows + self.num_sparse
         for _ in range(config.num_layers):
@@ -160,7 +161,7 @@ class Wukong(nn.Module):
         """Forward FLOPs of the dense part per sample."""
         return (
             self.bottom.flops_per_sample()
-            + sum(layer.flops_per_sample() for layer in self.layers)
+            + sum(layer.flops_per_sample() for layer in cast("Iterable[WukongLayer]", self.layers))
             + self.top.flops_per_sample()
             + sparse_flops_per_sample(self.sparse)
         )

@@ -39,6 +39,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -97,6 +98,7 @@ class _Plan:
         if self.kind is EmbeddingKind.HASH:
             return [torch.remainder(ids, self.sizes[0])]
         if self.kind is EmbeddingKind.QR:
+            assert self.scheme is not None  # QR plans are built with their scheme
             return partition_ids(ids, self.scheme, self.sizes)
         return [ids]
 
@@ -117,11 +119,10 @@ def _plans(tables: list[TableConfig], collection: CompactConfig) -> list[_Plan]:
     md_dims = None
     config = collection
     if config.kind is EmbeddingKind.MD:
-        dims = {t.embedding_dim for t in tables}
         md_dims = mixed_dimensions(
             [t.num_embeddings for t in tables],
             config.md_alpha,
-            max(dims),
+            max(t.embedding_dim for t in tables),
             budget=config.md_budget,
             min_dim=config.md_min_dim,
             round_to=config.md_round_to,
@@ -133,6 +134,7 @@ def _plans(tables: list[TableConfig], collection: CompactConfig) -> list[_Plan]:
         config = collection.for_table(t.name)
         compress = t.num_embeddings > config.row_threshold
         if config.kind is EmbeddingKind.MD:
+            assert md_dims is not None  # md is set for the whole collection, never per table
             part = replace(t, embedding_dim=md_dims[i], init_scale=s)
             plans.append(_Plan(t, EmbeddingKind.MD, [part]))
         elif config.kind is EmbeddingKind.HASH and compress:
@@ -166,6 +168,8 @@ def _plans(tables: list[TableConfig], collection: CompactConfig) -> list[_Plan]:
 
 class CompactEmbeddingCollection(nn.Module):
     """Hashed, compositional or mixed-dimension tables behind the collection interface."""
+
+    _rows_per_feature: torch.Tensor
 
     def __init__(
         self,
@@ -252,7 +256,7 @@ class CompactEmbeddingCollection(nn.Module):
             if plan.kind is EmbeddingKind.HASH
         }
 
-    def describe(self) -> list[dict]:
+    def describe(self) -> list[dict[str, Any]]:
         """Per logical table: kind, physical rows and dims, parameters."""
         return [
             {
@@ -274,6 +278,7 @@ class CompactEmbeddingCollection(nn.Module):
                 for part in plan.parts[1:]:
                     weights[part.name].add_(1.0)  # factors 1 + U(-s, s)
         for name, proj in self.projections.items():
+            assert isinstance(proj, nn.Linear)
             gen = torch.Generator().manual_seed(stable_seed("projection", self.seed, name))
             w = torch.randn(proj.weight.shape, generator=gen) / proj.in_features**0.5
             proj.weight.copy_(w)
@@ -290,7 +295,7 @@ class CompactEmbeddingCollection(nn.Module):
 
     def _combine(self, plan: _Plan, parts: list[torch.Tensor]) -> torch.Tensor:
         if plan.table.name in self.projections:
-            return self.projections[plan.table.name](parts[0])
+            return cast(torch.Tensor, self.projections[plan.table.name](parts[0]))
         if len(parts) == 1:
             return parts[0]
         if plan.operation is Combine.CONCAT:
@@ -342,7 +347,15 @@ class CompactEmbeddingCollection(nn.Module):
         return KeyedTensor(self.feature_names, self.embedding_dims, torch.cat(outs, dim=1))
 
     @staticmethod
-    def _pool(vectors, f, batch, lengths, weights, bounds, plan) -> torch.Tensor:
+    def _pool(
+        vectors: torch.Tensor,
+        f: int,
+        batch: int,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None,
+        bounds: list[int],
+        plan: _Plan,
+    ) -> torch.Tensor:
         lens = lengths[f * batch : (f + 1) * batch].long()
         bag = torch.repeat_interleave(
             torch.arange(batch, device=vectors.device), lens, output_size=vectors.shape[0]
@@ -366,7 +379,7 @@ def build_embedding_collection(
     optimizer: EmbeddingOptimizerConfig | None = None,
     *,
     materialize: bool = True,
-    **kwargs,
+    **kwargs: Any,
 ) -> nn.Module:
     """A plain ``EmbeddingBagCollection`` for full tables, else the compact collection.
 
@@ -381,11 +394,11 @@ def build_embedding_collection(
     return CompactEmbeddingCollection(tables, config, optimizer, **kwargs)
 
 
-def describe_tables(collection: nn.Module) -> list[dict] | None:
+def describe_tables(collection: nn.Module) -> list[dict[str, Any]] | None:
     """Per logical table of a (compact, plain or sharded) collection: kind, storage rows
     and dims, parameters; None for a module that is none of these."""
     if hasattr(collection, "describe"):
-        return collection.describe()
+        return collection.describe()  # type: ignore[operator,no-any-return]  # probed attribute; torch types it Tensor | Module
     if not hasattr(collection, "tables"):
         return None
     return [
@@ -396,5 +409,5 @@ def describe_tables(collection: nn.Module) -> list[dict] | None:
             "dims": [t.embedding_dim],
             "params": t.num_parameters,
         }
-        for t in collection.tables
+        for t in collection.tables  # type: ignore[union-attr]  # probed attribute; torch types it Tensor | Module
     ]

@@ -25,8 +25,9 @@ block of a table on its own), so no rank ever holds the full tables.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from enum import StrEnum
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -148,7 +149,7 @@ class EmbeddingBagCollection(nn.Module):
         self.seed = seed
 
         # Group tables that one kernel can serve: same pooling and dim.
-        groups: dict[tuple, list[TableConfig]] = {}
+        groups: dict[tuple[Pooling, int], list[TableConfig]] = {}
         for t in self.tables:
             groups.setdefault((t.pooling, t.embedding_dim), []).append(t)
         self._groups = list(groups.values())
@@ -259,14 +260,23 @@ class EmbeddingBagCollection(nn.Module):
             _copy_checked(target, state[key], key)
 
     # ---------------------------------------------------------- state dict
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
         self._require_tables()
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for table, weight in self._table_weights():
             destination[f"{prefix}embedding_bags.{table.name}.weight"] = weight
 
     def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
     ) -> None:
         self._require_tables()
         ours = f"{prefix}embedding_bags."
@@ -290,7 +300,7 @@ class EmbeddingBagCollection(nn.Module):
             if key.startswith(ours) and key not in own:
                 unexpected_keys.append(key)
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # .to(device) / .cuda(): rebuild the kernels on the new device, keeping state.
         target = fn(torch.empty(0, device=self.device)).device
         if target != self.device and not self._kernels:
@@ -306,7 +316,7 @@ class EmbeddingBagCollection(nn.Module):
                 for name, w in self.table_weights().items():
                     w.copy_(weights[name])
             self.load_optimizer_state_dict(states)
-        return super()._apply(fn, recurse)
+        return super()._apply(fn, recurse)  # type: ignore[no-untyped-call,no-any-return]  # torch leaves Module._apply untyped
 
     # -------------------------------------------------------------- forward
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -340,7 +350,7 @@ class EmbeddingBagCollection(nn.Module):
         )
 
 
-def _check_keys(expected: dict, got: dict, what: str) -> None:
+def _check_keys(expected: dict[str, Any], got: dict[str, Any], what: str) -> None:
     missing = sorted(set(expected) - set(got))
     extra = sorted(set(got) - set(expected))
     if missing or extra:
@@ -359,8 +369,11 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, key: str) -> None:
     target.copy_(source)
 
 
-def fused_embedding_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(fqn, module)`` of every module whose optimizer runs inside backward."""
+def fused_embedding_modules(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(fqn, module)`` of every module whose optimizer runs inside backward.
+
+    Typed ``Any``: such modules are found by their ``is_fused_embedding`` flag, not a
+    declared interface."""
     for name, module in model.named_modules():
         if getattr(module, "is_fused_embedding", False):
             yield name, module

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -20,7 +22,13 @@ class _PairwiseDots(torch.autograd.Function):
     """Upper triangle of ``X X^T`` with a one-bmm backward (module picture)."""
 
     @staticmethod
-    def forward(ctx, x, flat_index, pair_of_position, self_interaction: bool):
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        flat_index: torch.Tensor,
+        pair_of_position: torch.Tensor,
+        self_interaction: bool,
+    ) -> torch.Tensor:
         batch, features, _ = x.shape
         ctx.save_for_backward(x, pair_of_position)
         ctx.self_interaction = self_interaction
@@ -28,7 +36,7 @@ class _PairwiseDots(torch.autograd.Function):
         return gram.view(batch, features * features).index_select(1, flat_index)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         x, pair_of_position = ctx.saved_tensors
         batch, features, _ = x.shape
         # S[i, j] = S[j, i] = grad of pair (i, j), 0 (the appended column) where
@@ -47,6 +55,9 @@ class DotInteraction(nn.Module):
     pairs in row-major order (0,1), (0,2), ..., (1,2), ...; one batched matmul
     and one gather forward, one batched matmul backward.
     """
+
+    flat_index: torch.Tensor
+    pair_of_position: torch.Tensor
 
     def __init__(self, num_features: int, self_interaction: bool = False) -> None:
         super().__init__()
@@ -76,4 +87,4 @@ class DotInteraction(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return _PairwiseDots.apply(x, self.flat_index, self.pair_of_position, self.self_interaction)
+        return _PairwiseDots.apply(x, self.flat_index, self.pair_of_position, self.self_interaction)  # type: ignore[no-untyped-call,no-any-return]  # torch leaves Function.apply untyped

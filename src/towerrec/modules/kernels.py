@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
 from itertools import pairwise
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -256,7 +256,9 @@ class EmbeddingKernel(nn.Module):
                 sparse_update(kind, weights[t], states[t], local, grad, self.lr, eps)
 
     @torch.no_grad()
-    def _apply_rowwise(self, table: int, rows, grad, mean_square) -> None:
+    def _apply_rowwise(
+        self, table: int, rows: torch.Tensor, grad: torch.Tensor, mean_square: torch.Tensor
+    ) -> None:
         momentum = self.split_optimizer_states()[table]["momentum1"]
         weight = self.split_weights()[table]
         rowwise_adagrad_update(
@@ -264,7 +266,14 @@ class EmbeddingKernel(nn.Module):
         )
 
 
-def _row_gradients(ids, offsets, weights, grad_bags, pooling: Pooling, dim: int):
+def _row_gradients(
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    grad_bags: torch.Tensor,
+    pooling: Pooling,
+    dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Unique ``rows [U]`` of ``ids`` and their summed gradients ``[U, dim]`` from the
     bags' gradients ``grad_bags [bags, dim]``."""
     lengths = offsets.diff()
@@ -292,7 +301,15 @@ class _FusedLookup(torch.autograd.Function):
     """``embedding_bag`` forward; backward applies the sparse optimizer in place."""
 
     @staticmethod
-    def forward(ctx, trigger, kernel: TorchKernel, ids, offsets, weights, step=None):
+    def forward(
+        ctx: Any,
+        trigger: torch.Tensor,
+        kernel: TorchKernel,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        step: RowwiseStep | None = None,
+    ) -> torch.Tensor:
         ctx.kernel, ctx.step, ctx.trigger_shape = kernel, step, trigger.shape
         ctx.save_for_backward(ids, offsets, weights)
         mode = "sum" if kernel.pooling is Pooling.SUM else "mean"
@@ -306,7 +323,9 @@ class _FusedLookup(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx, grad_bags):
+    def backward(
+        ctx: Any, grad_bags: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         ids, offsets, weights = ctx.saved_tensors
         if ctx.step is None:
             ctx.kernel.apply_gradient(ids, offsets, weights, grad_bags)
@@ -323,7 +342,14 @@ class _FusedLookup(torch.autograd.Function):
 class TorchKernel(EmbeddingKernel):
     """Pure-PyTorch fused kernel: runs wherever PyTorch runs (CPU, CUDA)."""
 
-    def __init__(self, tables, feature_table_map, pooling, optimizer, device) -> None:
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        feature_table_map: Sequence[int],
+        pooling: Pooling,
+        optimizer: EmbeddingOptimizerConfig,
+        device: torch.device,
+    ) -> None:
         super().__init__(tables, feature_table_map, pooling, optimizer, device)
         dim = self.embedding_dim
         self.weight = torch.zeros(self.row_offsets[-1], dim, device=self.device)
@@ -346,13 +372,15 @@ class TorchKernel(EmbeddingKernel):
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
 
-    def forward(self, values, offsets, weights=None):
+    def forward(
+        self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         num_bags = offsets.numel() - 1
         batch = num_bags // self.num_features
         ids = self._global_ids(values, offsets)
         step = self._sync.step() if self._sync is not None else None
         trigger = step.trigger if step is not None else self._trigger
-        bags = _FusedLookup.apply(trigger, self, ids, offsets.long(), weights, step)
+        bags: torch.Tensor = _FusedLookup.apply(trigger, self, ids, offsets.long(), weights, step)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
         # [F*B, D] feature-major -> [B, F*D] sample-major
         return (
             bags.view(self.num_features, batch, self.embedding_dim)
@@ -361,7 +389,13 @@ class TorchKernel(EmbeddingKernel):
         )
 
     @torch.no_grad()
-    def apply_gradient(self, ids, offsets, weights, grad_bags) -> None:
+    def apply_gradient(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        grad_bags: torch.Tensor,
+    ) -> None:
         rows, grad_rows = _row_gradients(
             ids, offsets, weights, grad_bags, self.pooling, self.embedding_dim
         )
@@ -387,7 +421,14 @@ _FBGEMM_OPTIMIZERS = {
 class FbgemmKernel(EmbeddingKernel):
     """FBGEMM ``SplitTableBatchedEmbeddingBagsCodegen`` with its fused optimizer."""
 
-    def __init__(self, tables, feature_table_map, pooling, optimizer, device) -> None:
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        feature_table_map: Sequence[int],
+        pooling: Pooling,
+        optimizer: EmbeddingOptimizerConfig,
+        device: torch.device,
+    ) -> None:
         super().__init__(tables, feature_table_map, pooling, optimizer, device)
         if optimizer.kind not in _FBGEMM_OPTIMIZERS:
             raise ValueError(
@@ -442,25 +483,40 @@ class FbgemmKernel(EmbeddingKernel):
         self.lr = lr
         self.tbe.set_learning_rate(lr)
 
-    def forward(self, values, offsets, weights=None):
+    def forward(
+        self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self._sync is not None:
             step = self._sync.step()
-            return _DeferredFbgemmLookup.apply(step.trigger, self, values, offsets, weights, step)
-        return self.tbe(values.long(), offsets.long(), per_sample_weights=weights)
+            return cast(
+                torch.Tensor,
+                _DeferredFbgemmLookup.apply(step.trigger, self, values, offsets, weights, step),  # type: ignore[no-untyped-call]
+            )
+        return cast(
+            torch.Tensor, self.tbe(values.long(), offsets.long(), per_sample_weights=weights)
+        )
 
 
 class _DeferredFbgemmLookup(torch.autograd.Function):
     """FBGEMM's forward; backward on the PyTorch path with deferred tables (module doc)."""
 
     @staticmethod
-    def forward(ctx, trigger, kernel: FbgemmKernel, values, offsets, weights, step):
+    def forward(
+        ctx: Any,
+        trigger: torch.Tensor,
+        kernel: FbgemmKernel,
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        step: RowwiseStep,
+    ) -> torch.Tensor:
         ctx.kernel, ctx.step, ctx.trigger_shape = kernel, step, trigger.shape
         values, offsets = values.long(), offsets.long()
         ctx.save_for_backward(kernel._global_ids(values, offsets), offsets, weights)
-        return kernel.tbe(values, offsets, per_sample_weights=weights)
+        return cast(torch.Tensor, kernel.tbe(values, offsets, per_sample_weights=weights))
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         ids, offsets, weights = ctx.saved_tensors
         kernel = ctx.kernel
         dim, features = kernel.embedding_dim, kernel.num_features

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 from towerrec.planner.plan import ShardingType
 from towerrec.planner.stats import TableStats
@@ -130,7 +131,7 @@ class CostModel:
     def with_batch_size(self, batch_size: int) -> CostModel:
         return CostModel(self.topology, self.constants, batch_size)
 
-    def with_topology(self, **changes) -> CostModel:
+    def with_topology(self, **changes: Any) -> CostModel:
         return CostModel(replace(self.topology, **changes), self.constants, self.batch_size)
 
     # ------------------------------------------------------------ shards

@@ -28,6 +28,7 @@ cost model can pass its own ``Cluster``.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 __all__ = ["Cluster", "Workload", "predict_step", "scale_sweep"]
 
@@ -72,7 +73,7 @@ def _a2a(peers: int, nbytes: float, latency: float, bw: float) -> float:
     return peers * latency + nbytes / bw if peers else 0.0
 
 
-def predict_step(num_accelerators: int, cluster: Cluster, work: Workload) -> dict:
+def predict_step(num_accelerators: int, cluster: Cluster, work: Workload) -> dict[str, Any]:
     """Per-step time and traffic of flat and DMT for ``num_accelerators`` ranks (module doc)."""
     local = cluster.ranks_per_host
     if num_accelerators < local or num_accelerators % local:
@@ -170,7 +171,7 @@ def scale_sweep(
     accelerators: tuple[int, ...] = (16, 32, 64, 128, 256, 512),
     cluster: Cluster | None = None,
     work: Workload | None = None,
-) -> dict:
+) -> dict[str, Any]:
     cluster, work = cluster or Cluster(), work or Workload()
     return {
         "cluster": asdict(cluster),

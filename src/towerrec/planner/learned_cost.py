@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -47,7 +48,9 @@ def shard_features(stats: TableStats, rows: int, cols: int, batch: int) -> list[
     ]
 
 
-def device_tensors(devices: Sequence[Shards], batch: int):
+def device_tensors(
+    devices: Sequence[Shards], batch: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Padded shard features [N, S, F], mask [N, S] and device features [N, 2]."""
     most = max(len(d) for d in devices)
     feats = torch.zeros(len(devices), most, NUM_SHARD_FEATURES)
@@ -75,10 +78,12 @@ class LearnedCostModel(nn.Module):
             nn.Linear(hidden + NUM_DEVICE_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, 1)
         )
 
-    def forward(self, feats: torch.Tensor, mask: torch.Tensor, device: torch.Tensor):
+    def forward(
+        self, feats: torch.Tensor, mask: torch.Tensor, device: torch.Tensor
+    ) -> torch.Tensor:
         """log seconds [N] of N devices."""
         pooled = (self.encoder(feats) * mask.unsqueeze(-1)).sum(dim=1)
-        return self.head(torch.cat([pooled, device], dim=1)).squeeze(-1)
+        return cast(torch.Tensor, self.head(torch.cat([pooled, device], dim=1))).squeeze(-1)
 
     @torch.no_grad()
     def predict(self, devices: Sequence[Shards]) -> list[float]:
@@ -107,7 +112,7 @@ class LearnedCostModel(nn.Module):
         target = torch.log(torch.tensor(seconds, dtype=torch.float32))
         # Start the output at the mean log time: the network learns the differences.
         with torch.no_grad():
-            self.head[-1].bias.fill_(float(target.mean()))
+            cast(nn.Linear, self.head[-1]).bias.fill_(float(target.mean()))
         optimizer = torch.optim.Adam(self.parameters(), lr=lr, weight_decay=1e-5)
         self.train()
         loss = torch.tensor(0.0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 
@@ -80,14 +81,16 @@ def _table_items(
     full_rows, full_cols = (0, s.num_embeddings), (0, s.embedding_dim)
     memory = model.shard_memory(s, s.num_embeddings, s.embedding_dim)
 
-    def row_wise():
+    def row_wise() -> list[tuple[ShardingType, tuple[int, int], tuple[int, int], int | None]]:
         ranks = min(world, s.num_embeddings)
         return [
             (ShardingType.ROW_WISE, span, full_cols, r)
             for r, span in enumerate(even_splits(s.num_embeddings, ranks))
         ]
 
-    def column_wise(parts):
+    def column_wise(
+        parts: int,
+    ) -> list[tuple[ShardingType, tuple[int, int], tuple[int, int], int | None]]:
         return [
             (ShardingType.COLUMN_WISE, full_rows, span, None)
             for span in even_splits(s.embedding_dim, parts)
@@ -136,7 +139,7 @@ def build_items(
     model: CostModel,
     constraints: Mapping[str, TableConstraint] | None = None,
     splits: Mapping[str, tuple[ShardingType, int]] | None = None,
-    cache: dict | None = None,
+    cache: dict[Any, Any] | None = None,
 ) -> tuple[list[Item], list[int]]:
     """The items of every table, and the distinct kernel widths (index = ``Item.width``).
 
@@ -208,19 +211,21 @@ class Loads:
         self.groups: dict[int, set[int]] = {}
 
     def totals(self) -> np.ndarray:
-        return (
+        return cast(
+            np.ndarray,
             self.cost
             + self.kernel_overhead * (self.widths > 0).sum(axis=1)
-            + self.shard_overhead * self.count
+            + self.shard_overhead * self.count,
         )
 
     def totals_with(self, item: Item) -> np.ndarray:
         """Every device's cost if ``item`` were added to it."""
-        return (
+        return cast(
+            np.ndarray,
             self.totals()
             + item.cost
             + self.shard_overhead
-            + self.kernel_overhead * (self.widths[:, item.width] == 0)
+            + self.kernel_overhead * (self.widths[:, item.width] == 0),
         )
 
     def feasible(self, item: Item) -> np.ndarray:

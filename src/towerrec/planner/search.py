@@ -92,6 +92,7 @@ class PlanResult:
 # ------------------------------------------------------------------ placing
 def _place_fixed(items: Sequence[Item], loads: Loads, order: Sequence[int]) -> list[int]:
     """Place pinned shards (all shards of a table at once); return the indices still to place."""
+    fixed: dict[int, list[int]]
     rest, fixed = [], {}
     for i in order:
         if items[i].fixed_rank is None:
@@ -173,13 +174,14 @@ def _greedy(items: Sequence[Item], loads: Loads, key: str, seed: int) -> list[in
         values = np.zeros(len(items))
     else:
         fn = GREEDY_KEYS[key]
+        assert fn is not None  # only "random" has no key function
         values = np.array(
             [
                 fn(it.stats)
                 * (it.cols[1] - it.cols[0])
-                / it.stats.embedding_dim
+                / it.stats.embedding_dim  # type: ignore[union-attr]  # build_items sets stats
                 * (it.rows[1] - it.rows[0])
-                / it.stats.num_embeddings
+                / it.stats.num_embeddings  # type: ignore[union-attr]  # build_items sets stats
                 for it in items
             ]
         )
@@ -205,7 +207,7 @@ def _lpt(items: Sequence[Item], loads: Loads) -> None:
     # Shards taking over a quarter of a device go first (largest first), so they still fit.
     big = loads.capacity / 4
 
-    def key(i: int):
+    def key(i: int) -> tuple[int, float, int]:
         it = items[i]
         return (0, -it.memory, i) if it.memory > big else (1, -it.cost, i)
 
@@ -268,14 +270,19 @@ def _refine(items: Sequence[Item], loads: Loads, max_rounds: int, candidates: in
         loads.add(rank, i, items[i])
 
 
-def _lpt_refined(items, widths, model, rounds) -> Loads:
+def _lpt_refined(items: Sequence[Item], widths: list[int], model: CostModel, rounds: int) -> Loads:
     loads = Loads(model, len(widths))
     _lpt(items, loads)
     _refine(items, loads, rounds)
     return loads
 
 
-def _split_options(s: TableStats, current, world: int, allowed) -> list:
+def _split_options(
+    s: TableStats,
+    current: tuple[ShardingType, int] | None,
+    world: int,
+    allowed: Sequence[ShardingType],
+) -> list[tuple[ShardingType, int]]:
     out = []
     parts = current[1] if current and current[0] is ShardingType.COLUMN_WISE else 1
     if ShardingType.COLUMN_WISE in allowed and parts * 2 <= min(world, s.embedding_dim // 4):
@@ -285,12 +292,21 @@ def _split_options(s: TableStats, current, world: int, allowed) -> list:
     return out
 
 
-def _beam_search(stats, model, constraints, start_splits, beam_width, depth, branch, cache):
+def _beam_search(
+    stats: Sequence[TableStats],
+    model: CostModel,
+    constraints: Mapping[str, TableConstraint],
+    start_splits: dict[str, tuple[ShardingType, int]],
+    beam_width: int,
+    depth: int,
+    branch: int,
+    cache: dict[Any, Any],
+) -> dict[str, tuple[ShardingType, int]]:
     """Splits chosen by beam search; each candidate is scored by LPT's max device cost."""
     world = model.topology.world_size
     by_name = {s.name: s for s in stats}
 
-    def score(splits):
+    def score(splits: dict[str, tuple[ShardingType, int]]) -> tuple[float, list[Item], Loads]:
         items, widths = build_items(stats, model, constraints, splits, cache)
         loads = Loads(model, len(widths))
         _lpt(items, loads)
@@ -298,7 +314,7 @@ def _beam_search(stats, model, constraints, start_splits, beam_width, depth, bra
 
     start = score(start_splits)
     beam = [(dict(start_splits), *start)]
-    seen = {()}
+    seen: set[tuple[tuple[str, str, int], ...]] = {()}
     best = beam[0]
     for _ in range(depth):
         children = []
@@ -334,7 +350,12 @@ def _beam_search(stats, model, constraints, start_splits, beam_width, depth, bra
     return best[0]
 
 
-def _split_until_packed(stats, model, constraints, place):
+def _split_until_packed(
+    stats: Sequence[TableStats],
+    model: CostModel,
+    constraints: Mapping[str, TableConstraint],
+    place: Callable[[dict[str, tuple[ShardingType, int]]], tuple[list[Item], Loads]],
+) -> tuple[dict[str, tuple[ShardingType, int]], tuple[list[Item], Loads]]:
     """``place({})``; while a table does not pack, split it (row-wise, else column-wise)
     and try again. Returns the splits and the placement."""
     by_name = {s.name: s for s in stats}
@@ -363,7 +384,9 @@ def _split_until_packed(stats, model, constraints, place):
 
 
 # ------------------------------------------------------------------ output
-def _result(items, loads, model, planner, seconds) -> PlanResult:
+def _result(
+    items: Sequence[Item], loads: Loads, model: CostModel, planner: str, seconds: float
+) -> PlanResult:
     topo = model.topology
     tables: dict[str, list[Shard]] = {}
     kinds: dict[str, ShardingType] = {}
@@ -423,9 +446,9 @@ def plan_tables(
     constraints = dict(constraints or {})
     start, cpu_start = time.perf_counter(), time.process_time()
 
-    cache: dict = {}
+    cache: dict[Any, Any] = {}
 
-    def place(splits):
+    def place(splits: dict[str, tuple[ShardingType, int]]) -> tuple[list[Item], Loads]:
         items, widths = build_items(stats, model, constraints, splits, cache)
         if planner in GREEDY_KEYS:
             loads = Loads(model, len(widths))
@@ -483,6 +506,7 @@ def evaluate_plan(
     ]
     loads = Loads(model, len(widths))
     for i, it in enumerate(items):
+        assert it.fixed_rank is not None  # every shard of a plan has its rank
         loads.add(it.fixed_rank, i, it)
     result = _result(items, loads, model, name, 0.0)
     result.plan = plan

@@ -17,6 +17,7 @@ Bandwidths are bytes per second per rank. Presets describe typical machines;
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 __all__ = ["PRESETS", "Topology", "topology_preset"]
 
@@ -73,7 +74,7 @@ PRESETS = {
 }
 
 
-def topology_preset(name: str, hosts: int, ranks_per_host: int, **overrides) -> Topology:
+def topology_preset(name: str, hosts: int, ranks_per_host: int, **overrides: Any) -> Topology:
     if name not in PRESETS:
         raise ValueError(f"unknown topology preset {name!r}; choose one of {sorted(PRESETS)}")
     return replace(PRESETS[name], hosts=hosts, ranks_per_host=ranks_per_host, **overrides)

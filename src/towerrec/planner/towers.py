@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -94,10 +95,11 @@ def feature_costs(
     memory = np.array([f.memory_bytes for f in features], dtype=np.float64)
     count = np.ones(len(features)) / len(features)
     lookup_weight = 1 - memory_weight - count_weight
-    return (
+    return cast(
+        np.ndarray,
         lookup_weight * lookup / lookup.sum()
         + memory_weight * memory / memory.sum()
-        + count_weight * count
+        + count_weight * count,
     )
 
 
@@ -190,7 +192,9 @@ def evaluate_partition(
     )
 
 
-def _grow(s: np.ndarray, costs: np.ndarray, order: Sequence[int], n: int, cap: float) -> np.ndarray:
+def _grow(
+    s: np.ndarray, costs: np.ndarray, order: Sequence[int] | np.ndarray, n: int, cap: float
+) -> np.ndarray:
     """Seed the towers with the first n features of ``order``, then add each next feature to
     the tower it interacts with most among those with room (the lightest if none has)."""
     assign = np.full(len(costs), -1, dtype=np.int64)

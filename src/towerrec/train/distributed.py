@@ -16,7 +16,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_pl
 from towerrec.memory import peak_rss_mb
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.train.planning import build_plan
+
+if TYPE_CHECKING:
+    from towerrec.models.dmt import DMT
 
 __all__ = ["RunContext", "start_distributed", "train_worker"]
 
@@ -113,7 +116,8 @@ class RunContext:
         elif self.is_main:
             kinds = Counter(tp.sharding.value for tp in plan.tables.values())
             log.info("plan.strategy = %s: %s", config.plan.strategy, dict(kinds))
-        codecs = CommCodecs(settings.forward_codec, settings.backward_codec)
+        codecs = CommCodecs(settings.forward_codec, settings.backward_codec)  # type: ignore[arg-type]  # parsed in __post_init__
+        assert self.mesh is not None  # set for every distributed run
         return parallelize(model, self.mesh, plan, codecs=codecs, dense_stats=self.dense_stats)
 
     def _parallelize_towers(self, model: nn.Module, config: Config) -> nn.Module:
@@ -134,9 +138,10 @@ class RunContext:
                 config.plan.strategy,
                 settings.tower_sharding,
             )
-        codecs = CommCodecs(settings.forward_codec, settings.backward_codec)
+        codecs = CommCodecs(settings.forward_codec, settings.backward_codec)  # type: ignore[arg-type]  # parsed in __post_init__
+        assert self.mesh is not None  # set for every distributed run
         parallel = parallelize_towers(
-            model,
+            cast("DMT", model),
             self.mesh,
             sharding=settings.tower_sharding,
             codecs=codecs,

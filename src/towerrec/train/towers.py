@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ from towerrec.planner.towers import (
     random_partition,
 )
 
+if TYPE_CHECKING:
+    from towerrec.models.dlrm import DLRM
+
 __all__ = [
     "build_dmt",
     "feature_stats",
@@ -47,7 +51,7 @@ def feature_stats(config: Config, schema: DataSchema) -> list[FeatureStats]:
     ]
 
 
-def pair_attribution(model: nn.Module, batch: Batch) -> np.ndarray:
+def pair_attribution(model: DLRM, batch: Batch) -> np.ndarray:
     """``[T, T]``: mean over samples of ``|(dot_ij - mean dot_ij) * d logit / d dot_ij|``.
 
     For a DLRM: a first-order estimate of how much of each sample's logit
@@ -99,7 +103,7 @@ def learn_interaction_strength(
         train_step(model, optimizer, next(batches))
     count = min(attribution_samples, pilot.data.synthetic.eval_samples)
     held_out = next(iter(source.eval_batches(count)))
-    return pair_attribution(model, held_out)
+    return pair_attribution(cast("DLRM", model), held_out)  # built with model.name = "dlrm"
 
 
 def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:

@@ -169,6 +169,7 @@ def train(
     state: dict[str, Any] = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
     if resume:
         path = checkpoints.latest()
+        assert path is not None  # checked before the run started
         state = checkpoints.load(path, model, optimizer, state)
         if state["step"] >= cfg.steps:
             raise ValueError(
@@ -187,13 +188,13 @@ def train(
         oracle_auc = auc(probs, labels)
     num_dense = sum(p.numel() for _, p in dense_parameters(model))
     if hasattr(model, "num_dense_parameters"):  # a rank that holds part of the dense model
-        num_dense = model.num_dense_parameters()
+        num_dense = model.num_dense_parameters()  # type: ignore[operator]  # duck-typed model attribute (nn.Module types it Tensor | Module)
     num_embedding = sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model))
     log.info(
         "model: %s dense + %s embedding parameters, %s backend, device %s",
         f"{num_dense:,}",
         f"{num_embedding:,}",
-        model.sparse.backend.value,
+        model.sparse.backend.value,  # type: ignore[union-attr]  # duck-typed model attribute (nn.Module types it Tensor | Module)
         device,
     )
 
@@ -289,15 +290,15 @@ def train(
         "num_params": num_dense + num_embedding,
         "num_dense_params": num_dense,
         "num_embedding_params": num_embedding,
-        "flops_per_sample": model.flops_per_sample()
+        "flops_per_sample": model.flops_per_sample()  # type: ignore[operator]  # duck-typed model attribute (nn.Module types it Tensor | Module)
         if hasattr(model, "flops_per_sample")
         else None,
-        "backend": model.sparse.backend.value,
+        "backend": model.sparse.backend.value,  # type: ignore[union-attr]  # duck-typed model attribute (nn.Module types it Tensor | Module)
         "precision": cfg.precision,
-        "hash_collisions": sum(model.sparse.collisions().values())
+        "hash_collisions": sum(model.sparse.collisions().values())  # type: ignore[operator]  # duck-typed model attribute (nn.Module types it Tensor | Module)
         if hasattr(model.sparse, "collisions")
         else None,
-        "embedding_tables": describe_tables(model.sparse) if hasattr(model, "sparse") else None,
+        "embedding_tables": describe_tables(model.sparse) if hasattr(model, "sparse") else None,  # type: ignore[arg-type]  # duck-typed model attribute (nn.Module types it Tensor | Module)
         "device": str(device),
         "train_s": state["train_s"],
         **ctx.comm_per_sample(state["samples"]),

@@ -109,10 +109,11 @@ class ColumnRowwiseSync:
             (peer, name): next(pieces) for peer, names in enumerate(shared) for name in names
         }
         for name, ranks in mine:
-            total = None
+            total: torch.Tensor | None = None
             for r in ranks:  # plan order: every shard adds in the same order
                 part = partial[name] if r == rank else from_peer[r, name]
                 total = part.clone() if total is None else total.add_(part)
+            assert total is not None  # a column-split table has at least one shard
             if name in deferred:
                 deferred[name][1](total / self.tables[name][0])
 
