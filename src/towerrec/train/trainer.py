@@ -34,7 +34,7 @@ from towerrec.train.build import (
     resolve_device,
 )
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, restore_rng
-from towerrec.train.distributed import start_distributed
+from towerrec.train.distributed import RunContext, start_distributed
 from towerrec.train.metrics import EvalMetrics, auc, compute_metrics
 from towerrec.train.pipeline import pipelined
 from towerrec.train.run_dir import RunDir
@@ -71,22 +71,41 @@ def evaluate(
     batches: Iterable[Batch],
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
-    gather=None,
+    ctx: RunContext | None = None,
+    padding: Batch | None = None,
 ) -> EvalMetrics:
-    """Metrics over ``batches``; ``gather`` concatenates every rank's predictions."""
+    """Metrics over ``batches`` of this rank, or of every rank of ``ctx``.
+
+    A sharded model runs collectives in forward, so on several ranks every rank
+    runs the same number of forwards: a rank whose batches ran out (its slice of
+    the eval split is shorter, or its last batch came sooner) forwards
+    ``padding`` and drops those predictions until no rank has batches left.
+    Every rank's predictions are then gathered, so the metrics are those of the
+    whole eval split.
+    """
+    distributed = ctx is not None and ctx.world_size > 1
+    if distributed and padding is None:
+        raise ValueError("evaluate on several ranks needs a padding batch")
     was_training = model.training
     model.eval()
     probs, labels = [], []
-    for batch in batches:
-        batch = batch.to(device)
+    remaining = iter(batches)
+    while True:
+        batch = next(remaining, None)
+        if not (ctx.any_rank(batch is not None) if distributed else batch is not None):
+            break
         with autocast(device, autocast_dtype):
-            logits = model(batch.dense, batch.sparse)
-        probs.append(torch.sigmoid(logits.float()).cpu())
-        labels.append(batch.labels.cpu())
+            forward = batch if batch is not None else padding
+            forward = forward.to(device)
+            logits = model(forward.dense, forward.sparse)
+        if batch is not None:
+            probs.append(torch.sigmoid(logits.float()).cpu())
+            labels.append(batch.labels.cpu())
     model.train(was_training)
-    probs, labels = torch.cat(probs), torch.cat(labels)
-    if gather is not None:
-        probs, labels = gather(probs), gather(labels)
+    probs = torch.cat(probs) if probs else torch.zeros(0)
+    labels = torch.cat(labels) if labels else torch.zeros(0)
+    if distributed:
+        probs, labels = ctx.gather(probs), ctx.gather(labels)
     return compute_metrics(probs, labels)
 
 
@@ -201,7 +220,8 @@ def train(
     batches = _batches(source, local_batch, state["step"], device, ctx.rank, ctx.world_size)
     if config.distributed.pipeline:
         batches = pipelined(model, batches)
-    eval_gather = ctx.gather if ctx.world_size > 1 else None
+    # A rank out of eval batches forwards this one (eval row 0) while the others finish.
+    eval_padding = next(iter(source.eval_batches(1))) if ctx.world_size > 1 else None
     amp_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
     last_eval: EvalMetrics | None = None
     loss_sum, loss_count = torch.zeros((), device=device), 0
@@ -252,7 +272,8 @@ def train(
                     source.eval_batches(local_eval_batch, ctx.rank, ctx.world_size),
                     device,
                     autocast_dtype=amp_dtype,
-                    gather=eval_gather,
+                    ctx=ctx,
+                    padding=eval_padding,
                 )
                 run.log({"kind": "eval", "step": step, **last_eval.as_dict()})
                 if ctx.is_main:  # stderr: stdout is for results (e.g. a bench's JSON)
