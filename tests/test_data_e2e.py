@@ -143,22 +143,41 @@ QUICK_RUN = ["--set", "train.steps=4", *(x for s in SMALL for x in ("--set", s))
 
 def test_criteo_without_split_options_holds_out_eval_rows_and_its_command_trains(tmp_path):
     result = towerrec_in(
-        tmp_path, "data", "gen-criteo", "--out", "raw", "--files", "1", "--rows", "3000"
+        tmp_path, "data", "gen-criteo", "--out", "raw", "--files", "1", "--rows", "100000"
     )
     assert result.returncode == 0, result.stderr
     result = towerrec_in(
-        tmp_path, "data", "criteo", "raw/day_0", "--out", "my cache", "--num-embeddings", "500",
+        tmp_path, "data", "criteo", "raw/day_0", "--out", "my cache", "--num-embeddings", "1000",
         "--no-progress",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "no split option given: holding out a seeded 10% of the rows" in result.stdout
-    info = json.loads(towerrec_in(tmp_path, "data", "info", "my cache").stdout)
-    assert 200 < info["rows"]["eval"] < 400 and sum(info["rows"].values()) == 3000
-    command = printed_train_command(result.stdout)
-    result = towerrec_in(tmp_path, *command, "--out", "run", *QUICK_RUN)
+    rows = json.loads(towerrec_in(tmp_path, "data", "info", "my cache").stdout)["rows"]
+    assert 9000 < rows["eval"] < 11000 and rows["train"] + rows["eval"] == 100_000
+    # The printed command, as printed: the default run on real data is one epoch.
+    result = towerrec_in(tmp_path, *printed_train_command(result.stdout))
     assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["eval_samples"] == info["rows"]["eval"]
+    steps = -(-rows["train"] // 2048)
+    assert f"train.steps = {steps}: 1 epoch(s) of {rows['train']:,} training rows" in result.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["eval_samples"] == rows["eval"]
+    assert summary["ne"] < 1  # better than predicting the click rate
+    assert "normalized entropy" not in result.stderr
+
+
+def test_a_final_normalized_entropy_above_1_is_warned_about(criteo_cache, tmp_path, caplog):
+    # One step from the initial weights (predictions near 0.5) at a click rate near 0.25.
+    config = load_config(
+        None,
+        [*SMALL, "data.source=criteo", f"data.path={criteo_cache}", "train.steps=1",
+         "optimizer.warmup_steps=100"],
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="towerrec"):
+        summary = trainer.train(config, tmp_path / "run")
+    assert summary["ne"] >= 1
+    warned = [r.getMessage() for r in caplog.records if "normalized entropy" in r.getMessage()]
+    assert len(warned) == 1 and "overfitting" in warned[0] and "learning rate" in warned[0]
 
 
 LIBFM_FIELDS = "user 0 49\nitem 50 149\nctx 150 159 multi\n"

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from towerrec.train.build import (
     build_source,
     lr_factor,
     resolve_device,
+    resolve_steps,
 )
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, restore_rng
 from towerrec.train.distributed import RunContext, start_distributed
@@ -140,6 +142,19 @@ def _stop_on_signal():
             signal.signal(s, h)
 
 
+def _warn_worse_than_base_rate(ne: float, samples: int, train_rows: int | None) -> None:
+    """NE >= 1: the predictions say less than the eval click rate alone would."""
+    passes = f" ({samples / train_rows:.3g} epochs here)" if train_rows else ""
+    log.warning(
+        "the final eval normalized entropy is %.3f >= 1: the model predicts worse than the "
+        "click rate alone. Likely causes: overfitting from too many passes over the training "
+        "data%s (fewer train.steps, or train.epochs = 1), or a learning rate too high "
+        "(optimizer.lr, embedding.lr)",
+        ne,
+        passes,
+    )
+
+
 def _batches(
     source, batch_size: int, start: int, device: torch.device, rank: int = 0, world_size: int = 1
 ) -> Iterator[Batch]:
@@ -160,11 +175,14 @@ def train(
     ``resume`` continues from the directory's latest checkpoint; ``stop_after``
     ends the run (with a checkpoint) after that step, as a stop signal does.
     """
-    cfg = config.train
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    device = resolve_device(config.train.device)
     ctx = start_distributed(config, device)
+    source = build_source(config.data)
+    steps, steps_from = resolve_steps(config, source)
+    config = replace(config, train=replace(config.train, steps=steps, epochs=None))
+    cfg = config.train
     run = RunDir(out_dir, writer=ctx.is_main)
     checkpoints = CheckpointManager(run.checkpoint_dir, keep=cfg.keep_checkpoints)
     if resume and checkpoints.latest() is None:
@@ -174,8 +192,15 @@ def train(
     if ctx.is_main:
         run.start(config, resume=resume)
     ctx.barrier()
+    log.info("train.steps = %s: %s", f"{steps:,}", steps_from)
+    if config.optimizer.warmup_steps >= steps:
+        log.warning(
+            "optimizer.warmup_steps = %d >= train.steps = %d: the learning rate never reaches "
+            "optimizer.lr; lower optimizer.warmup_steps",
+            config.optimizer.warmup_steps,
+            steps,
+        )
 
-    source = build_source(config.data)
     if config.plan.strategy != "none" and ctx.world_size == 1:
         log.warning("plan.strategy only shards tables over ranks; one process keeps them all")
     # Distributed: no rank allocates the full tables; each builds only its shards.
@@ -321,4 +346,7 @@ def train(
     }
     run.write_summary(summary)
     run.plot_curves(oracle_auc)
+    if last_eval is not None and last_eval.ne >= 1 and ctx.is_main:
+        train_rows = None if config.data.source == "synthetic" else source.train_rows
+        _warn_worse_than_base_rate(last_eval.ne, state["samples"], train_rows)
     return summary
