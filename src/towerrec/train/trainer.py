@@ -144,14 +144,18 @@ def _stop_on_signal():
 
 def _warn_worse_than_base_rate(ne: float, samples: int, train_rows: int | None) -> None:
     """NE >= 1: the predictions say less than the eval click rate alone would."""
-    passes = f" ({samples / train_rows:.3g} epochs here)" if train_rows else ""
+    if train_rows:
+        overfit = f"too many passes over the training data ({samples / train_rows:.3g} epochs "
+        overfit += "here; try train.epochs = 1)"
+    else:
+        overfit = "too many train.steps"
     log.warning(
         "the final eval normalized entropy is %.3f >= 1: the model predicts worse than the "
-        "click rate alone. Likely causes: overfitting from too many passes over the training "
-        "data%s (fewer train.steps, or train.epochs = 1), or a learning rate too high "
-        "(optimizer.lr, embedding.lr)",
+        "click rate alone. Likely causes: overfitting from %s, a learning rate too high "
+        "(optimizer.lr, embedding.lr), or a run too short to learn even the click rate "
+        "(train.steps against optimizer.warmup_steps)",
         ne,
-        passes,
+        overfit,
     )
 
 
