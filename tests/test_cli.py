@@ -1,7 +1,11 @@
 """End to end through the real command line."""
 
 import json
+import os
+import subprocess
+import sys
 
+from conftest import ROOT
 from conftest import run_cli as towerrec
 
 
@@ -47,3 +51,27 @@ def test_failed_run_leaves_no_directory_behind(tmp_path):
     (out / "notes.txt").write_text("mine")
     result = towerrec(*args, *bad)
     assert result.returncode == 2 and (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(tmp_path):
+    """``towerrec data info DIR | head``: no BrokenPipeError traceback, status 141."""
+    from towerrec.data.criteo import CriteoOptions, preprocess_criteo
+    from towerrec.data.criteo_gen import generate_criteo_files
+
+    days = generate_criteo_files(tmp_path / "raw", files=1, rows_per_file=100)
+    preprocess_criteo(days, tmp_path / "cache", CriteoOptions(num_embeddings=(50,)), False)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes a byte: every write fails
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "towerrec.cli", "data", "info", str(tmp_path / "cache")],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        )
+    finally:
+        os.close(write)
+    assert result.returncode == 141, result.stderr
+    assert result.stderr == ""

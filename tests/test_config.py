@@ -45,6 +45,12 @@ def test_toml_roundtrip():
         (["optimizer.name=lamb"], "optimizer.name = 'lamb' is not one of 'adam', 'adagrad', 'sgd'"),
         (["train.progress=yes"], "train.progress must be true or false"),
         (["train.steps"], "expected section.key=value"),
+        (
+            ["data.source=criteo", "data.path=c", "train.steps=100", "train.epochs=2"],
+            r"train.steps = 100 and train.epochs = 2 are both set; set one of them",
+        ),
+        (["train.epochs=0"], "train.epochs must be > 0"),
+        (["train.epochs=1"], "'synthetic' is an endless stream; set train.steps instead"),
         (["data.synthetic.ctr=2"], r"ctr must lie in \(0, 1\)"),
         (
             ["data.synthetic.num_embeddings=[5, 6]"],

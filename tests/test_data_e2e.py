@@ -1,9 +1,14 @@
 """Preprocess then train, through the library and the real command line."""
 
 import json
+import os
+import random
+import shlex
+import subprocess
+import sys
 
 import pytest
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 from towerrec.cli import main
 from towerrec.config import load_config
@@ -109,3 +114,100 @@ def test_cli_bad_data_is_one_error_line(tmp_path, criteo_cache, capsys):
             assert err[-1].startswith("error:") and needle in err[-1], (args, err)
     finally:
         part.write_bytes(original)
+
+
+def towerrec_in(cwd, *args):
+    """``towerrec ARGS...`` run from ``cwd`` (relative paths as a user types them)."""
+    return subprocess.run(
+        [sys.executable, "-m", "towerrec.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"},
+    )
+
+
+def printed_train_command(stdout):
+    """The arguments after ``towerrec`` of the converter's ``train with:`` line."""
+    lines = [x for x in stdout.splitlines() if x.startswith("train with: ")]
+    assert len(lines) == 1, stdout
+    command = shlex.split(lines[0].removeprefix("train with: "))
+    assert command[:2] == ["towerrec", "train"], command
+    return command[1:]
+
+
+# Only shrinks the run; the printed command chooses the data.
+QUICK_RUN = ["--set", "train.steps=4", *(x for s in SMALL for x in ("--set", s))]
+
+
+def test_criteo_without_split_options_holds_out_eval_rows_and_its_command_trains(tmp_path):
+    result = towerrec_in(
+        tmp_path, "data", "gen-criteo", "--out", "raw", "--files", "1", "--rows", "100000"
+    )
+    assert result.returncode == 0, result.stderr
+    result = towerrec_in(
+        tmp_path, "data", "criteo", "raw/day_0", "--out", "my cache", "--num-embeddings", "1000",
+        "--no-progress",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "no split option given: holding out a seeded 10% of the rows" in result.stdout
+    rows = json.loads(towerrec_in(tmp_path, "data", "info", "my cache").stdout)["rows"]
+    assert 9000 < rows["eval"] < 11000 and rows["train"] + rows["eval"] == 100_000
+    # The printed command, as printed: the default run on real data is one epoch.
+    result = towerrec_in(tmp_path, *printed_train_command(result.stdout))
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = -(-rows["train"] // 2048)
+    assert f"train.steps = {steps}: 1 epoch(s) of {rows['train']:,} training rows" in result.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["eval_samples"] == rows["eval"]
+    assert summary["ne"] < 1  # better than predicting the click rate
+    assert "normalized entropy" not in result.stderr
+
+
+def test_a_final_normalized_entropy_above_1_is_warned_about(criteo_cache, tmp_path, caplog):
+    # One step from the initial weights (predictions near 0.5) at a click rate near 0.25.
+    config = load_config(
+        None,
+        [*SMALL, "data.source=criteo", f"data.path={criteo_cache}", "train.steps=1",
+         "optimizer.warmup_steps=100"],
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="towerrec"):
+        summary = trainer.train(config, tmp_path / "run")
+    assert summary["ne"] >= 1
+    warned = [r.getMessage() for r in caplog.records if "normalized entropy" in r.getMessage()]
+    assert len(warned) == 1 and "overfitting" in warned[0] and "learning rate" in warned[0]
+
+
+LIBFM_FIELDS = "user 0 49\nitem 50 149\nctx 150 159 multi\n"
+
+
+def test_libfm_without_split_options_trains_and_no_eval_rows_names_real_options(tmp_path):
+    rng = random.Random(0)
+    lines = [
+        f"{rng.randint(0, 1)} {rng.randrange(50)}:1 {rng.randrange(50, 150)}:1 "
+        f"{rng.randrange(150, 160)}:1"
+        for _ in range(2000)
+    ]
+    (tmp_path / "train.libfm").write_text("\n".join(lines) + "\n")
+    (tmp_path / "fields.txt").write_text(LIBFM_FIELDS)
+    convert = ["data", "libfm", "train.libfm", "--fields", "fields.txt"]
+    result = towerrec_in(tmp_path, *convert, "--out", "cache")
+    assert result.returncode == 0, result.stderr
+    assert "holding out a seeded 10% of the rows" in result.stdout
+    command = printed_train_command(result.stdout)
+    result = towerrec_in(tmp_path, *command, "--out", "run", *QUICK_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # Asked for no eval rows: no train command is printed, and training names real options.
+    result = towerrec_in(tmp_path, *convert, "--out", "no-eval", "--eval-fraction", "0")
+    assert result.returncode == 0, result.stderr
+    assert "train with:" not in result.stdout
+    assert "no eval rows" in result.stdout and "--eval-fraction F" in result.stdout
+    train = ["train", "--set", "data.source=cache", "--set", "data.path=no-eval", *QUICK_RUN]
+    result = towerrec_in(tmp_path, *train, "--out", "run2")
+    assert result.returncode == 2
+    error = result.stderr.strip().splitlines()[-1]
+    assert "no eval rows" in error and "towerrec data libfm" in error, error
+    assert "--eval-fraction F" in error and "--eval-files" not in error, error

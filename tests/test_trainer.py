@@ -213,3 +213,24 @@ def test_resume_of_a_finished_run_says_how_to_continue(tmp_path):
         trainer.train(quick_config("train.steps=3"), tmp_path, resume=True)
     summary = trainer.train(quick_config("train.steps=5"), tmp_path, resume=True)
     assert summary["steps"] == 5
+
+
+class _Rows:
+    """A source with ``train_rows`` training rows (all ``resolve_steps`` reads)."""
+
+    def __init__(self, train_rows):
+        self.train_rows = train_rows
+
+
+def test_steps_are_resolved_from_the_source_unless_set():
+    from towerrec.train.build import resolve_steps
+
+    real = ["data.source=criteo", "data.path=cache", "train.batch_size=1000"]
+    assert resolve_steps(load_config(), None)[0] == 2500  # synthetic: the fixed default
+    assert resolve_steps(load_config(None, ["train.steps=7"]), None) == (7, "train.steps")
+    steps, why = resolve_steps(load_config(None, real), _Rows(10_001))
+    assert steps == 11 and "one epoch on real data" in why  # rounded up to whole steps
+    assert resolve_steps(load_config(None, real), _Rows(10_000))[0] == 10
+    assert resolve_steps(load_config(None, [*real, "train.epochs=0.1"]), _Rows(10_000))[0] == 1
+    assert resolve_steps(load_config(None, [*real, "train.epochs=2.5"]), _Rows(10_000))[0] == 25
+    assert resolve_steps(load_config(None, [*real, "train.steps=3"]), _Rows(10_000))[0] == 3

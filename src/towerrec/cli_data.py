@@ -8,16 +8,23 @@
     towerrec bench data --json                          preprocessing and loader throughput
 
 Train on a cache with ``towerrec train --set data.source=criteo --set data.path=DIR``.
+Given no split option, a converter holds out a seeded ``DEFAULT_EVAL_FRACTION``
+of the rows for evaluation (training ends with one) and says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from pathlib import Path
 
-__all__ = ["add_data_commands"]
+__all__ = ["DEFAULT_EVAL_FRACTION", "add_data_commands"]
+
+# The eval share a converter holds out when given no split option: training ends
+# with an evaluation, so a cache without eval rows could not be trained on.
+DEFAULT_EVAL_FRACTION = 0.1
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -29,13 +36,38 @@ def _sizes(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def _eval_fraction(fraction: float | None, eval_files: list[str], seed: int) -> float:
+    """``--eval-fraction``, or the default when no split option was given (said so)."""
+    if fraction is not None:
+        return fraction
+    if eval_files:
+        return 0.0
+    print(
+        f"no split option given: holding out a seeded {DEFAULT_EVAL_FRACTION:.0%} of the rows "
+        f"for evaluation (as --eval-fraction {DEFAULT_EVAL_FRACTION} --seed {seed})"
+    )
+    return DEFAULT_EVAL_FRACTION
+
+
+def _print_next_step(rows: dict[str, int], out: Path, source: str, split_options: str) -> None:
+    """The command that trains on the cache, or why there is none."""
+    if rows["eval"] == 0:
+        print(
+            "no eval rows: `towerrec train` ends with an evaluation and cannot use this cache; "
+            f"convert again with {split_options}"
+        )
+        return
+    path = shlex.quote(f"data.path={out}")
+    print(f"train with: towerrec train --set data.source={source} --set {path}")
+
+
 def _cmd_criteo(args: argparse.Namespace) -> int:
     from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 
     options = CriteoOptions(
         num_embeddings=args.num_embeddings,
         min_count=args.min_count,
-        eval_fraction=args.eval_fraction,
+        eval_fraction=_eval_fraction(args.eval_fraction, args.eval_files, args.seed),
         eval_files=tuple(args.eval_files),
         seed=args.seed,
         strict=args.strict,
@@ -57,7 +89,12 @@ def _cmd_criteo(args: argparse.Namespace) -> int:
             print(f"  {where}")
     sizes = [f["num_embeddings"] for f in manifest["schema"]["sparse"]]
     print(f"table sizes: {sizes}")
-    print(f"train with: towerrec train --set data.source=criteo --set data.path={args.out}")
+    _print_next_step(
+        manifest["rows"],
+        args.out,
+        "criteo",
+        "--eval-fraction F (0 < F < 1) or --eval-files FILE...",
+    )
     return 0
 
 
@@ -80,14 +117,15 @@ def _print_manifest(manifest: dict, out: Path) -> None:
         print(f"skipped {report['malformed']} malformed rows {report['by_reason']}; first ones:")
         for where in report["first"]:
             print(f"  {where}")
-    print(f"train with: towerrec train --set data.source=cache --set data.path={out}")
+    _print_next_step(rows, out, "cache", "--eval-fraction F (0 < F < 1)")
 
 
 def _cmd_libfm(args: argparse.Namespace) -> int:
     from towerrec.data.tabular import preprocess_libfm
 
+    fraction = _eval_fraction(args.eval_fraction, [], args.seed)
     manifest = preprocess_libfm(
-        args.inputs, args.out, args.fields, args.eval_fraction, args.seed, args.strict
+        args.inputs, args.out, args.fields, fraction, args.seed, args.strict
     )
     _print_manifest(manifest, args.out)
     return 0
@@ -103,9 +141,8 @@ def _cmd_table(args: argparse.Namespace) -> int:
         multi_hot=args.multi_hot,
         list_delimiter=args.list_delimiter,
     )
-    manifest = preprocess_table(
-        args.inputs, args.out, schema, args.eval_fraction, args.seed, args.strict
-    )
+    fraction = _eval_fraction(args.eval_fraction, [], args.seed)
+    manifest = preprocess_table(args.inputs, args.out, schema, fraction, args.seed, args.strict)
     _print_manifest(manifest, args.out)
     return 0
 
@@ -197,7 +234,11 @@ def add_data_commands(
         "instead of hashing (rarer values share id 0 with missing ones)",
     )
     criteo.add_argument(
-        "--eval-fraction", type=float, default=0.0, help="share of lines drawn into eval (seeded)"
+        "--eval-fraction",
+        type=float,
+        default=None,
+        help="share of lines drawn into eval (seeded; default: "
+        f"{DEFAULT_EVAL_FRACTION} without --eval-files, else 0)",
     )
     criteo.add_argument(
         "--eval-files", nargs="+", default=[], metavar="FILE", help="input files that form eval"
@@ -231,7 +272,12 @@ def add_data_commands(
     )  # fmt: skip
     table.add_argument("--list-delimiter", default="|")
     for p, func in ((libfm, _cmd_libfm), (table, _cmd_table)):
-        p.add_argument("--eval-fraction", type=float, default=0.0)
+        p.add_argument(
+            "--eval-fraction",
+            type=float,
+            default=None,
+            help=f"share of rows drawn into eval (seeded; default {DEFAULT_EVAL_FRACTION})",
+        )
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--strict", action="store_true", help="stop at the first malformed row")
         p.set_defaults(func=func)

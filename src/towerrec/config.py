@@ -238,7 +238,12 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 2500
+    """``steps`` global batches, or ``epochs`` passes over a data set's training rows
+    (one of the two). Neither set: 2,500 steps on synthetic data, one epoch on real
+    data (``train.build.resolve_steps``)."""
+
+    steps: int | None = None
+    epochs: float | None = None
     batch_size: int = 2048
     eval_every: int = 500
     eval_batch_size: int = 16384
@@ -253,9 +258,18 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _choice(self.precision, ("fp32", "bf16"), "train.precision")
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(
+                f"train.steps = {self.steps} and train.epochs = {self.epochs:g} are both set; "
+                "set one of them (steps counts global batches, epochs passes over the "
+                "training rows)"
+            )
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"train.epochs must be > 0, got {self.epochs}")
         for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {value}")
         for key in ("eval_every", "checkpoint_every", "threads"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
@@ -350,6 +364,13 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.epochs is not None and self.data.source == "synthetic":
+            raise ValueError(
+                "train.epochs counts passes over a data set's training rows, but "
+                "data.source = 'synthetic' is an endless stream; set train.steps instead"
+            )
 
 
 # ------------------------------------------------------------------ loading

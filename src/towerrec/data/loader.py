@@ -33,10 +33,23 @@ from towerrec.utils import parse_enum, stable_seed
 __all__ = ["BLOCK", "ColumnSource", "LoaderConfig"]
 
 BLOCK = 8192
-_NO_EVAL = (
-    "the data has no eval rows, and training ends with an evaluation; preprocess it with "
-    "an eval split (--eval-fraction F or --eval-files FILE...)"
-)
+# How to convert again with an eval split, by the converter that wrote the cache.
+_EVAL_SPLIT = {
+    "criteo": "`towerrec data criteo INPUT... --out DIR --eval-fraction F` (or --eval-files FILE...)",
+    "libfm": "`towerrec data libfm INPUT... --fields FIELDS --out DIR --eval-fraction F`",
+    "table": "`towerrec data table INPUT... --label COL ... --out DIR --eval-fraction F`",
+}
+
+
+def _no_eval(converter: str | None) -> str:
+    how = _EVAL_SPLIT.get(
+        converter or "",
+        "--eval-fraction F (data criteo, libfm, table) or --eval-files FILE... (data criteo)",
+    )
+    return (
+        "the data has no eval rows, and training ends with an evaluation; preprocess it with "
+        f"an eval split: {how}"
+    )
 
 
 @dataclass(frozen=True)
@@ -143,7 +156,7 @@ class ColumnSource:
                 "(an eval fraction of 1, or every input file given as eval?)"
             )
         if require_eval and self._eval.rows == 0:
-            raise ValueError(_NO_EVAL)
+            raise ValueError(_no_eval(store.manifest.get("source")))
         self._epoch_blocks = lru_cache(maxsize=2)(self._make_epoch_blocks)
         self._block_order = lru_cache(maxsize=8)(self._make_block_order)
 
@@ -216,7 +229,7 @@ class ColumnSource:
     def eval_batches(self, batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
         _check_rank(rank, world_size)
         if self._eval.rows == 0:
-            raise ValueError(_NO_EVAL)
+            raise ValueError(_no_eval(self.store.manifest.get("source")))
         total = self._eval.rows
         lo, hi = rank * total // world_size, (rank + 1) * total // world_size
         for start in range(lo, hi, batch_size):

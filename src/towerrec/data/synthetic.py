@@ -291,8 +291,8 @@ class SyntheticSource:
 
 
 def _rank_range(total: int, rank: int, world_size: int) -> tuple[int, int]:
-    per_rank = total // world_size
-    return rank * per_rank, (rank + 1) * per_rank
+    """Rank r's slice of ``total`` samples: together the ranks cover all of them."""
+    return rank * total // world_size, (rank + 1) * total // world_size
 
 
 def _shift_for_ctr(logits: np.ndarray, ctr: float) -> float:

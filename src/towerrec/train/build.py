@@ -28,7 +28,10 @@ __all__ = [
     "build_tables",
     "lr_factor",
     "resolve_device",
+    "resolve_steps",
 ]
+
+SYNTHETIC_STEPS = 2500  # train.steps unset on the synthetic stream, which has no epochs
 
 
 def resolve_device(name: str) -> torch.device:
@@ -145,3 +148,31 @@ def lr_factor(config: OptimizerConfig, step: int, total_steps: int) -> float:
     if config.decay == "linear":
         return 1.0 - (1.0 - floor) * progress
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def resolve_steps(config: Config, source) -> tuple[int, str]:
+    """The run's number of steps, and where it comes from.
+
+    ``train.steps`` if set; else ``train.epochs`` (default 1: one epoch on real
+    data, as MLPerf trains Criteo) passes over the source's training rows, rounded
+    up to whole global batches; else, on the synthetic stream, 2,500 steps.
+    """
+    cfg = config.train
+    if cfg.steps is not None:
+        return cfg.steps, "train.steps"
+    if config.data.source == "synthetic":
+        return SYNTHETIC_STEPS, "the synthetic data's default (train.steps unset)"
+    epochs = cfg.epochs if cfg.epochs is not None else 1.0
+    rows = source.train_rows
+    samples = max(1, round(epochs * rows))
+    steps = -(-samples // cfg.batch_size)
+    why = (
+        "train.epochs"
+        if cfg.epochs is not None
+        else "train.steps and train.epochs unset: one epoch on real data, as MLPerf trains "
+        "Criteo; set either to change it"
+    )
+    return steps, (
+        f"{epochs:g} epoch(s) of {rows:,} training rows at a global batch of "
+        f"{cfg.batch_size:,}, rounded up to whole steps ({why})"
+    )

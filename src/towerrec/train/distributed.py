@@ -6,7 +6,8 @@ environment names RANK, WORLD_SIZE, ...): the process joins the group, builds
 the hosts x local mesh and ``parallelize``s the model by the configured plan;
 ``train.batch_size`` is the global batch, each rank reading its slice, so the
 run follows the single-process one on the same data. Evaluation gathers every
-rank's predictions; the embedding collectives' bytes are summed over ranks.
+rank's predictions (rank slices of the eval split may differ by a row); the
+embedding collectives' bytes are summed over ranks.
 """
 
 from __future__ import annotations
@@ -158,12 +159,27 @@ class RunContext:
         return parallel
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenation over ranks of equal-sized 1-D tensors, in rank order."""
+        """Concatenation over ranks of 1-D tensors, in rank order; their lengths may
+        differ (an eval split that does not divide evenly over the ranks)."""
         if self.world_size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
+        size = torch.tensor([x.numel()], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size)
+        lengths = [int(s) for s in sizes]
+        padded = x.new_zeros(max(lengths))  # all_gather wants equal shapes: pad, then trim
+        padded[: x.numel()] = x
+        parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(parts, padded)
+        return torch.cat([part[:n] for part, n in zip(parts, lengths, strict=True)])
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank (a collective: every rank must call it)."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
 
     def comm_snapshot(self, model: nn.Module) -> tuple[int, int, int, int]:
         """Bytes this rank has sent: embedding collectives, then dense all-reduces

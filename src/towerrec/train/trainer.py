@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,10 @@ from towerrec.train.build import (
     build_source,
     lr_factor,
     resolve_device,
+    resolve_steps,
 )
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
-from towerrec.train.distributed import start_distributed
+from towerrec.train.distributed import RunContext, start_distributed
 from towerrec.train.metrics import EvalMetrics, auc, compute_metrics
 from towerrec.train.pipeline import pipelined
 from towerrec.train.run_dir import RunDir
@@ -71,22 +73,42 @@ def evaluate(
     batches: Iterable[Batch],
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
-    gather=None,
+    ctx: RunContext | None = None,
+    padding: Batch | None = None,
 ) -> EvalMetrics:
-    """Metrics over ``batches``; ``gather`` concatenates every rank's predictions."""
+    """Metrics over ``batches`` of this rank, or of every rank of ``ctx``.
+
+    A sharded model runs collectives in forward, so on several ranks every rank
+    runs the same number of forwards: a rank whose batches ran out (its slice of
+    the eval split is shorter, or its last batch came sooner) forwards
+    ``padding`` and drops those predictions until no rank has batches left.
+    Every rank's predictions are then gathered, so the metrics are those of the
+    whole eval split.
+    """
+    group = ctx if ctx is not None and ctx.world_size > 1 else None
+    if group is not None and padding is None:
+        raise ValueError("evaluate on several ranks needs a padding batch")
     was_training = model.training
     model.eval()
     probs, labels = [], []
-    for batch in batches:
-        batch = batch.to(device)
+    remaining = iter(batches)
+    while True:
+        batch = next(remaining, None)
+        if not (group.any_rank(batch is not None) if group is not None else batch is not None):
+            break
         with autocast(device, autocast_dtype):
-            logits = model(batch.dense, batch.sparse)
-        probs.append(torch.sigmoid(logits.float()).cpu())
-        labels.append(batch.labels.cpu())
+            forward = batch if batch is not None else padding
+            assert forward is not None  # checked above: several ranks come with a padding batch
+            forward = forward.to(device)
+            logits = model(forward.dense, forward.sparse)
+        if batch is not None:
+            probs.append(torch.sigmoid(logits.float()).cpu())
+            labels.append(batch.labels.cpu())
     model.train(was_training)
-    probs, labels = torch.cat(probs), torch.cat(labels)
-    if gather is not None:
-        probs, labels = gather(probs), gather(labels)
+    probs = torch.cat(probs) if probs else torch.zeros(0)
+    labels = torch.cat(labels) if labels else torch.zeros(0)
+    if group is not None:
+        probs, labels = group.gather(probs), group.gather(labels)
     return compute_metrics(probs, labels)
 
 
@@ -122,6 +144,23 @@ def _stop_on_signal():
             signal.signal(s, h)
 
 
+def _warn_worse_than_base_rate(ne: float, samples: int, train_rows: int | None) -> None:
+    """NE >= 1: the predictions say less than the eval click rate alone would."""
+    if train_rows:
+        overfit = f"too many passes over the training data ({samples / train_rows:.3g} epochs "
+        overfit += "here; try train.epochs = 1)"
+    else:
+        overfit = "too many train.steps"
+    log.warning(
+        "the final eval normalized entropy is %.3f >= 1: the model predicts worse than the "
+        "click rate alone. Likely causes: overfitting from %s, a learning rate too high "
+        "(optimizer.lr, embedding.lr), or a run too short to learn even the click rate "
+        "(train.steps against optimizer.warmup_steps)",
+        ne,
+        overfit,
+    )
+
+
 def _batches(
     source, batch_size: int, start: int, device: torch.device, rank: int = 0, world_size: int = 1
 ) -> Iterator[Batch]:
@@ -143,11 +182,14 @@ def train(
     from its config.toml only in ``RESUME_SAFE_KEYS``); ``stop_after``
     ends the run (with a checkpoint) after that step, as a stop signal does.
     """
-    cfg = config.train
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    device = resolve_device(config.train.device)
     ctx = start_distributed(config, device)
+    source = build_source(config.data)
+    steps, steps_from = resolve_steps(config, source)
+    config = replace(config, train=replace(config.train, steps=steps, epochs=None))
+    cfg = config.train
     run = RunDir(out_dir, writer=ctx.is_main)
     checkpoints = CheckpointManager(run.checkpoint_dir, keep=cfg.keep_checkpoints)
     if resume and checkpoints.latest() is None:
@@ -158,8 +200,15 @@ def train(
     if ctx.is_main:
         run.start(config, resume=resume)
     ctx.barrier()
+    log.info("train.steps = %s: %s", f"{steps:,}", steps_from)
+    if config.optimizer.warmup_steps >= steps:
+        log.warning(
+            "optimizer.warmup_steps = %d >= train.steps = %d: the learning rate never reaches "
+            "optimizer.lr; lower optimizer.warmup_steps",
+            config.optimizer.warmup_steps,
+            steps,
+        )
 
-    source = build_source(config.data)
     if config.plan.strategy != "none" and ctx.world_size == 1:
         log.warning("plan.strategy only shards tables over ranks; one process keeps them all")
     # Distributed: no rank allocates the full tables; each builds only its shards.
@@ -207,7 +256,8 @@ def train(
     batches = _batches(source, local_batch, state["step"], device, ctx.rank, ctx.world_size)
     if config.distributed.pipeline:
         batches = pipelined(model, batches)
-    eval_gather = ctx.gather if ctx.world_size > 1 else None
+    # A rank out of eval batches forwards this one (eval row 0) while the others finish.
+    eval_padding = next(iter(source.eval_batches(1))) if ctx.world_size > 1 else None
     amp_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
     last_eval: EvalMetrics | None = None
     loss_sum, loss_count = torch.zeros((), device=device), 0
@@ -224,7 +274,7 @@ def train(
         step = state["step"]
         while step < cfg.steps:
             step += 1
-            factor = lr_factor(config.optimizer, step, cfg.steps)
+            factor = lr_factor(config.optimizer, step, steps)
             set_learning_rates(model, optimizer, config, factor)
             tick = time.perf_counter()
             batch = next(batches)
@@ -258,7 +308,8 @@ def train(
                     source.eval_batches(local_eval_batch, ctx.rank, ctx.world_size),
                     device,
                     autocast_dtype=amp_dtype,
-                    gather=eval_gather,
+                    ctx=ctx,
+                    padding=eval_padding,
                 )
                 run.log({"kind": "eval", "step": step, **last_eval.as_dict()})
                 if ctx.is_main:  # stderr: stdout is for results (e.g. a bench's JSON)
@@ -306,4 +357,7 @@ def train(
     }
     run.write_summary(summary)
     run.plot_curves(oracle_auc)
+    if last_eval is not None and last_eval.ne >= 1 and ctx.is_main:
+        train_rows = None if config.data.source == "synthetic" else source.train_rows
+        _warn_worse_than_base_rate(last_eval.ne, state["samples"], train_rows)
     return summary
