@@ -25,14 +25,15 @@ def _single_thread_determinism():
 ROOT = Path(__file__).parent.parent
 
 
-def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    """``towerrec ARGS...`` in a subprocess on this checkout's code, from the repo root.
+def run_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
+    """``towerrec ARGS...`` in a subprocess on this checkout's code, from ``cwd`` (the
+    repo root unless given: relative paths resolve as a user in that folder types them).
 
-    Keyword arguments add environment variables (e.g. ``OMP_NUM_THREADS="1"``).
+    Other keyword arguments add environment variables (e.g. ``OMP_NUM_THREADS="1"``).
     """
     return subprocess.run(
         [sys.executable, "-m", "towerrec.cli", *args],
-        cwd=ROOT,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,

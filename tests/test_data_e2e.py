@@ -1,14 +1,11 @@
 """Preprocess then train, through the library and the real command line."""
 
 import json
-import os
 import random
 import shlex
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, run_cli
+from conftest import run_cli
 
 from towerrec.cli import main
 from towerrec.config import load_config
@@ -118,14 +115,7 @@ def test_cli_bad_data_is_one_error_line(tmp_path, criteo_cache, capsys):
 
 def towerrec_in(cwd, *args):
     """``towerrec ARGS...`` run from ``cwd`` (relative paths as a user types them)."""
-    return subprocess.run(
-        [sys.executable, "-m", "towerrec.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"},
-    )
+    return run_cli(*args, cwd=cwd, OMP_NUM_THREADS="1")
 
 
 def printed_train_command(stdout):

@@ -18,6 +18,8 @@ from towerrec.bench.torchrec_ref import (
     quiet_torchrec_logs,
     single_process_group,
     torchrec_available,
+    torchrec_fused_collection,
+    torchrec_tables,
 )
 from towerrec.bench.train import (
     build_tables,
@@ -35,6 +37,10 @@ EMBEDDING_SHAPE = {"num_tables": 26, "num_embeddings": 100_000, "embedding_dim":
 BATCH = 2048
 
 
+def _torchrec_tables(shape: dict) -> list:
+    return torchrec_tables(shape["num_tables"], shape["num_embeddings"], shape["embedding_dim"])
+
+
 def _torchrec_ebc(shape: dict):
     import torch.distributed as dist
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -46,18 +52,9 @@ def _torchrec_ebc(shape: dict):
         Topology,
     )
     from torchrec.distributed.types import ShardingType
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchrecEBC
 
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=shape["embedding_dim"],
-            num_embeddings=shape["num_embeddings"],
-            feature_names=[f"f{i}"],
-        )
-        for i in range(shape["num_tables"])
-    ]
+    tables = _torchrec_tables(shape)
     sharder = EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
     )
@@ -72,25 +69,6 @@ def _torchrec_ebc(shape: dict):
     return DistributedModelParallel(
         module, device=torch.device("cpu"), plan=plan, sharders=[sharder]
     )
-
-
-def _torchrec_fused_ebc(shape: dict):
-    """TorchRec's ``FusedEmbeddingBagCollection`` without DMP (FBGEMM's kernel, row-wise
-    Adagrad in the backward)."""
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-    from torchrec.optim import RowWiseAdagrad
-
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=shape["embedding_dim"],
-            num_embeddings=shape["num_embeddings"],
-            feature_names=[f"f{i}"],
-        )
-        for i in range(shape["num_tables"])
-    ]
-    return FusedEmbeddingBagCollection(tables, RowWiseAdagrad, {"lr": 0.05})
 
 
 def run_embedding_benchmark(
@@ -128,7 +106,7 @@ def run_embedding_benchmark(
                 out.backward(torch.ones_like(out))
 
             systems["torchrec"] = torchrec_step
-            fused = _torchrec_fused_ebc(shape)
+            fused = torchrec_fused_collection(_torchrec_tables(shape), 0.05)
 
             def torchrec_fused_step(i: int) -> None:
                 out = fused(trec[i % len(trec)]).values()

@@ -23,7 +23,9 @@ __all__ = [
     "torchrec_available",
     "torchrec_dlrm",
     "torchrec_dlrm_fused",
+    "torchrec_fused_collection",
     "torchrec_step",
+    "torchrec_tables",
 ]
 
 
@@ -54,6 +56,32 @@ def single_process_group():
         dist.destroy_process_group()
 
 
+def torchrec_tables(num_tables: int, num_embeddings: int, embedding_dim: int) -> list:
+    """TorchRec ``EmbeddingBagConfig``s ``t0..`` of one feature each, ``f0..f{T-1}``."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    return [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=embedding_dim,
+            num_embeddings=num_embeddings,
+            feature_names=[f"f{i}"],
+        )
+        for i in range(num_tables)
+    ]
+
+
+def torchrec_fused_collection(tables: list, emb_lr: float):
+    """TorchRec's ``FusedEmbeddingBagCollection`` (FBGEMM's kernel, row-wise Adagrad in
+    the backward), used without DMP."""
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad
+
+    return FusedEmbeddingBagCollection(
+        tables, RowWiseAdagrad, {"lr": emb_lr, "eps": 1e-8}, device=torch.device("cpu")
+    )
+
+
 def _tables_and_model(
     num_tables: int,
     num_embeddings: int,
@@ -65,17 +93,8 @@ def _tables_and_model(
 ):
     """TorchRec's DLRM over ``ebc_factory(tables)``; features ``f0..f{T-1}``."""
     from torchrec.models.dlrm import DLRM
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=embedding_dim,
-            num_embeddings=num_embeddings,
-            feature_names=[f"f{i}"],
-        )
-        for i in range(num_tables)
-    ]
+    tables = torchrec_tables(num_tables, num_embeddings, embedding_dim)
     model = DLRM(
         embedding_bag_collection=ebc_factory(tables),
         dense_in_features=num_dense,
@@ -168,9 +187,6 @@ def torchrec_dlrm_fused(
     """TorchRec DLRM over its ``FusedEmbeddingBagCollection`` without DMP: FBGEMM's
     table-batched kernel with row-wise Adagrad in the backward, no process group, no
     input/output all-to-alls; and the dense Adam. Needs no ``single_process_group``."""
-    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-    from torchrec.optim import RowWiseAdagrad
-
     _, model = _tables_and_model(
         num_tables,
         num_embeddings,
@@ -178,9 +194,7 @@ def torchrec_dlrm_fused(
         num_dense,
         bottom_mlp,
         top_mlp,
-        lambda tables: FusedEmbeddingBagCollection(
-            tables, RowWiseAdagrad, {"lr": emb_lr, "eps": 1e-8}, device=torch.device("cpu")
-        ),
+        lambda tables: torchrec_fused_collection(tables, emb_lr),
     )
     dense = {k: v for k, v in model.named_parameters() if "embedding_bags" not in k}
     return model, _dense_adam(dense, dense_lr)
