@@ -177,7 +177,9 @@ def test_bench_train_reports_wall_and_cpu_ratios_side_by_side():
         reference = result["torchrec_reference"]
         assert trec[reference] == max(trec.values())
         assert f"towerrec_torch/{reference}" in result["ratios"]
-        assert f"towerrec_torch/{reference}" in result["cpu_ratios"]
+        cpu = {n: result["results"][n]["cpu_ms_per_step"] for n in ("torchrec", "torchrec_no_dmp")}
+        assert cpu[result["cpu_torchrec_reference"]] == min(cpu.values())
+        assert f"towerrec_torch/{result['cpu_torchrec_reference']}" in result["cpu_ratios"]
     assert result["default_backend"] == resolve_backend("auto", torch.device("cpu")).value
 
 
