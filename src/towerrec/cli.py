@@ -128,6 +128,7 @@ def _cmd_bench_embedding(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         backends=args.backends,
         torchrec=not args.no_torchrec,
+        threads=args.threads,
     )
     _print_result(result, args.json)
     return 0
@@ -319,9 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--backends", default="torch,fbgemm", help="comma-separated kernel backends to time"
         )
         b.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec comparison")
+        b.add_argument("--threads", type=int, default=None, help="intra-op threads")
         if name == "train":
             b.add_argument("--batch-size", type=int, default=2048)
-            b.add_argument("--threads", type=int, default=None, help="intra-op threads")
         b.set_defaults(func=func)
     for name, help_text in (
         ("models", "DLRM vs DCNv2 vs Wukong at matched FLOPs per sample (planted data)"),

@@ -12,7 +12,7 @@ from datetime import date
 
 import torch
 
-__all__ = ["machine_info", "matmul_peak_flops", "peak_rss_mb", "time_interleaved"]
+__all__ = ["machine_info", "matmul_peak_flops", "peak_rss_mb", "set_threads", "time_interleaved"]
 
 
 def _cpu_model() -> str:
@@ -96,3 +96,12 @@ def time_interleaved(
     if cpu_seconds is not None:
         cpu_seconds.update({name: statistics.median(values) for name, values in cpu.items()})
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads N``: the benchmark's intra-op threads (None leaves torch's default)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)

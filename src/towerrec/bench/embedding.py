@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from towerrec.bench.common import machine_info, peak_rss_mb, time_interleaved
+from towerrec.bench.common import machine_info, peak_rss_mb, set_threads, time_interleaved
 from towerrec.bench.torchrec_ref import (
     quiet_torchrec_logs,
     single_process_group,
@@ -77,7 +77,9 @@ def run_embedding_benchmark(
     backends: str = "torch,fbgemm",
     torchrec: bool = True,
     rounds: int = 5,
+    threads: int | None = None,
 ) -> dict:
+    set_threads(threads)
     shape = dict(EMBEDDING_SHAPE)
     batches = make_batches(shape, BATCH)
     results: dict[str, dict] = {}
@@ -122,6 +124,7 @@ def run_embedding_benchmark(
         "shape": {**shape, "batch_size": BATCH},
         "steps": steps,
         "rounds": rounds,
+        "threads": torch.get_num_threads(),
         "results": results,
         "torchrec_reference": (reference := fastest_torchrec(results)),
         "ratios": ratios_to(results, reference),

@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-from towerrec.bench.common import machine_info, matmul_peak_flops, peak_rss_mb, time_interleaved
+from towerrec.bench.common import (
+    machine_info,
+    matmul_peak_flops,
+    peak_rss_mb,
+    set_threads,
+    time_interleaved,
+)
 from towerrec.bench.torchrec_ref import (
     quiet_torchrec_logs,
     single_process_group,
@@ -131,10 +137,7 @@ def run_train_benchmark(
     rounds: int = 5,
     threads: int | None = None,
 ) -> dict:
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    set_threads(threads)
     shape = dict(shape or CRITEO_SHAPE)
     batches = make_batches(shape, batch_size)
     results: dict[str, dict] = {}
