@@ -234,3 +234,34 @@ def test_steps_are_resolved_from_the_source_unless_set():
     assert resolve_steps(load_config(None, [*real, "train.epochs=0.1"]), _Rows(10_000))[0] == 1
     assert resolve_steps(load_config(None, [*real, "train.epochs=2.5"]), _Rows(10_000))[0] == 25
     assert resolve_steps(load_config(None, [*real, "train.steps=3"]), _Rows(10_000))[0] == 3
+
+
+def test_tensorboard_event_files_carry_the_metrics_records(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = quick_config("train.steps=10", "train.eval_every=5", "train.tensorboard=true")
+    trainer.train(config, tmp_path / "run")
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    for kind, key in (("train", "loss"), ("eval", "auc"), ("eval", "logloss")):
+        logged = [(r["step"], r[key]) for r in records if r["kind"] == kind]
+        written = [(e.step, e.value) for e in events.Scalars(f"{kind}/{key}")]
+        assert [s for s, _ in written] == [s for s, _ in logged] and logged, (kind, key)
+        assert [v for _, v in written] == pytest.approx([v for _, v in logged], rel=1e-6)
+
+
+def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real(name, *a),
+    )
+    with pytest.raises(ValueError, match=r"pip install 'towerrec\[tensorboard\]'"):
+        trainer.train(quick_config("train.steps=2", "train.tensorboard=true"), tmp_path / "run")

@@ -74,6 +74,7 @@ RESUME_SAFE_KEYS = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.progress",
+    "train.tensorboard",
     "train.threads",
     "train.device",
     "data.loader.num_workers",
@@ -255,6 +256,7 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads; 0 = PyTorch's default
     progress: bool = True
     precision: str = "fp32"  # fp32 | bf16 (autocast of the dense part, fp32 master weights)
+    tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl (extra: tensorboard)
 
     def __post_init__(self) -> None:
         _choice(self.precision, ("fp32", "bf16"), "train.precision")

@@ -8,11 +8,13 @@
                            resume with the settings it changed
     <out>/summary.json     final metrics, throughput, sizes
     <out>/curves.png       training loss and eval AUC over steps
+    <out>/tensorboard/     TensorBoard event files of the same records (train.tensorboard)
     <out>/checkpoint/      DCP checkpoints (step_<N>/)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from datetime import datetime
@@ -37,9 +39,20 @@ def _json_safe(value: Any) -> Any:
 
 
 class RunDir:
-    def __init__(self, path: str | Path, *, writer: bool = True) -> None:
+    def __init__(self, path: str | Path, *, writer: bool = True, tensorboard: bool = False) -> None:
         self.path = Path(path)
         self.writer = writer  # only one process of a distributed run writes files
+        self.tensorboard = tensorboard
+        self._events: Any = None  # the TensorBoard SummaryWriter, opened by ``start``
+        if tensorboard and writer and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError(
+                "train.tensorboard = true needs the tensorboard package: "
+                "pip install 'towerrec[tensorboard]', or set train.tensorboard = false"
+            )
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        return self.path / "tensorboard"
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -91,10 +104,33 @@ class RunDir:
         self.config_path.write_text(config_to_toml(config))
         self.metrics_path.write_text("")
 
+    def open_events(self, step: int) -> None:
+        """Start TensorBoard event files (``train.tensorboard``) at ``step``: a resumed run
+        purges the events past its checkpoint step, as ``truncate_after`` does for
+        metrics.jsonl."""
+        if self.writer and self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._events = SummaryWriter(str(self.tensorboard_dir), purge_step=step or None)
+
+    def close(self) -> None:
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+
     def log(self, record: dict[str, Any]) -> None:
-        if self.writer:
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(_json_safe(record)) + "\n")
+        if not self.writer:
+            return
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(_json_safe(record)) + "\n")
+        if self._events is not None and "step" in record:
+            # each number as "<kind>/<key>" (train/loss, eval/auc, ...), at once on disk so
+            # a running TensorBoard shows it
+            for key, value in record.items():
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                if key != "step" and number and math.isfinite(value):
+                    self._events.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+            self._events.flush()
 
     def records(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():

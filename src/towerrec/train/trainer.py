@@ -190,7 +190,7 @@ def train(
     steps, steps_from = resolve_steps(config, source)
     config = replace(config, train=replace(config.train, steps=steps, epochs=None))
     cfg = config.train
-    run = RunDir(out_dir, writer=ctx.is_main)
+    run = RunDir(out_dir, writer=ctx.is_main, tensorboard=cfg.tensorboard)
     checkpoints = CheckpointManager(run.checkpoint_dir, keep=cfg.keep_checkpoints)
     if resume and checkpoints.latest() is None:
         raise FileNotFoundError(
@@ -270,6 +270,7 @@ def train(
         dynamic_ncols=True,
         desc="train",
     )
+    run.open_events(state["step"])
     with _stop_on_signal() as stop:
         step = state["step"]
         while step < cfg.steps:
@@ -357,6 +358,7 @@ def train(
     }
     run.write_summary(summary)
     run.plot_curves(oracle_auc)
+    run.close()
     if last_eval is not None and last_eval.ne >= 1 and ctx.is_main:
         train_rows = None if config.data.source == "synthetic" else source.train_rows
         _warn_worse_than_base_rate(last_eval.ne, state["samples"], train_rows)
