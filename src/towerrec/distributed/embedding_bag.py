@@ -210,7 +210,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 view.weight.copy_(weights[view.table][r0:r1, c0:c1])
                 for name, s in view.state.items():
                     full = states[f"embedding_bags.{view.table}.{name}"]
-                    s.copy_(full[r0:r1] if full.dim() == 1 else full[r0:r1, c0:c1])
+                    s.copy_(
+                        full
+                        if full.dim() == 0
+                        else full[r0:r1]
+                        if full.dim() == 1
+                        else full[r0:r1, c0:c1]
+                    )
         return local
 
     def _build_replica(
