@@ -164,16 +164,16 @@ class EmbeddingConfig:
             raise ValueError(
                 f"embedding.counter_halflife must be >= 0, got {self.counter_halflife}"
             )
+        if len(self.adam_betas) != 2:
+            raise ValueError(
+                f"embedding.adam_betas must be [beta1, beta2], got {list(self.adam_betas)}"
+            )
+        self.optimizer_config()  # the same refusals on every backend, first
         if self.optimizer is EmbeddingOptimizer.CF_SGD and self.backend is Backend.FBGEMM:
             raise ValueError(
                 "embedding.optimizer = 'cf_sgd' has no FBGEMM kernel; set embedding.backend = "
                 "'torch' (or 'auto', which picks the torch kernel for it)"
             )
-        if len(self.adam_betas) != 2:
-            raise ValueError(
-                f"embedding.adam_betas must be [beta1, beta2], got {list(self.adam_betas)}"
-            )
-        self.optimizer_config()
 
     def optimizer_config(self) -> EmbeddingOptimizerConfig:
         """The fused optimizer's settings (validated there, the same for both backends)."""
