@@ -8,7 +8,8 @@
 
 ``sgd``, ``adagrad`` and ``adam`` are exact per column. ``rowwise_adagrad`` keeps
 one statistic per row, ``m[r] += mean_j g[r, j]^2`` over all D columns, which no
-column shard sees alone (``partial_rowwise_adam``'s ``m2[r]`` likewise); ``ColumnRowwiseSync`` makes it exact for every table
+column shard sees alone (nor ``partial_rowwise_adam``'s ``m2[r]``);
+``ColumnRowwiseSync`` makes it exact for every table
 split by columns (column-wise, table-column-wise, in any plan)::
 
     lookup     each rank of the collection's group makes one fence per lookup:
