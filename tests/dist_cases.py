@@ -119,7 +119,9 @@ def gather_tables(sharded) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
             for key, s in state.items():
                 full_key = f"embedding_bags.{name}.{key}"
                 table = next(t for t in sharded.tables if t.name == name)
-                if s.dim() == 1:
+                if s.dim() == 0:  # the kernels' step: the same everywhere
+                    assert torch.equal(states.setdefault(full_key, s), s), (full_key, s)
+                elif s.dim() == 1:
                     target = states.setdefault(
                         full_key, torch.full((table.num_embeddings,), float("nan"))
                     )

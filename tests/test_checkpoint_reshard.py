@@ -3,8 +3,9 @@
 4 ranks on 2 hosts, every table table-wise, train 3 steps and save; then 2
 ranks with a mixed plan (every sharding type), and one process unsharded, load
 it: the model's outputs, the embedding weights and their optimizer state are
-those that were saved. And a run with column-split tables (row-wise Adagrad)
-saved and resumed on 2 ranks ends exactly where the uninterrupted run does.
+those that were saved. And a run with column-split tables (row-wise Adagrad, partial
+row-wise Adam) saved and resumed on 2 ranks ends exactly where the uninterrupted run
+does.
 """
 
 import pytest
@@ -16,7 +17,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.parallelize import parallelize, uniform_plan
-from towerrec.modules.embedding_bag import dense_parameters
+from towerrec.models.dlrm import DLRM
+from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.train.checkpoint import CheckpointManager, embedding_optimizer_state_dict
 
 EVAL = 8  # samples per rank of the 4-rank world (32 in all)
@@ -141,18 +144,28 @@ class _OneProcess:
     world_size, rank = 1, 0
 
 
-def _resume_column_split(topology, directory):
+def _build(seed, optimizer):
+    if optimizer == "rowwise_adagrad":
+        return build(seed=seed)
+    ebc = EmbeddingBagCollection(
+        TABLES, EmbeddingOptimizerConfig(kind=optimizer, lr=0.05), backend="torch", seed=seed
+    )
+    torch.manual_seed(seed)
+    return DLRM(ebc, NUM_DENSE, [8, 8], [8, 1])
+
+
+def _resume_column_split(topology, directory, kind):
     """Weights after 6 steps uninterrupted, and after 3, save, load into a fresh model, 3."""
     mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
     plan = plan_mixed(topology, TABLES)  # t2 column-wise, t4 table-column-wise
     finals = []
     for resume in (False, True):
-        model = parallelize(build(seed=1), mesh, plan)
+        model = parallelize(_build(1, kind), mesh, plan)
         optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=0.01)
         _train_steps(model, optimizer, topology, range(3))
         if resume:
             CheckpointManager(directory).save(3, model, optimizer, {"step": 3})
-            model = parallelize(build(seed=2), mesh, plan)
+            model = parallelize(_build(2, kind), mesh, plan)
             optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=0.01)
             manager = CheckpointManager(directory)
             manager.load(manager.latest(), model, optimizer, {"step": 0})
@@ -163,10 +176,19 @@ def _resume_column_split(topology, directory):
 
 
 @pytest.mark.multiprocess
-def test_column_split_rowwise_adagrad_resumes_exactly(tmp_path):
-    for rank, (uninterrupted, resumed) in enumerate(
-        spawn_world(_resume_column_split, 2, 1, tmp_path)
-    ):
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "partial_rowwise_adam"])
+def test_column_split_rowwise_optimizers_resume_exactly(tmp_path, kind):
+    finals = spawn_world(_resume_column_split, 2, 1, tmp_path, kind)
+    for rank, (uninterrupted, resumed) in enumerate(finals):
         for expected, got in zip(uninterrupted, resumed):
             for key, value in expected.items():
                 assert torch.equal(got[key], value), (rank, key)
+    # and the sharded run is the unsharded one's
+    weights, states, _ = finals[0][0]
+    reference = _build(1, kind)
+    optimizer = torch.optim.Adam([p for _, p in dense_parameters(reference)], lr=0.01)
+    _train_steps(reference, optimizer, _OneProcess(), range(6))
+    for name, w in reference.sparse.table_weights().items():
+        torch.testing.assert_close(weights[name], w, rtol=0, atol=1e-5, msg=name)
+    for key, s in embedding_optimizer_state_dict(reference).items():
+        torch.testing.assert_close(states[key.removeprefix("sparse.")], s, rtol=0, atol=1e-5)

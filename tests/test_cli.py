@@ -28,6 +28,22 @@ def test_train_quick_config_end_to_end(tmp_path):
     assert (out / "curves.png").stat().st_size > 1000
 
 
+def test_train_with_adam_embeddings(tmp_path):
+    out = tmp_path / "run"
+    result = towerrec(
+        "train",
+        "--config",
+        "configs/quick.toml",
+        "--out",
+        str(out),
+        *("--set", "train.steps=5", "--set", "train.progress=false"),
+        *("--set", "embedding.optimizer=adam", "--set", "embedding.weight_decay=0.01"),
+        *("--set", "embedding.adam_betas=[0.9, 0.99]"),
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == 5
+
+
 def test_user_errors_exit_2_with_one_line(tmp_path):
     for args, needle in (
         (["train", "--set", "train.stepz=3"], "unknown config key 'train.stepz'"),

@@ -1,17 +1,32 @@
-"""Deferred row-wise Adagrad in one process: a table's columns split over two kernels,
-whose statistic a stand-in sync sums (as column shards' all-to-all does), updates
-like the whole table in one kernel; a table beside it in a deferring kernel still
-updates at once. Both backends."""
+"""Deferred row-wise updates (row-wise Adagrad, with L2 weight decay, partial row-wise
+Adam) in one process: a table's columns split over two kernels, whose statistic a
+stand-in sync sums (as column shards' all-to-all does), updates like the whole table
+in one kernel; a table beside it in a deferring kernel still updates at once. Both
+backends (FBGEMM's CPU build has no Adam kernel)."""
 
 import pytest
 import torch
 
-from towerrec.modules.kernels import Backend, TableSpec, build_kernel, fbgemm_available
+from towerrec.modules.kernels import (
+    Backend,
+    TableSpec,
+    build_kernel,
+    fbgemm_available,
+    fbgemm_has_kernel,
+)
 from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 
 ROWS, DIM, OTHER_ROWS, BATCH = 20, 8, 9, 5
-OPT = EmbeddingOptimizerConfig(lr=0.2)
+OPTS = {
+    "rowwise_adagrad": EmbeddingOptimizerConfig(lr=0.2),
+    "rowwise_adagrad_l2": EmbeddingOptimizerConfig(
+        lr=0.2, weight_decay=0.1, weight_decay_mode="l2"
+    ),
+    "partial_rowwise_adam": EmbeddingOptimizerConfig(
+        kind="partial_rowwise_adam", lr=0.2, weight_decay=0.1
+    ),
+}
 
 
 class _SumSync:
@@ -60,22 +75,26 @@ def _batch(step):
     return torch.cat([ids_a, ids_b]), offsets
 
 
-def _kernel(backend, *widths_and_rows):
+def _kernel(backend, opt, *widths_and_rows):
     tables = [TableSpec(rows, width) for rows, width in widths_and_rows]
     return build_kernel(
-        backend, tables, list(range(len(tables))), Pooling.MEAN, OPT, torch.device("cpu")
+        backend, tables, list(range(len(tables))), Pooling.MEAN, opt, torch.device("cpu")
     )
 
 
+@pytest.mark.parametrize("optimizer", list(OPTS))
 @pytest.mark.parametrize("backend", ["torch", "fbgemm"])
-def test_split_columns_with_summed_statistic_equal_one_kernel(backend):
+def test_split_columns_with_summed_statistic_equal_one_kernel(backend, optimizer):
     if backend == "fbgemm" and not fbgemm_available():
         pytest.skip("fbgemm_gpu is not installed")
+    opt = OPTS[optimizer]
+    if backend == "fbgemm" and not fbgemm_has_kernel(opt.kind, "cpu", opt.weight_decay):
+        pytest.skip(f"FBGEMM has no CPU kernel for {optimizer}")
     backend, half = Backend(backend), DIM // 2
-    whole = _kernel(backend, (ROWS, DIM))  # table a
-    beside = _kernel(backend, (OTHER_ROWS, half))  # table b, never deferred
-    left = _kernel(backend, (ROWS, half), (OTHER_ROWS, half))  # a's left half, b
-    right = _kernel(backend, (ROWS, half))  # a's right half
+    whole = _kernel(backend, opt, (ROWS, DIM))  # table a
+    beside = _kernel(backend, opt, (OTHER_ROWS, half))  # table b, never deferred
+    left = _kernel(backend, opt, (ROWS, half), (OTHER_ROWS, half))  # a's left half, b
+    right = _kernel(backend, opt, (ROWS, half))  # a's right half
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         whole.split_weights()[0].copy_(torch.randn(ROWS, DIM, generator=gen))
@@ -106,12 +125,11 @@ def test_split_columns_with_summed_statistic_equal_one_kernel(backend):
         )
     got = torch.cat([left.split_weights()[0], right.split_weights()[0]], dim=1)
     torch.testing.assert_close(got, whole.split_weights()[0], rtol=0, atol=1e-6)
-    expected = whole.split_optimizer_states()[0]["momentum1"]
+    rowwise = "momentum2" if opt.kind.value == "partial_rowwise_adam" else "momentum1"
+    expected = whole.split_optimizer_states()[0][rowwise]
     for kernel in (left, right):
-        state = kernel.split_optimizer_states()[0]["momentum1"]
+        state = kernel.split_optimizer_states()[0][rowwise]
         torch.testing.assert_close(state, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(left.split_weights()[1], beside.split_weights()[0])
-    torch.testing.assert_close(
-        left.split_optimizer_states()[1]["momentum1"],
-        beside.split_optimizer_states()[0]["momentum1"],
-    )
+    for name, state in beside.split_optimizer_states()[0].items():
+        torch.testing.assert_close(left.split_optimizer_states()[1][name], state)

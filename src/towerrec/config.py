@@ -43,7 +43,7 @@ from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
-from towerrec.optim.sparse import EmbeddingOptimizer
+from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 
 __all__ = [
     "RESUME_SAFE_KEYS",
@@ -147,6 +147,10 @@ class EmbeddingConfig:
     md_min_dim: int = 4
     md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
     counter_halflife: float = 0.0  # cf_sgd: steps for a row's count to halve; 0 = no decay
+    adam_betas: tuple[float, float] = (0.9, 0.999)  # adam, partial_rowwise_adam
+    # Of the rows a batch touches: rowwise_adagrad (decoupled or l2), adam (decoupled).
+    weight_decay: float = 0.0
+    weight_decay_mode: WeightDecayMode = WeightDecayMode.DECOUPLED
     # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*; unset: the above.
     tables: dict[str, TableStorageConfig] = field(default_factory=dict)
 
@@ -161,11 +165,29 @@ class EmbeddingConfig:
             raise ValueError(
                 f"embedding.counter_halflife must be >= 0, got {self.counter_halflife}"
             )
+        if len(self.adam_betas) != 2:
+            raise ValueError(
+                f"embedding.adam_betas must be [beta1, beta2], got {list(self.adam_betas)}"
+            )
+        self.optimizer_config()  # the same refusals on every backend, first
         if self.optimizer is EmbeddingOptimizer.CF_SGD and self.backend is Backend.FBGEMM:
             raise ValueError(
                 "embedding.optimizer = 'cf_sgd' has no FBGEMM kernel; set embedding.backend = "
                 "'torch' (or 'auto', which picks the torch kernel for it)"
             )
+
+    def optimizer_config(self) -> EmbeddingOptimizerConfig:
+        """The fused optimizer's settings (validated there, the same for both backends)."""
+        return EmbeddingOptimizerConfig(
+            kind=self.optimizer,
+            lr=self.lr,
+            eps=self.eps,
+            counter_halflife=self.counter_halflife,
+            beta1=self.adam_betas[0],
+            beta2=self.adam_betas[1],
+            weight_decay=self.weight_decay,
+            weight_decay_mode=self.weight_decay_mode,
+        )
 
     def compact(self) -> CompactConfig:
         return CompactConfig(

@@ -20,9 +20,9 @@
 Backward runs the same collectives in reverse (autograd functions), so every
 shard's fused optimizer sees exactly the gradient rows it owns, summed over
 the samples of every rank: the updates equal the unsharded collection's on the
-global batch. ``rowwise_adagrad`` under column splits adds one all-to-all of a
-float per touched row at the end of the lookup's backward
-(``sharding/column_wise.py``).
+global batch. ``rowwise_adagrad`` (and ``partial_rowwise_adam``) under column
+splits adds one all-to-all of a float per touched row at the end of the
+lookup's backward (``sharding/column_wise.py``).
 """
 
 from __future__ import annotations
@@ -210,7 +210,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 view.weight.copy_(weights[view.table][r0:r1, c0:c1])
                 for name, s in view.state.items():
                     full = states[f"embedding_bags.{view.table}.{name}"]
-                    s.copy_(full[r0:r1] if full.dim() == 1 else full[r0:r1, c0:c1])
+                    if full.dim() == 2:
+                        full = full[r0:r1, c0:c1]
+                    elif full.dim() == 1:
+                        full = full[r0:r1]
+                    s.copy_(full)  # a scalar, the kernels' step, as it is
         return local
 
     def _build_replica(

@@ -10,7 +10,9 @@ full (unsharded) shape; its optimizer state under ``embedding_bags.<table>.<name
 - row-wise Adagrad state ``[rows]`` of a column-split table: every column shard
   holds the same (the row statistic is combined across them,
   ``sharding/column_wise.py``), so the first column shard's is saved, and on
-  load it is broadcast to every column shard of the table.
+  load it is broadcast to every column shard of the table;
+- the kernels' step (Adam's ``step``, a scalar, the same on every rank): a plain
+  tensor, as a data-parallel table's.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ def state_tensors(sebc, kind: str, prefix: str = "") -> dict[str, object]:
         else:
             names = list(sebc.optimizer.kind.state_shapes(1, 1))
         for name in names:
+            if name == "step":
+                out[key + name] = _step(sebc)
+                continue
             if plan.sharding is ShardingType.DATA_PARALLEL:
                 assert view is not None  # every rank holds a data-parallel replica
                 out[key + name] = view.weight if name == "weight" else view.state[name]
@@ -124,6 +129,10 @@ def load_tensor(sebc, key: str, value, prefix: str = "") -> None:
         if rowwise_state and plan.sharding is not ShardingType.DATA_PARALLEL:
             _share_rowwise_state(sebc, plan, target, shards)
         return
+    if name == "step":
+        for v in sebc.shard_views():  # every kernel's step, not only this table's
+            v.state[name].copy_(value)
+        return
     if target is None:
         return
     assert view is not None  # target is one of its tensors
@@ -135,6 +144,12 @@ def load_tensor(sebc, key: str, value, prefix: str = "") -> None:
             f"{tuple(target.shape)}"
         )
     target.copy_(source)
+
+
+def _step(sebc) -> torch.Tensor:
+    """The step of this rank's kernels (they all look up once per training step)."""
+    steps = [v.state["step"] for v in sebc.shard_views()]
+    return steps[0] if steps else torch.zeros((), dtype=torch.int64)
 
 
 def _share_rowwise_state(sebc, plan, target, shards) -> None:

@@ -192,6 +192,7 @@ class CompactEmbeddingCollection(nn.Module):
                 torch.device(device or "cpu"),
                 (optimizer or EmbeddingOptimizerConfig()).kind,
                 [p.embedding_dim for plan in self.plans for p in plan.parts],
+                (optimizer or EmbeddingOptimizerConfig()).weight_decay,
             )
             is Backend.FBGEMM
         ):

@@ -144,6 +144,7 @@ class EmbeddingBagCollection(nn.Module):
             self.device,
             self.optimizer.kind,
             [t.embedding_dim for t in self.tables],
+            self.optimizer.weight_decay,
         )
         self.id_policy = parse_enum(IdPolicy, id_policy, "embedding id_policy")
         self.seed = seed

@@ -18,10 +18,14 @@ arithmetic:
 - ``FbgemmKernel``: FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` (CPU or
   CUDA build) with the optimizer fused into its backward kernel.
 
+Adam's bias correction counts the kernel's training lookups (``iteration``,
+FBGEMM's ``iter``; lookups without autograd, as in evaluation, do not count); it
+is the ``step`` of each of the kernel's tables in the optimizer state.
+
 Tables whose columns are split over ranks (a sharded collection's column
-shards) cannot finish a row-wise Adagrad step alone: the row statistic is the
-mean of g^2 over all the table's columns. ``defer_rowwise`` hands such tables'
-updates to a ``RowwiseSync`` (``distributed/sharding/column_wise.py``): the
+shards) cannot finish a row-wise step (row-wise Adagrad, partial row-wise Adam)
+alone: the row statistic is the mean of g^2 over all the table's columns.
+``defer_rowwise`` hands such tables' updates to a ``RowwiseSync`` (``distributed/sharding/column_wise.py``): the
 backward computes their row gradients, the sync combines the statistic across
 the shards and then calls back to apply the update. A kernel with deferred
 tables runs its backward and updates on the pure-PyTorch path on either
@@ -48,7 +52,9 @@ from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import (
     EmbeddingOptimizer,
     EmbeddingOptimizerConfig,
-    rowwise_adagrad_update,
+    WeightDecayMode,
+    l2_gradient,
+    rowwise_update,
     sparse_update,
 )
 
@@ -82,7 +88,7 @@ class TableSpec:
 
 
 class RowwiseStep(Protocol):
-    """One lookup's collector of deferred row-wise Adagrad updates."""
+    """One lookup's collector of deferred row-wise updates."""
 
     @property
     def trigger(self) -> torch.Tensor:
@@ -90,8 +96,8 @@ class RowwiseStep(Protocol):
         ...
 
     def defer(self, table: str, grad: torch.Tensor, apply: Callable[[torch.Tensor], None]) -> None:
-        """``grad [U, D_shard]`` of the U rows of ``table`` this lookup touched;
-        ``apply(mean_square [U])`` updates them once the statistic is combined."""
+        """``grad [U, D_shard]`` (with any L2 term) of the U rows of ``table`` this lookup
+        touched; ``apply(mean_square [U])`` updates them once the statistic is combined."""
         ...
 
 
@@ -105,19 +111,34 @@ def fbgemm_available() -> bool:
     return importlib.util.find_spec("fbgemm_gpu") is not None
 
 
+def fbgemm_has_kernel(
+    optimizer: EmbeddingOptimizer, device_type: str, weight_decay: float = 0.0
+) -> bool:
+    """Whether FBGEMM has a fused kernel for ``optimizer`` on ``device_type``: its Adam
+    kernels are generated for CUDA only (none in fbgemm-gpu-cpu), and its CPU kernels
+    ignore ``weight_decay`` (row-wise Adagrad's included)."""
+    if optimizer not in _FBGEMM_OPTIMIZERS:
+        return False
+    if device_type == "cuda":
+        return True
+    return optimizer not in _FBGEMM_CUDA_ONLY and not weight_decay
+
+
 def auto_backend(
     device_type: str,
     cpu_capability: str,
     fbgemm_installed: bool,
     optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD,
     embedding_dims: Sequence[int] = (),
+    weight_decay: float = 0.0,
 ) -> Backend:
     """The kernel ``auto`` stands for: FBGEMM on CUDA, and on CPUs with AVX-512
     (its CPU kernels are generated for 512-bit vectors); the pure-PyTorch kernel
     on narrower CPUs (AVX2: 1.25x faster in the full DLRM step, docs/benchmarks.md),
-    without fbgemm_gpu, for an optimizer FBGEMM has no kernel for, or for tables
-    whose dimension is not a multiple of 4 (FBGEMM's row alignment)."""
-    if not fbgemm_installed or optimizer not in _FBGEMM_OPTIMIZERS:
+    without fbgemm_gpu, for an optimizer (or weight decay) FBGEMM has no kernel for
+    on the device (``fbgemm_has_kernel``), or for tables whose dimension is not a
+    multiple of 4 (FBGEMM's row alignment)."""
+    if not fbgemm_installed or not fbgemm_has_kernel(optimizer, device_type, weight_decay):
         return Backend.TORCH
     if any(dim % 4 for dim in embedding_dims):
         return Backend.TORCH
@@ -131,23 +152,33 @@ def resolve_backend(
     device: torch.device,
     optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD,
     embedding_dims: Sequence[int] = (),
+    weight_decay: float = 0.0,
 ) -> Backend:
     """``auto`` resolves by ``auto_backend`` for this machine and these table dimensions;
-    ``fbgemm`` needs fbgemm_gpu."""
+    ``fbgemm`` needs fbgemm_gpu and its kernel for ``optimizer`` on ``device``."""
     backend = Backend(backend)
+    device = torch.device(device)
     if backend is Backend.FBGEMM and not fbgemm_available():
         raise ValueError(
             "embedding backend 'fbgemm' needs fbgemm_gpu: install towerrec[cpu] "
             "(fbgemm-gpu-cpu) or towerrec[cuda] (fbgemm-gpu), or set embedding.backend = 'torch'"
         )
+    if backend is Backend.FBGEMM and not fbgemm_has_kernel(optimizer, device.type, weight_decay):
+        what = f"embedding optimizer {optimizer.value!r}"
+        if optimizer in _FBGEMM_OPTIMIZERS and optimizer not in _FBGEMM_CUDA_ONLY:
+            what += f" with weight decay {weight_decay}"  # the CPU kernels ignore it
+        raise ValueError(
+            f"FBGEMM has no {device.type} kernel for {what}: set embedding.backend = 'torch' "
+            "(or 'auto', which picks the torch kernel for it)"
+        )
     if backend is Backend.AUTO:
-        device = torch.device(device)
         return auto_backend(
             device.type,
             torch.backends.cpu.get_cpu_capability(),
             fbgemm_available(),
             optimizer,
             embedding_dims,
+            weight_decay,
         )
     return backend
 
@@ -189,6 +220,8 @@ class EmbeddingKernel(nn.Module):
             dtype=torch.int64,
             device=self.device,
         )
+        # Training lookups so far (module doc); a CPU scalar, the tables' "step" state.
+        self.iteration = torch.zeros((), dtype=torch.int64)
         self._deferred: dict[int, str] = {}  # table index -> name given to the sync
         self._sync: RowwiseSync | None = None
         if self.device.type == "cpu":
@@ -215,17 +248,31 @@ class EmbeddingKernel(nn.Module):
     def set_learning_rate(self, lr: float) -> None:
         raise NotImplementedError
 
+    def _with_step(self, states: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """``states`` with the kernel's ``iteration`` as each table's ``step``, if it has one."""
+        if "step" in self.optimizer.kind.state_shapes(1, 1):
+            for table_states in states:
+                table_states["step"] = self.iteration
+        return states
+
+    def _next_iteration(self) -> int:
+        """The iteration of this lookup: counted if it will be trained (autograd on)."""
+        if torch.is_grad_enabled():
+            self.iteration += 1
+        return int(self.iteration)
+
     def forward(
         self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         raise NotImplementedError
 
     def defer_rowwise(self, tables: Mapping[int, str], sync: RowwiseSync) -> None:
-        """Hand the row-wise Adagrad updates of ``tables`` (index -> name) to ``sync``
+        """Hand the row-wise updates of ``tables`` (index -> name) to ``sync``
         (module doc); the other tables keep updating in backward."""
-        if self.optimizer.kind is not EmbeddingOptimizer.ROWWISE_ADAGRAD:
+        if not self.optimizer.kind.is_rowwise:
             raise ValueError(
-                f"only rowwise_adagrad updates are deferred, not {self.optimizer.kind.value!r}"
+                "only row-wise optimizers' updates (rowwise_adagrad, partial_rowwise_adam) "
+                f"are deferred, not {self.optimizer.kind.value!r}"
             )
         self._deferred = dict(tables)
         self._sync = sync
@@ -242,7 +289,9 @@ class EmbeddingKernel(nn.Module):
         return values + base
 
     @torch.no_grad()
-    def _update_split(self, rows: torch.Tensor, grad_rows: torch.Tensor, step: RowwiseStep) -> None:
+    def _update_split(
+        self, rows: torch.Tensor, grad_rows: torch.Tensor, step: RowwiseStep, iteration: int
+    ) -> None:
         """Update unique concatenated ``rows``: deferred tables through ``step``, others now."""
         edges = torch.tensor(self.row_offsets, device=rows.device)
         bounds = torch.searchsorted(rows, edges).tolist()
@@ -250,20 +299,26 @@ class EmbeddingKernel(nn.Module):
         for t, (lo, hi) in enumerate(pairwise(bounds)):
             local, grad = rows[lo:hi] - self.row_offsets[t], grad_rows[lo:hi]
             if t in self._deferred:
-                step.defer(self._deferred[t], grad, partial(self._apply_rowwise, t, local, grad))
+                grad = l2_gradient(self.optimizer, weights[t], local, grad)
+                apply = partial(self._apply_rowwise, t, local, grad, iteration)
+                step.defer(self._deferred[t], grad, apply)
             elif hi > lo:
-                kind, eps = self.optimizer.kind, self.optimizer.eps
-                sparse_update(kind, weights[t], states[t], local, grad, self.lr, eps)
+                sparse_update(
+                    self.optimizer, weights[t], states[t], local, grad, self.lr, iteration=iteration
+                )
 
     @torch.no_grad()
     def _apply_rowwise(
-        self, table: int, rows: torch.Tensor, grad: torch.Tensor, mean_square: torch.Tensor
+        self,
+        table: int,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        iteration: int,
+        mean_square: torch.Tensor,
     ) -> None:
-        momentum = self.split_optimizer_states()[table]["momentum1"]
+        state = self.split_optimizer_states()[table]
         weight = self.split_weights()[table]
-        rowwise_adagrad_update(
-            weight, momentum, rows, grad, mean_square, self.lr, self.optimizer.eps
-        )
+        rowwise_update(self.optimizer, weight, state, rows, grad, mean_square, self.lr, iteration)
 
 
 def _row_gradients(
@@ -308,9 +363,11 @@ class _FusedLookup(torch.autograd.Function):
         ids: torch.Tensor,
         offsets: torch.Tensor,
         weights: torch.Tensor | None,
-        step: RowwiseStep | None = None,
+        step: RowwiseStep | None,
+        iteration: int,
     ) -> torch.Tensor:
         ctx.kernel, ctx.step, ctx.trigger_shape = kernel, step, trigger.shape
+        ctx.iteration = iteration
         ctx.save_for_backward(ids, offsets, weights)
         mode = "sum" if kernel.pooling is Pooling.SUM else "mean"
         return F.embedding_bag(
@@ -325,18 +382,18 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, grad_bags: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         ids, offsets, weights = ctx.saved_tensors
         if ctx.step is None:
-            ctx.kernel.apply_gradient(ids, offsets, weights, grad_bags)
-            return None, None, None, None, None, None
+            ctx.kernel.apply_gradient(ids, offsets, weights, grad_bags, ctx.iteration)
+            return None, None, None, None, None, None, None
         kernel = ctx.kernel
         rows, grad_rows = _row_gradients(
             ids, offsets, weights, grad_bags, kernel.pooling, kernel.embedding_dim
         )
-        kernel._update_split(rows, grad_rows, ctx.step)
+        kernel._update_split(rows, grad_rows, ctx.step, ctx.iteration)
         # A gradient for the step's trigger, so its backward runs after this one.
-        return grad_bags.new_zeros(ctx.trigger_shape), None, None, None, None, None
+        return grad_bags.new_zeros(ctx.trigger_shape), None, None, None, None, None, None
 
 
 class TorchKernel(EmbeddingKernel):
@@ -356,6 +413,7 @@ class TorchKernel(EmbeddingKernel):
         self.state = {
             name: torch.zeros((self.row_offsets[-1], *shape[1:]), device=self.device)
             for name, shape in optimizer.kind.state_shapes(1, dim).items()
+            if shape  # not the step (``iteration``)
         }
         # Leaf that makes autograd call backward; not a parameter of any model.
         self._trigger = torch.zeros(0, device=self.device, requires_grad=True)
@@ -364,10 +422,12 @@ class TorchKernel(EmbeddingKernel):
         return [self.weight[a:b] for a, b in zip(self.row_offsets, self.row_offsets[1:])]
 
     def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
-        return [
-            {name: s[a:b] for name, s in self.state.items()}
-            for a, b in zip(self.row_offsets, self.row_offsets[1:])
-        ]
+        return self._with_step(
+            [
+                {name: s[a:b] for name, s in self.state.items()}
+                for a, b in zip(self.row_offsets, self.row_offsets[1:])
+            ]
+        )
 
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
@@ -380,7 +440,10 @@ class TorchKernel(EmbeddingKernel):
         ids = self._global_ids(values, offsets)
         step = self._sync.step() if self._sync is not None else None
         trigger = step.trigger if step is not None else self._trigger
-        bags: torch.Tensor = _FusedLookup.apply(trigger, self, ids, offsets.long(), weights, step)  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+        iteration = self._next_iteration()
+        bags: torch.Tensor = _FusedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+            trigger, self, ids, offsets.long(), weights, step, iteration
+        )
         # [F*B, D] feature-major -> [B, F*D] sample-major
         return (
             bags.view(self.num_features, batch, self.embedding_dim)
@@ -395,19 +458,13 @@ class TorchKernel(EmbeddingKernel):
         offsets: torch.Tensor,
         weights: torch.Tensor | None,
         grad_bags: torch.Tensor,
+        iteration: int,
     ) -> None:
         rows, grad_rows = _row_gradients(
             ids, offsets, weights, grad_bags, self.pooling, self.embedding_dim
         )
         sparse_update(
-            self.optimizer.kind,
-            self.weight,
-            self.state,
-            rows,
-            grad_rows,
-            self.lr,
-            self.optimizer.eps,
-            halflife=self.optimizer.counter_halflife,
+            self.optimizer, self.weight, self.state, rows, grad_rows, self.lr, iteration=iteration
         )
 
 
@@ -415,7 +472,10 @@ _FBGEMM_OPTIMIZERS = {
     EmbeddingOptimizer.ROWWISE_ADAGRAD: "EXACT_ROWWISE_ADAGRAD",
     EmbeddingOptimizer.ADAGRAD: "EXACT_ADAGRAD",
     EmbeddingOptimizer.SGD: "EXACT_SGD",
+    EmbeddingOptimizer.ADAM: "ADAM",
+    EmbeddingOptimizer.PARTIAL_ROWWISE_ADAM: "PARTIAL_ROWWISE_ADAM",
 }
+_FBGEMM_CUDA_ONLY = {EmbeddingOptimizer.ADAM, EmbeddingOptimizer.PARTIAL_ROWWISE_ADAM}
 
 
 class FbgemmKernel(EmbeddingKernel):
@@ -430,11 +490,7 @@ class FbgemmKernel(EmbeddingKernel):
         device: torch.device,
     ) -> None:
         super().__init__(tables, feature_table_map, pooling, optimizer, device)
-        if optimizer.kind not in _FBGEMM_OPTIMIZERS:
-            raise ValueError(
-                f"embedding optimizer {optimizer.kind.value!r} has no FBGEMM kernel; "
-                "set embedding.backend = 'torch'"
-            )
+        resolve_backend(Backend.FBGEMM, device, optimizer.kind, (), optimizer.weight_decay)
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             BoundsCheckMode,
@@ -445,6 +501,7 @@ class FbgemmKernel(EmbeddingKernel):
             ComputeDevice,
             SplitTableBatchedEmbeddingBagsCodegen,
         )
+        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode as FbgemmDecay
 
         if self.device.type == "cuda":
             location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
@@ -460,6 +517,17 @@ class FbgemmKernel(EmbeddingKernel):
             optimizer=getattr(EmbOptimType, _FBGEMM_OPTIMIZERS[optimizer.kind]),
             learning_rate=optimizer.lr,
             eps=optimizer.eps,
+            beta1=optimizer.beta1,
+            beta2=optimizer.beta2,
+            weight_decay=optimizer.weight_decay,
+            # Adam's kernels read weight_decay alone (decoupled); row-wise Adagrad's, both.
+            weight_decay_mode=(
+                FbgemmDecay.NONE
+                if not optimizer.weight_decay
+                else FbgemmDecay.L2
+                if optimizer.weight_decay_mode is WeightDecayMode.L2
+                else FbgemmDecay.DECOUPLE
+            ),
             pooling_mode=PoolingMode.SUM if self.pooling is Pooling.SUM else PoolingMode.MEAN,
             bounds_check_mode=BoundsCheckMode.NONE,  # ids are checked by the collection
             device=self.device,
@@ -471,26 +539,37 @@ class FbgemmKernel(EmbeddingKernel):
         return [w.detach() for w in self.tbe.split_embedding_weights()]
 
     def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
-        names = list(self.optimizer.kind.state_shapes(1, 1))
+        names = [n for n, shape in self.optimizer.kind.state_shapes(1, 1).items() if shape]
         out = []
         for states in self.tbe.split_optimizer_states():
             out.append({name: s.detach() for name, s in zip(names, states)})
         if not out:
             out = [{} for _ in self.tables]
-        return out
+        return self._with_step(out)
 
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
         self.tbe.set_learning_rate(lr)
 
+    def _sync_iteration(self) -> int:
+        """Set FBGEMM's step counter (it adds one in each forward) to ``iteration``, which
+        counts training lookups only, and advance ``iteration`` for this one."""
+        if "step" in self.optimizer.kind.state_shapes(1, 1):
+            self.tbe.iter_cpu.fill_(int(self.iteration))
+            self.tbe.iter.fill_(int(self.iteration))
+        return self._next_iteration()
+
     def forward(
         self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
+        iteration = self._sync_iteration()
         if self._sync is not None:
             step = self._sync.step()
             return cast(
                 torch.Tensor,
-                _DeferredFbgemmLookup.apply(step.trigger, self, values, offsets, weights, step),  # type: ignore[no-untyped-call]
+                _DeferredFbgemmLookup.apply(  # type: ignore[no-untyped-call]
+                    step.trigger, self, values, offsets, weights, step, iteration
+                ),
             )
         return cast(
             torch.Tensor, self.tbe(values.long(), offsets.long(), per_sample_weights=weights)
@@ -509,22 +588,26 @@ class _DeferredFbgemmLookup(torch.autograd.Function):
         offsets: torch.Tensor,
         weights: torch.Tensor | None,
         step: RowwiseStep,
+        iteration: int,
     ) -> torch.Tensor:
         ctx.kernel, ctx.step, ctx.trigger_shape = kernel, step, trigger.shape
+        ctx.iteration = iteration
         values, offsets = values.long(), offsets.long()
         ctx.save_for_backward(kernel._global_ids(values, offsets), offsets, weights)
         return cast(torch.Tensor, kernel.tbe(values, offsets, per_sample_weights=weights))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None, None, None, None]:
         ids, offsets, weights = ctx.saved_tensors
         kernel = ctx.kernel
         dim, features = kernel.embedding_dim, kernel.num_features
         # [B, F*D] sample-major -> [F*B, D] feature-major bags
         grad_bags = grad.reshape(-1, features, dim).transpose(0, 1).reshape(-1, dim)
         rows, grad_rows = _row_gradients(ids, offsets, weights, grad_bags, kernel.pooling, dim)
-        kernel._update_split(rows, grad_rows, ctx.step)
-        return grad.new_zeros(ctx.trigger_shape), None, None, None, None, None
+        kernel._update_split(rows, grad_rows, ctx.step, ctx.iteration)
+        return grad.new_zeros(ctx.trigger_shape), None, None, None, None, None, None
 
 
 def build_kernel(
@@ -535,7 +618,8 @@ def build_kernel(
     optimizer: EmbeddingOptimizerConfig,
     device: torch.device,
 ) -> EmbeddingKernel:
+    dims = [t.embedding_dim for t in tables]
     cls = {Backend.TORCH: TorchKernel, Backend.FBGEMM: FbgemmKernel}[
-        resolve_backend(backend, device)
+        resolve_backend(backend, device, optimizer.kind, dims, optimizer.weight_decay)
     ]
     return cls(tables, feature_table_map, pooling, optimizer, device)

@@ -19,7 +19,6 @@ from towerrec.models.wukong import Wukong
 from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.embedding_bag import dense_parameters
 from towerrec.modules.tables import TableConfig
-from towerrec.optim.sparse import EmbeddingOptimizerConfig
 
 __all__ = [
     "build_dense_optimizer",
@@ -84,9 +83,7 @@ def build_model(
     sparse = build_embedding_collection(
         build_tables(config, schema),
         emb.compact(),
-        EmbeddingOptimizerConfig(
-            kind=emb.optimizer, lr=emb.lr, eps=emb.eps, counter_halflife=emb.counter_halflife
-        ),
+        emb.optimizer_config(),
         backend=emb.backend,
         device=device,
         id_policy=emb.id_policy,

@@ -6,9 +6,10 @@
     every id goes to every column shard; the owner places the pooled column
     blocks side by side.
 
-``sgd`` and ``adagrad`` are exact per column. ``rowwise_adagrad`` keeps one
-statistic per row, ``m[r] += mean_j g[r, j]^2`` over all D columns, which no
-column shard sees alone; ``ColumnRowwiseSync`` makes it exact for every table
+``sgd``, ``adagrad`` and ``adam`` are exact per column. ``rowwise_adagrad`` keeps
+one statistic per row, ``m[r] += mean_j g[r, j]^2`` over all D columns, which no
+column shard sees alone (nor ``partial_rowwise_adam``'s ``m2[r]``);
+``ColumnRowwiseSync`` makes it exact for every table
 split by columns (column-wise, table-column-wise, in any plan)::
 
     lookup     each rank of the collection's group makes one fence per lookup:
@@ -22,7 +23,8 @@ split by columns (column-wise, table-column-wise, in any plan)::
                touched row); one all-to-all sends each partial to the table's other
                shards (they saw the same ids, so the same sorted rows); every shard
                adds the partials in plan order (the same bits everywhere) and applies
-               m[r] += sum / D, w[r] -= lr g[r] / (sqrt(m[r]) + eps)
+               m[r] += sum / D, w[r] -= lr g[r] / (sqrt(m[r]) + eps) (or the
+               partial row-wise Adam step with that mean, ``optim/sparse.py``)
 
 Every column shard of a table then holds the same row state, equal to the
 unsharded table's, and a checkpoint stores it once (``state.py``). Traffic: a
@@ -50,7 +52,7 @@ COLUMN_WISE = ShardingStrategy(
 
 
 class ColumnRowwiseSync:
-    """Exact row-wise Adagrad for the column-split tables of a plan (module doc)."""
+    """Exact row-wise optimizers for the column-split tables of a plan (module doc)."""
 
     def __init__(
         self, comm: Comm, plan: ShardingPlan, tables: Sequence[TableConfig], device: torch.device
@@ -67,8 +69,8 @@ class ColumnRowwiseSync:
     def split_tables(
         plan: ShardingPlan, tables: Sequence[TableConfig], optimizer: EmbeddingOptimizer
     ) -> list[TableConfig]:
-        """The ``tables`` whose row-wise Adagrad state needs combining under ``plan``."""
-        if optimizer is not EmbeddingOptimizer.ROWWISE_ADAGRAD:
+        """The ``tables`` whose row-wise state needs combining under ``plan``."""
+        if not optimizer.is_rowwise:
             return []
         return [t for t in tables if len({s.cols for s in plan.tables[t.name].shards}) > 1]
 
