@@ -265,3 +265,25 @@ def test_planning_is_deterministic():
     model = CostModel(Topology(hosts=2, ranks_per_host=4), batch_size=256)
     first = plan_tables(suite, model, "search").plan
     assert plan_tables(list(suite), model, "search").plan == first
+
+
+@pytest.mark.parametrize(
+    "optimizer, state_bytes",
+    [
+        ("rowwise_adagrad", lambda cols: 4),
+        ("adagrad", lambda cols: 4 * cols),
+        ("adam", lambda cols: 8 * cols),
+        ("partial_rowwise_adam", lambda cols: 4 * cols + 4),
+        ("sgd", lambda cols: 0),
+    ],
+)
+def test_planned_memory_counts_the_configured_optimizers_state(optimizer, state_bytes):
+    """A shard holds its rows and the optimizer state they carry: Adam's two moments per
+    element make a shard 3x a row-wise Adagrad one's weights, not 1x plus a float."""
+    from towerrec.config import load_config
+    from towerrec.train.planning import build_cost_model
+
+    config = load_config(None, [f"embedding.optimizer={optimizer}"])
+    model = build_cost_model(config, world_size=2)
+    stats = TableStats("t", 1000, 16, 1.0)
+    assert model.shard_memory(stats, 100, 8) == 100 * (8 * 4 + state_bytes(8))

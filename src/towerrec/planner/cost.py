@@ -56,6 +56,7 @@ class CostConstants:
     collective_latency_s: float = 20e-6
     bytes_per_value: int = 4
     optimizer_bytes_per_row: int = 4  # row-wise Adagrad: one float per row
+    optimizer_bytes_per_value: int = 0  # state per element (Adagrad 4, Adam 8)
     id_bytes: int = 8
     source: str = "default"
 
@@ -137,7 +138,16 @@ class CostModel:
     # ------------------------------------------------------------ shards
     def shard_memory(self, stats: TableStats, rows: int, cols: int) -> float:
         c = self.constants
-        return rows * (cols * c.bytes_per_value + c.optimizer_bytes_per_row)
+        per_value = c.bytes_per_value + c.optimizer_bytes_per_value
+        return rows * (cols * per_value + c.optimizer_bytes_per_row)
+
+    def _row_update_bytes(self, cols: int) -> int:
+        """Bytes an update moves per touched row: the row and its element-wise optimizer
+        state read and written, and its row-wise state."""
+        c = self.constants
+        return 2 * cols * (c.bytes_per_value + c.optimizer_bytes_per_value) + (
+            c.optimizer_bytes_per_row
+        )
 
     def _link_seconds(self, nbytes: float) -> float:
         """Seconds for ``nbytes`` gathered from (or scattered to) every rank evenly."""
@@ -159,7 +169,7 @@ class CostModel:
             ids = stats.lookups(local)
             lookup = ids * (cols * v / self.lookup_bw + c.lookup_s_per_id)
             touched = stats.distinct(local * world)
-            update = (local * cols * v + touched * (2 * cols * v + c.optimizer_bytes_per_row)) / (
+            update = (local * cols * v + touched * self._row_update_bytes(cols)) / (
                 self.update_bw
             ) + touched * c.update_s_per_row
             grad_bytes = 2 * (world - 1) / world * rows * cols * v
@@ -169,7 +179,7 @@ class CostModel:
         ids = stats.lookups(samples) * fraction
         lookup = ids * (cols * v / self.lookup_bw + c.lookup_s_per_id)
         touched = stats.distinct(samples, fraction)
-        update = (samples * cols * v + touched * (2 * cols * v + c.optimizer_bytes_per_row)) / (
+        update = (samples * cols * v + touched * self._row_update_bytes(cols)) / (
             self.update_bw
         ) + touched * c.update_s_per_row
         input_comm = self._link_seconds(ids * c.id_bytes)

@@ -9,7 +9,10 @@ or the same ``PlanningError``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from towerrec.config import Config
+from towerrec.optim.sparse import EmbeddingOptimizer
 from towerrec.planner.cost import CostConstants, CostModel
 from towerrec.planner.plan import ShardingPlan
 from towerrec.planner.search import PlanResult, plan_tables
@@ -38,7 +41,14 @@ def build_cost_model(config: Config, world_size: int) -> CostModel:
     if plan.device_memory_gib:
         overrides["device_memory"] = plan.device_memory_gib * GiB
     topology = topology_preset(plan.topology, plan.hosts, local, **overrides)
-    constants = CostConstants.load(plan.calibration) if plan.calibration else None
+    constants = CostConstants.load(plan.calibration) if plan.calibration else CostConstants()
+    # The optimizer state each row carries (fp32), as the configured optimizer keeps it.
+    shapes = EmbeddingOptimizer(config.embedding.optimizer).state_shapes(1, 1).values()
+    constants = replace(
+        constants,
+        optimizer_bytes_per_row=4 * sum(1 for shape in shapes if shape == (1,)),
+        optimizer_bytes_per_value=4 * sum(1 for shape in shapes if shape == (1, 1)),
+    )
     return CostModel(topology, constants, config.train.batch_size)
 
 
