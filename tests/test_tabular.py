@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_cli
 
 from towerrec.data.cache import open_cache
 from towerrec.data.loader import ColumnSource, LoaderConfig
@@ -68,7 +69,10 @@ def test_libfm_fields_and_bad_lines(tmp_path):
 def test_field_map_errors(tmp_path):
     path = tmp_path / "fields.txt"
     path.write_text("user 0 9\nitem 5 20\n")
-    with pytest.raises(ValueError, match="'user' and 'item' overlap"):
+    with pytest.raises(ValueError, match=r"'user' and 'item' overlap at indices 5\.\.9"):
+        read_field_map(path)
+    path.write_text("user 0 9\nitem 12 20\n")
+    with pytest.raises(ValueError, match=r"indices 10\.\.11 between fields 'user' and 'item'"):
         read_field_map(path)
     path.write_text("user 0\n")
     with pytest.raises(ValueError, match=r"fields\.txt:1: expected 'name first last"):
@@ -164,3 +168,37 @@ def test_a_csv_cache_trains(tmp_path):
     )
     summary = trainer.train(config, tmp_path / "run")
     assert summary["auc"] > 0.6  # no dense features: ids and the tag bags carry the signal
+
+
+def test_infer_fields_writes_a_map_that_converts_the_data(tmp_path):
+    """One token per field per line (a Frappe-style export): the inferred map gives each
+    position its index range, a one-index position with varying values is dense, and the
+    printed command converts the data with it."""
+    import random
+
+    rng = random.Random(0)
+    lines = [
+        f"{rng.choice((-1, 1))} {rng.randrange(2, 10)}:1 {rng.randrange(10, 30)}:1 "
+        f"{rng.randrange(30, 35)}:1 35:{rng.random():.3f}"
+        for _ in range(200)
+    ]
+    (tmp_path / "train.libfm").write_text("\n".join(lines) + "\n")
+    result = run_cli("data", "libfm", "train.libfm", "--infer-fields", "fields.txt", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    fields = read_field_map(tmp_path / "fields.txt")
+    assert fields.kinds == ("single", "single", "single", "dense")
+    assert fields.firsts[0] == 0 and fields.lasts[-1] == 35
+    command = result.stdout.strip().splitlines()[-1].removeprefix("convert with: towerrec ")
+    result = run_cli(*command.replace("DIR", "cache").split(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    schema = open_cache(tmp_path / "cache").schema
+    assert schema.num_dense == 1 and len(schema.sparse) == 3
+
+
+def test_infer_fields_refuses_lines_without_one_token_per_field(tmp_path):
+    (tmp_path / "train.libfm").write_text("1 3:1 12:1\n0 4:1 13:1 31:1\n")
+    result = run_cli("data", "libfm", "train.libfm", "--infer-fields", "f.txt", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "train.libfm:2: 3 idx:val tokens where earlier lines have 2" in result.stderr
+    result = run_cli("data", "libfm", "train.libfm", cwd=tmp_path)
+    assert result.returncode == 2 and "needs --fields FILE and --out DIR" in result.stderr

@@ -121,8 +121,21 @@ def _print_manifest(manifest: dict, out: Path) -> None:
 
 
 def _cmd_libfm(args: argparse.Namespace) -> int:
-    from towerrec.data.tabular import preprocess_libfm
+    from towerrec.data.tabular import infer_field_map, preprocess_libfm, write_field_map
 
+    if args.infer_fields:
+        fields = infer_field_map(args.inputs)
+        write_field_map(fields, args.infer_fields)
+        kinds = ", ".join(f"{fields.kinds.count(k)} {k}" for k in sorted(set(fields.kinds)))
+        inputs = " ".join(shlex.quote(str(p)) for p in args.inputs)
+        print(f"wrote {args.infer_fields}: {len(fields.names)} fields ({kinds}); review it, then")
+        print(f"convert with: towerrec data libfm {inputs} --fields {args.infer_fields} --out DIR")
+        return 0
+    if args.fields is None or args.out is None:
+        raise ValueError(
+            "towerrec data libfm needs --fields FILE and --out DIR (or --infer-fields FILE to "
+            "write a field map for review first)"
+        )
     fraction = _eval_fraction(args.eval_fraction, [], args.seed)
     manifest = preprocess_libfm(
         args.inputs, args.out, args.fields, fraction, args.seed, args.strict
@@ -253,9 +266,14 @@ def add_data_commands(
 
     libfm = data_sub.add_parser("libfm", help="libFM 'label idx:val ...' files with a field map")
     libfm.add_argument("inputs", nargs="+")
-    libfm.add_argument("--out", type=Path, required=True, help="cache directory")
+    libfm.add_argument("--out", type=Path, help="cache directory")
+    libfm.add_argument("--fields", type=Path, help="field map: lines 'name first last [kind]'")
     libfm.add_argument(
-        "--fields", type=Path, required=True, help="field map: lines 'name first last [kind]'"
+        "--infer-fields",
+        type=Path,
+        metavar="FILE",
+        help="derive a field map from the data (one token per field per line), write it to "
+        "FILE for review, and stop",
     )
     table = data_sub.add_parser("table", help="Parquet or CSV files with a declared schema")
     table.add_argument("inputs", nargs="+", help=".parquet files or CSV files with a header")

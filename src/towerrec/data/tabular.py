@@ -21,6 +21,7 @@ criteo``) and split rows into eval by a seeded per-row fraction.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -158,9 +159,83 @@ def read_field_map(path: str | Path) -> FieldMap:
     entries.sort()
     for (_, last, name, _), (first, _, other, _) in pairwise(entries):
         if first <= last:
-            raise ValueError(f"field map {path}: fields {name!r} and {other!r} overlap")
+            raise ValueError(
+                f"field map {path}: fields {name!r} and {other!r} overlap at indices "
+                f"{first}..{last}; give each index to one field"
+            )
+        if first > last + 1:
+            raise ValueError(
+                f"field map {path}: indices {last + 1}..{first - 1} between fields {name!r} "
+                f"and {other!r} belong to no field; extend one of them or add a field for them"
+            )
     firsts, lasts, names, kinds = zip(*entries)
     return FieldMap(names, firsts, lasts, kinds)
+
+
+def _open_maybe_gzip(path: Path) -> Any:
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rb") if gzipped else open(path, "rb")
+
+
+def infer_field_map(inputs: list[str | Path], max_lines: int = 200_000) -> FieldMap:
+    """A field map read off libFM lines written one token per field in a fixed order (as
+    Frappe, Avazu and Criteo exports are): field j spans the indices seen at position j,
+    widened to meet field j+1; a position that always holds one index with varying
+    values is dense. Reads at most ``max_lines`` lines; its result is for review."""
+    lows: list[int] = []
+    highs: list[int] = []
+    values: list[set[float]] = []
+    seen = 0
+    for path in inputs:
+        with _open_maybe_gzip(Path(path)) as f:
+            for number, raw in enumerate(f, 1):
+                if seen >= max_lines:
+                    break
+                tokens = raw.decode("utf-8", "replace").split()[1:]
+                if not tokens:
+                    continue
+                if lows and len(tokens) != len(lows):
+                    raise ValueError(
+                        f"{path}:{number}: {len(tokens)} idx:val tokens where earlier lines have "
+                        f"{len(lows)}; a field map can be inferred only from lines with one token "
+                        "per field; write it by hand ('name first last [single|multi|dense]')"
+                    )
+                try:
+                    pairs = [(int(i), float(v)) for i, _, v in (t.partition(":") for t in tokens)]
+                except ValueError:
+                    raise ValueError(f"{path}:{number}: a token is not idx:val") from None
+                if not lows:
+                    lows, highs = [i for i, _ in pairs], [i for i, _ in pairs]
+                    values = [set() for _ in pairs]
+                for j, (index, value) in enumerate(pairs):
+                    lows[j], highs[j] = min(lows[j], index), max(highs[j], index)
+                    if len(values[j]) < 3:
+                        values[j].add(value)
+                seen += 1
+    if not lows:
+        raise ValueError(f"no libFM lines to infer a field map from in {list(map(str, inputs))}")
+    order = sorted(range(len(lows)), key=lambda j: lows[j])
+    for a, b in pairwise(order):
+        if lows[b] <= highs[a]:
+            raise ValueError(
+                f"token positions {a} and {b} share indices {lows[b]}..{highs[a]}: these lines do "
+                "not keep one field per position; write the field map by hand"
+            )
+    firsts = [0 if k == 0 else lows[j] for k, j in enumerate(order)]
+    lasts = [firsts[k + 1] - 1 for k in range(len(order) - 1)] + [highs[order[-1]]]
+    kinds = ["dense" if lows[j] == highs[j] and len(values[j]) > 1 else "single" for j in order]
+    names = [f"f{j}" for j in order]
+    return FieldMap(tuple(names), tuple(firsts), tuple(lasts), tuple(kinds))
+
+
+def write_field_map(fields: FieldMap, path: str | Path) -> None:
+    lines = ["# name first last kind (indices first..last inclusive belong to the field)"]
+    lines += [
+        f"{n} {a} {b} {k}"
+        for n, a, b, k in zip(fields.names, fields.firsts, fields.lasts, fields.kinds)
+    ]
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 def _libfm_chunks(fields: FieldMap, chunk_bytes: int):
