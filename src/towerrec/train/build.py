@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ __all__ = [
     "build_tables",
     "lr_factor",
     "resolve_device",
+    "resolve_run_config",
     "resolve_steps",
 ]
 
@@ -176,3 +178,10 @@ def resolve_steps(config: Config, source) -> tuple[int, str]:
         f"{epochs:g} epoch(s) of {rows:,} training rows at a global batch of "
         f"{cfg.batch_size:,}, rounded up to whole steps ({why})"
     )
+
+
+def resolve_run_config(config: Config, source) -> tuple[Config, str]:
+    """``config`` with ``train.steps`` resolved (``resolve_steps``) and ``train.epochs``
+    cleared: what a run records as its ``config.toml``; and where the steps come from."""
+    steps, steps_from = resolve_steps(config, source)
+    return replace(config, train=replace(config.train, steps=steps, epochs=None)), steps_from
