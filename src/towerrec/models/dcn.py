@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
@@ -89,6 +90,9 @@ class DCN(nn.Module):
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
         config: DCNConfig | None = None,
+        *,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         config = config or DCNConfig()
@@ -99,14 +103,15 @@ class DCN(nn.Module):
         self.embedding_dim = dim
         self.num_sparse = len(cast("list[str]", sparse.feature_names))
         width = dim * (self.num_sparse + 1)
-        self.bottom = MLP(num_dense, bottom_mlp)
+        mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
+        self.bottom = mlp(num_dense, bottom_mlp)
         self.cross = CrossNetwork(width, config.num_layers, config.rank)
         if config.structure == "stacked":
-            self.deep: MLP | None = MLP(width, top_mlp, final_activation=False)
+            self.deep: MLP | None = mlp(width, top_mlp, final_activation=False)
             self.head = None
         else:
             hidden = list(top_mlp[:-1])
-            self.deep = MLP(width, hidden) if hidden else None
+            self.deep = mlp(width, hidden) if hidden else None
             deep_out = hidden[-1] if hidden else 0
             self.head = nn.Linear(width + deep_out, 1)
 

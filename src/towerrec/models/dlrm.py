@@ -23,6 +23,7 @@ trainer); ``forward`` returns logits.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import cast
 
 import torch
@@ -56,6 +57,8 @@ class DLRM(nn.Module):
         top_mlp: Sequence[int],
         *,
         self_interaction: bool = False,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         dim = shared_embedding_dim(sparse, "DLRM")
@@ -65,9 +68,10 @@ class DLRM(nn.Module):
         self.num_sparse = len(cast("list[str]", sparse.feature_names))
         self.embedding_dim = dim
         self.sparse = sparse
-        self.bottom = MLP(num_dense, bottom_mlp)
+        mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
+        self.bottom = mlp(num_dense, bottom_mlp)
         self.interaction = DotInteraction(self.num_sparse + 1, self_interaction)
-        self.top = MLP(dim + self.interaction.out_features, top_mlp, final_activation=False)
+        self.top = mlp(dim + self.interaction.out_features, top_mlp, final_activation=False)
 
     def flops_per_sample(self) -> int:
         """Forward FLOPs of the dense part per sample (MLPs and interaction)."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -181,6 +182,8 @@ class TowerModule(nn.Module):
         hidden: Sequence[int] = (),
         fm_rank: int = 4,
         use_dense: bool = False,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         self.kind = parse_enum(TowerKind, kind, "tower kind")
@@ -204,6 +207,8 @@ class TowerModule(nn.Module):
             vectors * dim + self.interaction.out_features,
             [*hidden, outputs * dim],
             final_activation=False,
+            dropout=dropout,
+            batch_norm=batch_norm,
         )
 
     @property
@@ -252,6 +257,8 @@ class DMT(nn.Module):
         fm_rank: int = 4,
         tower_dense: bool = False,
         self_interaction: bool = False,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         dim = shared_embedding_dim(sparse, "DMT")
@@ -266,7 +273,8 @@ class DMT(nn.Module):
         self.partition = [list(group) for group in partition]
         self.embedding_dim = dim
         self.sparse = sparse
-        self.bottom = MLP(num_dense, bottom_mlp)
+        mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
+        self.bottom = mlp(num_dense, bottom_mlp)
         index = {name: i for i, name in enumerate(features)}
         order = [index[name] for group in self.partition for name in group]
         self.register_buffer("tower_order", torch.tensor(order), persistent=False)
@@ -280,6 +288,8 @@ class DMT(nn.Module):
                 hidden=tower_mlp,
                 fm_rank=fm_rank,
                 use_dense=tower_dense,
+                dropout=dropout,
+                batch_norm=batch_norm,
             )
             for size in self.tower_sizes
         )
@@ -290,7 +300,7 @@ class DMT(nn.Module):
         concat = sum(
             t.num_outputs * dim for t in cast("Iterable[TowerModule]", self.towers) if t.compresses
         )
-        self.top = MLP(
+        self.top = mlp(
             dim + concat + self.interaction.out_features, top_mlp, final_activation=False
         )
 
@@ -345,6 +355,8 @@ class DMT(nn.Module):
             partition,
             tower=TowerKind.IDENTITY,
             self_interaction=dlrm.interaction.self_interaction,
+            dropout=dlrm.top.dropout,
+            batch_norm=dlrm.top.batch_norm,
         ).to(cast(nn.Linear, dlrm.top[0]).weight.device)
         model.bottom.load_state_dict(dlrm.bottom.state_dict())
         model.top.load_state_dict(dlrm.top.state_dict())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
@@ -78,6 +79,9 @@ class WukongLayer(nn.Module):
         num_lcb: int,
         fm_rank: int,
         fm_mlp: Sequence[int],
+        *,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         self.num_in, self.dim, self.num_fm, self.num_lcb = num_in, dim, num_fm, num_lcb
@@ -86,7 +90,13 @@ class WukongLayer(nn.Module):
         if num_fm:
             self.fm_y = nn.Parameter(torch.randn(num_in, fm_rank) / num_in**0.5)
             self.fm_norm = nn.LayerNorm(num_in * fm_rank)
-            self.fm_mlp = MLP(num_in * fm_rank, [*fm_mlp, num_fm * dim], final_activation=False)
+            self.fm_mlp = MLP(
+                num_in * fm_rank,
+                [*fm_mlp, num_fm * dim],
+                final_activation=False,
+                dropout=dropout,
+                batch_norm=batch_norm,
+            )
         if num_lcb:
             self.lcb = nn.Parameter(torch.randn(num_lcb, num_in) / num_in**0.5)
         self.residual = (
@@ -130,6 +140,9 @@ class Wukong(nn.Module):
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
         config: WukongConfig | None = None,
+        *,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         config = config or WukongConfig()
@@ -145,17 +158,25 @@ class Wukong(nn.Module):
         self.sparse = sparse
         self.embedding_dim = dim
         self.num_sparse = len(cast("list[str]", sparse.feature_names))
-        self.bottom = MLP(num_dense, bottom_mlp)
+        mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
+        self.bottom = mlp(num_dense, bottom_mlp)
         layers, width = [], config.dense_rows + self.num_sparse
         for _ in range(config.num_layers):
             layers.append(
                 WukongLayer(
-                    width, dim, config.num_fm, config.num_lcb, config.fm_rank, config.fm_mlp
+                    width,
+                    dim,
+                    config.num_fm,
+                    config.num_lcb,
+                    config.fm_rank,
+                    config.fm_mlp,
+                    dropout=dropout,
+                    batch_norm=batch_norm,
                 )
             )
             width = layers[-1].num_out
         self.layers = nn.Sequential(*layers)
-        self.top = MLP(width * dim, top_mlp, final_activation=False)
+        self.top = mlp(width * dim, top_mlp, final_activation=False)
 
     def flops_per_sample(self) -> int:
         """Forward FLOPs of the dense part per sample."""

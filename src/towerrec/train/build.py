@@ -101,10 +101,11 @@ def build_model(
         return build_dmt(config, schema, sparse, device)
     torch.manual_seed(config.train.seed)
     model = config.model
+    parts = (sparse, schema.num_dense, model.bottom_mlp, model.top_mlp)
     if model.name == "dcn":
-        return DCN(sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.dcn).to(device)
+        return DCN(*parts, model.dcn, dropout=model.dropout, batch_norm=model.batch_norm).to(device)
     if model.name == "wukong":
-        wukong = Wukong(sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.wukong)
+        wukong = Wukong(*parts, model.wukong, dropout=model.dropout, batch_norm=model.batch_norm)
         return wukong.to(device)
     return DLRM(
         sparse,
@@ -112,6 +113,8 @@ def build_model(
         bottom_mlp=model.bottom_mlp,
         top_mlp=model.top_mlp,
         self_interaction=model.self_interaction,
+        dropout=model.dropout,
+        batch_norm=model.batch_norm,
     ).to(device)
 
 
@@ -121,9 +124,13 @@ def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.op
     fused = bool(params) and all(
         p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params
     )
-    if config.name == "adam":
+    if config.name == "adam":  # weight decay decoupled from the gradient, as AdamW
         return torch.optim.Adam(
-            params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None
+            params,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            decoupled_weight_decay=True,
+            fused=fused or None,
         )
     if config.name == "adagrad":
         return torch.optim.Adagrad(

@@ -188,4 +188,6 @@ def build_dmt(config: Config, schema: DataSchema, sparse: nn.Module, device: tor
         fm_rank=dmt.fm_rank,
         tower_dense=dmt.tower_dense,
         self_interaction=model.self_interaction,
+        dropout=model.dropout,
+        batch_norm=model.batch_norm,
     ).to(device)
