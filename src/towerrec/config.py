@@ -189,6 +189,7 @@ class ModelConfig:
     bottom_mlp: tuple[int, ...] = (64, 16)
     top_mlp: tuple[int, ...] = (64, 32, 1)
     self_interaction: bool = False
+    concat_embeddings: bool = False  # dlrm: the top MLP reads the pooled embeddings too
     dropout: float = 0.0  # after each hidden ReLU of every MLP, in training only
     batch_norm: bool = False  # BatchNorm1d before each hidden ReLU of every MLP
     dcn: DCNConfig = field(default_factory=DCNConfig)  # model.name = "dcn"
@@ -204,14 +205,20 @@ class ModelConfig:
                 f"model.dropout = {self.dropout} must lie in [0, 1): the share of hidden "
                 "activations zeroed in training (0 = none, e.g. 0.1)"
             )
+        if self.concat_embeddings and self.name != "dlrm":
+            warnings.warn(
+                f"model.concat_embeddings is ignored: it is an option of model.name = 'dlrm', "
+                f"not {self.name!r}",
+                stacklevel=2,
+            )
         if self.name == "wukong" and self.wukong.dense_rows > 1:
             end = self.wukong.dense_rows * self.embedding_dim
-            if not self.bottom_mlp or self.bottom_mlp[-1] != end:
+            if self.bottom_mlp and self.bottom_mlp[-1] != end:
                 raise ValueError(
                     f"model.bottom_mlp must end at model.wukong.dense_rows * embedding_dim = "
                     f"{end} (got {list(self.bottom_mlp)}); e.g. bottom_mlp = [64, {end}]"
                 )
-        elif not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
+        elif self.bottom_mlp and self.bottom_mlp[-1] != self.embedding_dim:
             raise ValueError(
                 f"model.bottom_mlp must end at model.embedding_dim = {self.embedding_dim} "
                 f"(got {list(self.bottom_mlp)}); e.g. bottom_mlp = [64, {self.embedding_dim}]"

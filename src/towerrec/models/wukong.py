@@ -15,6 +15,8 @@
 
     X_l ─► flatten [B, n_l*D] ─► top MLP ─► logit [B]
 
+Data without dense features has no bottom MLP: ``X0 = E`` (n = T).
+
 The optimized FM ``X (X^T Y)`` costs ``4 n k D`` FLOPs instead of ``2 n^2 D``
 for the full ``X X^T``, and its output size (n k) does not grow with n^2.
 """
@@ -29,7 +31,12 @@ from typing import cast
 import torch
 from torch import nn
 
-from towerrec.models.common import check_mlp_ends, shared_embedding_dim, sparse_flops_per_sample
+from towerrec.models.common import (
+    check_dense_input,
+    check_mlp_ends,
+    shared_embedding_dim,
+    sparse_flops_per_sample,
+)
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -148,6 +155,7 @@ class Wukong(nn.Module):
         config = config or WukongConfig()
         dim = shared_embedding_dim(sparse, "Wukong")
         rows = config.dense_rows
+        check_dense_input(num_dense, bottom_mlp)
         check_mlp_ends(
             bottom_mlp,
             top_mlp,
@@ -159,8 +167,8 @@ class Wukong(nn.Module):
         self.embedding_dim = dim
         self.num_sparse = len(cast("list[str]", sparse.feature_names))
         mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
-        self.bottom = mlp(num_dense, bottom_mlp)
-        layers, width = [], config.dense_rows + self.num_sparse
+        self.bottom = mlp(num_dense, bottom_mlp) if num_dense else None
+        layers, width = [], self.num_sparse + (rows if self.bottom is not None else 0)
         for _ in range(config.num_layers):
             layers.append(
                 WukongLayer(
@@ -181,7 +189,7 @@ class Wukong(nn.Module):
     def flops_per_sample(self) -> int:
         """Forward FLOPs of the dense part per sample."""
         return (
-            self.bottom.flops_per_sample()
+            (self.bottom.flops_per_sample() if self.bottom is not None else 0)
             + sum(layer.flops_per_sample() for layer in cast("Iterable[WukongLayer]", self.layers))
             + self.top.flops_per_sample()
             + sparse_flops_per_sample(self.sparse)
@@ -189,6 +197,8 @@ class Wukong(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         batch = dense.shape[0]
-        x_dense = self.bottom(dense).view(batch, self.config.dense_rows, self.embedding_dim)
-        x = torch.cat([x_dense, self.sparse(sparse).stacked()], dim=1)
+        x = self.sparse(sparse).stacked()
+        if self.bottom is not None:
+            x_dense = self.bottom(dense).view(batch, self.config.dense_rows, self.embedding_dim)
+            x = torch.cat([x_dense, x], dim=1)
         return self.top(self.layers(x).reshape(batch, -1)).squeeze(1)

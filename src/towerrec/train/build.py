@@ -113,6 +113,7 @@ def build_model(
         bottom_mlp=model.bottom_mlp,
         top_mlp=model.top_mlp,
         self_interaction=model.self_interaction,
+        concat_embeddings=model.concat_embeddings,
         dropout=model.dropout,
         batch_norm=model.batch_norm,
     ).to(device)
