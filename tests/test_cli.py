@@ -26,6 +26,25 @@ def test_train_quick_config_end_to_end(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 60 and 0.5 < summary["auc"] <= summary["oracle_auc"] + 0.02
     assert (out / "curves.png").stat().st_size > 1000
+    shown = towerrec(
+        "config", "show", "--config", "configs/quick.toml", "--set", "train.progress=false"
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == (out / "config.toml").read_text()  # what the run recorded
+
+
+def test_config_show_resolves_files_and_overrides():
+    plain = towerrec("config", "show")
+    assert plain.returncode == 0, plain.stderr
+    assert "steps = 2500" in plain.stdout  # resolved, as a run records it
+    assert "eval_batch_size = 16384" in plain.stdout
+    assert towerrec("config", "show", "--config", "configs/default.toml").stdout == plain.stdout
+    changed = towerrec("config", "show", "--set", "model.dcn.rank=4", "--set", "train.steps=7")
+    assert changed.stdout == plain.stdout.replace("steps = 2500", "steps = 7").replace(
+        "rank = 0\n", "rank = 4\n", 1
+    )
+    bad = towerrec("config", "show", "--set", "model.dcn.rnak=4")
+    assert bad.returncode == 2 and "unknown config key 'model.dcn.rnak'" in bad.stderr
 
 
 def test_train_with_adam_embeddings(tmp_path):

@@ -1,9 +1,20 @@
+import dataclasses
 import re
 import tomllib
+import typing
+from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
-from towerrec.config import Config, ConfigError, config_from_dict, config_to_toml, load_config
+from towerrec.config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    config_to_dict,
+    config_to_toml,
+    load_config,
+)
 from towerrec.modules.kernels import Backend
 
 
@@ -99,3 +110,96 @@ def test_resume_config_keeps_the_saved_values_and_refuses_conflicts(tmp_path):
     ):
         with pytest.raises(ConfigError, match=f"cannot change {re.escape(key)}"):
             resume_changes(original, load_config(None, overrides, base=saved))
+
+
+# ------------------------------------------------------------------ configs/default.toml
+DEFAULT_TOML = Path(__file__).parent.parent / "configs" / "default.toml"
+
+
+def _dataclass_defaults(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of the config dataclasses under ``cls``, with its default."""
+    hints = typing.get_type_hints(cls)
+    instance = cls()
+    keys: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys.update(_dataclass_defaults(cast(type, hint), f"{prefix}{f.name}."))
+        else:
+            keys[f"{prefix}{f.name}"] = getattr(instance, f.name)
+    return keys
+
+
+def _flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _commented_keys(text: str) -> set[str]:
+    """``section.key`` of each commented-out ``# key = value`` line, and the name of each
+    commented-out section header ``# [section.name]``."""
+    keys, section = set(), ""
+    for line in text.splitlines():
+        if header := re.match(r"\[([\w.]+)\]", line):
+            section = header.group(1)
+        elif header := re.match(r"#\s*\[([\w.]+)\]", line):
+            keys.add(header.group(1))
+        elif key := re.match(r"#\s*(\w+)\s*=", line):
+            keys.add(f"{section}.{key.group(1)}")
+    return keys
+
+
+def _default_toml_problems(text: str) -> list[str]:
+    """What keeps ``text`` from being the config reference: keys missing, unknown, unset
+    keys not shown as commented lines, values other than the defaults, keys without a
+    comment."""
+    written = _flat(tomllib.loads(text))
+    defaults = _dataclass_defaults(Config)
+    unset = {key for key, value in defaults.items() if value is None or value == {}}
+    commented = _commented_keys(text)
+    expected = _flat(config_to_dict(Config()))
+    problems = [f"missing {key}" for key in sorted(defaults.keys() - unset - written.keys())]
+    problems += [f"unknown {key}" for key in sorted(written.keys() - defaults.keys())]
+    problems += [
+        f"{key} = {value!r}, the default is {expected[key]!r}"
+        for key, value in written.items()
+        if key in expected and value != expected[key]
+    ]
+    problems += [
+        f"{key} is unset by default: add it as a commented line"
+        for key in sorted(unset)
+        if not (key in commented or any(c.startswith(f"{key}.") for c in commented))
+    ]
+    problems += [
+        f"no comment: {line}"
+        for line in text.splitlines()
+        if re.match(r"\w+\s*=", line) and "#" not in line
+    ]
+    return problems
+
+
+def test_default_toml_lists_every_key_with_its_default():
+    assert _default_toml_problems(DEFAULT_TOML.read_text()) == []
+    assert load_config(DEFAULT_TOML) == Config()  # --config default.toml equals no --config
+
+
+@pytest.mark.parametrize(
+    "old, new, problem",
+    [
+        ("eval_batch_size = 16384", "", "missing train.eval_batch_size"),
+        ("rank = 0 ", "rank = 2 ", "model.dcn.rank = 2, the default is 0"),
+        ("[model.dcn]\n", "[model.dcn]\nwidth = 3  # new\n", "unknown model.dcn.width"),
+        ("# steps = 2500", "", "train.steps is unset by default"),
+        ("# [embedding.tables.cat_2]", "", "embedding.tables is unset by default"),
+        ("seed = 0                    # the shuffle", "seed = 0", "no comment: seed = 0"),
+    ],
+)
+def test_default_toml_check_catches_drift(old, new, problem):
+    text = DEFAULT_TOML.read_text()
+    assert old in text
+    assert any(problem in p for p in _default_toml_problems(text.replace(old, new, 1)))

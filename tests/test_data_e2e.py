@@ -187,7 +187,9 @@ def test_libfm_without_split_options_trains_and_no_eval_rows_names_real_options(
     assert result.returncode == 0, result.stderr
     assert "holding out a seeded 10% of the rows" in result.stdout
     command = printed_train_command(result.stdout)
-    result = towerrec_in(tmp_path, *command, "--out", "run", *QUICK_RUN)
+    assert command[-2:] == ["--set", "model.bottom_mlp=[]"]  # libFM: no dense features
+    small = [x for s in SMALL if not s.startswith("model.bottom_mlp") for x in ("--set", s)]
+    result = towerrec_in(tmp_path, *command, "--out", "run", "--set", "train.steps=4", *small)
     assert result.returncode == 0, result.stderr[-3000:]
 
     # Asked for no eval rows: no train command is printed, and training names real options.

@@ -160,6 +160,7 @@ def test_a_csv_cache_trains(tmp_path):
             "data.source=cache",
             f"data.path={tmp_path / 'cache'}",
             "train.steps=40",
+            "model.bottom_mlp=[]",  # no dense features
             "train.batch_size=128",
             "train.eval_every=0",
             "train.progress=false",

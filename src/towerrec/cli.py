@@ -1,4 +1,4 @@
-"""``towerrec`` command line: train | plan | data | bench.
+"""``towerrec`` command line: train | plan | data | bench | config.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
 and exit with status 2; anything else is a bug and shows its traceback. A
@@ -35,6 +35,16 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one config value, e.g. --set train.steps=200 (repeatable)",
     )
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    from towerrec.config import config_to_toml, load_config
+    from towerrec.train.build import build_source, resolve_run_config
+
+    config = load_config(args.config, args.overrides)
+    config, _ = resolve_run_config(config, build_source(config.data))
+    print(config_to_toml(config), end="")
+    return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -296,6 +306,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-restarts", type=int, default=0, help="elastic restarts after a worker failure"
     )
     train.set_defaults(func=_cmd_train)
+
+    config = sub.add_parser("config", help="the resolved run config")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser(
+        "show",
+        help="print the resolved config as TOML (what `towerrec train` writes as config.toml)",
+    )
+    _add_config_args(show)
+    show.set_defaults(func=_cmd_config_show)
 
     plan = sub.add_parser(
         "plan", help="shard embedding tables over devices: per-device table, plan JSON, chart"

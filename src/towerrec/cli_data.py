@@ -49,8 +49,11 @@ def _eval_fraction(fraction: float | None, eval_files: list[str], seed: int) -> 
     return DEFAULT_EVAL_FRACTION
 
 
-def _print_next_step(rows: dict[str, int], out: Path, source: str, split_options: str) -> None:
-    """The command that trains on the cache, or why there is none."""
+def _print_next_step(
+    rows: dict[str, int], out: Path, source: str, split_options: str, num_dense: int = 1
+) -> None:
+    """The command that trains on the cache (without a bottom MLP for data without dense
+    features), or why there is none."""
     if rows["eval"] == 0:
         print(
             "no eval rows: `towerrec train` ends with an evaluation and cannot use this cache; "
@@ -58,7 +61,8 @@ def _print_next_step(rows: dict[str, int], out: Path, source: str, split_options
         )
         return
     path = shlex.quote(f"data.path={out}")
-    print(f"train with: towerrec train --set data.source={source} --set {path}")
+    no_bottom = " --set 'model.bottom_mlp=[]'" if num_dense == 0 else ""
+    print(f"train with: towerrec train --set data.source={source} --set {path}{no_bottom}")
 
 
 def _cmd_criteo(args: argparse.Namespace) -> int:
@@ -117,7 +121,9 @@ def _print_manifest(manifest: dict, out: Path) -> None:
         print(f"skipped {report['malformed']} malformed rows {report['by_reason']}; first ones:")
         for where in report["first"]:
             print(f"  {where}")
-    _print_next_step(rows, out, "cache", "--eval-fraction F (0 < F < 1)")
+    _print_next_step(
+        rows, out, "cache", "--eval-fraction F (0 < F < 1)", manifest["schema"]["num_dense"]
+    )
 
 
 def _cmd_libfm(args: argparse.Namespace) -> int:

@@ -212,6 +212,9 @@ class ModelConfig:
     bottom_mlp: tuple[int, ...] = (64, 16)
     top_mlp: tuple[int, ...] = (64, 32, 1)
     self_interaction: bool = False
+    concat_embeddings: bool = False  # dlrm: the top MLP reads the pooled embeddings too
+    dropout: float = 0.0  # after each hidden ReLU of every MLP, in training only
+    batch_norm: bool = False  # BatchNorm1d before each hidden ReLU of every MLP
     dcn: DCNConfig = field(default_factory=DCNConfig)  # model.name = "dcn"
     wukong: WukongConfig = field(default_factory=WukongConfig)  # model.name = "wukong"
     dmt: DMTConfig = field(default_factory=DMTConfig)  # model.name = "dmt"
@@ -220,14 +223,25 @@ class ModelConfig:
         _choice(self.name, ("dlrm", "dcn", "wukong", "dmt"), "model.name")
         if self.embedding_dim < 1:
             raise ValueError(f"model.embedding_dim must be >= 1, got {self.embedding_dim}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(
+                f"model.dropout = {self.dropout} must lie in [0, 1): the share of hidden "
+                "activations zeroed in training (0 = none, e.g. 0.1)"
+            )
+        if self.concat_embeddings and self.name != "dlrm":
+            warnings.warn(
+                f"model.concat_embeddings is ignored: it is an option of model.name = 'dlrm', "
+                f"not {self.name!r}",
+                stacklevel=2,
+            )
         if self.name == "wukong" and self.wukong.dense_rows > 1:
             end = self.wukong.dense_rows * self.embedding_dim
-            if not self.bottom_mlp or self.bottom_mlp[-1] != end:
+            if self.bottom_mlp and self.bottom_mlp[-1] != end:
                 raise ValueError(
                     f"model.bottom_mlp must end at model.wukong.dense_rows * embedding_dim = "
                     f"{end} (got {list(self.bottom_mlp)}); e.g. bottom_mlp = [64, {end}]"
                 )
-        elif not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
+        elif self.bottom_mlp and self.bottom_mlp[-1] != self.embedding_dim:
             raise ValueError(
                 f"model.bottom_mlp must end at model.embedding_dim = {self.embedding_dim} "
                 f"(got {list(self.bottom_mlp)}); e.g. bottom_mlp = [64, {self.embedding_dim}]"
@@ -242,7 +256,7 @@ class OptimizerConfig:
 
     name: str = "adam"
     lr: float = 2e-3
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # adam: decoupled (AdamW); adagrad, sgd: L2 added to the gradient
     momentum: float = 0.9  # sgd only
     warmup_steps: int = 100
     decay: str = "cosine"  # none | linear | cosine, from the end of warm-up to the last step
@@ -253,6 +267,10 @@ class OptimizerConfig:
         _choice(self.decay, ("none", "linear", "cosine"), "optimizer.decay")
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ValueError(
+                f"optimizer.weight_decay must be >= 0 (0 = none, e.g. 0.01), got {self.weight_decay}"
+            )
         if self.warmup_steps < 0:
             raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -98,7 +98,7 @@ class SyntheticConfig:
         if not 0 < self.ctr < 1:
             raise ValueError(f"data.synthetic.ctr must lie in (0, 1), got {self.ctr}")
         object.__setattr__(self, "num_embeddings", tuple(self.num_embeddings))
-        object.__setattr__(self, "pooling_factors", tuple(self.pooling_factors))
+        object.__setattr__(self, "pooling_factors", tuple(float(p) for p in self.pooling_factors))
 
     @property
     def num_tables(self) -> int:

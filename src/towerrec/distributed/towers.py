@@ -50,7 +50,7 @@ from towerrec.distributed.embedding_bag import ScaleGrad, ShardedEmbeddingBagCol
 from towerrec.distributed.input_dist import segment_permutation
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import replicate_counted, topology_of, uniform_plan
-from towerrec.models.dmt import DMT, TowerModule
+from towerrec.models.dmt import DMT, TowerModule, interact
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.plan import ShardingType
@@ -128,7 +128,7 @@ class TowerParallelDMT(nn.Module):
         self.partition = [list(g) for g in model.partition]
         self.embedding_dim = model.embedding_dim
         self.num_outputs = [t.num_outputs for t in cast("Iterable[TowerModule]", model.towers)]
-        self.compresses = [t.compresses for t in model.towers]
+        self.compresses = [t.compresses for t in cast("Iterable[TowerModule]", model.towers)]
         self.use_dense = model.towers[self.tower_index].use_dense
         self._flops = model.flops_per_sample()
         self._num_dense = sum(p.numel() for _, p in dense_parameters(model))
@@ -245,14 +245,12 @@ class TowerParallelDMT(nn.Module):
         parts = received.split([batch * k * dim for k in self.num_outputs])
         return [p.view(batch, k, dim) for p, k in zip(parts, self.num_outputs)]
 
-    def interact(self, x: torch.Tensor, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """As ``DMT.interact``: x ``[B, D]`` and every tower's ``[B, K_t, D]`` -> ``[B]``."""
-        stacked = torch.cat([x.unsqueeze(1), *outputs], dim=1)
-        flat = [o.flatten(1) for o, c in zip(outputs, self.compresses) if c]
-        return self.top(torch.cat([x, *flat, self.interaction(stacked)], dim=1)).squeeze(1)
+    def interact(self, x: torch.Tensor | None, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """As ``DMT.interact``: x ``[B, D]`` (or None) and every tower's ``[B, K_t, D]`` -> ``[B]``."""
+        return interact(self.interaction, self.top, self.compresses, x, outputs)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        x = self.bottom(dense)
+        x = self.bottom(dense) if self.bottom is not None else None
         local, x_peer, batches = self.input_dist(sparse, x if self.use_dense else None)
         embeddings = self.sparse(local).stacked().index_select(1, self.tower_order)
         out = self.tower(embeddings, x_peer)  # [sum_h B_h, K_t, D]
@@ -362,7 +360,7 @@ def parallelize_towers(
     )
     parallel = TowerParallelDMT(model, topology, sparse, peer, codecs)
     if topology.world_size > 1:
-        for module in (parallel.bottom, parallel.top):
+        for module in (m for m in (parallel.bottom, parallel.top) if m is not None):
             replicate_counted(module, topology, dense_stats)
         if per_host > 1 and any(True for _ in parallel.tower.parameters()):
             replicate_counted(parallel.tower, topology, dense_stats, ddp_group)

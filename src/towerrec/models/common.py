@@ -11,6 +11,7 @@ from towerrec.sparse import KeyedJaggedTensor
 
 __all__ = [
     "Ready",
+    "check_dense_input",
     "check_mlp_ends",
     "shared_embedding_dim",
     "sparse_flops_per_sample",
@@ -53,9 +54,27 @@ def shared_embedding_dim(sparse: nn.Module, model: str) -> int:
 def check_mlp_ends(
     bottom_mlp: Sequence[int], top_mlp: Sequence[int], bottom_end: int, what: str
 ) -> None:
-    """Raise unless the bottom MLP ends at ``bottom_end`` (``what`` says why, e.g. "the
-    embedding dim 16") and the top MLP in one logit."""
-    if bottom_mlp[-1] != bottom_end:
+    """Raise unless the bottom MLP (if any) ends at ``bottom_end`` (``what`` says why,
+    e.g. "the embedding dim 16") and the top MLP in one logit."""
+    if bottom_mlp and bottom_mlp[-1] != bottom_end:
         raise ValueError(f"the bottom MLP must end at {what}, got bottom_mlp={list(bottom_mlp)}")
     if top_mlp[-1] != 1:
         raise ValueError(f"the top MLP must end in one logit, got top_mlp={list(top_mlp)}")
+
+
+def check_dense_input(num_dense: int, bottom_mlp: Sequence[int]) -> None:
+    """Raise unless there is a bottom MLP exactly when there are dense features: data
+    without them (libFM, ``num_dense = 0``) has no bottom MLP, and the interaction runs
+    over the embeddings alone."""
+    if num_dense == 0 and bottom_mlp:
+        raise ValueError(
+            f"the data has no dense features, so the model has no bottom MLP, but "
+            f"bottom_mlp = {list(bottom_mlp)}; set model.bottom_mlp = [] (the interaction "
+            "then runs over the embeddings alone)"
+        )
+    if num_dense > 0 and not bottom_mlp:
+        raise ValueError(
+            f"the data has {num_dense} dense features but bottom_mlp = [] reads none of them; "
+            "give the bottom MLP's widths, e.g. model.bottom_mlp = [64, 16] for "
+            "embedding_dim = 16"
+        )

@@ -12,6 +12,8 @@
     cross layer:  x_{l+1} = x0 ⊙ (W_l x_l + b_l) + x_l         W_l [N, N]
                   low rank: W_l = U_l V_l^T                    U_l, V_l [N, r]
 
+Data without dense features has no bottom MLP: ``x0 = E [B, T*D]``.
+
 ``top_mlp`` is the deep network and ends in one logit; in the parallel
 structure its last layer (the logit) becomes the final linear layer over the
 concatenated cross and deep outputs.
@@ -21,12 +23,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
 from torch import nn
 
-from towerrec.models.common import check_mlp_ends, shared_embedding_dim, sparse_flops_per_sample
+from towerrec.models.common import (
+    check_dense_input,
+    check_mlp_ends,
+    shared_embedding_dim,
+    sparse_flops_per_sample,
+)
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -89,37 +97,44 @@ class DCN(nn.Module):
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
         config: DCNConfig | None = None,
+        *,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         config = config or DCNConfig()
         dim = shared_embedding_dim(sparse, "DCN")
+        check_dense_input(num_dense, bottom_mlp)
         check_mlp_ends(bottom_mlp, top_mlp, dim, f"the embedding dim {dim}")
         self.config = config
         self.sparse = sparse
         self.embedding_dim = dim
         self.num_sparse = len(cast("list[str]", sparse.feature_names))
-        width = dim * (self.num_sparse + 1)
-        self.bottom = MLP(num_dense, bottom_mlp)
+        width = dim * (self.num_sparse + int(num_dense > 0))
+        mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
+        self.bottom = mlp(num_dense, bottom_mlp) if num_dense else None
         self.cross = CrossNetwork(width, config.num_layers, config.rank)
         if config.structure == "stacked":
-            self.deep: MLP | None = MLP(width, top_mlp, final_activation=False)
+            self.deep: MLP | None = mlp(width, top_mlp, final_activation=False)
             self.head = None
         else:
             hidden = list(top_mlp[:-1])
-            self.deep = MLP(width, hidden) if hidden else None
+            self.deep = mlp(width, hidden) if hidden else None
             deep_out = hidden[-1] if hidden else 0
             self.head = nn.Linear(width + deep_out, 1)
 
     def flops_per_sample(self) -> int:
         """Forward FLOPs of the dense part per sample."""
-        flops = self.bottom.flops_per_sample() + self.cross.flops_per_sample()
+        flops = self.cross.flops_per_sample()
+        flops += self.bottom.flops_per_sample() if self.bottom is not None else 0
         flops += self.deep.flops_per_sample() if self.deep is not None else 0
         if self.head is not None:
             flops += 2 * self.head.in_features
         return flops + sparse_flops_per_sample(self.sparse)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        x0 = torch.cat([self.bottom(dense), self.sparse(sparse).values()], dim=1)
+        embeddings = self.sparse(sparse).values()
+        x0 = embeddings if self.bottom is None else torch.cat([self.bottom(dense), embeddings], 1)
         crossed = self.cross(x0)
         if self.head is None:
             assert self.deep is not None  # stacked: the deep MLP ends in the logit

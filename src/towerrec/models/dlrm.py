@@ -12,6 +12,11 @@
                                                                           │
                                                          top MLP ─► logit [B]
 
+Data without dense features (``num_dense = 0``) has no bottom MLP: the dots are
+those of the T embeddings alone and the top MLP reads them alone. With
+``concat_embeddings`` the top MLP reads the pooled embeddings ``[B, T*D]`` too,
+between x and the dots.
+
 The lookup starts first (``start_lookup``): with a sharded collection its output
 all-to-all is in flight while the bottom MLP runs. The top MLP's input gets
 its alignment zeros (``MLP.input_padding``) in the same concatenation.
@@ -23,12 +28,14 @@ trainer); ``forward`` returns logits.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import cast
 
 import torch
 from torch import nn
 
 from towerrec.models.common import (
+    check_dense_input,
     check_mlp_ends,
     shared_embedding_dim,
     sparse_flops_per_sample,
@@ -56,23 +63,32 @@ class DLRM(nn.Module):
         top_mlp: Sequence[int],
         *,
         self_interaction: bool = False,
+        concat_embeddings: bool = False,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         dim = shared_embedding_dim(sparse, "DLRM")
+        check_dense_input(num_dense, bottom_mlp)
         check_mlp_ends(
             bottom_mlp, top_mlp, dim, f"the embedding dim {dim} (it is dotted with the embeddings)"
         )
         self.num_sparse = len(cast("list[str]", sparse.feature_names))
         self.embedding_dim = dim
         self.sparse = sparse
-        self.bottom = MLP(num_dense, bottom_mlp)
-        self.interaction = DotInteraction(self.num_sparse + 1, self_interaction)
-        self.top = MLP(dim + self.interaction.out_features, top_mlp, final_activation=False)
+        self.concat_embeddings = concat_embeddings
+        mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
+        self.bottom = mlp(num_dense, bottom_mlp) if num_dense else None
+        num_vectors = self.num_sparse + int(self.bottom is not None)
+        self.interaction = DotInteraction(num_vectors, self_interaction)
+        top_in = self.interaction.out_features + (dim if self.bottom is not None else 0)
+        top_in += self.num_sparse * dim if concat_embeddings else 0
+        self.top = mlp(top_in, top_mlp, final_activation=False)
 
     def flops_per_sample(self) -> int:
         """Forward FLOPs of the dense part per sample (MLPs and interaction)."""
         return (
-            self.bottom.flops_per_sample()
+            (self.bottom.flops_per_sample() if self.bottom is not None else 0)
             + self.interaction.flops_per_sample(self.embedding_dim)
             + self.top.flops_per_sample()
             + sparse_flops_per_sample(self.sparse)
@@ -80,11 +96,15 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         in_flight = start_lookup(self.sparse, sparse)  # sharded: all-to-all in flight ...
-        x = self.bottom(dense)  # ... while the bottom MLP runs
-        embeddings = in_flight.wait().stacked()
-        stacked = torch.cat([x.unsqueeze(1), embeddings], dim=1)
+        x = self.bottom(dense) if self.bottom is not None else None  # ... while this runs
+        pooled = in_flight.wait()
+        embeddings = pooled.stacked()
+        stacked = embeddings if x is None else torch.cat([x.unsqueeze(1), embeddings], dim=1)
         interactions = self.interaction(stacked)
-        parts = [x, interactions]
+        parts = [] if x is None else [x]
+        if self.concat_embeddings:
+            parts.append(pooled.values())
+        parts.append(interactions)
         if self.top.input_padding:  # the top MLP's zero columns, in the same copy
-            parts.append(x.new_zeros(x.shape[0], self.top.input_padding))
+            parts.append(interactions.new_zeros(interactions.shape[0], self.top.input_padding))
         return self.top(torch.cat(parts, dim=1)).squeeze(1)

@@ -27,6 +27,9 @@ its output. Kinds:
 - ``fm``: as ``dot`` with a low-rank factorization machine instead of all
   dots: ``E_t (E_t^T Y)`` for a learned ``Y [T_t, r]``, ``[B, T_t, r]``.
 
+Data without dense features has no bottom MLP and no x: the dots are those of
+the tower outputs alone, and ``tower_dense`` is refused.
+
 The compression ratio is ``sum T_t / sum K_t``: the floats a tower sends back
 per sample shrink by it. The model has no ``torch.distributed`` in it; the
 tower transform splits it at ``tower_inputs`` / ``towers[t]`` / ``interact``.
@@ -37,12 +40,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
-from towerrec.models.common import check_mlp_ends, shared_embedding_dim, sparse_flops_per_sample
+from towerrec.models.common import (
+    check_dense_input,
+    check_mlp_ends,
+    shared_embedding_dim,
+    sparse_flops_per_sample,
+)
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -51,7 +60,15 @@ from towerrec.utils import parse_enum
 if TYPE_CHECKING:
     from towerrec.models.dlrm import DLRM
 
-__all__ = ["DMT", "DMTConfig", "LowRankFM", "TowerKind", "TowerModule", "check_partition"]
+__all__ = [
+    "DMT",
+    "DMTConfig",
+    "LowRankFM",
+    "TowerKind",
+    "TowerModule",
+    "check_partition",
+    "interact",
+]
 
 PARTITION_STRATEGIES = ("auto", "random", "cost", "contiguous")
 
@@ -181,6 +198,8 @@ class TowerModule(nn.Module):
         hidden: Sequence[int] = (),
         fm_rank: int = 4,
         use_dense: bool = False,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         self.kind = parse_enum(TowerKind, kind, "tower kind")
@@ -204,6 +223,8 @@ class TowerModule(nn.Module):
             vectors * dim + self.interaction.out_features,
             [*hidden, outputs * dim],
             final_activation=False,
+            dropout=dropout,
+            batch_norm=batch_norm,
         )
 
     @property
@@ -252,9 +273,17 @@ class DMT(nn.Module):
         fm_rank: int = 4,
         tower_dense: bool = False,
         self_interaction: bool = False,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         dim = shared_embedding_dim(sparse, "DMT")
+        check_dense_input(num_dense, bottom_mlp)
+        if tower_dense and not num_dense:
+            raise ValueError(
+                "the data has no dense features, so there is no bottom output for the towers; "
+                "set model.dmt.tower_dense = false"
+            )
         check_mlp_ends(
             bottom_mlp,
             top_mlp,
@@ -266,7 +295,9 @@ class DMT(nn.Module):
         self.partition = [list(group) for group in partition]
         self.embedding_dim = dim
         self.sparse = sparse
-        self.bottom = MLP(num_dense, bottom_mlp)
+        mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
+        self.bottom = mlp(num_dense, bottom_mlp) if num_dense else None
+        x_dim = dim if self.bottom is not None else 0
         index = {name: i for i, name in enumerate(features)}
         order = [index[name] for group in self.partition for name in group]
         self.register_buffer("tower_order", torch.tensor(order), persistent=False)
@@ -280,18 +311,22 @@ class DMT(nn.Module):
                 hidden=tower_mlp,
                 fm_rank=fm_rank,
                 use_dense=tower_dense,
+                dropout=dropout,
+                batch_norm=batch_norm,
             )
             for size in self.tower_sizes
         )
         self.num_tower_vectors = sum(
             t.num_outputs for t in cast("Iterable[TowerModule]", self.towers)
         )
-        self.interaction = DotInteraction(1 + self.num_tower_vectors, self_interaction)
+        self.interaction = DotInteraction(
+            int(self.bottom is not None) + self.num_tower_vectors, self_interaction
+        )
         concat = sum(
             t.num_outputs * dim for t in cast("Iterable[TowerModule]", self.towers) if t.compresses
         )
-        self.top = MLP(
-            dim + concat + self.interaction.out_features, top_mlp, final_activation=False
+        self.top = mlp(
+            x_dim + concat + self.interaction.out_features, top_mlp, final_activation=False
         )
 
     @property
@@ -303,7 +338,7 @@ class DMT(nn.Module):
         """Forward FLOPs of the dense part per sample (MLPs, towers, interaction, and
         the embedding collection's own projections, as the other models count)."""
         return (
-            self.bottom.flops_per_sample()
+            (self.bottom.flops_per_sample() if self.bottom is not None else 0)
             + sum(t.flops_per_sample() for t in cast("Iterable[TowerModule]", self.towers))
             + self.interaction.flops_per_sample(self.embedding_dim)
             + self.top.flops_per_sample()
@@ -315,14 +350,14 @@ class DMT(nn.Module):
         stacked = pooled.stacked().index_select(1, self.tower_order)
         return list(stacked.split(self.tower_sizes, dim=1))
 
-    def interact(self, x: torch.Tensor, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The top: x ``[B, D]`` and tower outputs ``[B, K_t, D]`` -> logits ``[B]``."""
-        stacked = torch.cat([x.unsqueeze(1), *outputs], dim=1)
-        flat = [o.flatten(1) for o, t in zip(outputs, self.towers) if t.compresses]
-        return self.top(torch.cat([x, *flat, self.interaction(stacked)], dim=1)).squeeze(1)
+    def interact(self, x: torch.Tensor | None, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The top: x ``[B, D]`` (None without dense features) and tower outputs
+        ``[B, K_t, D]`` -> logits ``[B]``."""
+        compresses = [t.compresses for t in cast("Iterable[TowerModule]", self.towers)]
+        return interact(self.interaction, self.top, compresses, x, outputs)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        x = self.bottom(dense)
+        x = self.bottom(dense) if self.bottom is not None else None
         inputs = self.tower_inputs(self.sparse(sparse))
         outputs = [tower(e, x) for tower, e in zip(self.towers, inputs)]
         return self.interact(x, outputs)
@@ -337,19 +372,27 @@ class DMT(nn.Module):
         the tower order of the pairwise dots. ``sparse`` defaults to the DLRM's
         own collection (shared); pass a copy to train the two side by side.
         """
+        if dlrm.concat_embeddings:
+            raise ValueError("DMT.from_dlrm needs a DLRM without concat_embeddings")
+        bottom: Iterable[nn.Module] = dlrm.bottom if dlrm.bottom is not None else ()
         model = cls(
             sparse if sparse is not None else dlrm.sparse,
-            dlrm.bottom.in_features,
-            [m.out_features for m in dlrm.bottom if isinstance(m, nn.Linear)],
+            dlrm.bottom.in_features if dlrm.bottom is not None else 0,
+            [m.out_features for m in bottom if isinstance(m, nn.Linear)],
             [m.out_features for m in dlrm.top if isinstance(m, nn.Linear)],
             partition,
             tower=TowerKind.IDENTITY,
             self_interaction=dlrm.interaction.self_interaction,
+            dropout=dlrm.top.dropout,
+            batch_norm=dlrm.top.batch_norm,
         ).to(cast(nn.Linear, dlrm.top[0]).weight.device)
-        model.bottom.load_state_dict(dlrm.bottom.state_dict())
+        if model.bottom is not None and dlrm.bottom is not None:
+            model.bottom.load_state_dict(dlrm.bottom.state_dict())
         model.top.load_state_dict(dlrm.top.state_dict())
-        dim = model.embedding_dim
-        vector_of = [0, *(1 + int(i) for i in model.tower_order)]  # DMT vector -> DLRM vector
+        x = int(dlrm.bottom is not None)  # the bottom output x: vector 0, the top's first D
+        dim = model.embedding_dim * x
+        # DMT vector -> DLRM vector
+        vector_of = [0] * x + [x + int(i) for i in model.tower_order]
         dlrm_pairs = _pair_positions(len(vector_of), dlrm.interaction.self_interaction)
         columns = list(range(dim)) + [
             dim + dlrm_pairs[tuple(sorted((vector_of[i], vector_of[j])))]
@@ -360,6 +403,23 @@ class DMT(nn.Module):
                 cast(nn.Linear, dlrm.top[0]).weight[:, columns]
             )
         return model
+
+
+def interact(
+    interaction: DotInteraction,
+    top: MLP,
+    compresses: Sequence[bool],
+    x: torch.Tensor | None,
+    outputs: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """DMT's top over x ``[B, D]`` (None without dense features) and every tower's output
+    ``[B, K_t, D]`` -> logits ``[B]``: pairwise dots of the stacked vectors, concatenated
+    with x and the flattened outputs of the towers that ``compresses``, through the top
+    MLP (the tower-parallel DMT shares it)."""
+    vectors = list(outputs) if x is None else [x.unsqueeze(1), *outputs]
+    flat = [o.flatten(1) for o, c in zip(outputs, compresses) if c]
+    head = [] if x is None else [x]
+    return top(torch.cat([*head, *flat, interaction(torch.cat(vectors, dim=1))], dim=1)).squeeze(1)
 
 
 def _triu(n: int, self_interaction: bool) -> tuple[list[int], list[int]]:

@@ -15,6 +15,8 @@
 
     X_l ─► flatten [B, n_l*D] ─► top MLP ─► logit [B]
 
+Data without dense features has no bottom MLP: ``X0 = E`` (n = T).
+
 The optimized FM ``X (X^T Y)`` costs ``4 n k D`` FLOPs instead of ``2 n^2 D``
 for the full ``X X^T``, and its output size (n k) does not grow with n^2.
 """
@@ -23,12 +25,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
 from torch import nn
 
-from towerrec.models.common import check_mlp_ends, shared_embedding_dim, sparse_flops_per_sample
+from towerrec.models.common import (
+    check_dense_input,
+    check_mlp_ends,
+    shared_embedding_dim,
+    sparse_flops_per_sample,
+)
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -78,6 +86,9 @@ class WukongLayer(nn.Module):
         num_lcb: int,
         fm_rank: int,
         fm_mlp: Sequence[int],
+        *,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         self.num_in, self.dim, self.num_fm, self.num_lcb = num_in, dim, num_fm, num_lcb
@@ -86,7 +97,13 @@ class WukongLayer(nn.Module):
         if num_fm:
             self.fm_y = nn.Parameter(torch.randn(num_in, fm_rank) / num_in**0.5)
             self.fm_norm = nn.LayerNorm(num_in * fm_rank)
-            self.fm_mlp = MLP(num_in * fm_rank, [*fm_mlp, num_fm * dim], final_activation=False)
+            self.fm_mlp = MLP(
+                num_in * fm_rank,
+                [*fm_mlp, num_fm * dim],
+                final_activation=False,
+                dropout=dropout,
+                batch_norm=batch_norm,
+            )
         if num_lcb:
             self.lcb = nn.Parameter(torch.randn(num_lcb, num_in) / num_in**0.5)
         self.residual = (
@@ -130,11 +147,15 @@ class Wukong(nn.Module):
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
         config: WukongConfig | None = None,
+        *,
+        dropout: float = 0.0,
+        batch_norm: bool = False,
     ) -> None:
         super().__init__()
         config = config or WukongConfig()
         dim = shared_embedding_dim(sparse, "Wukong")
         rows = config.dense_rows
+        check_dense_input(num_dense, bottom_mlp)
         check_mlp_ends(
             bottom_mlp,
             top_mlp,
@@ -145,22 +166,30 @@ class Wukong(nn.Module):
         self.sparse = sparse
         self.embedding_dim = dim
         self.num_sparse = len(cast("list[str]", sparse.feature_names))
-        self.bottom = MLP(num_dense, bottom_mlp)
-        layers, width = [], config.dense_rows + self.num_sparse
+        mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
+        self.bottom = mlp(num_dense, bottom_mlp) if num_dense else None
+        layers, width = [], self.num_sparse + (rows if self.bottom is not None else 0)
         for _ in range(config.num_layers):
             layers.append(
                 WukongLayer(
-                    width, dim, config.num_fm, config.num_lcb, config.fm_rank, config.fm_mlp
+                    width,
+                    dim,
+                    config.num_fm,
+                    config.num_lcb,
+                    config.fm_rank,
+                    config.fm_mlp,
+                    dropout=dropout,
+                    batch_norm=batch_norm,
                 )
             )
             width = layers[-1].num_out
         self.layers = nn.Sequential(*layers)
-        self.top = MLP(width * dim, top_mlp, final_activation=False)
+        self.top = mlp(width * dim, top_mlp, final_activation=False)
 
     def flops_per_sample(self) -> int:
         """Forward FLOPs of the dense part per sample."""
         return (
-            self.bottom.flops_per_sample()
+            (self.bottom.flops_per_sample() if self.bottom is not None else 0)
             + sum(layer.flops_per_sample() for layer in cast("Iterable[WukongLayer]", self.layers))
             + self.top.flops_per_sample()
             + sparse_flops_per_sample(self.sparse)
@@ -168,6 +197,8 @@ class Wukong(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         batch = dense.shape[0]
-        x_dense = self.bottom(dense).view(batch, self.config.dense_rows, self.embedding_dim)
-        x = torch.cat([x_dense, self.sparse(sparse).stacked()], dim=1)
+        x = self.sparse(sparse).stacked()
+        if self.bottom is not None:
+            x_dense = self.bottom(dense).view(batch, self.config.dense_rows, self.embedding_dim)
+            x = torch.cat([x_dense, x], dim=1)
         return self.top(self.layers(x).reshape(batch, -1)).squeeze(1)

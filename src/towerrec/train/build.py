@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ __all__ = [
     "build_tables",
     "lr_factor",
     "resolve_device",
+    "resolve_run_config",
     "resolve_steps",
 ]
 
@@ -96,10 +98,11 @@ def build_model(
         return build_dmt(config, schema, sparse, device)
     torch.manual_seed(config.train.seed)
     model = config.model
+    parts = (sparse, schema.num_dense, model.bottom_mlp, model.top_mlp)
     if model.name == "dcn":
-        return DCN(sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.dcn).to(device)
+        return DCN(*parts, model.dcn, dropout=model.dropout, batch_norm=model.batch_norm).to(device)
     if model.name == "wukong":
-        wukong = Wukong(sparse, schema.num_dense, model.bottom_mlp, model.top_mlp, model.wukong)
+        wukong = Wukong(*parts, model.wukong, dropout=model.dropout, batch_norm=model.batch_norm)
         return wukong.to(device)
     return DLRM(
         sparse,
@@ -107,6 +110,9 @@ def build_model(
         bottom_mlp=model.bottom_mlp,
         top_mlp=model.top_mlp,
         self_interaction=model.self_interaction,
+        concat_embeddings=model.concat_embeddings,
+        dropout=model.dropout,
+        batch_norm=model.batch_norm,
     ).to(device)
 
 
@@ -116,9 +122,13 @@ def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.op
     fused = bool(params) and all(
         p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params
     )
-    if config.name == "adam":
+    if config.name == "adam":  # weight decay decoupled from the gradient, as AdamW
         return torch.optim.Adam(
-            params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None
+            params,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            decoupled_weight_decay=True,
+            fused=fused or None,
         )
     if config.name == "adagrad":
         return torch.optim.Adagrad(
@@ -173,3 +183,10 @@ def resolve_steps(config: Config, source) -> tuple[int, str]:
         f"{epochs:g} epoch(s) of {rows:,} training rows at a global batch of "
         f"{cfg.batch_size:,}, rounded up to whole steps ({why})"
     )
+
+
+def resolve_run_config(config: Config, source) -> tuple[Config, str]:
+    """``config`` with ``train.steps`` resolved (``resolve_steps``) and ``train.epochs``
+    cleared: what a run records as its ``config.toml``; and where the steps come from."""
+    steps, steps_from = resolve_steps(config, source)
+    return replace(config, train=replace(config.train, steps=steps, epochs=None)), steps_from

@@ -58,23 +58,26 @@ def pair_attribution(model: DLRM, batch: Batch) -> np.ndarray:
     flows through the dot product of features i and j as it varies between
     samples (a constant dot is a bias, not an interaction). The bottom
     output's dots are left out: the dense input goes to every tower's owner.
+    The DLRM has no ``concat_embeddings`` (``learn_interaction_strength`` builds it).
     """
     with torch.enable_grad():
-        x = model.bottom(batch.dense)
+        x = model.bottom(batch.dense).detach() if model.bottom is not None else None
         embeddings = model.sparse(batch.sparse).stacked()
-        dots = model.interaction(torch.cat([x.unsqueeze(1), embeddings], dim=1)).detach()
+        vectors = embeddings if x is None else torch.cat([x.unsqueeze(1), embeddings], dim=1)
+        dots = model.interaction(vectors).detach()
         dots.requires_grad_(True)
-        logits = model.top(torch.cat([x.detach(), dots], dim=1)).squeeze(1)
+        logits = model.top(torch.cat([dots] if x is None else [x, dots], dim=1)).squeeze(1)
         (grad,) = torch.autograd.grad(logits.sum(), dots)
     centred = dots.detach() - dots.detach().mean(0)
     score = (centred * grad).abs().mean(0).double().cpu().numpy()
-    num_vectors = model.num_sparse + 1
+    num_vectors = model.interaction.num_features
     strength = np.zeros((num_vectors, num_vectors))
     rows, cols = torch.triu_indices(
         num_vectors, num_vectors, offset=0 if model.interaction.self_interaction else 1
     )
     strength[rows.numpy(), cols.numpy()] = score
-    strength = strength[1:, 1:]
+    skip = num_vectors - model.num_sparse  # x's row and column, if any
+    strength = strength[skip:, skip:]
     strength = strength + strength.T
     np.fill_diagonal(strength, 0.0)
     return strength
@@ -90,7 +93,7 @@ def learn_interaction_strength(
 
     pilot = dataclasses.replace(
         config,
-        model=dataclasses.replace(config.model, name="dlrm"),
+        model=dataclasses.replace(config.model, name="dlrm", concat_embeddings=False),
         train=dataclasses.replace(config.train, steps=steps),
     )
     source = build_source(pilot.data)
@@ -188,4 +191,6 @@ def build_dmt(config: Config, schema: DataSchema, sparse: nn.Module, device: tor
         fm_rank=dmt.fm_rank,
         tower_dense=dmt.tower_dense,
         self_interaction=model.self_interaction,
+        dropout=model.dropout,
+        batch_norm=model.batch_norm,
     ).to(device)

@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from towerrec.train.build import (
     build_source,
     lr_factor,
     resolve_device,
-    resolve_steps,
+    resolve_run_config,
 )
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
 from towerrec.train.distributed import RunContext, start_distributed
@@ -187,9 +186,9 @@ def train(
     device = resolve_device(config.train.device)
     ctx = start_distributed(config, device)
     source = build_source(config.data)
-    steps, steps_from = resolve_steps(config, source)
-    config = replace(config, train=replace(config.train, steps=steps, epochs=None))
-    cfg = config.train
+    config, steps_from = resolve_run_config(config, source)
+    cfg, steps = config.train, config.train.steps
+    assert steps is not None  # resolved
     run = RunDir(out_dir, writer=ctx.is_main, tensorboard=cfg.tensorboard)
     checkpoints = CheckpointManager(run.checkpoint_dir, keep=cfg.keep_checkpoints)
     if resume and checkpoints.latest() is None:
