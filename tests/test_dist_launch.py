@@ -117,8 +117,8 @@ def test_worker_user_error_prints_one_line_and_exits_2(tmp_path):
 def _crash_once(config_path, overrides, out):
     """First attempt: train 4 steps (checkpoint), then crash; the restart resumes."""
     from towerrec.config import load_config
-    from towerrec.train.distributed import train_worker
     from towerrec.train.trainer import train
+    from towerrec.train.worker import train_worker
 
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         train(load_config(config_path, overrides), out, stop_after=4)
@@ -147,7 +147,7 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
     # Weight for weight: the restarted run ends where an uninterrupted 2-rank run ends.
     from test_trainer import final_state
 
-    from towerrec.train.distributed import train_worker
+    from towerrec.train.worker import train_worker
 
     full_summary = launch(
         train_worker, (config_path, overrides, tmp_path / "full", False), nproc=2
@@ -169,7 +169,7 @@ def _sigterm_rank_1_at(step, config_path, overrides, out):
     from inside its training step ``step``: the stop request reaches one process only,
     at a known step, whatever the speed of the machine."""
     from towerrec.train import trainer
-    from towerrec.train.distributed import train_worker
+    from towerrec.train.worker import train_worker
 
     if os.environ["RANK"] == "1":
         real_step, calls = trainer.train_step, [0]

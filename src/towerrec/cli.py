@@ -100,7 +100,7 @@ def _discard_unstarted_run(out: Path) -> None:
 def _launch_train(args: argparse.Namespace, out: Path) -> dict:
     """``--nproc N``: N local workers through torch.distributed's elastic launcher."""
     from towerrec.distributed.launch import WorkerError, launch
-    from towerrec.train.distributed import train_worker
+    from towerrec.train.worker import train_worker
 
     try:
         results = launch(

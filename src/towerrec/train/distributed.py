@@ -16,7 +16,6 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from towerrec.config import Config, load_config
+from towerrec.config import Config
 from towerrec.distributed.comm import CommCodecs, CommStats
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
@@ -35,7 +34,7 @@ from towerrec.train.planning import build_plan
 if TYPE_CHECKING:
     from towerrec.models.dmt import DMT
 
-__all__ = ["RunContext", "start_distributed", "train_worker"]
+__all__ = ["RunContext", "start_distributed"]
 
 log = logging.getLogger("towerrec")
 
@@ -253,41 +252,3 @@ def start_distributed(config: Config, device: torch.device) -> RunContext:
     if topology.rank != 0:  # rank 0 speaks for the run
         log.setLevel(logging.WARNING)
     return RunContext(topology, mesh, device=device)
-
-
-def train_worker(
-    config_path: Path | None, overrides: list[str], out: Path, resume: bool
-) -> dict[str, Any] | None:
-    """One worker of ``towerrec train --nproc N``: the summary on rank 0, None elsewhere.
-
-    After an elastic restart (``--max-restarts``) the run resumes from its last
-    checkpoint, or starts over if it had none yet.
-    """
-    from towerrec.train.checkpoint import CheckpointManager
-    from towerrec.train.run_dir import RunDir
-    from towerrec.train.trainer import train
-
-    logging.basicConfig(
-        level=logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    if int(os.environ.get("RANK", "0")) == 0:
-        log.setLevel(logging.INFO)  # rank 0 speaks for the run, as the one process does
-    run = RunDir(out)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        if CheckpointManager(run.checkpoint_dir).latest() is not None:
-            resume = True
-            log.warning("restarted: resuming from the last checkpoint in %s", out)
-        elif not resume and int(os.environ.get("RANK", "0")) == 0:
-            run.metrics_path.unlink(missing_ok=True)
-    if resume:
-        config = run.resume_config(config_path, overrides)
-    else:
-        config = load_config(config_path, overrides)
-    try:
-        summary = train(config, out, resume=resume)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return summary if int(os.environ.get("RANK", "0")) == 0 else None

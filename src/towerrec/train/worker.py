@@ -1,0 +1,58 @@
+"""One worker process of ``towerrec train --nproc N`` (what the elastic launcher runs).
+
+It sets up logging for its rank, resumes after an elastic restart
+(``--max-restarts``) when a checkpoint exists, trains, and leaves the process
+group; ``train/distributed.py`` holds the run context the trainer uses inside.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from towerrec.config import load_config
+from towerrec.train.checkpoint import CheckpointManager
+from towerrec.train.run_dir import RunDir
+from towerrec.train.trainer import train
+
+__all__ = ["train_worker"]
+
+log = logging.getLogger("towerrec")
+
+
+def train_worker(
+    config_path: Path | None, overrides: list[str], out: Path, resume: bool
+) -> dict[str, Any] | None:
+    """One worker of ``towerrec train --nproc N``: the summary on rank 0, None elsewhere.
+
+    After an elastic restart (``--max-restarts``) the run resumes from its last
+    checkpoint, or starts over if it had none yet.
+    """
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.setLevel(logging.INFO)  # rank 0 speaks for the run, as the one process does
+    run = RunDir(out)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        if CheckpointManager(run.checkpoint_dir).latest() is not None:
+            resume = True
+            log.warning("restarted: resuming from the last checkpoint in %s", out)
+        elif not resume and int(os.environ.get("RANK", "0")) == 0:
+            run.metrics_path.unlink(missing_ok=True)
+    if resume:
+        config = run.resume_config(config_path, overrides)
+    else:
+        config = load_config(config_path, overrides)
+    try:
+        summary = train(config, out, resume=resume)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return summary if int(os.environ.get("RANK", "0")) == 0 else None
