@@ -9,6 +9,7 @@
     <out>/summary.json     final metrics, throughput, sizes
     <out>/curves.png       training loss and eval AUC over steps
     <out>/checkpoint/      DCP checkpoints (step_<N>/)
+    <out>/best/            with early stopping: the best validation step's checkpoint (step_<N>/)
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class RunDir:
     @property
     def checkpoint_dir(self) -> Path:
         return self.path / "checkpoint"
+
+    @property
+    def best_dir(self) -> Path:
+        return self.path / "best"
 
     @property
     def metrics_path(self) -> Path:
