@@ -90,11 +90,15 @@ OVERFIT = [
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
+    """3,000 rows in each of train (day_0), validation (day_1) and test (day_2)."""
     root = tmp_path_factory.mktemp("early-stopping")
-    days = generate_criteo_files(root / "raw", files=2, rows_per_file=3000, seed=3)
-    options = CriteoOptions(num_embeddings=(500,), eval_files=("day_1",))
-    preprocess_criteo(days, root / "cache", options, progress=False)
-    return root / "cache"
+    raw, out = root / "raw", root / "cache"
+    assert main(["data", "gen-criteo", "--out", str(raw), "--files", "3", "--rows", "3000",
+                 "--seed", "3"]) == 0  # fmt: skip
+    assert main(["data", "criteo", *(str(raw / f"day_{i}") for i in range(3)), "--out", str(out),
+                 "--validation-files", "day_1", "--test-files", "day_2", "--num-embeddings",
+                 "500", "--no-progress"]) == 0  # fmt: skip
+    return out
 
 
 def _sets(cache, *extra):
@@ -131,7 +135,7 @@ def test_early_stopping_stops_restores_the_best_weights_and_reports_them(cache, 
     assert [r["step"] for r in evals] == [24, 48, 72] and summary["steps"] == 72
     assert all(r["split"] == "validation" for r in evals)
     best = min(evals, key=lambda r: r["logloss"])
-    assert summary["best_step"] == best["step"] == 24
+    assert summary["best_step"] == summary["weights_step"] == best["step"] == 24
     assert summary["best_validation"]["logloss"] == best["logloss"]
     # The returned weights are the best step's: the summary's metrics are theirs, and
     # evaluating the checkpoint in best/ afresh gives them again.
@@ -139,6 +143,13 @@ def test_early_stopping_stops_restores_the_best_weights_and_reports_them(cache, 
     again = _evaluate_checkpoint(run, 24, lambda s: s.eval_batches(4096))
     for key in ("auc", "logloss", "ne", "calibration"):
         assert summary[key] == summary["best_validation"][key] == again[key]
+    # The test split is scored once, with those weights.
+    (test,) = _records(run, "test")
+    assert test["step"] == 24 and test["split"] == "test" and test["eval_samples"] == 3000
+    again = _evaluate_checkpoint(run, 24, lambda s: s.test_batches(4096))
+    for key in ("auc", "logloss", "ne", "calibration", "eval_samples"):
+        assert summary["test"][key] == test[key] == again[key]
+    assert summary["test"]["logloss"] != summary["logloss"]  # another split
     # The run is over: a resume is refused with what to do instead.
     assert main(["train", "--out", str(run), "--resume"]) == 2
 
@@ -157,7 +168,8 @@ def test_resume_keeps_the_early_stopping_state_and_the_plateau_lr(cache, tmp_pat
         resumed = trainer.train(config, run, resume=True)
         for key in ("auc", "logloss", "steps", "best_step", "best_validation", "lr_scale"):
             assert resumed[key] == full[key], key
-        assert _records(run, "eval") == _records(tmp_path / "full", "eval")
+        for kind in ("eval", "test"):
+            assert _records(run, kind) == _records(tmp_path / "full", kind)
 
 
 def test_early_stopping_on_2_ranks_gives_the_same_best_step_and_metrics(cache, tmp_path):
@@ -169,6 +181,7 @@ def test_early_stopping_on_2_ranks_gives_the_same_best_step_and_metrics(cache, t
     assert b["stopped_early"] and (a["best_step"], a["steps"]) == (b["best_step"], b["steps"])
     for key in ("auc", "logloss"):
         assert abs(a[key] - b[key]) < 1e-6 and b[key] == b["best_validation"][key]
+        assert abs(a["test"][key] - b["test"][key]) < 1e-6
     assert [p.name for p in (two / "best").iterdir()] == [f"step_{b['best_step']:08d}"]
 
 
@@ -177,5 +190,5 @@ def test_early_stopping_without_validation_rows_is_refused(tmp_path):
     options = CriteoOptions(num_embeddings=(100,), eval_fraction=0.0)
     preprocess_criteo(days, tmp_path / "cache", options, progress=False)
     config = load_config(None, [*OVERFIT, "data.source=criteo", f"data.path={tmp_path / 'cache'}"])
-    with pytest.raises(ValueError, match=r"no (eval|validation) rows"):
+    with pytest.raises(ValueError, match="no validation rows"):
         trainer.train(config, tmp_path / "run")

@@ -366,6 +366,7 @@ def train(
 
     finished = step == cfg.steps or stopper.stopped
     final = last_eval.as_dict() if last_eval else {}
+    weights_step = step  # the step whose weights the run returns
     if finished and stopper.keeps_best and stopper.best_step not in (None, step):
         path = best.latest()
         if path is None or path.name != f"step_{stopper.best_step:08d}":
@@ -375,12 +376,29 @@ def train(
             )
         best.load(path, model, optimizer, dict(state))
         assert stopper.best_metrics is not None  # set with best_step
-        final = stopper.best_metrics
+        final, weights_step = stopper.best_metrics, stopper.best_step
         log.info(
             "restored the best weights, of step %d (validation %s %.4f)",
             stopper.best_step,
             stopper.metric,
             stopper.best_value,
+        )
+    test = None
+    if finished and source.test_rows:
+        test = evaluate(
+            model,
+            source.test_batches(local_eval_batch, ctx.rank, ctx.world_size),
+            device,
+            autocast_dtype=amp_dtype,
+            ctx=ctx,
+            padding=eval_padding,
+        ).as_dict()
+        run.log({"kind": "test", "split": "test", "step": weights_step, **test})
+        log.info(
+            "test (weights of step %d): AUC %.4f, log-loss %.4f",
+            weights_step,
+            test["auc"],
+            test["logloss"],
         )
 
     summary = {
@@ -391,9 +409,11 @@ def train(
         "completed": finished,
         "stopped_early": stopper.stopped,
         "eval_every": eval_every,
+        "weights_step": weights_step,  # the step of the returned weights
         "best_step": stopper.best_step,
         "best_validation": stopper.best_metrics,
         "lr_scale": stopper.lr_scale,
+        "test": test,  # test metrics of the returned weights; None without a test split
         "batch_size": cfg.batch_size,
         "num_params": num_dense + num_embedding,
         "num_dense_params": num_dense,
