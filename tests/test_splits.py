@@ -48,6 +48,15 @@ def test_whole_files_go_to_validation_and_test(days, tmp_path, capsys):
     assert np.concatenate(test).tolist() == day_2
 
 
+def test_test_options_alone_keep_the_default_validation_fraction(days, tmp_path, capsys):
+    convert(days, tmp_path / "c", "--test-files", "day_2")
+    out = capsys.readouterr().out
+    assert "no validation option given: holding out a seeded 10% of the rows" in out
+    rows = info(tmp_path / "c", capsys)["rows"]
+    assert rows["test"] == 2000 and 300 < rows["validation"] < 500
+    assert rows["train"] + rows["validation"] == 4000
+
+
 def test_fractions_are_seeded_and_adding_test_keeps_validation(days, tmp_path, capsys):
     convert(days, tmp_path / "v", "--validation-fraction", "0.2")
     convert(days, tmp_path / "vt", "--validation-fraction", "0.2", "--test-fraction", "0.1")

@@ -11,9 +11,9 @@ Train on a cache with ``towerrec train --set data.source=criteo --set data.path=
 Every converter takes a validation and a test split as whole files
 (``--validation-files``, ``--test-files``) or seeded fractions of the rows
 (``--validation-fraction``, ``--test-fraction``; ``data/splits.py``); ``--eval-*``
-are the validation options' earlier names. Given no split option, a converter
-holds out a seeded ``DEFAULT_EVAL_FRACTION`` of the rows for validation
-(training validates) and says so.
+are the validation options' earlier names. Given no validation option, a
+converter holds out a seeded ``DEFAULT_EVAL_FRACTION`` of the rows for
+validation (training validates) and says so.
 """
 
 from __future__ import annotations
@@ -43,13 +43,15 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _split(args: argparse.Namespace) -> Split:
-    """The split options; with none given, the default validation fraction (said so)."""
+    """The split options; with no validation option, the default validation fraction
+    (said so)."""
     fraction = args.eval_fraction
-    if fraction is None and (args.eval_files or args.test_files or args.test_fraction):
+    if fraction is None and args.eval_files:
         fraction = 0.0
     elif fraction is None:
+        given = "validation" if args.test_files or args.test_fraction else "split"
         print(
-            f"no split option given: holding out a seeded {DEFAULT_EVAL_FRACTION:.0%} of the "
+            f"no {given} option given: holding out a seeded {DEFAULT_EVAL_FRACTION:.0%} of the "
             f"rows for validation (as --validation-fraction {DEFAULT_EVAL_FRACTION} "
             f"--seed {args.seed})"
         )
@@ -233,7 +235,7 @@ def _add_split_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="share of rows drawn into validation (seeded; default: "
-        f"{DEFAULT_EVAL_FRACTION} with no other split option, else 0)",
+        f"{DEFAULT_EVAL_FRACTION} without --validation-files, else 0)",
     )
     parser.add_argument(
         "--validation-files",
