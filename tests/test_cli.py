@@ -22,7 +22,8 @@ def test_train_quick_config_end_to_end(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "oracle AUC" in result.stdout
-    assert "eval AUC" in result.stderr and "eval AUC" not in result.stdout  # stdout: results
+    # Progress on stderr, results on stdout.
+    assert "validation AUC" in result.stderr and "validation AUC" not in result.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 60 and 0.5 < summary["auc"] <= summary["oracle_auc"] + 0.02
     assert (out / "curves.png").stat().st_size > 1000

@@ -55,11 +55,11 @@ def days(tmp_path_factory):
 def test_cache_matches_reference_parse(days, tmp_path):
     options = CriteoOptions(num_embeddings=(SIZE,), eval_files=("day_1.gz",), chunk_bytes=100_000)
     manifest = preprocess_criteo(days, tmp_path / "cache", options, progress=False)
-    assert manifest["rows"] == {"train": 3000, "eval": 2000}
+    assert manifest["rows"] == {"train": 3000, "validation": 2000, "test": 0}
     assert manifest["report"]["malformed"] == 0
     store = open_cache(tmp_path / "cache")
     reference = reference_rows(days)
-    for split, expected in (("train", reference[:3000]), ("eval", reference[3000:])):
+    for split, expected in (("train", reference[:3000]), ("validation", reference[3000:])):
         labels, dense, sparse = split_arrays(store, split)
         np.testing.assert_array_equal(labels, [r[0] for r in expected])
         np.testing.assert_allclose(dense, [r[1] for r in expected], rtol=1e-6, atol=1e-6)
@@ -79,7 +79,7 @@ def test_vocabulary_mode_matches_counter(days, tmp_path):
         vocab = sorted(v for v, c in counts.items() if c >= 3)
         ids = {v: i + 1 for i, v in enumerate(vocab)}
         assert store.schema.sparse[j].num_embeddings == len(vocab) + 1
-        for split, rows in (("train", train), ("eval", evaluation)):
+        for split, rows in (("train", train), ("validation", evaluation)):
             expected = [ids.get(r[2][j], 0) for r in rows]
             np.testing.assert_array_equal(split_arrays(store, split)[2][:, j], expected)
 
@@ -94,14 +94,14 @@ def test_eval_fraction_is_seeded_and_independent_of_chunking(days, tmp_path):
     c = preprocess_criteo(
         days, tmp_path / "c", CriteoOptions(eval_fraction=0.25, seed=7), progress=False
     )
-    assert a["rows"] == b["rows"] and a["rows"]["train"] + a["rows"]["eval"] == 5000
-    assert 0.2 < a["rows"]["eval"] / 5000 < 0.3
+    assert a["rows"] == b["rows"] and a["rows"]["train"] + a["rows"]["validation"] == 5000
+    assert 0.2 < a["rows"]["validation"] / 5000 < 0.3
     stores = [open_cache(tmp_path / name) for name in "abc"]
     np.testing.assert_array_equal(
-        split_arrays(stores[0], "eval")[2], split_arrays(stores[1], "eval")[2]
+        split_arrays(stores[0], "validation")[2], split_arrays(stores[1], "validation")[2]
     )
     assert a["rows"] != c["rows"] or not np.array_equal(
-        split_arrays(stores[0], "eval")[2], split_arrays(stores[2], "eval")[2]
+        split_arrays(stores[0], "validation")[2], split_arrays(stores[2], "validation")[2]
     )
 
 
@@ -299,7 +299,7 @@ def test_corrupt_cache_is_refused(days, tmp_path):
 def test_options_are_checked():
     with pytest.raises(ValueError, match="1 or 26 table sizes"):
         CriteoOptions(num_embeddings=(10, 20))
-    with pytest.raises(ValueError, match="eval-fraction"):
+    with pytest.raises(ValueError, match="validation-fraction must lie in"):
         CriteoOptions(eval_fraction=1.0)
     with pytest.raises(ValueError, match="id 0 is reserved"):
         CriteoOptions(num_embeddings=(1,))

@@ -67,10 +67,12 @@ def test_cli_generate_preprocess_train(tmp_path, capsys):
         "--eval-files", "day_1", "--num-embeddings", "1000", "--no-progress",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "6,000 train and 6,000 eval rows" in result.stdout
+    assert "6,000 train, 6,000 validation and 0 test rows" in result.stdout
     assert main(["data", "info", str(cache)]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["rows"] == {"train": 6000, "eval": 6000} and info["checksums"] == "ok"
+    assert (
+        info["rows"] == {"train": 6000, "validation": 6000, "test": 0} and info["checksums"] == "ok"
+    )
     sets = [f"--set={s}" for s in SMALL]
     result = towerrec(
         "train", "--out", str(run), "--set", "data.source=criteo", "--set", f"data.path={cache}",
@@ -143,7 +145,7 @@ def test_criteo_without_split_options_holds_out_eval_rows_and_its_command_trains
     assert result.returncode == 0, result.stderr
     assert "no split option given: holding out a seeded 10% of the rows" in result.stdout
     rows = json.loads(towerrec_in(tmp_path, "data", "info", "my cache").stdout)["rows"]
-    assert 9000 < rows["eval"] < 11000 and rows["train"] + rows["eval"] == 100_000
+    assert 9000 < rows["validation"] < 11000 and rows["train"] + rows["validation"] == 100_000
     # The printed command, as printed: the default run on real data is one epoch.
     result = towerrec_in(tmp_path, *printed_train_command(result.stdout))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -151,7 +153,7 @@ def test_criteo_without_split_options_holds_out_eval_rows_and_its_command_trains
     assert f"train.steps = {steps}: 1 epoch(s) of {rows['train']:,} training rows" in result.stderr
     (run,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["eval_samples"] == rows["eval"]
+    assert summary["steps"] == steps and summary["eval_samples"] == rows["validation"]
     assert summary["ne"] < 1  # better than predicting the click rate
     assert "normalized entropy" not in result.stderr
 
@@ -192,14 +194,15 @@ def test_libfm_without_split_options_trains_and_no_eval_rows_names_real_options(
     result = towerrec_in(tmp_path, *command, "--out", "run", "--set", "train.steps=4", *small)
     assert result.returncode == 0, result.stderr[-3000:]
 
-    # Asked for no eval rows: no train command is printed, and training names real options.
+    # Asked for no validation rows (by the option's earlier name): no train command is
+    # printed, and training names real options.
     result = towerrec_in(tmp_path, *convert, "--out", "no-eval", "--eval-fraction", "0")
     assert result.returncode == 0, result.stderr
     assert "train with:" not in result.stdout
-    assert "no eval rows" in result.stdout and "--eval-fraction F" in result.stdout
+    assert "no validation rows" in result.stdout and "--validation-fraction F" in result.stdout
     train = ["train", "--set", "data.source=cache", "--set", "data.path=no-eval", *QUICK_RUN]
     result = towerrec_in(tmp_path, *train, "--out", "run2")
     assert result.returncode == 2
     error = result.stderr.strip().splitlines()[-1]
-    assert "no eval rows" in error and "towerrec data libfm" in error, error
-    assert "--eval-fraction F" in error and "--eval-files" not in error, error
+    assert "no validation rows" in error and "towerrec data libfm" in error, error
+    assert "--validation-fraction F" in error and "data criteo" not in error, error

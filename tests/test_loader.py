@@ -122,7 +122,7 @@ def test_eval_ranks_cover_the_eval_split_once():
     for rank in range(3):
         for batch in source.eval_batches(100, rank=rank, world_size=3):
             rows.extend(row_ids(batch))
-            bags = reference_bags(store, "eval", row_ids(batch))
+            bags = reference_bags(store, "validation", row_ids(batch))
             assert batch.sparse["bag"].values.tolist() == [v for b in bags for v in b]
     assert rows == list(range(1001))
 
@@ -132,9 +132,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="rank 3 is not in"):
         next(ColumnSource(store).train_batches(8, rank=3, world_size=3))
     empty = ColumnStore(store.schema, ["single"], ["bag"], {"train": store.splits["train"]})
-    with pytest.raises(ValueError, match="no eval rows"):
+    with pytest.raises(ValueError, match="no validation rows"):
         next(ColumnSource(empty).eval_batches(8))
-    with pytest.raises(ValueError, match="preprocess it with an eval split"):
+    with pytest.raises(ValueError, match="preprocess it with a validation split"):
         ColumnSource(empty, require_eval=True)
     with pytest.raises(ValueError, match="no training rows"):
         ColumnSource(ColumnStore(store.schema, ["single"], ["bag"], {}))

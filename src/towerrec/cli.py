@@ -83,6 +83,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         f"{summary['samples_per_s']:,.0f} samples/s over {summary['steps']} steps"
     )
     print(line)
+    if summary.get("weights_step") not in (None, summary["steps"]):
+        print(f"the returned weights are the best validation step's, {summary['weights_step']}")
+    if test := summary.get("test"):
+        print(f"test AUC {test['auc']:.4f}, log-loss {test['logloss']:.4f}, NE {test['ne']:.4f}")
     print(f"results in {out}/ (summary.json, metrics.jsonl, curves.png, checkpoint/)")
     return 0
 

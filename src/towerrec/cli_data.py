@@ -8,8 +8,12 @@
     towerrec bench data --json                          preprocessing and loader throughput
 
 Train on a cache with ``towerrec train --set data.source=criteo --set data.path=DIR``.
-Given no split option, a converter holds out a seeded ``DEFAULT_EVAL_FRACTION``
-of the rows for evaluation (training ends with one) and says so.
+Every converter takes a validation and a test split as whole files
+(``--validation-files``, ``--test-files``) or seeded fractions of the rows
+(``--validation-fraction``, ``--test-fraction``; ``data/splits.py``); ``--eval-*``
+are the validation options' earlier names. Given no validation option, a
+converter holds out a seeded ``DEFAULT_EVAL_FRACTION`` of the rows for
+validation (training validates) and says so.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import json
 import shlex
 import time
 from pathlib import Path
+
+from towerrec.data.splits import SPLITS, Split
 
 __all__ = ["DEFAULT_EVAL_FRACTION", "add_data_commands"]
 
@@ -36,17 +42,33 @@ def _sizes(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def _eval_fraction(fraction: float | None, eval_files: list[str], seed: int) -> float:
-    """``--eval-fraction``, or the default when no split option was given (said so)."""
-    if fraction is not None:
-        return fraction
-    if eval_files:
-        return 0.0
-    print(
-        f"no split option given: holding out a seeded {DEFAULT_EVAL_FRACTION:.0%} of the rows "
-        f"for evaluation (as --eval-fraction {DEFAULT_EVAL_FRACTION} --seed {seed})"
+def _split(args: argparse.Namespace) -> Split:
+    """The split options; with no validation option, the default validation fraction
+    (said so)."""
+    fraction = args.eval_fraction
+    if fraction is None and args.eval_files:
+        fraction = 0.0
+    elif fraction is None:
+        given = "validation" if args.test_files or args.test_fraction else "split"
+        print(
+            f"no {given} option given: holding out a seeded {DEFAULT_EVAL_FRACTION:.0%} of the "
+            f"rows for validation (as --validation-fraction {DEFAULT_EVAL_FRACTION} "
+            f"--seed {args.seed})"
+        )
+        fraction = DEFAULT_EVAL_FRACTION
+    return Split(
+        eval_fraction=fraction,
+        seed=args.seed,
+        test_fraction=args.test_fraction,
+        eval_files=tuple(args.eval_files),
+        test_files=tuple(args.test_files),
     )
-    return DEFAULT_EVAL_FRACTION
+
+
+def _rows_line(rows: dict[str, int]) -> str:
+    return (
+        f"{rows['train']:,} train, {rows['validation']:,} validation and {rows['test']:,} test rows"
+    )
 
 
 def _print_next_step(
@@ -54,9 +76,9 @@ def _print_next_step(
 ) -> None:
     """The command that trains on the cache (without a bottom MLP for data without dense
     features), or why there is none."""
-    if rows["eval"] == 0:
+    if rows["validation"] == 0:
         print(
-            "no eval rows: `towerrec train` ends with an evaluation and cannot use this cache; "
+            "no validation rows: `towerrec train` validates and cannot use this cache; "
             f"convert again with {split_options}"
         )
         return
@@ -68,11 +90,14 @@ def _print_next_step(
 def _cmd_criteo(args: argparse.Namespace) -> int:
     from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 
+    split = _split(args)
     options = CriteoOptions(
         num_embeddings=args.num_embeddings,
         min_count=args.min_count,
-        eval_fraction=_eval_fraction(args.eval_fraction, args.eval_files, args.seed),
-        eval_files=tuple(args.eval_files),
+        eval_fraction=split.eval_fraction,
+        eval_files=split.eval_files,
+        test_fraction=split.test_fraction,
+        test_files=split.test_files,
         seed=args.seed,
         strict=args.strict,
         threads=args.threads,
@@ -83,8 +108,8 @@ def _cmd_criteo(args: argparse.Namespace) -> int:
     input_bytes = sum(Path(p).stat().st_size for p in args.inputs)
     report = manifest["report"]
     print(
-        f"wrote {args.out}: {manifest['rows']['train']:,} train and {manifest['rows']['eval']:,} "
-        f"eval rows, {input_bytes / 1e6:,.1f} MB of input in {seconds:.1f} s "
+        f"wrote {args.out}: {_rows_line(manifest['rows'])}, "
+        f"{input_bytes / 1e6:,.1f} MB of input in {seconds:.1f} s "
         f"({input_bytes / 1e6 / seconds:,.1f} MB/s)"
     )
     if report["malformed"]:
@@ -97,7 +122,7 @@ def _cmd_criteo(args: argparse.Namespace) -> int:
         manifest["rows"],
         args.out,
         "criteo",
-        "--eval-fraction F (0 < F < 1) or --eval-files FILE...",
+        "--validation-fraction F (0 < F < 1) or --validation-files FILE...",
     )
     return 0
 
@@ -116,13 +141,17 @@ def _named_sizes(text: str) -> dict[str, int]:
 
 def _print_manifest(manifest: dict, out: Path) -> None:
     rows, report = manifest["rows"], manifest["report"]
-    print(f"wrote {out}: {rows['train']:,} train and {rows['eval']:,} eval rows")
+    print(f"wrote {out}: {_rows_line(rows)}")
     if report["malformed"]:
         print(f"skipped {report['malformed']} malformed rows {report['by_reason']}; first ones:")
         for where in report["first"]:
             print(f"  {where}")
     _print_next_step(
-        rows, out, "cache", "--eval-fraction F (0 < F < 1)", manifest["schema"]["num_dense"]
+        rows,
+        out,
+        "cache",
+        "--validation-fraction F (0 < F < 1) or --validation-files FILE...",
+        manifest["schema"]["num_dense"],
     )
 
 
@@ -142,9 +171,8 @@ def _cmd_libfm(args: argparse.Namespace) -> int:
             "towerrec data libfm needs --fields FILE and --out DIR (or --infer-fields FILE to "
             "write a field map for review first)"
         )
-    fraction = _eval_fraction(args.eval_fraction, [], args.seed)
     manifest = preprocess_libfm(
-        args.inputs, args.out, args.fields, fraction, args.seed, args.strict
+        args.inputs, args.out, args.fields, strict=args.strict, split=_split(args)
     )
     _print_manifest(manifest, args.out)
     return 0
@@ -160,8 +188,9 @@ def _cmd_table(args: argparse.Namespace) -> int:
         multi_hot=args.multi_hot,
         list_delimiter=args.list_delimiter,
     )
-    fraction = _eval_fraction(args.eval_fraction, [], args.seed)
-    manifest = preprocess_table(args.inputs, args.out, schema, fraction, args.seed, args.strict)
+    manifest = preprocess_table(
+        args.inputs, args.out, schema, strict=args.strict, split=_split(args)
+    )
     _print_manifest(manifest, args.out)
     return 0
 
@@ -193,7 +222,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         json.dumps(
             {
                 "source": manifest.get("source"),
-                "rows": {s: store.rows(s) for s in store.splits},
+                "rows": {s: store.rows(s) for s in SPLITS},
                 "num_dense": store.schema.num_dense,
                 "tables": {f.name: f.num_embeddings for f in store.schema.sparse},
                 "report": manifest.get("report"),
@@ -217,6 +246,37 @@ def _cmd_bench_data(args: argparse.Namespace) -> int:
     )
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _add_split_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--validation-fraction",
+        "--eval-fraction",
+        dest="eval_fraction",
+        type=float,
+        default=None,
+        help="share of rows drawn into validation (seeded; default: "
+        f"{DEFAULT_EVAL_FRACTION} without --validation-files, else 0)",
+    )
+    parser.add_argument(
+        "--validation-files",
+        "--eval-files",
+        dest="eval_files",
+        nargs="+",
+        default=[],
+        metavar="FILE",
+        help="input files that form validation",
+    )
+    parser.add_argument(
+        "--test-fraction",
+        type=float,
+        default=0.0,
+        help="share of rows drawn into test (seeded; scored once, at the end of training)",
+    )
+    parser.add_argument(
+        "--test-files", nargs="+", default=[], metavar="FILE", help="input files that form test"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the row fractions")
 
 
 def add_data_commands(
@@ -252,17 +312,7 @@ def add_data_commands(
         help="> 0: a vocabulary of values seen at least this often in the training files "
         "instead of hashing (rarer values share id 0 with missing ones)",
     )
-    criteo.add_argument(
-        "--eval-fraction",
-        type=float,
-        default=None,
-        help="share of lines drawn into eval (seeded; default: "
-        f"{DEFAULT_EVAL_FRACTION} without --eval-files, else 0)",
-    )
-    criteo.add_argument(
-        "--eval-files", nargs="+", default=[], metavar="FILE", help="input files that form eval"
-    )
-    criteo.add_argument("--seed", type=int, default=0)
+    _add_split_options(criteo)
     criteo.add_argument(
         "--strict", action="store_true", help="stop at the first malformed row (file:line)"
     )
@@ -296,13 +346,7 @@ def add_data_commands(
     )  # fmt: skip
     table.add_argument("--list-delimiter", default="|")
     for p, func in ((libfm, _cmd_libfm), (table, _cmd_table)):
-        p.add_argument(
-            "--eval-fraction",
-            type=float,
-            default=None,
-            help=f"share of rows drawn into eval (seeded; default {DEFAULT_EVAL_FRACTION})",
-        )
-        p.add_argument("--seed", type=int, default=0)
+        _add_split_options(p)
         p.add_argument("--strict", action="store_true", help="stop at the first malformed row")
         p.set_defaults(func=func)
 

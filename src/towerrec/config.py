@@ -51,6 +51,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DistributedConfig",
+    "EarlyStoppingConfig",
     "EmbeddingConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -259,12 +260,24 @@ class OptimizerConfig:
     weight_decay: float = 0.0  # adam: decoupled (AdamW); adagrad, sgd: L2 added to the gradient
     momentum: float = 0.9  # sgd only
     warmup_steps: int = 100
-    decay: str = "cosine"  # none | linear | cosine, from the end of warm-up to the last step
-    min_lr_ratio: float = 0.1
+    decay: str = "cosine"  # none | linear | cosine | plateau, after warm-up
+    min_lr_ratio: float = 0.1  # the lowest LR factor of every decay
+    # plateau: the LR factor is multiplied by plateau_factor after plateau_patience
+    # validations in a row without improving train.early_stopping.metric
+    plateau_factor: float = 0.5
+    plateau_patience: int = 2
 
     def __post_init__(self) -> None:
         _choice(self.name, ("adam", "adagrad", "sgd"), "optimizer.name")
-        _choice(self.decay, ("none", "linear", "cosine"), "optimizer.decay")
+        _choice(self.decay, ("none", "linear", "cosine", "plateau"), "optimizer.decay")
+        if not 0 < self.plateau_factor < 1:
+            raise ValueError(
+                f"optimizer.plateau_factor must lie in (0, 1), got {self.plateau_factor}"
+            )
+        if self.plateau_patience < 1:
+            raise ValueError(
+                f"optimizer.plateau_patience must be >= 1, got {self.plateau_patience}"
+            )
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
         if not self.weight_decay >= 0:
@@ -278,6 +291,27 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class EarlyStoppingConfig:
+    """``train.early_stopping``: stop when the validation ``metric`` has not improved by more
+    than ``min_delta`` for ``patience`` evaluations in a row, then restore the best weights
+    (kept in ``<run>/best/``). ``patience = 0``: off. ``metric`` also drives
+    ``optimizer.decay = "plateau"``."""
+
+    metric: str = "logloss"  # logloss (lower is better) | auc (higher is better)
+    patience: int = 0
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        _choice(self.metric, ("logloss", "auc"), "train.early_stopping.metric")
+        if self.patience < 0:
+            raise ValueError(
+                f"train.early_stopping.patience must be >= 0 (0: off), got {self.patience}"
+            )
+        if not self.min_delta >= 0:
+            raise ValueError(f"train.early_stopping.min_delta must be >= 0, got {self.min_delta}")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """``steps`` global batches, or ``epochs`` passes over a data set's training rows
     (one of the two). Neither set: 2,500 steps on synthetic data, one epoch on real
@@ -286,7 +320,7 @@ class TrainConfig:
     steps: int | None = None
     epochs: float | None = None
     batch_size: int = 2048
-    eval_every: int = 500
+    eval_every: int | str = 500  # steps between validations, or "epoch"; 0: only at the end
     eval_batch_size: int = 16384
     log_every: int = 50
     checkpoint_every: int = 0  # 0: only at the end of the run
@@ -297,9 +331,14 @@ class TrainConfig:
     progress: bool = True
     precision: str = "fp32"  # fp32 | bf16 (autocast of the dense part, fp32 master weights)
     tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl (extra: tensorboard)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
     def __post_init__(self) -> None:
         _choice(self.precision, ("fp32", "bf16"), "train.precision")
+        if isinstance(self.eval_every, str) and self.eval_every != "epoch":
+            raise ValueError(
+                f'train.eval_every = {self.eval_every!r}: give a number of steps or "epoch"'
+            )
         if self.steps is not None and self.epochs is not None:
             raise ValueError(
                 f"train.steps = {self.steps} and train.epochs = {self.epochs:g} are both set; "
@@ -313,7 +352,7 @@ class TrainConfig:
             if value is not None and value < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {value}")
         for key in ("eval_every", "checkpoint_every", "threads"):
-            if getattr(self, key) < 0:
+            if isinstance(getattr(self, key), int) and getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
         if self.keep_checkpoints < 1:
             raise ValueError("train.keep_checkpoints must be >= 1")
@@ -412,6 +451,24 @@ class Config:
             raise ValueError(
                 "train.epochs counts passes over a data set's training rows, but "
                 "data.source = 'synthetic' is an endless stream; set train.steps instead"
+            )
+        if self.train.eval_every == "epoch" and self.data.source == "synthetic":
+            raise ValueError(
+                "train.eval_every = 'epoch', but data.source = 'synthetic' is an endless stream "
+                "without epochs; give train.eval_every a number of steps"
+            )
+        periodic = self.train.eval_every != 0
+        if self.train.early_stopping.patience and not periodic:
+            raise ValueError(
+                "train.early_stopping.patience is set but train.eval_every = 0 validates only "
+                "at the end, so nothing could stop early; set train.eval_every to a number "
+                "of steps or 'epoch'"
+            )
+        if self.optimizer.decay == "plateau" and not periodic:
+            raise ValueError(
+                "optimizer.decay = 'plateau' lowers the LR when validation stops improving, "
+                "but train.eval_every = 0 validates only at the end; set train.eval_every to "
+                "a number of steps or 'epoch'"
             )
 
 

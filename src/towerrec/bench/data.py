@@ -50,7 +50,7 @@ def _time_preprocess(days: list[Path], work: Path, rounds: int) -> dict:
             manifest = preprocess_criteo(days, out, options, progress=False)
             seconds[threads].append(time.perf_counter() - start)
             cpu[threads].append(time.process_time() - cpu_start)
-            rows = manifest["rows"]["train"] + manifest["rows"]["eval"]
+            rows = sum(manifest["rows"].values())
             if r < rounds - 1 or threads == 1:
                 shutil.rmtree(out)
     result = {}

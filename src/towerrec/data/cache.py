@@ -6,8 +6,9 @@ A cache is a directory::
     DIR/parts/<part>/<split>.<column>.bin    raw little-endian arrays, one file per column
 
 Each input file becomes one *part* (so preprocessing resumes file by file);
-a part holds rows of one or more splits (``train``, ``eval``). Columns of a
-split with n rows::
+a part holds rows of one or more splits (``train``, ``validation``, ``test``;
+caches of earlier versions name validation ``eval``). Columns of a split with n
+rows::
 
     labels           float32 [n]
     dense            float32 [n, F]
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from towerrec.data.batch import DataSchema, SparseFeature
+from towerrec.data.splits import LEGACY_NAMES
 from towerrec.utils import parse_enum
 
 __all__ = [
@@ -139,7 +141,13 @@ class ColumnStore:
     splits: dict[str, list[SplitColumns]]
     manifest: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for old, new in LEGACY_NAMES.items():  # an earlier version's name of a split
+            if old in self.splits and new not in self.splits:
+                self.splits[new] = self.splits.pop(old)
+
     def rows(self, split: str) -> int:
+        split = LEGACY_NAMES.get(split, split)
         return sum(p.rows for p in self.splits.get(split, []))
 
 

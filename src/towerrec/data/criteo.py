@@ -9,9 +9,10 @@ as hexadecimal hashes, empty fields for missing values; plain or gzip.
                              files get ids 1..V (sorted by value); rows = V + 1
                  id 0 is reserved for missing (and, with a vocabulary, rare) values
 
-Splits: whole input files (``eval_files``, e.g. the last day) and/or a seeded
-per-line fraction (``eval_fraction``, a function of the seed and the file line,
-independent of chunking). Files are parsed in line-aligned chunks by pyarrow's
+Splits (``data/splits.py``): whole input files go to validation (``eval_files``,
+e.g. the last day) or test (``test_files``); the other files' lines are drawn into
+validation and test by seeded fractions (``eval_fraction``, ``test_fraction``, a
+function of the seed and the file line, independent of chunking). Files are parsed in line-aligned chunks by pyarrow's
 multi-threaded CSV reader, so memory stays bounded whatever the file size. A
 malformed row (wrong field count, a label other than 0/1, a non-numeric
 integer, a bad hex value) is skipped, counted and reported as ``file:line``
@@ -41,6 +42,7 @@ from tqdm import tqdm
 
 from towerrec.data.batch import DataSchema, SparseFeature
 from towerrec.data.cache import PartWriter, read_part_entry, schema_to_manifest, write_manifest
+from towerrec.data.splits import SPLITS, check_fractions, file_splits, split_rows
 from towerrec.data.text_input import Chunk, Problems, decode_hex, read_chunks
 
 __all__ = ["NUM_CATEGORICAL", "NUM_INTEGER", "CriteoOptions", "parse_chunk", "preprocess_criteo"]
@@ -59,8 +61,10 @@ class CriteoOptions:
 
     num_embeddings: tuple[int, ...] = (100_000,)  # one size for all 26 tables, or 26 sizes
     min_count: int = 0  # > 0: frequency-thresholded vocabulary instead of hashing
-    eval_fraction: float = 0.0
-    eval_files: tuple[str, ...] = ()  # input files (by name or path) that form the eval split
+    eval_fraction: float = 0.0  # of the lines drawn into the validation split
+    eval_files: tuple[str, ...] = ()  # input files (by name or path) that form validation
+    test_fraction: float = 0.0
+    test_files: tuple[str, ...] = ()
     seed: int = 0
     strict: bool = False
     chunk_bytes: int = 16 << 20
@@ -79,18 +83,18 @@ class CriteoOptions:
             )
         if self.min_count < 0:
             raise ValueError(f"--min-count must be >= 0 (0: hashing), got {self.min_count}")
-        if not 0 <= self.eval_fraction < 1:
-            raise ValueError(f"--eval-fraction must lie in [0, 1), got {self.eval_fraction}")
+        check_fractions(self.eval_fraction, self.test_fraction)
         if self.chunk_bytes < 1024:
             raise ValueError("chunk_bytes must be >= 1024")
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         object.__setattr__(self, "num_embeddings", sizes * (NUM_CATEGORICAL // len(sizes)))
         object.__setattr__(self, "eval_files", tuple(self.eval_files))
+        object.__setattr__(self, "test_files", tuple(self.test_files))
 
     def fingerprint(self, extra: str = "") -> str:
         keep = asdict(self)
-        for key in ("strict", "chunk_bytes", "eval_files", "threads"):
+        for key in ("strict", "chunk_bytes", "eval_files", "test_files", "threads"):
             keep.pop(key)
         text = json.dumps(keep, sort_keys=True) + extra
         return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
@@ -250,20 +254,6 @@ def _report(path, problems: Problems, chunk: Chunk, future) -> tuple[Chunk, Pars
     return chunk, parsed
 
 
-def eval_rows(lines: np.ndarray, fraction: float, seed: int, file_index: int) -> np.ndarray:
-    """Seeded per-line Bernoulli(fraction) (splitmix64 of seed, file and line)."""
-    if fraction <= 0:
-        return np.zeros(len(lines), dtype=bool)
-    with np.errstate(over="ignore"):
-        z = lines.astype(np.uint64) + np.uint64(
-            (seed * 1_000_003 + file_index) * 0x9E3779B97F4A7C15 % 2**64
-        )
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53) < fraction
-
-
 class _Vocabulary:
     """Per-feature sorted values seen >= min_count times: value -> 1 + its index."""
 
@@ -356,13 +346,7 @@ def preprocess_criteo(
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"input file {str(path)!r} does not exist")
-    eval_names = set(options.eval_files)
-    is_eval = [p.name in eval_names or str(p) in eval_names for p in paths]
-    unknown = eval_names - {p.name for p in paths} - {str(p) for p in paths}
-    if unknown:
-        raise ValueError(
-            f"--eval-files {sorted(unknown)} are not among the input files; list them as inputs too"
-        )
+    whole = file_splits(paths, options.eval_files, options.test_files)
     out_dir.mkdir(parents=True, exist_ok=True)
     problems = Problems(strict=options.strict)
     total_bytes = sum(p.stat().st_size for p in paths)
@@ -377,7 +361,7 @@ def preprocess_criteo(
     sizes = options.num_embeddings
     vocab = None
     if options.min_count:
-        train_paths = [p for p, e in zip(paths, is_eval) if not e]
+        train_paths = [p for p, split in zip(paths, whole) if split is None]
         bar.total = total_bytes + sum(p.stat().st_size for p in train_paths)
         # Malformed rows are reported by the writing pass; the counting pass skips them quietly.
         counting = Problems(strict=options.strict)
@@ -386,14 +370,14 @@ def preprocess_criteo(
     fingerprint = options.fingerprint(vocab.digest() if vocab else "")
 
     parts, reused = [], 0
-    for index, (path, eval_file) in enumerate(zip(paths, is_eval)):
+    for index, (path, file_split) in enumerate(zip(paths, whole)):
         name = f"{index:05d}-{path.name}"
         stat = path.stat()
         source = {
             "source": str(path.resolve()),
             "size": stat.st_size,
             "mtime_ns": stat.st_mtime_ns,
-            "eval_file": eval_file,
+            "file_split": file_split,
             "fingerprint": fingerprint,
         }
         entry = read_part_entry(out_dir, name)
@@ -415,12 +399,15 @@ def preprocess_criteo(
                     if vocab
                     else _hash_ids(parsed.values, parsed.missing, sizes)
                 )
-                to_eval = (
-                    np.ones(len(parsed.lines), dtype=bool)
-                    if eval_file
-                    else eval_rows(parsed.lines, options.eval_fraction, options.seed, index)
+                masks = split_rows(
+                    parsed.lines,
+                    options.eval_fraction,
+                    options.test_fraction,
+                    options.seed,
+                    index,
+                    file_split,
                 )
-                for split, mask in (("train", ~to_eval), ("eval", to_eval)):
+                for split, mask in masks.items():
                     if mask.any():
                         writer.append(split, parsed.labels[mask], parsed.dense[mask], ids[mask])
                 bar.update(chunk.on_disk - done)
@@ -439,11 +426,11 @@ def preprocess_criteo(
     if reused:
         log.info("reused %d finished part(s) of an earlier run in %s", reused, out_dir)
 
-    rows = {"train": 0, "eval": 0}
+    rows = dict.fromkeys(SPLITS, 0)
     for entry in parts:
         for split, n in entry["rows"].items():
             rows[split] += n
-    if rows["train"] + rows["eval"] == 0:
+    if sum(rows.values()) == 0:
         raise ValueError(f"no valid rows in {len(paths)} input file(s): {problems.one_line()}")
     schema = DataSchema(
         NUM_INTEGER,

@@ -12,8 +12,8 @@ so in one epoch every row is read exactly once across all ranks, and batch i
 depends only on (seed, i, batch size, world size): a run resumed at step i
 continues the same stream (the position is the step the trainer checkpoints).
 Block shuffling keeps reads local: a batch touches one or two blocks of the
-memory-mapped files. Evaluation reads the eval split in file order; rank r of
-w reads rows [r*N/w, (r+1)*N/w).
+memory-mapped files. Evaluation reads the validation or test split in file
+order; rank r of w reads rows [r*N/w, (r+1)*N/w).
 """
 
 from __future__ import annotations
@@ -33,22 +33,20 @@ from towerrec.utils import parse_enum, stable_seed
 __all__ = ["BLOCK", "ColumnSource", "LoaderConfig"]
 
 BLOCK = 8192
-# How to convert again with an eval split, by the converter that wrote the cache.
+# How to convert again with a validation split, by the converter that wrote the cache.
 _EVAL_SPLIT = {
-    "criteo": "`towerrec data criteo INPUT... --out DIR --eval-fraction F` (or --eval-files FILE...)",
-    "libfm": "`towerrec data libfm INPUT... --fields FIELDS --out DIR --eval-fraction F`",
-    "table": "`towerrec data table INPUT... --label COL ... --out DIR --eval-fraction F`",
+    "criteo": "`towerrec data criteo INPUT... --out DIR --validation-fraction F` "
+    "(or --validation-files FILE...)",
+    "libfm": "`towerrec data libfm INPUT... --fields FIELDS --out DIR --validation-fraction F`",
+    "table": "`towerrec data table INPUT... --label COL ... --out DIR --validation-fraction F`",
 }
 
 
 def _no_eval(converter: str | None) -> str:
-    how = _EVAL_SPLIT.get(
-        converter or "",
-        "--eval-fraction F (data criteo, libfm, table) or --eval-files FILE... (data criteo)",
-    )
+    how = _EVAL_SPLIT.get(converter or "", "--validation-fraction F or --validation-files FILE...")
     return (
-        "the data has no eval rows, and training ends with an evaluation; preprocess it with "
-        f"an eval split: {how}"
+        "the data has no validation rows, and training validates (at the end, and for early "
+        f"stopping); preprocess it with a validation split: {how}"
     )
 
 
@@ -139,7 +137,8 @@ def _ranges(values: np.ndarray | None, starts: np.ndarray, ends: np.ndarray) -> 
 class ColumnSource:
     """A data source over a ``ColumnStore`` (a memory-mapped cache or in-memory columns).
 
-    ``train_batches`` / ``eval_batches`` follow the module docstring's order.
+    ``train_batches`` / ``eval_batches`` (validation) / ``test_batches`` follow the
+    module docstring's order.
     """
 
     def __init__(
@@ -149,11 +148,12 @@ class ColumnSource:
         self.config = config or LoaderConfig()
         self.schema = store.schema
         self._train = _Split(store.splits.get("train", []))
-        self._eval = _Split(store.splits.get("eval", []))
+        self._eval = _Split(store.splits.get("validation", []))
+        self._test = _Split(store.splits.get("test", []))
         if self._train.rows == 0:
             raise ValueError(
                 "the data has no training rows; check the input files and the split options "
-                "(an eval fraction of 1, or every input file given as eval?)"
+                "(every input file given as validation or test?)"
             )
         if require_eval and self._eval.rows == 0:
             raise ValueError(_no_eval(store.manifest.get("source")))
@@ -166,7 +166,12 @@ class ColumnSource:
 
     @property
     def eval_rows(self) -> int:
+        """Rows of the validation split."""
         return self._eval.rows
+
+    @property
+    def test_rows(self) -> int:
+        return self._test.rows
 
     # ------------------------------------------------------------ ordering
     def _make_epoch_blocks(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -227,14 +232,24 @@ class ColumnSource:
             index += 1
 
     def eval_batches(self, batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
-        _check_rank(rank, world_size)
+        """This rank's batches of the validation split."""
         if self._eval.rows == 0:
             raise ValueError(_no_eval(self.store.manifest.get("source")))
-        total = self._eval.rows
+        return self._batches_of(self._eval, batch_size, rank, world_size)
+
+    def test_batches(self, batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+        """This rank's batches of the test split (none when it is empty)."""
+        return self._batches_of(self._test, batch_size, rank, world_size)
+
+    def _batches_of(
+        self, split: _Split, batch_size: int, rank: int, world_size: int
+    ) -> Iterator[Batch]:
+        _check_rank(rank, world_size)
+        total = split.rows
         lo, hi = rank * total // world_size, (rank + 1) * total // world_size
         for start in range(lo, hi, batch_size):
             rows = np.arange(start, min(start + batch_size, hi))
-            yield self._eval.gather(rows, self.store.single, self.store.multi)
+            yield split.gather(rows, self.store.single, self.store.multi)
 
 
 def _check_rank(rank: int, world_size: int) -> None:

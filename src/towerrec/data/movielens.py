@@ -13,8 +13,9 @@ README, which states the licence) is a directory of ``ratings.csv``,
                           least min_tag_count times in tags.csv
     dense     [3]         scaled release year, number of genres, log(1 + number of tags)
 
-Split by time: ratings sorted by timestamp; the last ``eval_fraction`` of them
-are the eval split, so the model is scored on the future. (Tags are taken
+Split by time: ratings sorted by timestamp; the last ``test_fraction`` of them
+are the test split, the ``eval_fraction`` before those the validation split, so
+the model is scored on the future. (Tags are taken
 over the whole file; they describe the movie, not the rating.)
 """
 
@@ -47,13 +48,19 @@ class MovieLensConfig:
     """``data.movielens``: how ratings become clicks and how they are split."""
 
     min_rating: float = 4.0
-    eval_fraction: float = 0.2
+    eval_fraction: float = 0.2  # the validation split: the latest ratings before test's
     min_tag_count: int = 2
+    test_fraction: float = 0.0  # the test split: the latest ratings
 
     def __post_init__(self) -> None:
         if not 0 < self.eval_fraction < 1:
             raise ValueError(
                 f"data.movielens.eval_fraction must lie in (0, 1), got {self.eval_fraction}"
+            )
+        if not 0 <= self.test_fraction < 1 or self.eval_fraction + self.test_fraction >= 1:
+            raise ValueError(
+                f"data.movielens.test_fraction must lie in [0, 1) and leave training rows "
+                f"beside eval_fraction = {self.eval_fraction}, got {self.test_fraction}"
             )
         if self.min_tag_count < 1:
             raise ValueError("data.movielens.min_tag_count must be >= 1")
@@ -168,9 +175,12 @@ def load_movielens(path: str | Path, config: MovieLensConfig | None = None) -> C
         return values[np.arange(int(take.sum())) + starts].astype(np.int32), take.astype(np.int32)
 
     n = len(order)
-    cut = n - max(1, round(n * config.eval_fraction))
+    test_cut = n - round(n * config.test_fraction)
+    cut = test_cut - max(1, round(n * config.eval_fraction))
     splits = {}
-    for split, rows in (("train", np.arange(cut)), ("eval", np.arange(cut, n))):
+    bounds = {"train": (0, cut), "validation": (cut, test_cut), "test": (test_cut, n)}
+    for split, (lo, hi) in bounds.items():
+        rows = np.arange(lo, hi)
         splits[split] = [
             SplitColumns.from_arrays(
                 labels[rows],

@@ -283,6 +283,11 @@ class SyntheticSource:
         for start in range(lo, hi, batch_size):
             yield self.samples("eval", start, min(batch_size, hi - start))[0]
 
+    @property
+    def test_rows(self) -> int:
+        """The stream's held-out split is its eval (validation) split; it has no test split."""
+        return 0
+
     def eval_oracle(self, rank: int = 0, world_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Labels and teacher probabilities of this rank's eval samples."""
         lo, hi = _rank_range(self.config.eval_samples, rank, world_size)

@@ -16,7 +16,8 @@ the columns present. Values are hashed with BLAKE2b of their text, so ids are
 the same in every process and run.
 
 Both write one cache part per input file (resumable like ``towerrec data
-criteo``) and split rows into eval by a seeded per-row fraction.
+criteo``) and split rows into validation and test as ``data/splits.py`` says:
+whole files, or seeded per-row fractions.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,17 @@ import pyarrow.csv as pa_csv
 
 from towerrec.data.batch import DataSchema, SparseFeature
 from towerrec.data.cache import PartWriter, schema_to_manifest, write_manifest
-from towerrec.data.criteo import eval_rows
+from towerrec.data.splits import SPLITS, Split, check_fractions, file_splits, split_rows
 from towerrec.data.text_input import Problems, read_chunks
 
-__all__ = ["FieldMap", "TableSchema", "preprocess_libfm", "preprocess_table", "read_field_map"]
+__all__ = [
+    "FieldMap",
+    "Split",
+    "TableSchema",
+    "preprocess_libfm",
+    "preprocess_table",
+    "read_field_map",
+]
 
 Chunk = tuple[
     np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]
@@ -55,42 +63,44 @@ def _write_cache(
     schema: DataSchema,
     multi: list[str],
     chunks_of,  # (path, problems) -> Iterator[Chunk]
-    eval_fraction: float,
-    seed: int,
+    split: Split,
     problems: Problems,
     extra: dict[str, Any],
 ) -> dict[str, Any]:
-    if not 0 <= eval_fraction < 1:
-        raise ValueError(f"--eval-fraction must lie in [0, 1), got {eval_fraction}")
+    check_fractions(split.eval_fraction, split.test_fraction)
     for path in inputs:
         if not path.is_file():
             raise FileNotFoundError(f"input file {str(path)!r} does not exist")
+    whole = file_splits(inputs, split.eval_files, split.test_files)
     out_dir.mkdir(parents=True, exist_ok=True)
-    parts, rows = [], {"train": 0, "eval": 0}
+    parts, rows = [], dict.fromkeys(SPLITS, 0)
     for index, path in enumerate(inputs):
         writer = PartWriter(out_dir, f"{index:05d}-{path.name}", schema.num_dense, multi)
         seen = 0
         try:
             for positions, labels, dense, sparse, bags in chunks_of(path, problems):
                 seen += len(labels)
-                to_eval = eval_rows(positions, eval_fraction, seed, index)
-                for split, mask in (("train", ~to_eval), ("eval", to_eval)):
+                masks = split_rows(
+                    positions, split.eval_fraction, split.test_fraction, split.seed, index,
+                    whole[index],
+                )  # fmt: skip
+                for name, mask in masks.items():
                     if not mask.any():
                         continue
                     picked = {}
-                    for name, (values, lengths) in bags.items():
-                        picked[name] = (values[np.repeat(mask, lengths)], lengths[mask])
-                    writer.append(split, labels[mask], dense[mask], sparse[mask], picked)
+                    for bag, (values, lengths) in bags.items():
+                        picked[bag] = (values[np.repeat(mask, lengths)], lengths[mask])
+                    writer.append(name, labels[mask], dense[mask], sparse[mask], picked)
             if seen == 0:
                 problems.add(path, None, "empty file (no rows)")
         except BaseException:
             writer.abort()
             raise
         entry = writer.finish({"source": str(path.resolve())})
-        for split, n in entry["rows"].items():
-            rows[split] += n
+        for name, n in entry["rows"].items():
+            rows[name] += n
         parts.append(entry)
-    if rows["train"] + rows["eval"] == 0:
+    if sum(rows.values()) == 0:
         raise ValueError(f"no valid rows in {len(inputs)} input file(s): {problems.one_line()}")
     ids = {name: 0 for name in multi}  # mean ids per sample of the multi-hot features
     for entry in parts:
@@ -110,7 +120,7 @@ def _write_cache(
         "source": kind,
         "schema": schema_to_manifest(schema, set(multi)),
         "rows": rows,
-        "options": {"eval_fraction": eval_fraction, "seed": seed, **extra},
+        "options": {**asdict(split), **extra},
         "report": problems.as_dict(),
         "parts": parts,
     }
@@ -325,7 +335,10 @@ def preprocess_libfm(
     seed: int = 0,
     strict: bool = False,
     chunk_bytes: int = 8 << 20,
+    *,
+    split: Split | None = None,
 ) -> dict[str, Any]:
+    """``split`` (validation and test options) replaces ``eval_fraction`` and ``seed``."""
     fields = read_field_map(field_map)
     chunks, single, multi, num_dense = _libfm_chunks(fields, chunk_bytes)
     features = [
@@ -339,8 +352,7 @@ def preprocess_libfm(
         schema,
         [fields.names[f] for f in multi],
         chunks,
-        eval_fraction,
-        seed,
+        split or Split(eval_fraction, seed),
         Problems(strict=strict),
         {"field_map": str(Path(field_map).resolve())},
     )
@@ -434,7 +446,10 @@ def preprocess_table(
     seed: int = 0,
     strict: bool = False,
     batch_rows: int = 65_536,
+    *,
+    split: Split | None = None,
 ) -> dict[str, Any]:
+    """``split`` (validation and test options) replaces ``eval_fraction`` and ``seed``."""
     multi = list(schema.multi_hot)
 
     def chunks(path: Path, problems: Problems) -> Iterator[Chunk]:
@@ -489,8 +504,7 @@ def preprocess_table(
         data_schema,
         multi,
         chunks,
-        eval_fraction,
-        seed,
+        split or Split(eval_fraction, seed),
         Problems(strict=strict),
         {"label": schema.label, "dense": list(schema.dense)},
     )

@@ -28,6 +28,7 @@ __all__ = [
     "build_tables",
     "lr_factor",
     "resolve_device",
+    "resolve_eval_every",
     "resolve_run_config",
     "resolve_steps",
 ]
@@ -144,10 +145,11 @@ def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.op
 
 
 def lr_factor(config: OptimizerConfig, step: int, total_steps: int) -> float:
-    """Multiplier of the base learning rates at 1-based ``step``: linear warm-up, then decay."""
+    """Multiplier of the base learning rates at 1-based ``step``: linear warm-up, then decay
+    (``plateau``: 1 here; the trainer multiplies in the factor its validations set)."""
     if config.warmup_steps and step <= config.warmup_steps:
         return step / config.warmup_steps
-    if config.decay == "none":
+    if config.decay in ("none", "plateau"):
         return 1.0
     span = max(total_steps - config.warmup_steps, 1)
     progress = min(max(step - config.warmup_steps, 0) / span, 1.0)
@@ -190,3 +192,13 @@ def resolve_run_config(config: Config, source) -> tuple[Config, str]:
     cleared: what a run records as its ``config.toml``; and where the steps come from."""
     steps, steps_from = resolve_steps(config, source)
     return replace(config, train=replace(config.train, steps=steps, epochs=None)), steps_from
+
+
+def resolve_eval_every(config: Config, source) -> int:
+    """Steps between validations: ``train.eval_every``, or the steps of one pass over the
+    training rows (rounded up) for ``"epoch"``; 0: only at the end of the run."""
+    every = config.train.eval_every
+    if every == "epoch":
+        return -(-source.train_rows // config.train.batch_size)
+    assert isinstance(every, int)  # TrainConfig allows only "epoch" as a string
+    return every

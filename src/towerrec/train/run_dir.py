@@ -10,6 +10,7 @@
     <out>/curves.png       training loss and eval AUC over steps
     <out>/tensorboard/     TensorBoard event files of the same records (train.tensorboard)
     <out>/checkpoint/      DCP checkpoints (step_<N>/)
+    <out>/best/            with early stopping: the best validation step's checkpoint (step_<N>/)
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class RunDir:
     @property
     def checkpoint_dir(self) -> Path:
         return self.path / "checkpoint"
+
+    @property
+    def best_dir(self) -> Path:
+        return self.path / "best"
 
     @property
     def metrics_path(self) -> Path:

@@ -2,8 +2,9 @@
 
 One step (``train_step``): forward to logits, BCE loss, backward (the fused
 embedding optimizer updates the looked-up rows inside backward), dense
-optimizer step. Around it: LR schedule, logging, periodic evaluation,
-checkpoints, and resume from the last checkpoint.
+optimizer step. Around it: LR schedule, logging, periodic validation with early
+stopping and the best weights (``early_stopping.py``), checkpoints, and resume
+from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from towerrec.train.build import (
     build_source,
     lr_factor,
     resolve_device,
+    resolve_eval_every,
     resolve_run_config,
 )
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
 from towerrec.train.distributed import RunContext, start_distributed
+from towerrec.train.early_stopping import EarlyStopping
 from towerrec.train.metrics import EvalMetrics, auc, compute_metrics
 from towerrec.train.pipeline import pipelined
 from towerrec.train.run_dir import RunDir
@@ -191,6 +194,9 @@ def train(
     assert steps is not None  # resolved
     run = RunDir(out_dir, writer=ctx.is_main, tensorboard=cfg.tensorboard)
     checkpoints = CheckpointManager(run.checkpoint_dir, keep=cfg.keep_checkpoints)
+    best = CheckpointManager(run.best_dir, keep=1)
+    eval_every = resolve_eval_every(config, source)
+    stopper = EarlyStopping.from_config(config)
     if resume and checkpoints.latest() is None:
         raise FileNotFoundError(
             f"--resume: {run.checkpoint_dir} holds no checkpoint to resume from"
@@ -225,7 +231,14 @@ def train(
                 f"{cfg.steps}; raise train.steps (--set train.steps=N) to train further"
             )
         restore_rng(state["rng"])
-        ctx.restore_train_bytes(read_meta(path).get("train_bytes", []))
+        meta = read_meta(path)
+        ctx.restore_train_bytes(meta.get("train_bytes", []))
+        stopper.load_state_dict(meta.get("early_stopping"))
+        if stopper.stopped:
+            raise ValueError(
+                f"the run in {run.path} already stopped early at step {state['step']} (best "
+                f"validation step {stopper.best_step}); start a new run to train further"
+            )
         run.truncate_after(state["step"])
         run.log({"kind": "resume", "step": state["step"], "changed": changed})
         log.info("resumed from %s at step %d", path, state["step"])
@@ -246,9 +259,10 @@ def train(
         device,
     )
 
-    def checkpoint(step: int) -> None:
+    def checkpoint(step: int, manager: CheckpointManager = checkpoints) -> None:
         state.update(step=step, rng=capture_rng())
-        checkpoints.save(step, model, optimizer, state, {"train_bytes": ctx.run_train_bytes()})
+        meta = {"train_bytes": ctx.run_train_bytes(), "early_stopping": stopper.state_dict()}
+        manager.save(step, model, optimizer, state, meta)
 
     local_batch = ctx.local_batch(cfg.batch_size)
     local_eval_batch = ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
@@ -274,7 +288,7 @@ def train(
         step = state["step"]
         while step < cfg.steps:
             step += 1
-            factor = lr_factor(config.optimizer, step, steps)
+            factor = lr_factor(config.optimizer, step, steps) * stopper.lr_scale
             set_learning_rates(model, optimizer, config, factor)
             tick = time.perf_counter()
             batch = next(batches)
@@ -302,7 +316,7 @@ def train(
                 bar.set_postfix(loss=f"{record['loss']:.4f}", sps=f"{record['samples_per_s']:,.0f}")
                 loss_sum.zero_()
                 loss_count, window_start, window_samples = 0, now, 0
-            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
+            if (eval_every and step % eval_every == 0) or step == cfg.steps:
                 last_eval = evaluate(
                     model,
                     source.eval_batches(local_eval_batch, ctx.rank, ctx.world_size),
@@ -311,32 +325,95 @@ def train(
                     ctx=ctx,
                     padding=eval_padding,
                 )
-                run.log({"kind": "eval", "step": step, **last_eval.as_dict()})
+                run.log(
+                    {"kind": "eval", "split": "validation", "step": step, **last_eval.as_dict()}
+                )
+                if stopper.update(step, last_eval.as_dict()) and stopper.keeps_best:
+                    checkpoint(step, best)
                 if ctx.is_main:  # stderr: stdout is for results (e.g. a bench's JSON)
-                    line = f"step {step}: eval AUC {last_eval.auc:.4f}, log-loss {last_eval.logloss:.4f}"
+                    line = (
+                        f"step {step}: validation AUC {last_eval.auc:.4f}, "
+                        f"log-loss {last_eval.logloss:.4f}"
+                    )
                     if bar.disable:
                         log.info(line)
                     else:
                         bar.write(line, file=sys.stderr)
                 window_start = time.perf_counter()  # keep eval time out of samples/s
-            stopping = ctx.stop_agreed(stop["signal"] is not None or step == stop_after)
+            stopping = ctx.stop_agreed(
+                stop["signal"] is not None or step == stop_after or stopper.stopped
+            )
             if (
                 (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
                 or step == cfg.steps
                 or stopping
             ):
                 checkpoint(step)
+            if stopper.stopped:
+                log.info(
+                    "early stopping after step %d: validation %s has not improved for %d "
+                    "evaluations (best: step %d)",
+                    step,
+                    stopper.metric,
+                    stopper.since_best,
+                    stopper.best_step,
+                )
+                break
             if stopping and step < cfg.steps:
                 log.info("stopped after step %d; continue with --resume", step)
                 break
     bar.close()
 
+    finished = step == cfg.steps or stopper.stopped
+    final = last_eval.as_dict() if last_eval else {}
+    weights_step = step  # the step whose weights the run returns
+    if finished and stopper.keeps_best and stopper.best_step not in (None, step):
+        path = best.latest()
+        if path is None or path.name != f"step_{stopper.best_step:08d}":
+            raise FileNotFoundError(
+                f"the best step's checkpoint {run.best_dir}/step_{stopper.best_step:08d} is "
+                "missing; the run's weights are the last step's (in its checkpoint/)"
+            )
+        best.load(path, model, optimizer, dict(state))
+        assert stopper.best_metrics is not None  # set with best_step
+        final, weights_step = stopper.best_metrics, stopper.best_step
+        log.info(
+            "restored the best weights, of step %d (validation %s %.4f)",
+            stopper.best_step,
+            stopper.metric,
+            stopper.best_value,
+        )
+    test = None
+    if finished and source.test_rows:
+        test = evaluate(
+            model,
+            source.test_batches(local_eval_batch, ctx.rank, ctx.world_size),
+            device,
+            autocast_dtype=amp_dtype,
+            ctx=ctx,
+            padding=eval_padding,
+        ).as_dict()
+        run.log({"kind": "test", "split": "test", "step": weights_step, **test})
+        log.info(
+            "test (weights of step %d): AUC %.4f, log-loss %.4f",
+            weights_step,
+            test["auc"],
+            test["logloss"],
+        )
+
     summary = {
-        **(last_eval.as_dict() if last_eval else {}),
+        **final,  # validation metrics of the returned weights (the best step's, if restored)
         "oracle_auc": oracle_auc,
         "samples_per_s": state["samples"] / state["train_s"] if state["train_s"] else None,
         "steps": step,
-        "completed": step == cfg.steps,
+        "completed": finished,
+        "stopped_early": stopper.stopped,
+        "eval_every": eval_every,
+        "weights_step": weights_step,  # the step of the returned weights
+        "best_step": stopper.best_step,
+        "best_validation": stopper.best_metrics,
+        "lr_scale": stopper.lr_scale,
+        "test": test,  # test metrics of the returned weights; None without a test split
         "batch_size": cfg.batch_size,
         "num_params": num_dense + num_embedding,
         "num_dense_params": num_dense,
@@ -358,7 +435,7 @@ def train(
     run.write_summary(summary)
     run.plot_curves(oracle_auc)
     run.close()
-    if last_eval is not None and last_eval.ne >= 1 and ctx.is_main:
+    if final and final["ne"] >= 1 and ctx.is_main:
         train_rows = None if config.data.source == "synthetic" else source.train_rows
-        _warn_worse_than_base_rate(last_eval.ne, state["samples"], train_rows)
+        _warn_worse_than_base_rate(final["ne"], state["samples"], train_rows)
     return summary
