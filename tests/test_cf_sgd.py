@@ -56,7 +56,10 @@ def test_without_half_life_the_counter_counts_steps():
 @needs_fbgemm
 def test_fbgemm_refuses_and_auto_picks_torch():
     opt = EmbeddingOptimizerConfig(kind="cf_sgd")
-    with pytest.raises(ValueError, match=r"'cf_sgd' has no FBGEMM kernel; set embedding\.backend"):
+    with pytest.raises(
+        ValueError,
+        match=r"FBGEMM has no cpu kernel for embedding optimizer 'cf_sgd': set embedding\.backend",
+    ):
         EmbeddingBagCollection([TableConfig("t", 3, 4)], opt, backend="fbgemm")
     assert EmbeddingBagCollection([TableConfig("t", 3, 4)], opt).backend.value == "torch"
     with pytest.raises(ConfigError, match="'cf_sgd' has no FBGEMM kernel"):
