@@ -4,7 +4,7 @@ import torch
 from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.modules.embedding_bag import dense_parameters
-from towerrec.train import trainer
+from towerrec.train import step, trainer
 from towerrec.train.build import build_dense_optimizer, build_model
 
 QUICK = ["train.progress=false", "train.eval_every=0"]
@@ -19,7 +19,7 @@ def test_bf16_step_keeps_fp32_master_weights(name):
     batch = next(source.train_batches(64))
     with torch.no_grad():
         fp32 = model(batch.dense, batch.sparse)
-        with trainer.autocast(torch.device("cpu"), torch.bfloat16):
+        with step.autocast(torch.device("cpu"), torch.bfloat16):
             bf16 = model(batch.dense, batch.sparse)
     assert bf16.dtype == torch.bfloat16  # the dense part did run in bf16
     assert not torch.equal(bf16.float(), fp32)

@@ -44,6 +44,9 @@ FORBIDDEN = {
     ],
     "planner": ["torch.distributed", "towerrec.train", "towerrec.distributed"],
     "distributed": ["towerrec.train", "towerrec.cli", "towerrec.bench", "towerrec.data"],
+    "config.py": ["torch.distributed", "towerrec.train", "towerrec.cli", "towerrec.bench"],
+    "train": ["towerrec.cli", "towerrec.bench"],
+    "bench": ["towerrec.cli"],
 }
 
 
@@ -70,3 +73,90 @@ def test_imports_point_down(part):
                     pytest.fail(
                         f"{path.relative_to(SRC)} imports {name}, which is above it in the ladder"
                     )
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Line numbers of imports under ``if TYPE_CHECKING:`` (annotations, never run)."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            lines.update(n.lineno for n in ast.walk(node) if isinstance(n, ast.ImportFrom))
+    return lines
+
+
+def import_graph() -> dict[str, set[str]]:
+    """towerrec module -> the towerrec modules it imports, at the top or inside a function
+    (a lazy import is an import all the same), leaving out ``TYPE_CHECKING`` ones."""
+    paths = {_module_of(p): p for p in SRC.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_only(tree)
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.lineno not in skip:
+                for alias in node.names:  # `from towerrec.train import trainer` is a module
+                    full = f"{node.module}.{alias.name}"
+                    deps.add(full if full in paths else node.module)
+            elif isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+        graph[module] = {d for d in deps if d in paths and d != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle_hidden_in_a_function():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert "towerrec.train.trainer" in import_graph()["towerrec.train.worker"]
+
+
+def test_only_the_command_line_imports_the_benchmarks():
+    graph = import_graph()
+    users = {
+        m
+        for m, deps in graph.items()
+        if any(d.startswith("towerrec.bench") for d in deps)
+        and not m.startswith(("towerrec.bench", "towerrec.cli"))
+    }
+    assert users == set()

@@ -26,9 +26,9 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_paramet
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import Jagged, KeyedJaggedTensor
+from towerrec.train.build import check_towers_fit_hosts
 from towerrec.train.checkpoint import CheckpointManager
 from towerrec.train.distributed import RunContext
-from towerrec.train.towers import check_towers_fit_hosts
 
 TABLES = [
     TableConfig("a", 40, 8),

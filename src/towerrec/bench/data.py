@@ -32,7 +32,7 @@ from towerrec.data.loader import ColumnSource, LoaderConfig
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.train.trainer import train_step
+from towerrec.train.step import train_step
 
 __all__ = ["run_data_benchmark"]
 

@@ -40,7 +40,7 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_paramet
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.pipeline import pipelined
-from towerrec.train.trainer import train_step
+from towerrec.train.step import train_step
 
 __all__ = ["DIST_DLRM_SHAPE", "TORCHREC_TYPES", "run_dist_train_benchmark"]
 

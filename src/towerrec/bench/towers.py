@@ -34,9 +34,10 @@ from towerrec.planner.towers import (
     partition_features,
     random_partition,
 )
-from towerrec.train.build import build_dense_optimizer, build_model
-from towerrec.train.towers import feature_stats, learn_interaction_strength
-from towerrec.train.trainer import train, train_step
+from towerrec.train.build import build_dense_optimizer, build_model, feature_stats
+from towerrec.train.step import train_step
+from towerrec.train.towers import learn_interaction_strength
+from towerrec.train.trainer import train
 
 __all__ = ["run_towers_benchmark", "step_time_ratios"]
 

@@ -38,7 +38,7 @@ from towerrec.modules.kernels import Backend, fbgemm_available, resolve_backend
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.trainer import train_step
+from towerrec.train.step import train_step
 
 __all__ = [
     "CRITEO_SHAPE",

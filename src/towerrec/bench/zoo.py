@@ -38,7 +38,8 @@ from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.train.build import build_model, build_source
-from towerrec.train.trainer import train, train_step
+from towerrec.train.step import train_step
+from towerrec.train.trainer import train
 
 __all__ = ["BENCHMARKS", "run_zoo_benchmark"]
 

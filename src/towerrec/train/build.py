@@ -14,12 +14,21 @@ from towerrec.data.cache import open_cache
 from towerrec.data.loader import ColumnSource
 from towerrec.data.movielens import bundled_movielens_path, load_movielens
 from towerrec.data.synthetic import SyntheticSource
+from towerrec.distributed.mesh import topology_from_env
 from towerrec.models.dcn import DCN
 from towerrec.models.dlrm import DLRM
+from towerrec.models.dmt import DMT, check_partition
 from towerrec.models.wukong import Wukong
 from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.embedding_bag import dense_parameters
 from towerrec.modules.tables import TableConfig
+from towerrec.planner.towers import (
+    FeatureStats,
+    contiguous_partition,
+    cost_partition,
+    feature_costs,
+    random_partition,
+)
 
 __all__ = [
     "build_dense_optimizer",
@@ -94,9 +103,7 @@ def build_model(
         materialize=materialize_embeddings,
     )
     if config.model.name == "dmt":
-        from towerrec.train.towers import build_dmt
-
-        return build_dmt(config, schema, sparse, device)
+        return _build_dmt(config, schema, sparse, device)
     torch.manual_seed(config.train.seed)
     model = config.model
     parts = (sparse, schema.num_dense, model.bottom_mlp, model.top_mlp)
@@ -112,6 +119,80 @@ def build_model(
         top_mlp=model.top_mlp,
         self_interaction=model.self_interaction,
         concat_embeddings=model.concat_embeddings,
+        dropout=model.dropout,
+        batch_norm=model.batch_norm,
+    ).to(device)
+
+
+def feature_stats(config: Config, schema: DataSchema) -> list[FeatureStats]:
+    return [
+        FeatureStats(f.name, f.num_embeddings, config.model.embedding_dim, f.pooling_factor)
+        for f in schema.sparse
+    ]
+
+
+def check_towers_fit_hosts(config: Config) -> None:
+    """Under the tower transform (several hosts) each host runs one tower: fail before the
+    pilot run when ``model.dmt.num_towers`` does not match."""
+    topology = topology_from_env()
+    towers = config.model.dmt.num_towers
+    if topology.world_size > 1 and topology.hosts > 1 and towers != topology.hosts:
+        raise ValueError(
+            f"model.dmt.num_towers = {towers} but the run has {topology.hosts} hosts; the tower "
+            f"transform runs one tower per host: set model.dmt.num_towers = {topology.hosts} "
+            f"(or run on --hosts {towers})"
+        )
+
+
+def partition_groups(config: Config, schema: DataSchema) -> list[list[str]]:
+    """The feature groups of ``model.dmt.partition`` when no pilot run is needed: the
+    explicit groups, or ``contiguous``, ``random``, ``cost``. ``auto`` is learned by a
+    pilot run (``towers.resolve_partition``) before the model is built."""
+    dmt = config.model.dmt
+    names = schema.sparse_names
+    if not isinstance(dmt.partition, str):
+        groups = [list(g) for g in dmt.partition]
+        check_partition(groups, names)
+        return groups
+    if dmt.partition == "auto":
+        raise ValueError(
+            "model.dmt.partition = 'auto' is learned by a pilot run before the model is "
+            "built: resolve it with towerrec.train.towers.with_learned_partition(config, "
+            "schema) first (towerrec train does), or name the partition"
+        )
+    if dmt.num_towers > len(names):
+        raise ValueError(
+            f"model.dmt.num_towers = {dmt.num_towers} but the data has only {len(names)} "
+            f"categorical features; use num_towers <= {len(names)}"
+        )
+    if dmt.partition == "contiguous":
+        return contiguous_partition(names, dmt.num_towers)
+    if dmt.partition == "random":
+        return random_partition(names, dmt.num_towers, seed=config.train.seed)
+    stats = feature_stats(config, schema)  # "cost"
+    return cost_partition(
+        names, feature_costs(stats, dmt.memory_weight, dmt.count_weight), dmt.num_towers
+    )
+
+
+def _build_dmt(config: Config, schema: DataSchema, sparse: nn.Module, device: torch.device) -> DMT:
+    """The DMT model of ``config`` over ``sparse``; dense weights seeded by ``train.seed``."""
+    check_towers_fit_hosts(config)
+    groups = partition_groups(config, schema)
+    torch.manual_seed(config.train.seed)
+    model, dmt = config.model, config.model.dmt
+    return DMT(
+        sparse,
+        num_dense=schema.num_dense,
+        bottom_mlp=model.bottom_mlp,
+        top_mlp=model.top_mlp,
+        partition=groups,
+        tower=dmt.tower,
+        tower_outputs=dmt.tower_outputs,
+        tower_mlp=dmt.tower_mlp,
+        fm_rank=dmt.fm_rank,
+        tower_dense=dmt.tower_dense,
+        self_interaction=model.self_interaction,
         dropout=model.dropout,
         batch_norm=model.batch_norm,
     ).to(device)

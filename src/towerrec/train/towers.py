@@ -1,4 +1,4 @@
-"""Build the DMT model of a config: choose its tower partition, learning it when asked.
+"""The DMT's learned tower partition: a pilot run, then the tower partitioner.
 
 ``model.dmt.partition = "auto"`` trains a DLRM of the same shape for
 ``model.dmt.pilot_steps`` steps, measures how much its top MLP relies on each
@@ -15,40 +15,32 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from towerrec.config import Config
 from towerrec.data.batch import Batch, DataSchema
-from towerrec.distributed.mesh import topology_from_env
-from towerrec.models.dmt import DMT, check_partition
-from towerrec.planner.towers import (
-    FeatureStats,
-    contiguous_partition,
-    cost_partition,
-    feature_costs,
-    partition_features,
-    random_partition,
+from towerrec.planner.towers import feature_costs, partition_features
+from towerrec.train.build import (
+    build_dense_optimizer,
+    build_model,
+    build_source,
+    check_towers_fit_hosts,
+    feature_stats,
+    lr_factor,
+    partition_groups,
 )
+from towerrec.train.step import set_learning_rates, train_step
 
 if TYPE_CHECKING:
     from towerrec.models.dlrm import DLRM
 
 __all__ = [
-    "build_dmt",
-    "feature_stats",
     "learn_interaction_strength",
     "pair_attribution",
     "resolve_partition",
+    "with_learned_partition",
 ]
 
 log = logging.getLogger("towerrec")
-
-
-def feature_stats(config: Config, schema: DataSchema) -> list[FeatureStats]:
-    return [
-        FeatureStats(f.name, f.num_embeddings, config.model.embedding_dim, f.pooling_factor)
-        for f in schema.sparse
-    ]
 
 
 def pair_attribution(model: DLRM, batch: Batch) -> np.ndarray:
@@ -88,9 +80,6 @@ def learn_interaction_strength(
 ) -> np.ndarray:
     """Train a DLRM of the config's shape for ``steps`` steps, then ``pair_attribution``
     on ``attribution_samples`` held-out (eval) samples."""
-    from towerrec.train.build import build_dense_optimizer, build_model, build_source, lr_factor
-    from towerrec.train.trainer import set_learning_rates, train_step
-
     pilot = dataclasses.replace(
         config,
         model=dataclasses.replace(config.model, name="dlrm", concat_embeddings=False),
@@ -110,27 +99,19 @@ def learn_interaction_strength(
 
 
 def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:
-    """The feature groups of ``model.dmt.partition`` (learned for ``auto``)."""
+    """The feature groups of ``model.dmt.partition``: learned by a pilot run for ``auto``,
+    else as ``build.partition_groups`` gives them."""
     dmt = config.model.dmt
+    if dmt.partition != "auto":
+        return partition_groups(config, schema)
     names = schema.sparse_names
-    if not isinstance(dmt.partition, str):
-        groups = [list(g) for g in dmt.partition]
-        check_partition(groups, names)
-        return groups
+    check_towers_fit_hosts(config)
     if dmt.num_towers > len(names):
         raise ValueError(
             f"model.dmt.num_towers = {dmt.num_towers} but the data has only {len(names)} "
             f"categorical features; use num_towers <= {len(names)}"
         )
     stats = feature_stats(config, schema)
-    if dmt.partition == "contiguous":
-        return contiguous_partition(names, dmt.num_towers)
-    if dmt.partition == "random":
-        return random_partition(names, dmt.num_towers, seed=config.train.seed)
-    if dmt.partition == "cost":
-        return cost_partition(
-            names, feature_costs(stats, dmt.memory_weight, dmt.count_weight), dmt.num_towers
-        )
     log.info("tower partitioner: learning feature interactions (%d pilot steps)", dmt.pilot_steps)
     strength = _on_first_rank(lambda: learn_interaction_strength(config, dmt.pilot_steps))
     result = partition_features(
@@ -150,6 +131,16 @@ def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:
     return result.groups
 
 
+def with_learned_partition(config: Config, schema: DataSchema) -> Config:
+    """``config`` with a DMT's ``auto`` partition replaced by the groups its pilot run
+    learns (``build_model`` builds explicit partitions only); other configs unchanged."""
+    if config.model.name != "dmt" or config.model.dmt.partition != "auto":
+        return config
+    groups = resolve_partition(config, schema)
+    dmt = dataclasses.replace(config.model.dmt, partition=tuple(tuple(g) for g in groups))
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dmt=dmt))
+
+
 def _on_first_rank(compute):
     """``compute()`` on rank 0 of a distributed run, its result broadcast to every rank (one
     pilot run instead of one per rank, and every rank gets the same partition)."""
@@ -158,39 +149,3 @@ def _on_first_rank(compute):
     box = [compute() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def check_towers_fit_hosts(config: Config) -> None:
-    """Under the tower transform (several hosts) each host runs one tower: fail before the
-    pilot run when ``model.dmt.num_towers`` does not match."""
-    topology = topology_from_env()
-    towers = config.model.dmt.num_towers
-    if topology.world_size > 1 and topology.hosts > 1 and towers != topology.hosts:
-        raise ValueError(
-            f"model.dmt.num_towers = {towers} but the run has {topology.hosts} hosts; the tower "
-            f"transform runs one tower per host: set model.dmt.num_towers = {topology.hosts} "
-            f"(or run on --hosts {towers})"
-        )
-
-
-def build_dmt(config: Config, schema: DataSchema, sparse: nn.Module, device: torch.device) -> DMT:
-    """The DMT model of ``config`` over ``sparse``; dense weights seeded by ``train.seed``."""
-    check_towers_fit_hosts(config)
-    groups = resolve_partition(config, schema)
-    torch.manual_seed(config.train.seed)
-    model, dmt = config.model, config.model.dmt
-    return DMT(
-        sparse,
-        num_dense=schema.num_dense,
-        bottom_mlp=model.bottom_mlp,
-        top_mlp=model.top_mlp,
-        partition=groups,
-        tower=dmt.tower,
-        tower_outputs=dmt.tower_outputs,
-        tower_mlp=dmt.tower_mlp,
-        fm_rank=dmt.fm_rank,
-        tower_dense=dmt.tower_dense,
-        self_interaction=model.self_interaction,
-        dropout=model.dropout,
-        batch_norm=model.batch_norm,
-    ).to(device)

@@ -1,10 +1,8 @@
 """The training loop: ``train(config, out_dir)``.
 
-One step (``train_step``): forward to logits, BCE loss, backward (the fused
-embedding optimizer updates the looked-up rows inside backward), dense
-optimizer step. Around it: LR schedule, logging, periodic validation with early
-stopping and the best weights (``early_stopping.py``), checkpoints, and resume
-from the last checkpoint.
+Around each step (``step.py``): LR schedule, logging, periodic validation with
+early stopping and the best weights (``early_stopping.py``), checkpoints, and
+resume from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -13,14 +11,12 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from tqdm import tqdm
 
 from towerrec.config import Config
@@ -37,90 +33,17 @@ from towerrec.train.build import (
     resolve_run_config,
 )
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
-from towerrec.train.distributed import RunContext, start_distributed
+from towerrec.train.distributed import start_distributed
 from towerrec.train.early_stopping import EarlyStopping
-from towerrec.train.metrics import EvalMetrics, auc, compute_metrics
+from towerrec.train.metrics import EvalMetrics, auc
 from towerrec.train.pipeline import pipelined
 from towerrec.train.run_dir import RunDir
+from towerrec.train.step import evaluate, set_learning_rates, train_step
+from towerrec.train.towers import with_learned_partition
 
-__all__ = ["evaluate", "train", "train_step"]
+__all__ = ["evaluate", "train", "train_step"]  # the step's two re-exported with the loop
 
 log = logging.getLogger("towerrec")
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    """Mixed precision for the dense part (``dtype`` None: off). Weights stay fp32
-    (the master copy); matmuls run in ``dtype``; embedding lookups are not autocast."""
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    autocast_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    with autocast(batch.dense.device, autocast_dtype):
-        logits = model(batch.dense, batch.sparse)
-    loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()  # embedding rows are updated here, inside backward
-    optimizer.step()
-    return loss.detach()
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    batches: Iterable[Batch],
-    device: torch.device,
-    autocast_dtype: torch.dtype | None = None,
-    ctx: RunContext | None = None,
-    padding: Batch | None = None,
-) -> EvalMetrics:
-    """Metrics over ``batches`` of this rank, or of every rank of ``ctx``.
-
-    A sharded model runs collectives in forward, so on several ranks every rank
-    runs the same number of forwards: a rank whose batches ran out (its slice of
-    the eval split is shorter, or its last batch came sooner) forwards
-    ``padding`` and drops those predictions until no rank has batches left.
-    Every rank's predictions are then gathered, so the metrics are those of the
-    whole eval split.
-    """
-    group = ctx if ctx is not None and ctx.world_size > 1 else None
-    if group is not None and padding is None:
-        raise ValueError("evaluate on several ranks needs a padding batch")
-    was_training = model.training
-    model.eval()
-    probs, labels = [], []
-    remaining = iter(batches)
-    while True:
-        batch = next(remaining, None)
-        if not (group.any_rank(batch is not None) if group is not None else batch is not None):
-            break
-        with autocast(device, autocast_dtype):
-            forward = batch if batch is not None else padding
-            assert forward is not None  # checked above: several ranks come with a padding batch
-            forward = forward.to(device)
-            logits = model(forward.dense, forward.sparse)
-        if batch is not None:
-            probs.append(torch.sigmoid(logits.float()).cpu())
-            labels.append(batch.labels.cpu())
-    model.train(was_training)
-    probs = torch.cat(probs) if probs else torch.zeros(0)
-    labels = torch.cat(labels) if labels else torch.zeros(0)
-    if group is not None:
-        probs, labels = group.gather(probs), group.gather(labels)
-    return compute_metrics(probs, labels)
-
-
-def set_learning_rates(
-    model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, factor: float
-) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = config.optimizer.lr * factor
-    for _, module in fused_embedding_modules(model):
-        module.set_learning_rate(config.embedding.lr * factor)
 
 
 @contextmanager
@@ -216,8 +139,14 @@ def train(
 
     if config.plan.strategy != "none" and ctx.world_size == 1:
         log.warning("plan.strategy only shards tables over ranks; one process keeps them all")
+    # A DMT's learned partition comes from a pilot run (on rank 0) before the model is built.
     # Distributed: no rank allocates the full tables; each builds only its shards.
-    model = build_model(config, source.schema, device, materialize_embeddings=ctx.world_size == 1)
+    model = build_model(
+        with_learned_partition(config, source.schema),
+        source.schema,
+        device,
+        materialize_embeddings=ctx.world_size == 1,
+    )
     model = ctx.parallelize(model, config, source)
     optimizer = build_dense_optimizer(config.optimizer, model)
     state: dict[str, Any] = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
