@@ -236,6 +236,30 @@ def test_steps_are_resolved_from_the_source_unless_set():
     assert resolve_steps(load_config(None, [*real, "train.steps=3"]), _Rows(10_000))[0] == 3
 
 
+def test_a_run_sized_from_its_data_scales_the_default_warm_up():
+    """One epoch of a small cache is shorter than the default 100-step warm-up: the run
+    gets a tenth of its steps instead, unless steps or warm-up were chosen."""
+    from towerrec.train.build import resolve_run_config
+
+    real = ["data.source=criteo", "data.path=cache", "train.batch_size=1000"]
+    config, why = resolve_run_config(load_config(None, real), _Rows(15_000))
+    assert (config.train.steps, config.optimizer.warmup_steps) == (15, 1)
+    assert "optimizer.warmup_steps 100 -> 1" in why
+    config, _ = resolve_run_config(load_config(None, real), _Rows(3_000_000))
+    assert (config.train.steps, config.optimizer.warmup_steps) == (3000, 100)
+    chosen = [*real, "optimizer.warmup_steps=50"]
+    assert (
+        resolve_run_config(load_config(None, chosen), _Rows(15_000))[0].optimizer.warmup_steps == 50
+    )
+    explicit = [*real, "train.steps=15"]
+    assert (
+        resolve_run_config(load_config(None, explicit), _Rows(15_000))[0].optimizer.warmup_steps
+        == 100
+    )
+    synthetic = resolve_run_config(load_config(), None)[0]
+    assert (synthetic.train.steps, synthetic.optimizer.warmup_steps) == (2500, 100)
+
+
 def test_tensorboard_event_files_carry_the_metrics_records(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -270,9 +270,26 @@ def resolve_steps(config: Config, source) -> tuple[int, str]:
 
 def resolve_run_config(config: Config, source) -> tuple[Config, str]:
     """``config`` with ``train.steps`` resolved (``resolve_steps``) and ``train.epochs``
-    cleared: what a run records as its ``config.toml``; and where the steps come from."""
+    cleared: what a run records as its ``config.toml``; and where the steps come from.
+
+    A run sized from its data (``train.steps`` unset) that is too short for the default
+    warm-up gets a tenth of its steps as warm-up instead: a small cache's one epoch of
+    15 steps would otherwise end before the learning rate got anywhere."""
     steps, steps_from = resolve_steps(config, source)
-    return replace(config, train=replace(config.train, steps=steps, epochs=None)), steps_from
+    optimizer = config.optimizer
+    warmup = max(1, steps // 10)
+    if (
+        config.train.steps is None
+        and optimizer.warmup_steps == OptimizerConfig().warmup_steps
+        and optimizer.warmup_steps > warmup
+    ):
+        optimizer = replace(optimizer, warmup_steps=warmup)
+        steps_from += (
+            f"; optimizer.warmup_steps {config.optimizer.warmup_steps} -> {warmup}, a tenth "
+            "of this run (set optimizer.warmup_steps to choose)"
+        )
+    train = replace(config.train, steps=steps, epochs=None)
+    return replace(config, train=train, optimizer=optimizer), steps_from
 
 
 def resolve_eval_every(config: Config, source) -> int:
