@@ -70,10 +70,20 @@ def test_cache_matches_reference_parse(days, tmp_path):
 
 def test_vocabulary_mode_matches_counter(days, tmp_path):
     options = CriteoOptions(min_count=3, eval_files=("day_1.gz",), chunk_bytes=50_000)
-    preprocess_criteo(days, tmp_path / "cache", options, progress=False)
+    manifest = preprocess_criteo(days, tmp_path / "cache", options, progress=False)
     store = open_cache(tmp_path / "cache")
     reference = reference_rows(days)
     train, evaluation = reference[:3000], reference[3000:]
+    # Values of the held-out day never seen (>= 3 times) in training: the OOV row, counted.
+    for split, rows in (("train", train), ("validation", evaluation)):
+        vocabs = [
+            {v for v, c in Counter(r[2][j] for r in train if r[2][j] is not None).items() if c >= 3}
+            for j in range(26)
+        ]
+        unseen = sum(
+            1 for r in rows for j in range(26) if r[2][j] is not None and r[2][j] not in vocabs[j]
+        )
+        assert manifest["report"]["out_of_vocabulary"][split] == unseen > 0, split
     for j in (0, 2, 25):
         counts = Counter(r[2][j] for r in train if r[2][j] is not None)
         vocab = sorted(v for v, c in counts.items() if c >= 3)

@@ -118,6 +118,9 @@ def _cmd_criteo(args: argparse.Namespace) -> int:
             print(f"  {where}")
     sizes = [f["num_embeddings"] for f in manifest["schema"]["sparse"]]
     print(f"table sizes: {sizes}")
+    unseen = {k: n for k, n in report.get("out_of_vocabulary", {}).items() if n}
+    if unseen:
+        print(f"values outside the training vocabulary (the reserved id 0), per split: {unseen}")
     _print_next_step(
         manifest["rows"],
         args.out,

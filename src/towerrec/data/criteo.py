@@ -7,7 +7,8 @@ as hexadecimal hashes, empty fields for missing values; plain or gzip.
     categorical  hashing:    id = 1 + (value mod (rows - 1))      int32   [n, 26]
                  vocabulary: values seen >= min_count times in the training
                              files get ids 1..V (sorted by value); rows = V + 1
-                 id 0 is reserved for missing (and, with a vocabulary, rare) values
+                 id 0 is reserved for missing (and, with a vocabulary, rare or unseen)
+                 values; the manifest's report counts the unseen ones per split
 
 Splits (``data/splits.py``): whole input files go to validation (``eval_files``,
 e.g. the last day) or test (``test_files``); the other files' lines are drawn into
@@ -388,6 +389,7 @@ def preprocess_criteo(
             continue
         writer = PartWriter(out_dir, name, NUM_INTEGER, multi=[])
         file_problems = problems.total
+        unseen = dict.fromkeys(SPLITS, 0)  # present values outside the vocabulary (id 0)
         try:
             lines_read, done = 0, 0
             for chunk, parsed in parsed_chunks(
@@ -407,9 +409,12 @@ def preprocess_criteo(
                     index,
                     file_split,
                 )
+                oov = ((ids == 0) & ~parsed.missing).sum(axis=1) if vocab else None
                 for split, mask in masks.items():
                     if mask.any():
                         writer.append(split, parsed.labels[mask], parsed.dense[mask], ids[mask])
+                        if oov is not None:
+                            unseen[split] += int(oov[mask].sum())
                 bar.update(chunk.on_disk - done)
                 done = chunk.on_disk
             if lines_read == 0:
@@ -419,7 +424,12 @@ def preprocess_criteo(
             writer.abort()
             raise
         entry = writer.finish(
-            {**source, "lines": lines_read, "malformed": problems.total - file_problems}
+            {
+                **source,
+                "lines": lines_read,
+                "malformed": problems.total - file_problems,
+                "out_of_vocabulary": unseen,
+            }
         )
         parts.append(entry)
     bar.close()
@@ -449,6 +459,12 @@ def preprocess_criteo(
         "report": {
             **problems.as_dict(),
             "malformed_all_parts": sum(entry.get("malformed", 0) for entry in parts),
+            # --min-count: values absent from the training files' vocabulary (or rarer than
+            # min_count there) that became the reserved id 0, per split
+            "out_of_vocabulary": {
+                split: sum(e.get("out_of_vocabulary", {}).get(split, 0) for e in parts)
+                for split in SPLITS
+            },
         },
         "parts": parts,
     }
