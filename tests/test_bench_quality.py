@@ -34,6 +34,8 @@ def test_tiny_run_json(tmp_path):
         assert 0 <= stats["auc"] <= 1 and stats["logloss"] > 0 and stats["auc_std"] == 0
         (run,) = stats["per_seed"]
         assert run["seed"] == 0 and run["best_epoch"] == 1 and len(run["epochs"]) == 1
+    # the same architecture on both sides
+    assert model["towerrec"]["num_dense_params"] == model["reference"]["num_dense_params"] > 0
     diff = model["towerrec"]["auc"] - model["reference"]["auc"]
     assert model["auc_towerrec_minus_reference"] == pytest.approx(diff, abs=1e-5)
     assert isinstance(model["towerrec_within_one_std_or_above"], bool)

@@ -15,6 +15,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def _cmd_bench_quality(args: argparse.Namespace) -> int:
     from towerrec.bench.quality import QualitySettings, run_quality_benchmark
+    from towerrec.bench.quality_reference import ReferenceSettings
 
     settings = QualitySettings(
         epochs=args.epochs,
@@ -30,6 +31,9 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         overrides=tuple(args.overrides),
         threads=args.threads,
+        reference=ReferenceSettings(
+            dense_lr=args.reference_dense_lr, embedding_lr=args.reference_embedding_lr
+        ),
     )
     print(json.dumps(run_quality_benchmark(settings), indent=2))
     return 0
@@ -39,6 +43,7 @@ def add_bench_quality_command(bench_sub: argparse._SubParsersAction) -> None:
     from towerrec.bench.quality import CONFIGS, QualitySettings
 
     defaults = QualitySettings()
+    recipe = defaults.reference
     b = bench_sub.add_parser(
         "quality",
         help="AUC and log-loss of towerrec's DLRM, DCNv2, Wukong vs plain-PyTorch references "
@@ -83,5 +88,17 @@ def add_bench_quality_command(bench_sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="towerrec config override for every run (the reference has its own recipe)",
+    )
+    b.add_argument(
+        "--reference-dense-lr",
+        type=float,
+        default=recipe.dense_lr,
+        help="the reference's Adam learning rate (dense weights)",
+    )
+    b.add_argument(
+        "--reference-embedding-lr",
+        type=float,
+        default=recipe.embedding_lr,
+        help="the reference's Adagrad learning rate (embedding rows)",
     )
     b.set_defaults(func=_cmd_bench_quality)

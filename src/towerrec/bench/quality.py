@@ -37,7 +37,7 @@ import json
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ class QualitySettings:
     movielens_path: str = ""  # empty: the bundled data set
     overrides: tuple[str, ...] = ()  # towerrec config overrides for every run
     threads: int = 1
+    reference: ReferenceSettings = field(default_factory=ReferenceSettings)
 
     def __post_init__(self) -> None:
         for key in ("epochs", "patience", "seeds", "criteo_files", "criteo_rows", "threads"):
@@ -177,7 +178,7 @@ def _towerrec_run(
     )
     out = Path(tempfile.mkdtemp(dir=root))
     with contextlib.redirect_stdout(sys.stderr):  # stdout is for the JSON result
-        train(run_config, out)
+        summary = train(run_config, out)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [
         {"epoch": -(-r["step"] // per_epoch), "auc": r["auc"], "logloss": r["logloss"]}
@@ -185,7 +186,13 @@ def _towerrec_run(
         if r.get("kind") == "eval"
     ]
     best = early_stopped(evals, settings.patience)
-    return {"seed": seed, "best_epoch": best["epoch"], **_rounded(best), "epochs": evals}
+    return {
+        "seed": seed,
+        "best_epoch": best["epoch"],
+        **_rounded(best),
+        "num_dense_params": summary["num_dense_params"],
+        "epochs": evals,
+    }
 
 
 def _reference_run(
@@ -198,12 +205,14 @@ def _reference_run(
         batch_size=config.train.batch_size,
         patience=settings.patience,
         seed=seed,
+        settings=settings.reference,
     )
     best = {"auc": result.auc, "logloss": result.logloss}
     return {
         "seed": seed,
         "best_epoch": result.best_epoch,
         **_rounded(best),
+        "num_dense_params": result.num_dense_params,
         "epochs": result.epochs,
     }
 
@@ -218,6 +227,7 @@ def _stats(runs: list[dict]) -> dict:
         values = [r[key] for r in runs]
         out[key] = round(statistics.fmean(values), 5)
         out[f"{key}_std"] = round(statistics.stdev(values), 5) if len(values) > 1 else 0.0
+    out["num_dense_params"] = runs[0]["num_dense_params"]
     out["per_seed"] = runs
     return out
 
@@ -294,7 +304,7 @@ def run_quality_benchmark(settings: QualitySettings) -> dict:
             "num_embeddings": settings.criteo_num_embeddings,
             "validation_fraction": 0.1,
         },
-        "reference_settings": ReferenceSettings().as_dict(),
+        "reference_settings": settings.reference.as_dict(),
         "verdict_rule": "towerrec mean AUC - reference mean AUC >= -max(std_towerrec, std_reference)",
         "datasets": datasets,
     }

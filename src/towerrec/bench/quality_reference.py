@@ -264,6 +264,7 @@ class ReferenceResult:
     best_epoch: int
     auc: float
     logloss: float
+    num_dense_params: int
     epochs: list[dict] = field(default_factory=list)  # per epoch: epoch, auc, logloss
 
 
@@ -308,4 +309,5 @@ def train_reference(
         elif len(history) - 1 - best >= patience:
             break
     chosen = history[best]
-    return ReferenceResult(chosen["epoch"], chosen["auc"], chosen["logloss"], history)
+    num_dense = sum(p.numel() for p in dense)
+    return ReferenceResult(chosen["epoch"], chosen["auc"], chosen["logloss"], num_dense, history)
