@@ -29,6 +29,7 @@ def _cmd_bench_quality(args: argparse.Namespace) -> int:
         criteo_rows=args.criteo_rows,
         criteo_num_embeddings=args.criteo_num_embeddings,
         data_dir=args.data_dir,
+        movielens_path=args.movielens_path,
         overrides=tuple(args.overrides),
         threads=args.threads,
         reference=ReferenceSettings(
@@ -61,6 +62,9 @@ def add_bench_quality_command(bench_sub: argparse._SubParsersAction) -> None:
     b.add_argument("--models", default=",".join(defaults.models), help="comma-separated")
     b.add_argument("--datasets", default=",".join(defaults.datasets), help="comma-separated")
     b.add_argument("--movielens-config", type=Path, default=defaults.movielens_config)
+    b.add_argument(
+        "--movielens-path", default="", help="a MovieLens directory (default: the bundled one)"
+    )
     b.add_argument(
         "--criteo-config",
         type=Path,
