@@ -424,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     from towerrec.cli_dmt import add_bench_dmt_command
 
     add_bench_dmt_command(bench_sub)
+    from towerrec.cli_quality import add_bench_quality_command
+
+    add_bench_quality_command(bench_sub)
     scale = bench_sub.add_parser(
         "dmt-scale", help="analytic step time of flat DLRM vs DMT, 16 to 512 accelerators"
     )
