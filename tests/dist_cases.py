@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from towerrec.distributed.mesh import Topology
 from towerrec.modules.tables import TableConfig
-from towerrec.planner.plan import ShardingPlan, ShardingType, plan_table
+from towerrec.sharding import ShardingPlan, ShardingType, plan_table
 from towerrec.sparse import KeyedJaggedTensor
 
 TABLES = [

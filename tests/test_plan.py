@@ -1,7 +1,7 @@
 import pytest
 
 from towerrec.modules.tables import TableConfig
-from towerrec.planner.plan import (
+from towerrec.sharding import (
     Shard,
     ShardingPlan,
     ShardingType,

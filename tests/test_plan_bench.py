@@ -16,11 +16,11 @@ from towerrec.bench.calibrate import (
 )
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.cost import CostConstants, CostModel
-from towerrec.planner.plan import ShardingPlan, plan_table
 from towerrec.planner.search import evaluate_plan, plan_tables
 from towerrec.planner.stats import TableStats
 from towerrec.planner.suites import dlrm_like_suite
 from towerrec.planner.topology import topology_preset
+from towerrec.sharding import ShardingPlan, plan_table
 
 
 def test_make_ids_follow_the_statistics():

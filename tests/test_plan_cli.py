@@ -10,7 +10,7 @@ from conftest import run_cli as towerrec
 from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.modules.tables import TableConfig
-from towerrec.planner.plan import ShardingPlan
+from towerrec.sharding import ShardingPlan
 from towerrec.train.planning import build_plan
 
 

@@ -10,11 +10,11 @@ from towerrec.data.batch import Batch, DataSchema, SparseFeature
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.cost import CostConstants, CostModel
 from towerrec.planner.placement import PlanningError, TableConstraint
-from towerrec.planner.plan import ShardingType
 from towerrec.planner.search import PLANNERS, plan_tables
 from towerrec.planner.stats import TableStats, load_stats, save_stats, stats_from_source
 from towerrec.planner.suites import dlrm_like_suite, planning_tasks, zipf_hot_shares
 from towerrec.planner.topology import Topology
+from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
 GiB = 1 << 30

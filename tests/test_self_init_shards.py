@@ -16,7 +16,7 @@ from towerrec.distributed.launch import spawn_world
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import INIT_BLOCK_ROWS, TableConfig, fill_table_block, init_table_block
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.planner.plan import ShardingType
+from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
 # Dims that split into multiples of 4 columns over 4 ranks (FBGEMM's constraint);

@@ -28,7 +28,7 @@ from towerrec.distributed.launch import spawn_world
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.planner.plan import ShardingType
+from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.planning import build_plan
 

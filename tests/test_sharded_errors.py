@@ -11,7 +11,7 @@ from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import uniform_plan
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
-from towerrec.planner.plan import Shard, ShardingPlan, ShardingType, TablePlan, plan_table
+from towerrec.sharding import Shard, ShardingPlan, ShardingType, TablePlan, plan_table
 
 
 def ebc(tables=TABLES, backend="torch"):

@@ -8,10 +8,10 @@ from conftest import needs_torchrec
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.cost import CostModel
 from towerrec.planner.placement import TableConstraint
-from towerrec.planner.plan import ShardingType
 from towerrec.planner.search import plan_tables
 from towerrec.planner.stats import TableStats
 from towerrec.planner.topology import topology_preset
+from towerrec.sharding import ShardingType
 
 STATS = [
     TableStats("a", 40, 16, pooling_factor=3, pooling_p50=3, pooling_p99=3, pooling_max=3),
@@ -51,7 +51,7 @@ def _run(rank, world, port, plan_dict, queue):
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     from towerrec.interop.torchrec_plan import to_torchrec_plan
-    from towerrec.planner.plan import ShardingPlan
+    from towerrec.sharding import ShardingPlan
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

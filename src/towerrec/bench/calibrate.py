@@ -30,9 +30,9 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.planner.cost import CostConstants, CostModel
-from towerrec.planner.plan import ShardingType
 from towerrec.planner.stats import TableStats
 from towerrec.planner.topology import PRESETS
+from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
 __all__ = [

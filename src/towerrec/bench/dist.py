@@ -30,7 +30,7 @@ from towerrec.memory import peak_rss_mb
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.planner.plan import ShardingType
+from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
 __all__ = ["DIST_SHAPE", "run_dist_benchmark"]

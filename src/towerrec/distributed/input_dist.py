@@ -1,4 +1,5 @@
-"""Routing ids to the shards that own them, and back into a local batch.
+"""input_dist of the sharded collection: ids to the shards that own them, and back into a
+local batch.
 
 For a plan, every model-parallel shard of a table holds one *slot* per feature
 of the table. Rank r sends, to each rank d, a payload for d's slots::
@@ -10,6 +11,10 @@ and rank d rebuilds one ``KeyedJaggedTensor`` of its slots over the samples of
 every source, source-major inside each key::
 
     keys = d's slot features        lengths [K * sum_r B_r]      values (key-major)
+
+Where an id goes is its table's sharding type's answer (``towerrec.sharding``:
+row splits bucketize, column splits replicate). Data-parallel features are
+gathered whole (lengths + ids of the global batch on every rank).
 """
 
 from __future__ import annotations
@@ -20,13 +25,26 @@ from typing import Any
 
 import torch
 
+from towerrec.distributed.comm import Comm, Pending
 from towerrec.distributed.mesh import Topology
-from towerrec.distributed.sharding import strategy_for
+from towerrec.modules.embedding_bag import IdPolicy, apply_id_policy, check_weighted_pooling
 from towerrec.modules.tables import TableConfig
-from towerrec.planner.plan import ShardingPlan
+from towerrec.sharding import ShardingPlan, ShardingStrategy, strategy_for
+from towerrec.sharding.row_wise import divided_at_owner, mean_divisor
 from towerrec.sparse import KeyedJaggedTensor
 
-__all__ = ["Router", "Slot", "segment_permutation"]
+__all__ = ["DistInput", "InputDist", "Router", "Slot", "assemble", "segment_permutation"]
+
+
+@dataclass
+class DistInput:
+    """The result of ``input_dist`` for one local batch."""
+
+    batch: int  # local samples B
+    batches: list[int]  # B_r of every rank
+    local: KeyedJaggedTensor | None  # this rank's slots over sum_r B_r samples
+    replicated: KeyedJaggedTensor | None  # data-parallel features over the global batch
+    divisor: torch.Tensor | None  # [B, sum D] bag lengths for row-split mean pooling
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,7 @@ class Slot:
 
 @dataclass(frozen=True)
 class _FeatureRoute:
+    strategy: ShardingStrategy  # the table's sharding type: where its ids go
     row_starts: torch.Tensor  # [n] start row of each distinct row range, ascending
     boundaries: torch.Tensor  # [n - 1] row_starts[1:]
     targets: tuple[tuple[int, int, int], ...]  # (rank, slot index on rank, row range index)
@@ -65,18 +84,12 @@ class Router:
         targets: dict[str, list[tuple[int, int, int]]] = {f: [] for f in self.features}
         self._routes: dict[str, _FeatureRoute] = {}
         for table in tables:
-            table_plan = plan.tables[table.name]
+            table_plan = plan.tables[table.name]  # validated (ShardingPlan.validate)
             strategy = strategy_for(table_plan.sharding)
-            strategy.check(table_plan, topology)
-            ranges = sorted({s.rows for s in table_plan.shards})
+            ranges = table_plan.row_ranges
             partial = len(ranges) > 1
-            hierarchical = (
-                strategy.one_host
-                and strategy.splits_rows
-                and topology.hosts > 1
-                and topology.ranks_per_host > 1
-                and sorted(s.rank for s in table_plan.shards)
-                == topology.host_ranks(topology.host_of(table_plan.shards[0].rank))
+            hierarchical = strategy.hierarchical(
+                table_plan, topology.hosts, topology.ranks_per_host
             )
             for shard in table_plan.shards:
                 for feature in table.feature_names:
@@ -96,7 +109,7 @@ class Router:
             starts = torch.tensor([lo for lo, _ in ranges], dtype=torch.int64)
             for feature in table.feature_names:
                 self._routes[feature] = _FeatureRoute(
-                    starts, starts[1:].clone(), tuple(targets[feature])
+                    strategy, starts, starts[1:].clone(), tuple(targets[feature])
                 )
 
     def width(self, rank: int) -> int:
@@ -133,10 +146,7 @@ class Router:
             n = lengths[i * batch : (i + 1) * batch]
             w = weights[starts[i] : starts[i + 1]] if weights is not None else None
             route = self._routes[feature]
-            if route.boundaries.numel() == 0:
-                buckets = [(n, v, w)]
-            else:
-                buckets = _bucketize(v, n, w, route, batch)
+            buckets = route.strategy.route(v, n, w, route.row_starts, route.boundaries, batch)
             for rank, slot, bucket in route.targets:
                 slot_lengths[rank][slot], slot_values[rank][slot], slot_weights[rank][slot] = (
                     buckets[bucket]
@@ -162,43 +172,156 @@ class Router:
         weights: torch.Tensor | None,
     ) -> KeyedJaggedTensor:
         """The local batch of this rank's slots from the payloads of every source rank."""
-        slots = self.slots[self.topology.rank]
-        k = len(slots)
-        blocks = received.split([k * b + n for b, n in zip(batches, num_ids)])
-        lengths = [block[: k * b].view(k, b) for block, b in zip(blocks, batches)]
-        values = [block[k * b :] for block, b in zip(blocks, batches)]
-        merged_lengths = torch.cat(lengths, dim=1)  # [K, sum B]
-        flat_values = torch.cat(values)
-        if len(batches) > 1 and k > 1:
-            # segments arrive (source, slot)-major; the kernel wants (slot, source)-major
-            seg = torch.stack([ln.sum(dim=1) for ln in lengths])  # [W, K]
-            index = segment_permutation(seg)
-            flat_values = flat_values[index]
-            if weights is not None:
-                weights = weights[index]
-        return KeyedJaggedTensor(
-            [s.feature for s in slots],
-            flat_values,
-            merged_lengths.reshape(-1),
-            weights,
-            validate=False,
+        features = [s.feature for s in self.slots[self.topology.rank]]
+        return assemble(features, received, batches, num_ids, weights)
+
+
+def assemble(
+    keys: Sequence[str],
+    received: torch.Tensor,
+    batches: Sequence[int],
+    num_ids: Sequence[int],
+    weights: torch.Tensor | None,
+) -> KeyedJaggedTensor:
+    """One ``KeyedJaggedTensor`` of ``keys`` over the samples of every source, from the
+    payloads of the sources in order: source r sent ``[lengths of key 0 [B_r] | key 1 |
+    ... | ids of key 0 | key 1 | ...]`` (``batches[r] = B_r``, ``num_ids[r]`` ids), and
+    ``weights`` (or None) are the ids' weights in the same order."""
+    k = len(keys)
+    blocks = received.split([k * b + n for b, n in zip(batches, num_ids)])
+    lengths = [block[: k * b].view(k, b) for block, b in zip(blocks, batches)]
+    values = [block[k * b :] for block, b in zip(blocks, batches)]
+    merged_lengths = torch.cat(lengths, dim=1)  # [K, sum B]
+    flat_values = torch.cat(values)
+    if len(batches) > 1 and k > 1:
+        # segments arrive (source, key)-major; the kernel wants (key, source)-major
+        seg = torch.stack([ln.sum(dim=1) for ln in lengths])  # [W, K]
+        index = segment_permutation(seg)
+        flat_values = flat_values[index]
+        if weights is not None:
+            weights = weights[index]
+    return KeyedJaggedTensor(
+        list(keys), flat_values, merged_lengths.reshape(-1), weights, validate=False
+    )
+
+
+class InputDist:
+    """The input side of one sharded collection (module doc); made once, used per batch."""
+
+    def __init__(
+        self,
+        router: Router,
+        comm: Comm,
+        tables: Sequence[TableConfig],
+        replicated: Sequence[TableConfig],
+        feature_names: Sequence[str],
+        embedding_dims: Sequence[int],
+        rows_per_feature: torch.Tensor,
+        id_policy: IdPolicy,
+        device: torch.device,
+    ) -> None:
+        self.router, self.comm, self.device = router, comm, device
+        self.tables = list(tables)
+        self.feature_names, self.embedding_dims = list(feature_names), list(embedding_dims)
+        self.rows_per_feature, self.id_policy = rows_per_feature, id_policy
+        self.sharded_features = router.features
+        self.replicated_features = [f for t in replicated for f in t.feature_names]
+        self.mean_partial = self._mean_partial_columns()
+
+    def _mean_partial_columns(self) -> list[tuple[str, int, int]]:
+        """(feature, first column, dim) of features divided by their bag length at the owner."""
+        offsets, position = {}, 0
+        for feature, dim in zip(self.feature_names, self.embedding_dims):
+            offsets[feature] = position
+            position += dim
+        pooling = {f: t.pooling for t in self.tables for f in t.feature_names}
+        dims = dict(zip(self.feature_names, self.embedding_dims))
+        partial = {s.feature for slots in self.router.slots for s in slots if s.partial}
+        return [
+            (f, offsets[f], dims[f])
+            for f in self.feature_names
+            if divided_at_owner(pooling[f], f in partial)
+        ]
+
+    def start(self, features: KeyedJaggedTensor) -> Pending:
+        """Start sending this batch's ids to their shards; ``.wait()`` gives a ``DistInput``."""
+        if features.keys() != self.feature_names:
+            features = features.select(self.feature_names)
+        check_weighted_pooling(features, self.tables)
+        values = apply_id_policy(features, self.rows_per_feature, self.id_policy)
+        features = KeyedJaggedTensor(
+            features.keys(), values, features.lengths(), features.weights_or_none(), validate=False
         )
+        comm, world, batch = self.comm, self.comm.world_size, features.stride()
+        sharded = features.select(self.sharded_features) if self.sharded_features else None
+        replicated = features.select(self.replicated_features) if self.replicated_features else None
+        payloads, payload_weights, num_ids = (
+            self.router.route(sharded) if sharded is not None else ([], None, [0] * world)
+        )
+        replicated_payload = (
+            torch.cat([replicated.lengths().long(), replicated.values().long()])
+            if replicated is not None
+            else values.new_zeros(0)
+        )
+        counts = torch.tensor(
+            [
+                [
+                    batch,
+                    payloads[r].numel() if payloads else 0,
+                    num_ids[r],
+                    replicated_payload.numel(),
+                ]
+                for r in range(world)
+            ],
+            dtype=torch.int64,
+        )
+        received = comm.exchange_counts(counts.to(self.device), "input_counts").cpu()
+        batches = received[:, 0].tolist()
+        ids = weights = replicated_ids = replicated_weights = None
+        if sharded is not None:
+            send = [p.numel() for p in payloads]
+            ids = comm.all_to_all_async(
+                torch.cat(payloads), send, received[:, 1].tolist(), "input_ids"
+            )
+            if payload_weights is not None:
+                weights = comm.all_to_all_async(
+                    torch.cat(payload_weights), num_ids, received[:, 2].tolist(), "input_weights"
+                )
+        lengths = len(self.replicated_features)
+        got = received[:, 3].tolist()
+        replicated_ids_of = [g - b * lengths for g, b in zip(got, batches)]
+        if replicated is not None:
+            replicated_ids = comm.all_gather_async(replicated_payload, got, "input_replicated")
+            if replicated.weights_or_none() is not None:
+                replicated_weights = comm.all_gather_async(
+                    replicated.weights(), replicated_ids_of, "input_weights"
+                )
+        divisor = self._divisor(features) if self.mean_partial else None
 
+        def finish() -> DistInput:
+            local = glob = None
+            if ids is not None:
+                local = self.router.assemble(
+                    ids.wait(),
+                    batches,
+                    received[:, 2].tolist(),
+                    weights.wait() if weights is not None else None,
+                )
+            if replicated_ids is not None:
+                glob = assemble(
+                    self.replicated_features,
+                    replicated_ids.wait(),
+                    batches,
+                    replicated_ids_of,
+                    replicated_weights.wait() if replicated_weights is not None else None,
+                )
+            return DistInput(batch, batches, local, glob, divisor)
 
-def _bucketize(v, n, w, route: _FeatureRoute, batch: int):
-    """Split one feature's bags by the row range of each id: ``[(lengths[B], ids, weights)]``
-    per range, ids shifted to the range's first row, order within a bag kept."""
-    count = route.row_starts.numel()
-    sample = torch.repeat_interleave(torch.arange(batch, device=v.device), n, output_size=v.numel())
-    bucket = torch.bucketize(v, route.boundaries.to(v.device), right=True)
-    key = bucket * batch + sample
-    order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=count * batch).view(count, batch)
-    shifted = (v - route.row_starts.to(v.device)[bucket])[order]
-    sizes = counts.sum(dim=1).tolist()
-    ids = shifted.split(sizes)
-    ws = w[order].split(sizes) if w is not None else [None] * count
-    return [(counts[b], ids[b], ws[b]) for b in range(count)]
+        return Pending(None, finish)
+
+    def _divisor(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        bags = [(features[f].lengths, start, dim) for f, start, dim in self.mean_partial]
+        return mean_divisor(bags, features.stride(), sum(self.embedding_dims), self.device)
 
 
 def segment_permutation(seg: torch.Tensor) -> torch.Tensor:

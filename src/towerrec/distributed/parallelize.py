@@ -33,7 +33,7 @@ from towerrec.modules.embedding_bag import (
     fused_embedding_modules,
 )
 from towerrec.modules.tables import TableConfig
-from towerrec.planner.plan import ShardingPlan, ShardingType, TablePlan, plan_table
+from towerrec.sharding import ShardingPlan, ShardingType, TablePlan, plan_table, strategy_for
 
 __all__ = [
     "apply_ddp",
@@ -68,7 +68,7 @@ def uniform_plan(
             rank = min(range(world), key=lambda r: (load[r], r))
             load[rank] += table.num_parameters
             ranks = [rank]
-        elif sharding in (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE):
+        elif strategy_for(sharding).one_host:
             ranks = topology.host_ranks(i % topology.hosts)
         else:
             ranks = list(range(world))

@@ -29,7 +29,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
-from towerrec.planner.plan import Shard, ShardingType
+from towerrec.sharding import Shard, strategy_for
 
 __all__ = ["load_tensor", "sharded_tensor", "state_tensors"]
 
@@ -94,7 +94,7 @@ def state_tensors(sebc, kind: str, prefix: str = "") -> dict[str, object]:
             if name == "step":
                 out[key + name] = _step(sebc)
                 continue
-            if plan.sharding is ShardingType.DATA_PARALLEL:
+            if strategy_for(plan.sharding).replicated:
                 assert view is not None  # every rank holds a data-parallel replica
                 out[key + name] = view.weight if name == "weight" else view.state[name]
                 continue
@@ -126,7 +126,7 @@ def load_tensor(sebc, key: str, value, prefix: str = "") -> None:
             if source.data_ptr() != target.data_ptr():
                 target.copy_(source)
         rowwise_state = name != "weight" and len(sebc.optimizer.kind.state_shapes(1, 1)[name]) == 1
-        if rowwise_state and plan.sharding is not ShardingType.DATA_PARALLEL:
+        if rowwise_state and not strategy_for(plan.sharding).replicated:
             _share_rowwise_state(sebc, plan, target, shards)
         return
     if name == "step":

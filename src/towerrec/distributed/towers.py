@@ -53,7 +53,7 @@ from towerrec.distributed.parallelize import replicate_counted, topology_of, uni
 from towerrec.models.dmt import DMT, TowerModule, interact
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
-from towerrec.planner.plan import ShardingType
+from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
 __all__ = ["TOWER_SHARDINGS", "TowerParallelDMT", "parallelize_towers", "tower_groups"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from towerrec.modules.tables import TableConfig
-from towerrec.planner.plan import Shard, ShardingPlan, ShardingType, TablePlan
+from towerrec.sharding import Shard, ShardingPlan, ShardingType, TablePlan
 
 __all__ = ["from_torchrec_plan", "to_torchrec_plan"]
 

@@ -25,7 +25,7 @@ is the ``step`` of each of the kernel's tables in the optimizer state.
 Tables whose columns are split over ranks (a sharded collection's column
 shards) cannot finish a row-wise step (row-wise Adagrad, partial row-wise Adam)
 alone: the row statistic is the mean of g^2 over all the table's columns.
-``defer_rowwise`` hands such tables' updates to a ``RowwiseSync`` (``distributed/sharding/column_wise.py``): the
+``defer_rowwise`` hands such tables' updates to a ``RowwiseSync`` (``distributed/column_sync.py``): the
 backward computes their row gradients, the sync combines the statistic across
 the shards and then calls back to apply the update. A kernel with deferred
 tables runs its backward and updates on the pure-PyTorch path on either

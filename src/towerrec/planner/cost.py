@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from towerrec.planner.plan import ShardingType
 from towerrec.planner.stats import TableStats
 from towerrec.planner.topology import Topology
+from towerrec.sharding import ShardingType
 
 __all__ = ["CostConstants", "CostModel", "ShardCost"]
 

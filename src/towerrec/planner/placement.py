@@ -17,8 +17,8 @@ from typing import Any, cast
 import numpy as np
 
 from towerrec.planner.cost import CostModel
-from towerrec.planner.plan import ShardingType, even_splits
 from towerrec.planner.stats import TableStats
+from towerrec.sharding import ShardingType, column_wise, row_wise
 
 __all__ = ["DEFAULT_TYPES", "Item", "Loads", "PlanningError", "TableConstraint", "build_items"]
 
@@ -81,42 +81,42 @@ def _table_items(
     full_rows, full_cols = (0, s.num_embeddings), (0, s.embedding_dim)
     memory = model.shard_memory(s, s.num_embeddings, s.embedding_dim)
 
-    def row_wise() -> list[tuple[ShardingType, tuple[int, int], tuple[int, int], int | None]]:
-        ranks = min(world, s.num_embeddings)
+    def row_split() -> list[tuple[ShardingType, tuple[int, int], tuple[int, int], int | None]]:
+        parts = row_wise.planner_parts(world, s.num_embeddings)
         return [
             (ShardingType.ROW_WISE, span, full_cols, r)
-            for r, span in enumerate(even_splits(s.num_embeddings, ranks))
+            for r, span in enumerate(row_wise.row_spans(s.num_embeddings, parts))
         ]
 
-    def column_wise(
+    def column_split(
         parts: int,
     ) -> list[tuple[ShardingType, tuple[int, int], tuple[int, int], int | None]]:
         return [
             (ShardingType.COLUMN_WISE, full_rows, span, None)
-            for span in even_splits(s.embedding_dim, parts)
+            for span in column_wise.column_spans(s.embedding_dim, parts)
         ]
 
     if split is not None:
         kind, parts = split
         if kind is ShardingType.ROW_WISE:
-            return row_wise()
-        return column_wise(parts)
+            return row_split()
+        return column_split(parts)
     if ShardingType.DATA_PARALLEL in allowed and len(allowed) == 1:
         return [(ShardingType.DATA_PARALLEL, full_rows, full_cols, r) for r in range(world)]
     if memory <= capacity and ShardingType.TABLE_WISE in allowed:
         return [(ShardingType.TABLE_WISE, full_rows, full_cols, constraint.rank)]
     # Too large for one device (or table-wise not allowed): split it.
     if ShardingType.ROW_WISE in allowed:
-        ranks = min(world, s.num_embeddings)
+        ranks = row_wise.planner_parts(world, s.num_embeddings)
         need = model.shard_memory(s, math.ceil(s.num_embeddings / ranks), s.embedding_dim)
         if need <= capacity:
-            return row_wise()
+            return row_split()
     if ShardingType.COLUMN_WISE in allowed:
         most = min(world, s.embedding_dim)
         for parts in range(2, most + 1):
             widest = math.ceil(s.embedding_dim / parts)
             if model.shard_memory(s, s.num_embeddings, widest) <= capacity:
-                return column_wise(parts)
+                return column_split(parts)
     splits = [t.value for t in allowed if t in (ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)]
     if splits:
         how = (

@@ -37,8 +37,8 @@ from towerrec.planner.placement import (
     _gib,
     build_items,
 )
-from towerrec.planner.plan import Shard, ShardingPlan, ShardingType, TablePlan
 from towerrec.planner.stats import TableStats
+from towerrec.sharding import Shard, ShardingPlan, ShardingType, TablePlan
 
 __all__ = ["GREEDY_KEYS", "PLANNERS", "PlanResult", "evaluate_plan", "plan_tables"]
 

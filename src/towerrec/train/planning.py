@@ -14,10 +14,10 @@ from dataclasses import replace
 from towerrec.config import Config
 from towerrec.optim.sparse import EmbeddingOptimizer
 from towerrec.planner.cost import CostConstants, CostModel
-from towerrec.planner.plan import ShardingPlan
 from towerrec.planner.search import PlanResult, plan_tables
 from towerrec.planner.stats import TableStats, stats_from_source
 from towerrec.planner.topology import topology_preset
+from towerrec.sharding import ShardingPlan
 
 __all__ = ["build_cost_model", "build_plan", "plan_source"]
 

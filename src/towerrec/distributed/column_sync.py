@@ -1,10 +1,4 @@
-"""Column-wise: column ranges of a table over ranks.
-
-::
-
-    rank 0 [ all rows x cols 0..D/2 )   rank 1 [ all rows x cols D/2..D )
-    every id goes to every column shard; the owner places the pooled column
-    blocks side by side.
+"""Exact row-wise optimizers for tables split by columns (the collectives of it).
 
 ``sgd``, ``adagrad`` and ``adam`` are exact per column. ``rowwise_adagrad`` keeps
 one statistic per row, ``m[r] += mean_j g[r, j]^2`` over all D columns, which no
@@ -30,6 +24,10 @@ Every column shard of a table then holds the same row state, equal to the
 unsharded table's, and a checkpoint stores it once (``state.py``). Traffic: a
 table with k column shards and U distinct rows in the global batch costs each
 shard (k - 1) * U * 4 bytes per step (``rowwise_stat`` in ``CommStats``).
+
+Which tables need it, a shard's part of the statistic and their sum are the
+column split's own logic (``towerrec.sharding.column_wise``); this file holds
+the fence and the all-to-all.
 """
 
 from __future__ import annotations
@@ -39,16 +37,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 from towerrec.distributed.comm import Comm
-from towerrec.distributed.sharding.base import ShardingStrategy
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizer
-from towerrec.planner.plan import ShardingPlan, ShardingType
-
-__all__ = ["COLUMN_WISE", "ColumnRowwiseSync"]
-
-COLUMN_WISE = ShardingStrategy(
-    ShardingType.COLUMN_WISE, splits_rows=False, splits_cols=True, one_host=False
+from towerrec.sharding import ShardingPlan
+from towerrec.sharding.column_wise import (
+    row_statistic,
+    row_statistic_part,
+    rowwise_split_tables,
 )
+
+__all__ = ["ColumnRowwiseSync"]
 
 
 class ColumnRowwiseSync:
@@ -70,9 +68,7 @@ class ColumnRowwiseSync:
         plan: ShardingPlan, tables: Sequence[TableConfig], optimizer: EmbeddingOptimizer
     ) -> list[TableConfig]:
         """The ``tables`` whose row-wise state needs combining under ``plan``."""
-        if not optimizer.is_rowwise:
-            return []
-        return [t for t in tables if len({s.cols for s in plan.tables[t.name].shards}) > 1]
+        return rowwise_split_tables(plan.tables, tables, optimizer.is_rowwise)
 
     def start(self) -> torch.Tensor:
         """Begin a lookup: its fence, to pass to ``tie`` (on every rank of the group)."""
@@ -94,7 +90,7 @@ class ColumnRowwiseSync:
         mine = [(name, ranks) for name, (_, ranks) in self.tables.items() if rank in ranks]
         empty = self._leaf.new_zeros(0)
         partial = {
-            name: deferred[name][0].square().sum(dim=1) if name in deferred else empty
+            name: row_statistic_part(deferred[name][0]) if name in deferred else empty
             for name, _ in mine
         }
         shared = [
@@ -111,13 +107,11 @@ class ColumnRowwiseSync:
             (peer, name): next(pieces) for peer, names in enumerate(shared) for name in names
         }
         for name, ranks in mine:
-            total: torch.Tensor | None = None
-            for r in ranks:  # plan order: every shard adds in the same order
-                part = partial[name] if r == rank else from_peer[r, name]
-                total = part.clone() if total is None else total.add_(part)
-            assert total is not None  # a column-split table has at least one shard
+            # plan order: every shard adds in the same order
+            parts = [partial[name] if r == rank else from_peer[r, name] for r in ranks]
+            statistic = row_statistic(parts, self.tables[name][0])
             if name in deferred:
-                deferred[name][1](total / self.tables[name][0])
+                deferred[name][1](statistic)
 
 
 class _Step:

@@ -1,0 +1,185 @@
+"""The lookup stage of the sharded collection: this rank's shards and replicas as kernels.
+
+::
+
+    plan + this rank's slots ─► one EmbeddingBagCollection of shard tables
+                                (rows r0..r1 x cols c0..c1 of each table; pooling
+                                from the table's sharding type: partial sums under
+                                a row split), fused kernels, optimizer in backward
+    data-parallel tables     ─► one EmbeddingBagCollection of full replicas
+
+A shard is filled from the full collection when it holds its tables, else from
+the tables' seeded init one block at a time (``fill_table_block``), so no rank
+ever holds a full table (replicas excepted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from towerrec.distributed.input_dist import Slot
+from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy
+from towerrec.modules.kernels import Backend
+from towerrec.modules.tables import TableConfig, fill_table_block
+from towerrec.sharding import Shard, ShardingPlan, strategy_for
+
+__all__ = [
+    "ShardView",
+    "build_local",
+    "build_replica",
+    "copy_tables",
+    "replica_views",
+    "shard_views",
+]
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """One shard stored on this rank: views of its weights and optimizer state."""
+
+    table: str
+    shard: Shard
+    weight: torch.Tensor  # [rows, cols]
+    state: dict[str, torch.Tensor]  # canonical name -> [rows] or [rows, cols]
+
+
+def copy_tables(
+    ebc: EmbeddingBagCollection,
+    tables: Sequence[TableConfig],
+    *,
+    id_policy: IdPolicy | None = None,
+    materialize: bool | None = None,
+) -> EmbeddingBagCollection:
+    """A collection of ``tables`` (a subset of ``ebc``'s) with ``ebc``'s settings (or
+    ``id_policy``), weights and optimizer state. When ``ebc`` does not hold its tables,
+    the copy initialises itself from the same seed, as ``ebc`` would, if ``materialize``
+    (default: as ``ebc``)."""
+    subset = EmbeddingBagCollection(
+        list(tables),
+        ebc.optimizer,
+        backend=ebc.backend,
+        device=ebc.device,
+        id_policy=ebc.id_policy if id_policy is None else id_policy,
+        seed=ebc.seed,
+        materialize=ebc.is_materialized if materialize is None else materialize,
+    )
+    if not ebc.is_materialized:
+        return subset
+    weights, states = ebc.table_weights(), ebc.optimizer_state_dict()
+    with torch.no_grad():
+        for name, w in subset.table_weights().items():
+            w.copy_(weights[name])
+        subset.load_optimizer_state_dict(
+            {k: v for k, v in states.items() if k in subset.optimizer_state_dict()}
+        )
+    return subset
+
+
+def build_replica(
+    ebc: EmbeddingBagCollection, tables: Sequence[TableConfig]
+) -> EmbeddingBagCollection | None:
+    """Full replicas of the data-parallel ``tables`` (None without any); their kernels
+    take ids already checked (``IdPolicy.ERROR``)."""
+    if not tables:
+        return None
+    return copy_tables(ebc, tables, id_policy=IdPolicy.ERROR, materialize=True)
+
+
+def build_local(
+    ebc: EmbeddingBagCollection,
+    tables: Sequence[TableConfig],
+    plan: ShardingPlan,
+    slots: Sequence[Slot],
+    rank: int,
+) -> EmbeddingBagCollection | None:
+    """This rank's shards of the model-parallel ``tables`` as one collection (None when it
+    stores none), filled from ``ebc`` or from the tables' init."""
+    mine = {s.table: s for s in slots}
+    shard_tables = []
+    for table in tables:
+        if table.name not in mine:
+            continue
+        slot = mine[table.name]
+        if ebc.backend is Backend.FBGEMM and slot.width % 4:
+            raise ValueError(
+                f"table {table.name!r}: its shard on rank {rank} has {slot.width} columns, "
+                "but FBGEMM kernels need a multiple of 4; split its columns into fewer "
+                "shards or set embedding.backend = 'torch'"
+            )
+        strategy = strategy_for(plan.tables[table.name].sharding)
+        shard_tables.append(
+            TableConfig(
+                table.name,
+                slot.rows[1] - slot.rows[0],
+                slot.width,
+                table.feature_names,
+                strategy.shard_pooling(table.pooling, slot.partial),
+                table.init,
+                table.scale,
+            )
+        )
+    if not shard_tables:
+        return None
+    local = EmbeddingBagCollection(
+        shard_tables,
+        ebc.optimizer,
+        backend=ebc.backend,
+        device=ebc.device,
+        id_policy=IdPolicy.ERROR,
+        seed=ebc.seed,
+        materialize=False,
+    ).materialize(init=False)
+    if not ebc.is_materialized:
+        by_name = {t.name: t for t in tables}
+        with torch.no_grad():
+            for view in shard_views(local, plan, rank):
+                table = by_name[view.table]
+                fill_table_block(view.weight, table, ebc.seed, view.shard.rows, view.shard.cols)
+                for s in view.state.values():
+                    s.zero_()
+        return local
+    weights, states = ebc.table_weights(), ebc.optimizer_state_dict()
+    with torch.no_grad():
+        for view in shard_views(local, plan, rank):
+            (r0, r1), (c0, c1) = view.shard.rows, view.shard.cols
+            view.weight.copy_(weights[view.table][r0:r1, c0:c1])
+            for name, s in view.state.items():
+                full = states[f"embedding_bags.{view.table}.{name}"]
+                if full.dim() == 2:
+                    full = full[r0:r1, c0:c1]
+                elif full.dim() == 1:
+                    full = full[r0:r1]
+                s.copy_(full)  # a scalar, the kernels' step, as it is
+    return local
+
+
+def shard_views(
+    local: EmbeddingBagCollection | None, plan: ShardingPlan, rank: int
+) -> Iterator[ShardView]:
+    """The shards of ``local`` (this rank's shard collection) as ``ShardView``s."""
+    if local is None:
+        return
+    states = local.optimizer_state_dict()
+    for name, weight in local.table_weights().items():
+        shard = next(s for s in plan.tables[name].shards if s.rank == rank)
+        prefix = f"embedding_bags.{name}."
+        state = {k[len(prefix) :]: v for k, v in states.items() if k.startswith(prefix)}
+        yield ShardView(name, shard, weight, state)
+
+
+def replica_views(replica: EmbeddingBagCollection | None, rank: int) -> Iterator[ShardView]:
+    """Data-parallel replicas as full-table ``ShardView``s."""
+    if replica is None:
+        return
+    states = replica.optimizer_state_dict()
+    for table in replica.tables:
+        prefix = f"embedding_bags.{table.name}."
+        yield ShardView(
+            table.name,
+            Shard(rank, (0, table.num_embeddings), (0, table.embedding_dim)),
+            replica.table_weights()[table.name],
+            {k[len(prefix) :]: v for k, v in states.items() if k.startswith(prefix)},
+        )
