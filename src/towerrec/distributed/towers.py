@@ -37,7 +37,7 @@ G = N L B samples when every parameter's gradient is ``(1/NL) sum_r grad loss_r`
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
 import torch
@@ -47,19 +47,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats
 from towerrec.distributed.embedding_bag import ScaleGrad, ShardedEmbeddingBagCollection
-from towerrec.distributed.input_dist import segment_permutation
+from towerrec.distributed.input_dist import assemble
+from towerrec.distributed.lookup import copy_tables
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import replicate_counted, topology_of, uniform_plan
-from towerrec.models.dmt import DMT, TowerModule, interact
+from towerrec.models.dmt import DMT, TowerModule
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
-from towerrec.sharding import ShardingType
+from towerrec.sharding import TOWER_SHARDINGS, ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
 __all__ = ["TOWER_SHARDINGS", "TowerParallelDMT", "parallelize_towers", "tower_groups"]
-
-# Sharding types of a tower's tables inside its host (the host is the whole world there).
-TOWER_SHARDINGS = ("table_wise", "row_wise", "column_wise", "data_parallel")
 
 
 def tower_groups(
@@ -128,7 +126,9 @@ class TowerParallelDMT(nn.Module):
         self.partition = [list(g) for g in model.partition]
         self.embedding_dim = model.embedding_dim
         self.num_outputs = [t.num_outputs for t in cast("Iterable[TowerModule]", model.towers)]
-        self.compresses = [t.compresses for t in cast("Iterable[TowerModule]", model.towers)]
+        # The DMT's own top (its interaction and top are this module's, shared).
+        self._interact: Callable[[torch.Tensor | None, Sequence[torch.Tensor]], torch.Tensor]
+        self._interact = model.interact
         self.use_dense = model.towers[self.tower_index].use_dense
         self._flops = model.flops_per_sample()
         self._num_dense = sum(p.numel() for _, p in dense_parameters(model))
@@ -200,35 +200,14 @@ class TowerParallelDMT(nn.Module):
                 flat, [batch * dim] * hosts, [b * dim for b in batches], "tower_dense", self.codecs
             )
             x_peer = _scale_grad(got.view(-1, dim), float(hosts))
-        local = self._assemble(
+        local = assemble(
+            self.partition[self.tower_index],
             pending.wait(),
             batches,
             received[:, 2].tolist(),
             got_weights.wait() if got_weights is not None else None,
         )
         return local, x_peer, batches
-
-    def _assemble(
-        self,
-        received: torch.Tensor,
-        batches: Sequence[int],
-        num_ids: Sequence[int],
-        weights: torch.Tensor | None,
-    ) -> KeyedJaggedTensor:
-        """This tower's ``KeyedJaggedTensor`` over the peer batch (hosts in order)."""
-        keys = self.partition[self.tower_index]
-        k = len(keys)
-        blocks = received.split([k * b + n for b, n in zip(batches, num_ids)])
-        lengths = [block[: k * b].view(k, b) for block, b in zip(blocks, batches)]
-        values = torch.cat([block[k * b :] for block, b in zip(blocks, batches)])
-        if len(batches) > 1 and k > 1:
-            # segments arrive (host, feature)-major; the lookup wants (feature, host)-major
-            index = segment_permutation(torch.stack([ln.sum(dim=1) for ln in lengths]))
-            values = values[index]
-            weights = weights[index] if weights is not None else None
-        return KeyedJaggedTensor(
-            keys, values, torch.cat(lengths, dim=1).reshape(-1), weights, validate=False
-        )
 
     # ------------------------------------------------------------ (d) output
     def output_dist(self, out: torch.Tensor, batches: Sequence[int]) -> list[torch.Tensor]:
@@ -246,8 +225,8 @@ class TowerParallelDMT(nn.Module):
         return [p.view(batch, k, dim) for p, k in zip(parts, self.num_outputs)]
 
     def interact(self, x: torch.Tensor | None, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """As ``DMT.interact``: x ``[B, D]`` (or None) and every tower's ``[B, K_t, D]`` -> ``[B]``."""
-        return interact(self.interaction, self.top, self.compresses, x, outputs)
+        """``DMT.interact``: x ``[B, D]`` (or None) and every tower's ``[B, K_t, D]`` -> ``[B]``."""
+        return self._interact(x, outputs)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         x = self.bottom(dense) if self.bottom is not None else None
@@ -316,10 +295,10 @@ def parallelize_towers(
     """
     topology = topology_of(mesh)
     check_towers(model, topology)
-    if str(sharding) not in TOWER_SHARDINGS:
+    if sharding not in TOWER_SHARDINGS:
         raise ValueError(
             f"distributed.tower_sharding = {str(sharding)!r}: a tower's tables are sharded "
-            f"inside its host; use one of {', '.join(map(repr, TOWER_SHARDINGS))}"
+            f"inside its host; use one of {', '.join(repr(t.value) for t in TOWER_SHARDINGS)}"
         )
     codecs = codecs or CommCodecs()
     stats = stats if stats is not None else CommStats()
@@ -333,23 +312,8 @@ def parallelize_towers(
     for t, other in enumerate(model.partition):
         if t != topology.host:
             _tower_tables(ebc, other, t)  # the same error on every rank
-    tower_ebc = EmbeddingBagCollection(
-        tables,
-        ebc.optimizer,
-        backend=ebc.backend,
-        device=ebc.device,
-        id_policy=ebc.id_policy,
-        seed=ebc.seed,
-        materialize=ebc.is_materialized,
-    )
-    if ebc.is_materialized:  # else the host's shards initialise themselves from the seed
-        weights, states = ebc.table_weights(), ebc.optimizer_state_dict()
-        with torch.no_grad():
-            for name, w in tower_ebc.table_weights().items():
-                w.copy_(weights[name])
-        tower_ebc.load_optimizer_state_dict(
-            {k: v for k, v in states.items() if k in tower_ebc.optimizer_state_dict()}
-        )
+    # Unmaterialized when ``ebc`` is: the host's shards initialise themselves from the seed.
+    tower_ebc = copy_tables(ebc, tables)
     sparse = TowerEmbeddingBagCollection(
         tower_ebc,
         uniform_plan(tables, host.topology, sharding),

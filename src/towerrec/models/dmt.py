@@ -67,7 +67,6 @@ __all__ = [
     "TowerKind",
     "TowerModule",
     "check_partition",
-    "interact",
 ]
 
 PARTITION_STRATEGIES = ("auto", "random", "cost", "contiguous")
@@ -352,9 +351,15 @@ class DMT(nn.Module):
 
     def interact(self, x: torch.Tensor | None, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
         """The top: x ``[B, D]`` (None without dense features) and tower outputs
-        ``[B, K_t, D]`` -> logits ``[B]``."""
+        ``[B, K_t, D]`` -> logits ``[B]``: pairwise dots of the stacked vectors, concatenated
+        with x and the flattened outputs of the towers that compress, through the top MLP
+        (the tower-parallel DMT calls this one)."""
         compresses = [t.compresses for t in cast("Iterable[TowerModule]", self.towers)]
-        return interact(self.interaction, self.top, compresses, x, outputs)
+        vectors = list(outputs) if x is None else [x.unsqueeze(1), *outputs]
+        flat = [o.flatten(1) for o, c in zip(outputs, compresses) if c]
+        head = [] if x is None else [x]
+        dots = self.interaction(torch.cat(vectors, dim=1))
+        return self.top(torch.cat([*head, *flat, dots], dim=1)).squeeze(1)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         x = self.bottom(dense) if self.bottom is not None else None
@@ -403,23 +408,6 @@ class DMT(nn.Module):
                 cast(nn.Linear, dlrm.top[0]).weight[:, columns]
             )
         return model
-
-
-def interact(
-    interaction: DotInteraction,
-    top: MLP,
-    compresses: Sequence[bool],
-    x: torch.Tensor | None,
-    outputs: Sequence[torch.Tensor],
-) -> torch.Tensor:
-    """DMT's top over x ``[B, D]`` (None without dense features) and every tower's output
-    ``[B, K_t, D]`` -> logits ``[B]``: pairwise dots of the stacked vectors, concatenated
-    with x and the flattened outputs of the towers that ``compresses``, through the top
-    MLP (the tower-parallel DMT shares it)."""
-    vectors = list(outputs) if x is None else [x.unsqueeze(1), *outputs]
-    flat = [o.flatten(1) for o, c in zip(outputs, compresses) if c]
-    head = [] if x is None else [x]
-    return top(torch.cat([*head, *flat, interaction(torch.cat(vectors, dim=1))], dim=1)).squeeze(1)
 
 
 def _triu(n: int, self_interaction: bool) -> tuple[list[int], list[int]]:
