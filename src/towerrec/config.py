@@ -44,6 +44,7 @@ from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
+from towerrec.sharding import TOWER_SHARDINGS, ShardingType
 
 __all__ = [
     "RESUME_SAFE_KEYS",
@@ -405,35 +406,27 @@ class PlanConfig:
 class DistributedConfig:
     """Multi-process runs (``towerrec train --nproc N`` or torchrun); ignored in one process."""
 
-    sharding: str = "table_wise"  # every table, when plan.strategy = "none"
+    sharding: ShardingType = ShardingType.TABLE_WISE  # every table, when plan.strategy = "none"
     forward_codec: str = "fp32"  # wire format of pooled embeddings: fp32 | fp16 | bf16
     backward_codec: str = "fp32"  # wire format of their gradients
     pipeline: bool = False  # overlap the next batch's input_dist with this batch's compute
     timeout_s: float = 300.0  # a collective waiting longer for a peer fails the run
-    tower_sharding: str = "row_wise"  # DMT on several hosts: tower t's tables inside host t
+    # DMT on several hosts: tower t's tables inside host t (one of TOWER_SHARDINGS)
+    tower_sharding: ShardingType = ShardingType.ROW_WISE
 
     def __post_init__(self) -> None:
-        _choice(
-            self.sharding,
-            (
-                "table_wise",
-                "row_wise",
-                "column_wise",
-                "table_row_wise",
-                "table_column_wise",
-                "data_parallel",
-            ),
-            "distributed.sharding",
-        )
+        _choice(str(self.sharding), tuple(t.value for t in ShardingType), "distributed.sharding")
+        object.__setattr__(self, "sharding", ShardingType(self.sharding))
         _choice(self.forward_codec, ("fp32", "fp16", "bf16"), "distributed.forward_codec")
         _choice(self.backward_codec, ("fp32", "fp16", "bf16"), "distributed.backward_codec")
         if not self.timeout_s > 0:
             raise ValueError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
         _choice(
-            self.tower_sharding,
-            ("table_wise", "row_wise", "column_wise", "data_parallel"),
+            str(self.tower_sharding),
+            tuple(t.value for t in TOWER_SHARDINGS),
             "distributed.tower_sharding",
         )
+        object.__setattr__(self, "tower_sharding", ShardingType(self.tower_sharding))
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def to_torchrec_plan(
         shards = _order(tp)
         if tp.sharding is ShardingType.DATA_PARALLEL:
             module_plan[name] = ParameterSharding(
-                sharding_type="data_parallel",
+                sharding_type=tp.sharding.value,
                 compute_kernel="dense",
                 ranks=[s.rank for s in shards],
             )
