@@ -59,9 +59,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.planner:
         config = replace(config, plan=replace(config.plan, planner=args.planner))
     if args.calibrate:
-        from towerrec.bench.calibrate import calibrate
+        from towerrec import calibration
 
-        report = calibrate()
+        report = calibration.calibrate()
         Path(args.calibration_out).write_text(json.dumps(report, indent=2) + "\n")
         log.info("calibration written to %s", args.calibration_out)
         config = replace(config, plan=replace(config.plan, calibration=str(args.calibration_out)))

@@ -2,39 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import platform
 import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from datetime import date
 
 import torch
 
+from towerrec.calibration.machine import machine_info
+
 __all__ = ["machine_info", "matmul_peak_flops", "peak_rss_mb", "set_threads", "time_interleaved"]
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def machine_info() -> dict:
-    return {
-        "date": date.today().isoformat(),
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
 
 
 def peak_rss_mb() -> float:

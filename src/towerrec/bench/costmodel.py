@@ -3,7 +3,7 @@
 Random devices (1..8 tables of varied rows, dims, pooling and skew) run through
 the real EmbeddingBagCollection (forward + backward + fused update, one
 thread); a random 75% trains both the calibrated analytic model (its constants
-fitted by non-negative least squares, bench/calibrate.py) and the learned model
+fitted by non-negative least squares, towerrec.calibration) and the learned model
 (planner/learned_cost.py); both predict the held-out 25%. Reports mean and
 median relative error on the held-out devices.
 """
@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from towerrec.bench.calibrate import (
-    _fit_kernel,
+from towerrec.calibration import (
+    fit_kernel,
     kernel_features,
+    machine_info,
     measure_device,
     random_device,
 )
-from towerrec.bench.common import machine_info
 from towerrec.planner.learned_cost import LearnedCostModel
 from towerrec.planner.stats import TableStats
 
@@ -89,7 +89,7 @@ def run_costmodel_benchmark(
     train, test = order[:cut], order[cut:]
     y = np.asarray(seconds)
     x = np.stack([kernel_features(d, batch) for d in devices])
-    coef = _fit_kernel(x[train], y[train])
+    coef = fit_kernel(x[train], y[train])
     learned = LearnedCostModel(batch=batch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny network: more threads only spin on a shared CPU

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from towerrec.bench.common import machine_info
+from towerrec.calibration import device_step
 from towerrec.planner.cost import CostConstants, CostModel
 from towerrec.planner.search import GREEDY_KEYS, PLANNERS, evaluate_plan, plan_tables
 from towerrec.planner.stats import TableStats
@@ -158,7 +159,6 @@ def _measured_part(suite, calibration, num_tasks, seed, max_rows=50_000, rounds=
     this shared machine's speed hits every planner alike."""
     import torch
 
-    from towerrec.bench.calibrate import device_step
     from towerrec.bench.common import time_interleaved
 
     batch = 512
