@@ -1,17 +1,61 @@
-"""Benchmark helpers: machine description, matmul peak, timing."""
+"""Benchmark helpers: the declaration every benchmark makes, machine description,
+matmul peak, timing."""
 
 from __future__ import annotations
 
+import argparse
 import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
 from towerrec.calibration.machine import machine_info
 
-__all__ = ["machine_info", "matmul_peak_flops", "peak_rss_mb", "set_threads", "time_interleaved"]
+__all__ = [
+    "Benchmark",
+    "add_overrides_argument",
+    "comma_list",
+    "machine_info",
+    "matmul_peak_flops",
+    "peak_rss_mb",
+    "set_threads",
+    "time_interleaved",
+]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """What one ``towerrec bench NAME`` is: a help line, the arguments it declares on its
+    parser, and a run from the parsed arguments to its result (printed as JSON).
+
+    Benchmark modules declare theirs next to the code they time; the command line's
+    table (``towerrec.cli.bench.BENCHMARKS``) gives each its name."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], dict]
+
+
+def add_overrides_argument(
+    parser: argparse.ArgumentParser, help: str = "config override for every variant"
+) -> None:
+    """``--set SECTION.KEY=VALUE`` (repeatable), into ``overrides``."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help=help,
+    )
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """``a,b,,c`` -> ``("a", "b", "c")``."""
+    return tuple(v for v in text.split(",") if v)
 
 
 def peak_rss_mb() -> float:

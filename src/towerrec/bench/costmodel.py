@@ -10,12 +10,14 @@ median relative error on the held-out devices.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from towerrec.bench.common import Benchmark
 from towerrec.calibration import (
     fit_kernel,
     kernel_features,
@@ -26,7 +28,7 @@ from towerrec.calibration import (
 from towerrec.planner.learned_cost import LearnedCostModel
 from towerrec.planner.stats import TableStats
 
-__all__ = ["collect_device_samples", "run_costmodel_benchmark"]
+__all__ = ["BENCHMARK", "collect_device_samples", "run_costmodel_benchmark"]
 
 
 def collect_device_samples(num_devices: int, batch: int, reps: int = 5, seed: int = 0):
@@ -128,3 +130,20 @@ def run_costmodel_benchmark(
             )
         ),
     }
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", type=int, default=200, help="random devices to measure")
+    parser.add_argument("--samples", help="reuse measured devices from this JSON, measure nothing")
+    parser.add_argument("--save-samples", help="write the measured devices as JSON")
+
+
+def _run(args: argparse.Namespace) -> dict:
+    return run_costmodel_benchmark(
+        num_devices=args.devices, samples_in=args.samples, samples_out=args.save_samples
+    )
+
+
+BENCHMARK = Benchmark(
+    "analytic vs learned device cost on measured multi-table kernels", _add_arguments, _run
+)

@@ -33,10 +33,19 @@ from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.planner.plan import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
-__all__ = ["DIST_SHAPE", "run_dist_benchmark"]
+__all__ = ["ALL_TYPES", "DIST_SHAPE", "run_dist_benchmark"]
 
 DIST_SHAPE = {"num_tables": 8, "num_embeddings": 20_000, "embedding_dim": 32, "batch_per_rank": 512}
 TORCHREC_TYPES = ("table_wise", "column_wise")  # see the module doc for data-parallel
+# What `towerrec bench dist` times by default, in this order.
+ALL_TYPES = (
+    ShardingType.TABLE_WISE,
+    ShardingType.ROW_WISE,
+    ShardingType.COLUMN_WISE,
+    ShardingType.TABLE_ROW_WISE,
+    ShardingType.TABLE_COLUMN_WISE,
+    ShardingType.DATA_PARALLEL,
+)
 
 
 def table_configs(shape: dict) -> list[TableConfig]:
