@@ -186,3 +186,34 @@ def test_only_the_command_line_imports_the_benchmarks():
         and not m.startswith(("towerrec.bench", "towerrec.cli"))
     }
     assert users == set()
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_nothing_imports_the_command_line():
+    """The command line is the top of the ladder: only its own modules and the
+    ``python -m towerrec`` entry point import it."""
+    graph = import_graph()
+    users = {
+        m
+        for m, deps in graph.items()
+        if any(_in(d, "towerrec.cli") for d in deps)
+        and not _in(m, "towerrec.cli")
+        and m != "towerrec.__main__"
+    }
+    assert users == set()
+
+
+def test_the_calibration_is_used_from_above():
+    """Calibration measures kernels and collectives for the planner: the planner reads
+    its constants from a file, and only the command line and the benchmarks call it."""
+    graph = import_graph()
+    users = {
+        m
+        for m, deps in graph.items()
+        if any(_in(d, "towerrec.calibration") for d in deps)
+        and not any(_in(m, p) for p in ("towerrec.calibration", "towerrec.cli", "towerrec.bench"))
+    }
+    assert users == set()
