@@ -19,6 +19,7 @@ FORBIDDEN = {
         "towerrec.train",
         "towerrec.distributed",
         "towerrec.planner",
+        "towerrec.calibration",
     ],
     "optim": [
         "torch.distributed",
@@ -26,6 +27,7 @@ FORBIDDEN = {
         "towerrec.models",
         "towerrec.train",
         "towerrec.data",
+        "towerrec.calibration",
     ],
     "modules": [
         "torch.distributed",
@@ -34,6 +36,7 @@ FORBIDDEN = {
         "towerrec.distributed",
         "towerrec.data",
         "towerrec.planner",
+        "towerrec.calibration",
     ],
     "models": [
         "torch.distributed",
@@ -41,6 +44,31 @@ FORBIDDEN = {
         "towerrec.distributed",
         "towerrec.data",
         "towerrec.planner",
+        "towerrec.calibration",
+    ],
+    # The planner reads cost constants; measuring them is calibration's job, above it.
+    "planner": [
+        "torch.distributed",
+        "towerrec.train",
+        "towerrec.distributed",
+        "towerrec.calibration",
+    ],
+    "distributed": [
+        "towerrec.train",
+        "towerrec.cli",
+        "towerrec.bench",
+        "towerrec.data",
+        "towerrec.calibration",
+    ],
+    # Above the kernels (modules), the collectives (distributed) and the planner whose
+    # constants it measures; below the command line and the benchmarks that use it.
+    "calibration": [
+        "towerrec.train",
+        "towerrec.cli",
+        "towerrec.bench",
+        "towerrec.config",
+        "towerrec.interop",
+        "towerrec.data",
     ],
     "sharding": [
         "torch.distributed",
@@ -52,8 +80,6 @@ FORBIDDEN = {
         "towerrec.cli",
         "towerrec.bench",
     ],
-    "planner": ["torch.distributed", "towerrec.train", "towerrec.distributed"],
-    "distributed": ["towerrec.train", "towerrec.cli", "towerrec.bench", "towerrec.data"],
     "config.py": ["torch.distributed", "towerrec.train", "towerrec.cli", "towerrec.bench"],
     "train": ["towerrec.cli", "towerrec.bench"],
     "bench": ["towerrec.cli"],
@@ -168,5 +194,36 @@ def test_only_the_command_line_imports_the_benchmarks():
         for m, deps in graph.items()
         if any(d.startswith("towerrec.bench") for d in deps)
         and not m.startswith(("towerrec.bench", "towerrec.cli"))
+    }
+    assert users == set()
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_nothing_imports_the_command_line():
+    """The command line is the top of the ladder: only its own modules and the
+    ``python -m towerrec`` entry point import it."""
+    graph = import_graph()
+    users = {
+        m
+        for m, deps in graph.items()
+        if any(_in(d, "towerrec.cli") for d in deps)
+        and not _in(m, "towerrec.cli")
+        and m != "towerrec.__main__"
+    }
+    assert users == set()
+
+
+def test_the_calibration_is_used_from_above():
+    """Calibration measures kernels and collectives for the planner: the planner reads
+    its constants from a file, and only the command line and the benchmarks call it."""
+    graph = import_graph()
+    users = {
+        m
+        for m, deps in graph.items()
+        if any(_in(d, "towerrec.calibration") for d in deps)
+        and not any(_in(m, p) for p in ("towerrec.calibration", "towerrec.cli", "towerrec.bench"))
     }
     assert users == set()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from towerrec.bench.calibrate import random_device
+from towerrec.calibration import random_device
 from towerrec.planner.learned_cost import LearnedCostModel
 
 

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from conftest import needs_torchrec
 
-from towerrec.bench.calibrate import (
+from towerrec.calibration import (
     FEATURES,
-    _fit_kernel,
     analytic_device_seconds,
     calibrate,
+    fit_kernel,
     kernel_features,
     make_ids,
 )
@@ -38,9 +38,9 @@ def test_kernel_fit_recovers_known_coefficients():
     rng = np.random.default_rng(0)
     x = np.abs(rng.normal(size=(40, len(FEATURES)))) * np.array([3, 8, 1e5, 1e7, 1e4, 1e7])
     truth = np.array([1e-4, 0.0, 5e-8, 2e-10, 0.0, 1e-10])
-    coef = _fit_kernel(x, x @ truth)
+    coef = fit_kernel(x, x @ truth)
     assert coef == pytest.approx(truth, rel=1e-6, abs=1e-15)
-    assert (_fit_kernel(x, x @ truth + 1e-3) >= 0).all()
+    assert (fit_kernel(x, x @ truth + 1e-3) >= 0).all()
 
 
 def test_analytic_device_seconds_matches_the_feature_terms():

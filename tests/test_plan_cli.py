@@ -108,11 +108,11 @@ def _plan_on_rank(rank, world, port, queue):
 
 @pytest.mark.multiprocess
 def test_infeasible_plan_fails_the_same_way_on_every_rank():
-    from towerrec.bench.torchrec_ref import _free_port
+    from towerrec.distributed.launch import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_plan_on_rank, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
@@ -126,7 +126,7 @@ def test_infeasible_plan_fails_the_same_way_on_every_rank():
 
 
 def test_plan_calibrate_writes_constants_and_plans_with_them(tmp_path, monkeypatch, capsys):
-    import towerrec.bench.calibrate as calibrate_module
+    import towerrec.calibration as calibrate_module
     from towerrec.cli import main
     from towerrec.planner.cost import CostConstants
 

@@ -1,40 +1,61 @@
-"""Benchmark helpers: machine description, matmul peak, timing."""
+"""Benchmark helpers: the declaration every benchmark makes, machine description,
+matmul peak, timing."""
 
 from __future__ import annotations
 
-import os
-import platform
+import argparse
 import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping
-from datetime import date
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["machine_info", "matmul_peak_flops", "peak_rss_mb", "set_threads", "time_interleaved"]
+from towerrec.calibration.machine import machine_info
+
+__all__ = [
+    "Benchmark",
+    "add_overrides_argument",
+    "comma_list",
+    "machine_info",
+    "matmul_peak_flops",
+    "peak_rss_mb",
+    "set_threads",
+    "time_interleaved",
+]
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+@dataclass(frozen=True)
+class Benchmark:
+    """What one ``towerrec bench NAME`` is: a help line, the arguments it declares on its
+    parser, and a run from the parsed arguments to its result (printed as JSON).
+
+    Benchmark modules declare theirs next to the code they time; the command line's
+    table (``towerrec.cli.bench.BENCHMARKS``) gives each its name."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], dict]
 
 
-def machine_info() -> dict:
-    return {
-        "date": date.today().isoformat(),
-        "cpu": _cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
+def add_overrides_argument(
+    parser: argparse.ArgumentParser, help: str = "config override for every variant"
+) -> None:
+    """``--set SECTION.KEY=VALUE`` (repeatable), into ``overrides``."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help=help,
+    )
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """``a,b,,c`` -> ``("a", "b", "c")``."""
+    return tuple(v for v in text.split(",") if v)
 
 
 def peak_rss_mb() -> float:

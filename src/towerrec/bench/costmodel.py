@@ -3,30 +3,32 @@
 Random devices (1..8 tables of varied rows, dims, pooling and skew) run through
 the real EmbeddingBagCollection (forward + backward + fused update, one
 thread); a random 75% trains both the calibrated analytic model (its constants
-fitted by non-negative least squares, bench/calibrate.py) and the learned model
+fitted by non-negative least squares, towerrec.calibration) and the learned model
 (planner/learned_cost.py); both predict the held-out 25%. Reports mean and
 median relative error on the held-out devices.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from towerrec.bench.calibrate import (
-    _fit_kernel,
+from towerrec.bench.common import Benchmark
+from towerrec.calibration import (
+    fit_kernel,
     kernel_features,
+    machine_info,
     measure_device,
     random_device,
 )
-from towerrec.bench.common import machine_info
 from towerrec.planner.learned_cost import LearnedCostModel
 from towerrec.planner.stats import TableStats
 
-__all__ = ["collect_device_samples", "run_costmodel_benchmark"]
+__all__ = ["BENCHMARK", "collect_device_samples", "run_costmodel_benchmark"]
 
 
 def collect_device_samples(num_devices: int, batch: int, reps: int = 5, seed: int = 0):
@@ -89,7 +91,7 @@ def run_costmodel_benchmark(
     train, test = order[:cut], order[cut:]
     y = np.asarray(seconds)
     x = np.stack([kernel_features(d, batch) for d in devices])
-    coef = _fit_kernel(x[train], y[train])
+    coef = fit_kernel(x[train], y[train])
     learned = LearnedCostModel(batch=batch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny network: more threads only spin on a shared CPU
@@ -128,3 +130,20 @@ def run_costmodel_benchmark(
             )
         ),
     }
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", type=int, default=200, help="random devices to measure")
+    parser.add_argument("--samples", help="reuse measured devices from this JSON, measure nothing")
+    parser.add_argument("--save-samples", help="write the measured devices as JSON")
+
+
+def _run(args: argparse.Namespace) -> dict:
+    return run_costmodel_benchmark(
+        num_devices=args.devices, samples_in=args.samples, samples_out=args.save_samples
+    )
+
+
+BENCHMARK = Benchmark(
+    "analytic vs learned device cost on measured multi-table kernels", _add_arguments, _run
+)

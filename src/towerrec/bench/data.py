@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from towerrec.bench.common import machine_info, peak_rss_mb, time_interleaved
+from towerrec.bench.common import Benchmark, machine_info, peak_rss_mb, time_interleaved
 from towerrec.bench.train import CRITEO_SHAPE, DENSE_LR, EMB_LR, build_tables, make_batches
 from towerrec.data.cache import open_cache
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
@@ -34,7 +35,7 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_paramet
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.train.step import train_step
 
-__all__ = ["run_data_benchmark"]
+__all__ = ["BENCHMARK", "run_data_benchmark"]
 
 
 def _time_preprocess(days: list[Path], work: Path, rounds: int) -> dict:
@@ -154,3 +155,26 @@ def run_data_benchmark(
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", type=int, default=250_000, help="rows per generated file")
+    parser.add_argument("--files", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed training steps / loader batches"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+
+
+def _run(args: argparse.Namespace) -> dict:
+    return run_data_benchmark(
+        rows_per_file=args.rows,
+        files=args.files,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        rounds=args.rounds,
+    )
+
+
+BENCHMARK = Benchmark("Criteo TSV preprocessing and loader throughput", _add_arguments, _run)

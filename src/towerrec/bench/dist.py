@@ -33,10 +33,22 @@ from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
-__all__ = ["DIST_SHAPE", "run_dist_benchmark"]
+__all__ = ["ALL_TYPES", "DIST_SHAPE", "run_dist_benchmark"]
 
 DIST_SHAPE = {"num_tables": 8, "num_embeddings": 20_000, "embedding_dim": 32, "batch_per_rank": 512}
-TORCHREC_TYPES = ("table_wise", "column_wise")  # see the module doc for data-parallel
+TORCHREC_TYPES = (
+    ShardingType.TABLE_WISE,
+    ShardingType.COLUMN_WISE,
+)  # see the module doc for data-parallel
+# What `towerrec bench dist` times by default, in this order.
+ALL_TYPES = (
+    ShardingType.TABLE_WISE,
+    ShardingType.ROW_WISE,
+    ShardingType.COLUMN_WISE,
+    ShardingType.TABLE_ROW_WISE,
+    ShardingType.TABLE_COLUMN_WISE,
+    ShardingType.DATA_PARALLEL,
+)
 
 
 def table_configs(shape: dict) -> list[TableConfig]:
@@ -87,7 +99,9 @@ def _torchrec_sharded(shape: dict, sharding: str, world: int):
     )
     # TorchRec cuts column-wise shards of at least 128 columns by default (so a 32-wide
     # table would stay whole); ask for the same split as ours: dim / world columns each.
-    min_partition = shape["embedding_dim"] // world if sharding == "column_wise" else None
+    min_partition = (
+        shape["embedding_dim"] // world if sharding == ShardingType.COLUMN_WISE else None
+    )
     constraints = {
         t.name: ParameterConstraints(sharding_types=[sharding], min_partition=min_partition)
         for t in tables

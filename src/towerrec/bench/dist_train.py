@@ -20,6 +20,7 @@ its dense Adagrad updates them after DDP's all-reduce).
 
 from __future__ import annotations
 
+import argparse
 import itertools
 from collections.abc import Callable
 
@@ -27,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from towerrec.bench.common import machine_info, time_interleaved
-from towerrec.bench.dist import table_configs
+from towerrec.bench.common import Benchmark, machine_info, time_interleaved
+from towerrec.bench.dist import ALL_TYPES, run_dist_benchmark, table_configs
 from towerrec.bench.torchrec_ref import quiet_torchrec_logs, torchrec_available
 from towerrec.data.batch import Batch
 from towerrec.distributed.comm import Codec, CommCodecs
@@ -38,14 +39,15 @@ from towerrec.distributed.parallelize import parallelize, uniform_plan
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.pipeline import pipelined
 from towerrec.train.step import train_step
 
-__all__ = ["DIST_DLRM_SHAPE", "TORCHREC_TYPES", "run_dist_train_benchmark"]
+__all__ = ["BENCHMARK", "DIST_DLRM_SHAPE", "TORCHREC_TYPES", "run_dist_train_benchmark"]
 
 # Data-parallel tables included: TorchRec's are stepped by a fused dense Adagrad here.
-TORCHREC_TYPES = ("table_wise", "column_wise", "data_parallel")
+TORCHREC_TYPES = (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE, ShardingType.DATA_PARALLEL)
 
 DIST_DLRM_SHAPE = {
     "num_tables": 26,
@@ -132,7 +134,7 @@ def _torchrec_pipeline(shape: dict, kind: str, world: int):
         }
     )
     # The same column split as ours (TorchRec's default keeps 16-wide tables whole).
-    min_partition = shape["embedding_dim"] // world if kind == "column_wise" else None
+    min_partition = shape["embedding_dim"] // world if kind == ShardingType.COLUMN_WISE else None
     constraints = {
         t.name: ParameterConstraints(sharding_types=[kind], min_partition=min_partition)
         for t in tables
@@ -244,3 +246,51 @@ def run_dist_train_benchmark(
         "torchrec": use_torchrec or "skipped (not installed)" if torchrec else "skipped",
         "worlds": worlds,
     }
+
+
+_ALL_TYPES = ",".join(t.value for t in ALL_TYPES)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", default="2,4", help="comma-separated world sizes (4: 2 hosts)")
+    parser.add_argument(
+        "--types",
+        default=None,
+        help=f"comma-separated sharding types (default: {_ALL_TYPES}; with --model dlrm: "
+        "the types TorchRec has on CPU)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=("embedding", "dlrm"),
+        default="embedding",
+        help="embedding: the sharded collection's step alone; dlrm: full DLRM training "
+        "steps (pipelined input_dist, fp16 wires) against TorchRec's TrainPipelineSparseDist",
+    )
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per system")
+    parser.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds")
+    parser.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec comparison")
+
+
+def _run(args: argparse.Namespace) -> dict:
+    """``--model embedding``: bench/dist.py; ``--model dlrm``: this module."""
+    nprocs = tuple(int(n) for n in args.nproc.split(","))
+    if args.model == "dlrm":
+        return run_dist_train_benchmark(
+            nprocs=nprocs,
+            types=tuple(args.types.split(",")) if args.types else TORCHREC_TYPES,
+            steps=args.steps,
+            rounds=args.rounds,
+            torchrec=not args.no_torchrec,
+        )
+    return run_dist_benchmark(
+        nprocs=nprocs,
+        types=tuple((args.types or _ALL_TYPES).split(",")),
+        steps=args.steps,
+        rounds=args.rounds,
+        torchrec=not args.no_torchrec,
+    )
+
+
+# `towerrec bench dist` is declared here rather than in bench/dist.py, which this module
+# imports: one declaration for both models.
+BENCHMARK = Benchmark("sharded embedding steps on N CPU processes, per type", _add_arguments, _run)

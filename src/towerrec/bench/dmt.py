@@ -19,6 +19,7 @@ embedding collectives' bytes per sample, intra- and cross-host.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import itertools
 import json
@@ -34,10 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import towerrec
+from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list
 from towerrec.bench.dmt_report import assemble_report
 from towerrec.bench.netns import LinkConfig, TwoHostNetwork, two_host_network
 
 __all__ = [
+    "BENCHMARK",
     "NETWORKS",
     "VARIANTS",
     "WARMUP_STEPS",
@@ -325,3 +328,55 @@ def run_dmt_benchmark(
     return assemble_report(
         runs, layouts, HOSTS, RANKS_PER_HOST, settings, link_gbit if link else None
     )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--network",
+        default="local",
+        help="local: 4 processes on loopback; netns: 2 namespaces of 2 ranks, shaped veth (root)",
+    )
+    parser.add_argument(
+        "--link-gbit", type=float, default=1.0, help="netns link rate, Gbit/s each way"
+    )
+    parser.add_argument("--link-delay-ms", type=float, default=0.0, help="netns one-way link delay")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per variant")
+    parser.add_argument("--batch-size", type=int, default=4096, help="global batch (4 ranks)")
+    parser.add_argument("--embedding-dim", type=int, default=64)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per rank (0: default)"
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every variant, interleaved")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated subset of " + ", ".join(VARIANTS),
+    )
+    add_overrides_argument(parser)
+    parser.add_argument("--work-dir", type=Path, help="keep the runs' directories here")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="per training run")
+
+
+def _run(args: argparse.Namespace) -> dict:
+    return run_dmt_benchmark(
+        network=args.network,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        embedding_dim=args.embedding_dim,
+        threads=args.threads,
+        link_gbit=args.link_gbit,
+        link_delay_ms=args.link_delay_ms,
+        rounds=args.rounds,
+        variants=list(comma_list(args.variants)),
+        overrides=args.overrides,
+        work_dir=args.work_dir,
+        timeout_s=args.timeout_s,
+    )
+
+
+BENCHMARK = Benchmark(
+    "flat DLRM vs DMT on 2 hosts x 2 ranks: bytes, peers, AUC, samples/s "
+    "(--network netns: two network namespaces over a shaped link; root)",
+    _add_arguments,
+    _run,
+)

@@ -6,12 +6,14 @@ accelerators (8 per host) at each cross-host bandwidth given.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
+from towerrec.bench.common import Benchmark
 from towerrec.data.synthetic import SyntheticConfig
 from towerrec.planner.dmt_scale import Cluster, Workload, predict_step, scale_sweep
 
-__all__ = ["plot_sweeps", "run_scale_model", "synthetic_traffic"]
+__all__ = ["BENCHMARK", "plot_sweeps", "run_scale_model", "synthetic_traffic"]
 
 
 def run_scale_model(
@@ -110,3 +112,28 @@ def plot_sweeps(sweeps: dict, path: Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--cross-host-gbs", default="25,50", help="GB/s per accelerator, comma list"
+    )
+    parser.add_argument("--intra-host-gbs", type=float, default=300.0)
+    parser.add_argument("--ranks-per-host", type=int, default=8)
+    parser.add_argument("--compression", type=float, default=4.0, help="DMT tower compression")
+    parser.add_argument("--plot", type=Path, help="write the plot (PNG) here")
+
+
+def _run(args: argparse.Namespace) -> dict:
+    return run_scale_model(
+        cross_host_gbs=tuple(float(v) for v in args.cross_host_gbs.split(",")),
+        intra_host_gbs=args.intra_host_gbs,
+        ranks_per_host=args.ranks_per_host,
+        compression=args.compression,
+        plot=args.plot,
+    )
+
+
+BENCHMARK = Benchmark(
+    "analytic step time of flat DLRM vs DMT, 16 to 512 accelerators", _add_arguments, _run
+)

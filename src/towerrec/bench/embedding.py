@@ -8,12 +8,19 @@ are against the faster TorchRec.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from collections.abc import Callable
 
 import torch
 
-from towerrec.bench.common import machine_info, peak_rss_mb, set_threads, time_interleaved
+from towerrec.bench.common import (
+    Benchmark,
+    machine_info,
+    peak_rss_mb,
+    set_threads,
+    time_interleaved,
+)
 from towerrec.bench.torchrec_ref import (
     quiet_torchrec_logs,
     single_process_group,
@@ -22,6 +29,7 @@ from towerrec.bench.torchrec_ref import (
     torchrec_tables,
 )
 from towerrec.bench.train import (
+    add_timing_arguments,
     build_tables,
     fastest_torchrec,
     make_batches,
@@ -31,7 +39,7 @@ from towerrec.bench.train import (
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 
-__all__ = ["EMBEDDING_SHAPE", "run_embedding_benchmark"]
+__all__ = ["BENCHMARK", "EMBEDDING_SHAPE", "run_embedding_benchmark"]
 
 EMBEDDING_SHAPE = {"num_tables": 26, "num_embeddings": 100_000, "embedding_dim": 64, "num_dense": 1}
 BATCH = 2048
@@ -130,3 +138,16 @@ def run_embedding_benchmark(
         "ratios": ratios_to(results, reference),
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }
+
+
+def _run(args: argparse.Namespace) -> dict:
+    return run_embedding_benchmark(
+        steps=args.steps,
+        warmup=args.warmup,
+        backends=args.backends,
+        torchrec=not args.no_torchrec,
+        threads=args.threads,
+    )
+
+
+BENCHMARK = Benchmark("embedding lookup + backward + update alone", add_timing_arguments, _run)

@@ -26,13 +26,14 @@ most pages of the tables are rewritten (as a long run's would be).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import multiprocessing
 import time
 
 import torch
 
-from towerrec.bench.common import machine_info
+from towerrec.bench.common import Benchmark, machine_info
 from towerrec.distributed.comm import Comm
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
@@ -42,9 +43,10 @@ from towerrec.memory import peak_rss_mb, process_memory, reset_peak_rss
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
-__all__ = ["MEMORY_SHAPE", "run_memory_benchmark"]
+__all__ = ["BENCHMARK", "MEMORY_SHAPE", "run_memory_benchmark"]
 
 MEMORY_SHAPE = {
     "num_tables": 4,
@@ -99,7 +101,7 @@ def _rank_memory(topology: Topology, shape: dict, self_init: bool, steps: int) -
         tables, EmbeddingOptimizerConfig(lr=0.05), backend="fbgemm", materialize=not self_init
     )
     sharded = ShardedEmbeddingBagCollection(
-        ebc, uniform_plan(tables, topology, "row_wise"), Comm(topology)
+        ebc, uniform_plan(tables, topology, ShardingType.ROW_WISE), Comm(topology)
     )
     del ebc
     gc.collect()
@@ -192,3 +194,31 @@ def run_memory_benchmark(
     if workers:
         result["loader_workers"] = _workers(shape, workers, steps)
     return result
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nproc", type=int, default=4, help="ranks sharing the tables row-wise (0: skip)"
+    )
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run")
+    parser.add_argument("--workers", type=int, default=2, help="data-loader workers (0: skip)")
+    parser.add_argument("--tables", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
+    parser.add_argument("--dim", type=int, default=32)
+
+
+def _run(args: argparse.Namespace) -> dict:
+    for flag in ("tables", "rows", "dim", "steps"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"bench memory: --{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.nproc < 0 or args.workers < 0:
+        raise ValueError("bench memory: --nproc and --workers must be >= 0 (0 skips that part)")
+    shape = {"num_tables": args.tables, "num_embeddings": args.rows, "embedding_dim": args.dim}
+    return run_memory_benchmark(args.nproc, args.steps, args.workers, shape)
+
+
+BENCHMARK = Benchmark(
+    "per-rank and loader-worker memory with tables much larger than a rank's",
+    _add_arguments,
+    _run,
+)

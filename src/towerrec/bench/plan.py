@@ -20,20 +20,23 @@ the ``cpu`` topology, or the default constants on ``--topology``.
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from towerrec.bench.common import machine_info
+from towerrec.bench.common import Benchmark, machine_info
+from towerrec.calibration import device_step
 from towerrec.planner.cost import CostConstants, CostModel
 from towerrec.planner.search import GREEDY_KEYS, PLANNERS, evaluate_plan, plan_tables
 from towerrec.planner.stats import TableStats
 from towerrec.planner.suites import dlrm_like_suite, planning_tasks
 from towerrec.planner.topology import topology_preset
+from towerrec.sharding import ShardingType
 
-__all__ = ["run_plan_benchmark", "torchrec_planner_plan"]
+__all__ = ["BENCHMARK", "run_plan_benchmark", "torchrec_planner_plan"]
 
 
 def torchrec_planner_plan(stats: list[TableStats], model: CostModel):
@@ -60,7 +63,12 @@ def torchrec_planner_plan(stats: list[TableStats], model: CostModel):
         ],
         device=torch.device("meta"),
     )
-    types = ["table_wise", "column_wise", "row_wise", "table_row_wise"]
+    types = [
+        ShardingType.TABLE_WISE,
+        ShardingType.COLUMN_WISE,
+        ShardingType.ROW_WISE,
+        ShardingType.TABLE_ROW_WISE,
+    ]
     planner = EmbeddingShardingPlanner(
         topology=TorchrecTopology(
             world_size=topo.world_size,
@@ -158,7 +166,6 @@ def _measured_part(suite, calibration, num_tasks, seed, max_rows=50_000, rounds=
     this shared machine's speed hits every planner alike."""
     import torch
 
-    from towerrec.bench.calibrate import device_step
     from towerrec.bench.common import time_interleaved
 
     batch = 512
@@ -265,3 +272,29 @@ def run_plan_benchmark(
         result["targets"]["plan_856_on_128_cpu_s"] = search["planning_cpu_s"]
         result["targets"]["target_s"] = 5.0
     return result
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tasks", type=int, default=100, help="tasks of 10-60 tables on 4 devices")
+    parser.add_argument(
+        "--torchrec-tasks", type=int, default=20, help="of those, for TorchRec's planner"
+    )
+    parser.add_argument("--measured-tasks", type=int, default=5, help="tasks timed on this machine")
+    parser.add_argument("--no-full", action="store_true", help="skip 856 tables on 128 devices")
+    parser.add_argument("--no-torchrec", action="store_true", help="skip TorchRec's planner")
+    parser.add_argument("--topology", default="gpu", help="topology preset without --calibration")
+    parser.add_argument("--calibration", help="constants from `towerrec plan --calibrate` (cpu)")
+
+
+def _run(args: argparse.Namespace) -> dict:
+    return run_plan_benchmark(
+        tasks=args.tasks,
+        torchrec_tasks=0 if args.no_torchrec else args.torchrec_tasks,
+        measured_tasks=args.measured_tasks,
+        full=not args.no_full,
+        topology=args.topology,
+        calibration=args.calibration,
+    )
+
+
+BENCHMARK = Benchmark("planners on synthetic DLRM-like table suites", _add_arguments, _run)

@@ -32,6 +32,7 @@ or above").
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import statistics
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 
-from towerrec.bench.common import machine_info
+from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list, machine_info
 from towerrec.bench.quality_reference import (
     Architecture,
     Bag,
@@ -58,7 +59,13 @@ from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.train.build import build_source
 from towerrec.train.trainer import train
 
-__all__ = ["QualitySettings", "early_stopped", "plain_data", "run_quality_benchmark"]
+__all__ = [
+    "BENCHMARK",
+    "QualitySettings",
+    "early_stopped",
+    "plain_data",
+    "run_quality_benchmark",
+]
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MODELS = ("dlrm", "dcn", "wukong")
@@ -308,3 +315,87 @@ def run_quality_benchmark(settings: QualitySettings) -> dict:
         "verdict_rule": "towerrec mean AUC - reference mean AUC >= -max(std_towerrec, std_reference)",
         "datasets": datasets,
     }
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = QualitySettings()
+    recipe = defaults.reference
+    add = parser.add_argument
+    add("--epochs", type=int, default=defaults.epochs, help="epochs per run (at most)")
+    add(
+        "--patience",
+        type=int,
+        default=defaults.patience,
+        help="stop after this many epochs without a lower validation log-loss",
+    )
+    add("--seeds", type=int, default=defaults.seeds, help="runs per model and side")
+    add("--models", default=",".join(defaults.models), help="comma-separated")
+    add("--datasets", default=",".join(defaults.datasets), help="comma-separated")
+    add("--movielens-config", type=Path, default=defaults.movielens_config)
+    add("--movielens-path", default="", help="a MovieLens directory (default: the bundled one)")
+    add(
+        "--criteo-config",
+        type=Path,
+        default=CONFIGS / "criteo.toml" if (CONFIGS / "criteo.toml").is_file() else None,
+        help="towerrec config for the Criteo-format data (default: configs/criteo.toml)",
+    )
+    add("--criteo-files", type=int, default=defaults.criteo_files)
+    add("--criteo-rows", type=int, default=defaults.criteo_rows, help="rows per file")
+    add(
+        "--criteo-num-embeddings",
+        type=int,
+        default=defaults.criteo_num_embeddings,
+        help="hashed rows per table",
+    )
+    add(
+        "--data-dir",
+        type=Path,
+        help="keep the generated Criteo files and cache here (default: temp)",
+    )
+    add("--threads", type=int, default=defaults.threads, help="torch threads")
+    add_overrides_argument(
+        parser, "towerrec config override for every run (the reference has its own recipe)"
+    )
+    add(
+        "--reference-dense-lr",
+        type=float,
+        default=recipe.dense_lr,
+        help="the reference's Adam learning rate (dense weights)",
+    )
+    add(
+        "--reference-embedding-lr",
+        type=float,
+        default=recipe.embedding_lr,
+        help="the reference's Adagrad learning rate (embedding rows)",
+    )
+
+
+def _run(args: argparse.Namespace) -> dict:
+    settings = QualitySettings(
+        epochs=args.epochs,
+        patience=args.patience,
+        seeds=args.seeds,
+        models=comma_list(args.models),
+        datasets=comma_list(args.datasets),
+        movielens_config=args.movielens_config,
+        criteo_config=args.criteo_config,
+        criteo_files=args.criteo_files,
+        criteo_rows=args.criteo_rows,
+        criteo_num_embeddings=args.criteo_num_embeddings,
+        data_dir=args.data_dir,
+        movielens_path=args.movielens_path,
+        overrides=tuple(args.overrides),
+        threads=args.threads,
+        reference=ReferenceSettings(
+            dense_lr=args.reference_dense_lr, embedding_lr=args.reference_embedding_lr
+        ),
+    )
+    return run_quality_benchmark(settings)
+
+
+BENCHMARK = Benchmark(
+    "AUC and log-loss of towerrec's DLRM, DCNv2, Wukong vs plain-PyTorch references "
+    "(MovieLens, generated Criteo-format data; seeds, early stopping)",
+    _add_arguments,
+    _run,
+)

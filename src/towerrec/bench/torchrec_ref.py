@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from towerrec.distributed.launch import free_port
 
 __all__ = [
     "single_process_group",
@@ -36,19 +37,13 @@ def torchrec_available() -> bool:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def single_process_group():
     """A gloo group of one process (for TorchRec's DMP), destroyed afterwards."""
     if dist.is_initialized():
         yield
         return
-    store = dist.TCPStore("127.0.0.1", _free_port(), 1, True)
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield

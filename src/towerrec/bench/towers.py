@@ -14,6 +14,7 @@ the flat model's pooled embeddings are.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import sys
@@ -23,7 +24,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from towerrec.bench.common import machine_info, time_interleaved
+from towerrec.bench.common import (
+    Benchmark,
+    add_overrides_argument,
+    machine_info,
+    time_interleaved,
+)
 from towerrec.config import Config, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dmt import TowerKind
@@ -39,7 +45,7 @@ from towerrec.train.step import train_step
 from towerrec.train.towers import learn_interaction_strength
 from towerrec.train.trainer import train
 
-__all__ = ["run_towers_benchmark", "step_time_ratios"]
+__all__ = ["BENCHMARK", "run_towers_benchmark", "step_time_ratios"]
 
 
 def _with_partition(config: Config, groups: list[list[str]]) -> Config:
@@ -190,3 +196,36 @@ def run_towers_benchmark(
             "auc_partitioner_minus_cost_only": ours - runs["dmt_cost_only"]["auc"],
         },
     }
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=2500, help="training steps per run")
+    parser.add_argument("--num-towers", type=int, default=2)
+    parser.add_argument("--tower", default="dot", help="tower kind: dot, fm or identity")
+    parser.add_argument("--tower-outputs", type=int, default=1, help="vectors out per tower")
+    parser.add_argument("--random-seeds", type=int, default=3, help="random partitions to train")
+    parser.add_argument("--pilot-steps", type=int, default=300, help="steps of the pilot run")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    add_overrides_argument(parser, "config override for every run")
+    parser.add_argument(
+        "--throughput-only", action="store_true", help="only the side-by-side step timing"
+    )
+
+
+def _run(args: argparse.Namespace) -> dict:
+    return run_towers_benchmark(
+        steps=args.steps,
+        num_towers=args.num_towers,
+        tower=args.tower,
+        tower_outputs=args.tower_outputs,
+        random_seeds=args.random_seeds,
+        pilot_steps=args.pilot_steps,
+        threads=args.threads,
+        overrides=tuple(args.overrides),
+        throughput_only=args.throughput_only,
+    )
+
+
+BENCHMARK = Benchmark(
+    "DMT compressing towers: learned vs random vs cost-only partitions", _add_arguments, _run
+)

@@ -9,6 +9,7 @@ process, timed round-robin (see ``time_interleaved``).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from towerrec.bench.common import (
+    Benchmark,
     machine_info,
     matmul_peak_flops,
     peak_rss_mb,
@@ -41,7 +43,9 @@ from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.step import train_step
 
 __all__ = [
+    "BENCHMARK",
     "CRITEO_SHAPE",
+    "add_timing_arguments",
     "fastest_torchrec",
     "make_batches",
     "ratios_to",
@@ -222,3 +226,33 @@ def run_train_benchmark(
         "default_backend": resolve_backend(Backend.AUTO, torch.device("cpu")).value,
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }
+
+
+def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments ``bench train`` and ``bench embedding`` share."""
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per backend")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument(
+        "--backends", default="torch,fbgemm", help="comma-separated kernel backends to time"
+    )
+    parser.add_argument("--no-torchrec", action="store_true", help="skip the TorchRec comparison")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_timing_arguments(parser)
+    parser.add_argument("--batch-size", type=int, default=2048)
+
+
+def _run(args: argparse.Namespace) -> dict:
+    return run_train_benchmark(
+        steps=args.steps,
+        warmup=args.warmup,
+        backends=args.backends,
+        torchrec=not args.no_torchrec,
+        batch_size=args.batch_size,
+        threads=args.threads,
+    )
+
+
+BENCHMARK = Benchmark("training throughput on the Criteo-Kaggle-shaped DLRM", _add_arguments, _run)

@@ -21,6 +21,7 @@ the one-seed run.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import sys
@@ -31,7 +32,14 @@ from typing import Any
 
 import torch
 
-from towerrec.bench.common import machine_info, matmul_peak_flops, time_interleaved
+from towerrec.bench.common import (
+    Benchmark,
+    add_overrides_argument,
+    comma_list,
+    machine_info,
+    matmul_peak_flops,
+    time_interleaved,
+)
 from towerrec.bench.train import CRITEO_SHAPE, DENSE_LR, EMB_LR, build_tables, make_batches
 from towerrec.config import load_config
 from towerrec.models.dlrm import DLRM
@@ -41,7 +49,14 @@ from towerrec.train.build import build_model, build_source
 from towerrec.train.step import train_step
 from towerrec.train.trainer import train
 
-__all__ = ["BENCHMARKS", "run_zoo_benchmark"]
+__all__ = [
+    "BENCHMARKS",
+    "EMBEDDINGS_MEMORY",
+    "MODELS",
+    "OPTIMIZERS",
+    "PRECISION",
+    "run_zoo_benchmark",
+]
 
 # Labels mostly from 3-way interactions: what Wukong's stacked FMs are for.
 HIGH_ORDER = [
@@ -334,3 +349,48 @@ def run_zoo_benchmark(
         "overrides": list(overrides),
         **result,
     }
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=600, help="training steps per variant")
+    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
+    add_overrides_argument(
+        parser, "config override for every variant, e.g. --set data.synthetic.seed=1"
+    )
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated variants of embeddings-memory or optimizers (default: all)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="runs per variant (model-init and data-order seeds 0..N-1): mean and std",
+    )
+
+
+def _declare(name: str, help: str) -> Benchmark:
+    def run(args: argparse.Namespace) -> dict:
+        return run_zoo_benchmark(
+            name,
+            args.steps,
+            args.batch_size,
+            args.device,
+            args.threads,
+            args.overrides,
+            list(comma_list(args.variants)),
+            args.seeds,
+        )
+
+    return Benchmark(help, _add_arguments, run)
+
+
+MODELS = _declare("models", "DLRM vs DCNv2 vs Wukong at matched FLOPs per sample (planted data)")
+EMBEDDINGS_MEMORY = _declare(
+    "embeddings-memory", "AUC vs parameters: full, hash, QR and mixed-dimension tables"
+)
+OPTIMIZERS = _declare("optimizers", "CF-SGD vs row-wise Adagrad on the embedding tables")
+PRECISION = _declare("precision", "bf16 autocast vs fp32: samples/s (Criteo shape) and AUC")

@@ -5,7 +5,6 @@
     towerrec data table a.parquet --label click --categorical user:1000 --out DIR
     towerrec data gen-criteo --out DIR --files 2 --rows 100000
     towerrec data info DIR                              manifest summary (and checksum check)
-    towerrec bench data --json                          preprocessing and loader throughput
 
 Train on a cache with ``towerrec train --set data.source=criteo --set data.path=DIR``.
 Every converter takes a validation and a test split as whole files
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from towerrec.data.splits import SPLITS, Split
 
-__all__ = ["DEFAULT_EVAL_FRACTION", "add_data_commands"]
+__all__ = ["DEFAULT_EVAL_FRACTION", "add_commands"]
 
 # The eval share a converter holds out when given no split option: training ends
 # with an evaluation, so a cache without eval rows could not be trained on.
@@ -237,20 +236,6 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_data(args: argparse.Namespace) -> int:
-    from towerrec.bench.data import run_data_benchmark
-
-    result = run_data_benchmark(
-        rows_per_file=args.rows,
-        files=args.files,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        rounds=args.rounds,
-    )
-    print(json.dumps(result, indent=2))
-    return 0
-
-
 def _add_split_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--validation-fraction",
@@ -282,19 +267,8 @@ def _add_split_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the row fractions")
 
 
-def add_data_commands(
-    sub: argparse._SubParsersAction, bench_sub: argparse._SubParsersAction
-) -> None:
-    """``towerrec data ...`` and ``towerrec bench data``."""
-    b = bench_sub.add_parser("data", help="Criteo TSV preprocessing and loader throughput")
-    b.add_argument("--json", action="store_true", help="print one JSON object (always on)")
-    b.add_argument("--rows", type=int, default=250_000, help="rows per generated file")
-    b.add_argument("--files", type=int, default=2)
-    b.add_argument("--batch-size", type=int, default=2048)
-    b.add_argument("--steps", type=int, default=20, help="timed training steps / loader batches")
-    b.add_argument("--rounds", type=int, default=3)
-    b.set_defaults(func=_cmd_bench_data)
-
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """``towerrec data ...`` (``towerrec bench data`` is in cli/bench.py)."""
     data = sub.add_parser("data", help="preprocess real data into the binary cache")
     data_sub = data.add_subparsers(dest="data_command", required=True)
 

@@ -15,12 +15,18 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-__all__ = ["add_plan_args", "run_plan"]
+from towerrec.cli.common import add_config_args
+
+__all__ = ["add_commands"]
 
 log = logging.getLogger("towerrec")
 
 
-def add_plan_args(parser: argparse.ArgumentParser) -> None:
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "plan", help="shard embedding tables over devices: per-device table, plan JSON, chart"
+    )
+    add_config_args(parser)
     parser.add_argument("--world-size", type=int, default=4, help="number of ranks (default 4)")
     parser.add_argument("--planner", help="override plan.planner (search, lpt, greedy_*, random)")
     tables = parser.add_mutually_exclusive_group()
@@ -43,9 +49,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
         help="where --calibrate writes the constants (plan.calibration reads them)",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON summary, not the table")
+    parser.set_defaults(func=_cmd_plan)
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def _cmd_plan(args: argparse.Namespace) -> int:
     from towerrec.config import load_config
     from towerrec.planner.report import device_table, write_bar_chart
     from towerrec.planner.stats import load_stats, save_stats
@@ -59,9 +66,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.planner:
         config = replace(config, plan=replace(config.plan, planner=args.planner))
     if args.calibrate:
-        from towerrec.bench.calibrate import calibrate
+        from towerrec import calibration
 
-        report = calibrate()
+        report = calibration.calibrate()
         Path(args.calibration_out).write_text(json.dumps(report, indent=2) + "\n")
         log.info("calibration written to %s", args.calibration_out)
         config = replace(config, plan=replace(config.plan, calibration=str(args.calibration_out)))

@@ -1,17 +1,13 @@
-"""Measure this machine for the planner's cost model (``towerrec plan --calibrate``).
+"""Timing the real embedding kernel on synthetic devices, and the features the
+planner's analytic compute cost is linear in.
 
-Two measurements, fitted to the analytic model of planner/cost.py::
-
-    kernel       the real EmbeddingBagCollection (one fused kernel per width) forward +
-                 backward with the fused optimizer, on groups of 1..8 tables of varied
-                 rows, dims and pooling factors; non-negative least squares of
-                 seconds ~ kernels*k0 + tables*k1 + lookup bytes/bw_l + update bytes/bw_u
-    all-to-all   2 gloo processes exchanging 4 KiB .. 8 MiB: seconds ~ latency + bytes/bw
-
-The result is a JSON with the fitted ``constants`` (what ``CostConstants.load``
-reads), the raw samples and the fit's relative error. ``measure_device`` (one
-device's shards, timed) also serves the learned cost model and the measured
-planner benchmark.
+A *device* is a list of shards ``(stats, rows, cols)``: what one rank holds.
+``device_step`` builds the real EmbeddingBagCollection for it (one fused kernel
+per width) and a batch drawn with each table's pooling factor and hot-row
+shares; ``measure_device`` times forward + backward + the fused update.
+``kernel_features`` are the terms of planner/cost.py's compute cost, which
+``fit_kernel`` fits to measured seconds; ``analytic_device_seconds`` is the
+analytic model's prediction for the same device.
 """
 
 from __future__ import annotations
@@ -25,24 +21,25 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from towerrec.bench.common import machine_info
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.planner.cost import CostConstants, CostModel
+from towerrec.planner.cost import CostModel
 from towerrec.planner.stats import TableStats
-from towerrec.planner.topology import PRESETS
+from towerrec.planner.suites import zipf_hot_shares
 from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
 __all__ = [
+    "FEATURES",
     "analytic_device_seconds",
-    "calibrate",
     "device_step",
+    "fit_kernel",
     "kernel_features",
+    "kernel_samples",
     "make_ids",
-    "measure_all_to_all",
     "measure_device",
+    "random_device",
     "random_table",
 ]
 
@@ -125,8 +122,6 @@ def random_table(rng: np.random.Generator, name: str, max_rows: int = 200_000) -
     pf = float(1 if rng.random() < 0.3 else round(1 + rng.lognormal(math.log(4), 0.9), 2))
     pf = min(pf, 60.0)
     alpha = rng.uniform(0.6, 1.2)
-    from towerrec.planner.suites import zipf_hot_shares
-
     hot1, hot10 = zipf_hot_shares(rows, alpha)
     return TableStats(
         name,
@@ -161,7 +156,7 @@ def kernel_features(shards: Sequence[tuple[TableStats, int, int]], batch: int) -
     )
 
 
-def _fit_kernel(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+def fit_kernel(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     """Non-negative least squares of relative error (each sample weighted by 1 / its
     time), exact: the best least-squares fit over every subset of the coefficients."""
     a, b = features / seconds[:, None], np.ones_like(seconds)
@@ -179,68 +174,6 @@ def _fit_kernel(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return best
 
 
-def _all_to_all_worker(rank: int, world: int, port: int, sizes, reps: int, queue) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    out = []
-    for nbytes in sizes:
-        numel = max(world, nbytes // 4 // world * world)
-        send, recv = torch.ones(numel), torch.empty(numel)
-        times = []
-        for r in range(reps + 2):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_to_all_single(recv, send)
-            if r >= 2:
-                times.append(time.perf_counter() - start)
-        # Bytes each rank sends to the others: (world-1)/world of its buffer.
-        out.append((numel * 4 * (world - 1) / world, statistics.median(times)))
-    if rank == 0:
-        queue.put(out)
-    dist.destroy_process_group()
-
-
-def measure_all_to_all(
-    sizes: Sequence[int] = (4096, 65536, 1 << 20, 8 << 20), reps: int = 5
-) -> list[tuple[float, float]]:
-    """(bytes sent per rank, seconds) of gloo all_to_all between 2 local processes."""
-    import torch.multiprocessing as mp
-
-    from towerrec.bench.torchrec_ref import _free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_all_to_all_worker, args=(r, 2, port, list(sizes), reps, queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    import queue as queue_module
-
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            samples = queue.get(timeout=1)
-            break
-        except queue_module.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(
-                    f"all-to-all measurement failed (worker exit codes {dead or 'timeout'})"
-                ) from None
-    for p in procs:
-        p.join(timeout=60)
-    return samples
-
-
 def random_device(rng: np.random.Generator, tag: str, max_tables: int = 8):
     """A random group of 1..max_tables whole tables (stats, rows, cols)."""
     size = int(rng.integers(1, max_tables + 1))
@@ -248,7 +181,7 @@ def random_device(rng: np.random.Generator, tag: str, max_tables: int = 8):
     return [(s, s.num_embeddings, s.embedding_dim) for s in tables]
 
 
-def _kernel_samples(rng, num_groups: int, batch: int, reps: int, backend="auto", device="cpu"):
+def kernel_samples(rng, num_groups: int, batch: int, reps: int, backend="auto", device="cpu"):
     samples = []
     for g in range(num_groups):
         # A third single tables (they pin the per-table terms), the rest groups of up to 8.
@@ -256,78 +189,6 @@ def _kernel_samples(rng, num_groups: int, batch: int, reps: int, backend="auto",
         seconds = measure_device(shards, batch, reps, backend, seed=g, device=device)
         samples.append((kernel_features(shards, batch), seconds))
     return samples
-
-
-def calibrate(
-    num_groups: int = 24,
-    batch: int = 2048,
-    reps: int = 5,
-    seed: int = 0,
-    collectives: bool = True,
-    backend: str = "auto",
-    device: str = "cpu",
-) -> dict:
-    """Measure and fit; returns the calibration JSON (``constants`` + samples + fit error).
-
-    ``device = "cuda"`` times the kernels on the GPU (collectives need 2 processes
-    on one machine: gloo on CPU; pass ``collectives=False`` to keep the topology's links)."""
-    rng = np.random.default_rng(seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one rank, one core: and no spinning threads on a shared CPU
-    try:
-        samples = _kernel_samples(rng, num_groups, batch, reps, backend, device)
-    finally:
-        torch.set_num_threads(threads)
-    x = np.stack([f for f, _ in samples])
-    y = np.array([s for _, s in samples])
-    coef = _fit_kernel(x, y)
-    k0, k1, per_id, per_lookup_byte, per_row, per_update_byte = coef
-    predicted = x @ coef
-    kernel_error = float(np.mean(np.abs(predicted - y) / y))
-    cpu = PRESETS["cpu"]
-    constants = {
-        "kernel_overhead_s": float(k0),
-        "table_overhead_s": float(k1),
-        "lookup_s_per_id": float(per_id),
-        "update_s_per_row": float(per_row),
-        "lookup_bandwidth": float(1 / per_lookup_byte) if per_lookup_byte > 0 else 1e15,
-        "update_bandwidth": float(1 / per_update_byte) if per_update_byte > 0 else 1e15,
-        "source": f"calibrated {machine_info()['date']} on {machine_info()['cpu']}",
-    }
-    if torch.device(device).type == "cuda":
-        constants["source"] = (
-            f"calibrated {machine_info()['date']} on {torch.cuda.get_device_name()} "
-            f"({backend} kernel)"
-        )
-    result: dict = {"machine": machine_info(), "batch": batch, "device": device}
-    if collectives:
-        a2a = measure_all_to_all(reps=reps)
-        sent = np.array([b for b, _ in a2a])
-        secs = np.array([s for _, s in a2a])
-        # Latency: the smallest message; bandwidth: what the largest adds on top of it.
-        latency = float(secs[np.argmin(sent)])
-        extra = float(secs[np.argmax(sent)]) - latency
-        bandwidth = (
-            float((sent.max() - sent.min()) / extra) if extra > 0 else cpu.intra_host_bandwidth
-        )
-        constants.update(
-            collective_latency_s=float(max(latency, 0.0)),
-            intra_host_bandwidth=bandwidth,
-            # One machine has no second host: loopback stands for both links.
-            cross_host_bandwidth=bandwidth,
-        )
-        result["all_to_all"] = [{"bytes": b, "seconds": s} for b, s in a2a]
-    result["constants"] = {**vars(CostConstants()), **constants}
-    CostConstants(**result["constants"])  # validate
-    result["kernel_samples"] = [
-        {
-            **{name: float(value) for name, value in zip(FEATURES, f)},
-            "seconds": s,
-        }
-        for f, s in samples
-    ]
-    result["kernel_fit_mean_rel_error"] = kernel_error
-    return result
 
 
 def analytic_device_seconds(

@@ -1,0 +1,7 @@
+"""``python -m towerrec.cli``: the ``towerrec`` command."""
+
+import sys
+
+from towerrec.cli.app import main
+
+sys.exit(main())

@@ -1,0 +1,119 @@
+"""``towerrec train``: one process, ``--nproc N`` local workers, or a worker of torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from towerrec.cli.common import add_config_args
+
+__all__ = ["add_commands"]
+
+log = logging.getLogger("towerrec")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from towerrec.config import load_config
+    from towerrec.distributed.mesh import HOSTS_ENV
+    from towerrec.train.run_dir import RunDir, default_run_dir
+    from towerrec.train.trainer import train
+
+    out = Path(args.out or default_run_dir())
+    if args.resume:  # the run's saved config; a conflicting --set is refused before launching
+        config = RunDir(out).resume_config(args.config, args.overrides)
+    else:
+        config = load_config(args.config, args.overrides)
+    log.info("run directory: %s", out)
+    fresh = not out.exists()
+    try:
+        if "WORLD_SIZE" in os.environ:  # already a worker of torchrun: train, don't launch
+            if args.hosts > 1:  # the trainer reads the topology from torchrun's environment
+                os.environ[HOSTS_ENV] = str(args.hosts)
+            summary = train(config, out, resume=args.resume)
+            if os.environ.get("RANK", "0") != "0":
+                return 0
+        elif args.nproc > 1 or args.hosts > 1:
+            summary = _launch_train(args, out)
+        else:
+            summary = train(config, out, resume=args.resume)
+    except BaseException:
+        if fresh:
+            _discard_unstarted_run(out)
+        raise
+    _print_summary(summary, out)
+    return 0
+
+
+def _print_summary(summary: dict, out: Path) -> None:
+    oracle = summary.get("oracle_auc")
+    line = f"AUC {summary['auc']:.4f}"
+    if oracle is not None:
+        line += f" (oracle AUC {oracle:.4f}, gap {oracle - summary['auc']:.4f})"
+    line += (
+        f", log-loss {summary['logloss']:.4f}, NE {summary['ne']:.4f}, "
+        f"{summary['samples_per_s']:,.0f} samples/s over {summary['steps']} steps"
+    )
+    print(line)
+    if summary.get("weights_step") not in (None, summary["steps"]):
+        print(f"the returned weights are the best validation step's, {summary['weights_step']}")
+    if test := summary.get("test"):
+        print(f"test AUC {test['auc']:.4f}, log-loss {test['logloss']:.4f}, NE {test['ne']:.4f}")
+    print(f"results in {out}/ (summary.json, metrics.jsonl, curves.png, checkpoint/)")
+
+
+def _discard_unstarted_run(out: Path) -> None:
+    """Remove a run directory this command created if the run failed before its first
+    logged step: it holds nothing but the config, and would make the next attempt with
+    the same --out fail with "already holds a run"."""
+    metrics = out / "metrics.jsonl"
+    has_checkpoint = (out / "checkpoint").is_dir() and any((out / "checkpoint").iterdir())
+    if out.is_dir() and not has_checkpoint and (not metrics.exists() or not metrics.stat().st_size):
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _launch_train(args: argparse.Namespace, out: Path) -> dict:
+    """``--nproc N``: N local workers through torch.distributed's elastic launcher."""
+    from towerrec.distributed.launch import WorkerError, launch
+    from towerrec.train.worker import train_worker
+
+    try:
+        results = launch(
+            train_worker,
+            (args.config, args.overrides, out, args.resume),
+            nproc=args.nproc,
+            hosts=args.hosts,
+            max_restarts=args.max_restarts,
+        )
+    except WorkerError as e:
+        raise ValueError(f"a worker failed: {e}") from None
+    return results[0]
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser(
+        "train", help="train a model (default: DLRM on the synthetic planted-truth data)"
+    )
+    add_config_args(train)
+    train.add_argument("--out", type=Path, help="run directory (default: runs/train-<time>)")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its last checkpoint, with its saved config.toml "
+        "(--set may change only train.steps, logging, checkpointing, loader and layout settings)",
+    )
+    train.add_argument(
+        "--nproc", type=int, default=1, help="start N local worker processes (gloo on CPU)"
+    )
+    train.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="let the N local workers stand in for H hosts (cross-host traffic is counted)",
+    )
+    train.add_argument(
+        "--max-restarts", type=int, default=0, help="elastic restarts after a worker failure"
+    )
+    train.set_defaults(func=_cmd_train)
