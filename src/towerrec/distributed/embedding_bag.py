@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import count
 
 import torch
-from torch import nn
 
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats, Pending
 from towerrec.distributed.input_dist import Router, segment_permutation
@@ -43,6 +43,7 @@ from towerrec.modules.embedding_bag import (
     apply_id_policy,
     check_weighted_pooling,
 )
+from towerrec.modules.interfaces import FusedEmbeddingCollection
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling, TableConfig, fill_table_block
 from towerrec.planner.plan import Shard, ShardingPlan, ShardingType
@@ -72,7 +73,7 @@ class ShardView:
     state: dict[str, torch.Tensor]  # canonical name -> [rows] or [rows, cols]
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
     """The sharded twin of ``ebc`` under ``plan`` (module doc); made on every rank.
 
     Each rank allocates only its own shards. If ``ebc`` holds its tables, their
@@ -83,12 +84,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
     no rank ever holds a full table (data-parallel replicas excepted).
     ``grad_scale`` multiplies the gradients that reach the embeddings
     (``parallelize`` sets 1/world so they match DDP's averaged dense gradients).
+
+    A ``PooledEmbeddingCollection``, a ``FusedEmbeddingCollection`` and a
+    ``PrefetchingCollection`` (``modules/interfaces.py``).
     """
 
     _local: EmbeddingBagCollection | None
     _replica: EmbeddingBagCollection | None
-
-    is_fused_embedding = True
 
     def __init__(
         self,
@@ -148,7 +150,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._col_identity = bool((gather == torch.arange(total, device=self.device)).all())
             self._col_gather = gather
         self._mean_partial = self._mean_partial_columns()
-        self._prefetched: list[tuple[KeyedJaggedTensor, Pending, CommStats]] = []
+        # Prefetched input_dists by key, and the key the next forward takes (if any).
+        self._prefetched: dict[int, tuple[Pending, CommStats, tuple[object, ...]]] = {}
+        self._prefetch_keys = count()
+        self._next_prefetched: int | None = None
 
     # ------------------------------------------------------------- building
     def _kernel_args(self) -> dict:
@@ -460,13 +465,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
             divisor[:, start : start + dim] = lengths.unsqueeze(1)
         return divisor
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Start ``input_dist`` of a batch that a later ``forward(features)`` (the same
-        object) will use; every rank must prefetch the same sequence of batches."""
+    def prefetch(self, features: KeyedJaggedTensor) -> int:
+        """Start ``input_dist`` of a batch that a later forward will take; returns its key
+        (see ``use_prefetched``). Every rank must prefetch the same sequence of batches."""
         held = CommStats()  # counted when the batch is trained, not while it waits
         with self.comm.recording_into(held):
             pending = self.input_dist(features)
-        self._prefetched.append((features, pending, held))
+        key = next(self._prefetch_keys)
+        self._prefetched[key] = (pending, held, _shape_of(features))
+        return key
+
+    def use_prefetched(self, key: int) -> None:
+        """Make the next forward take the input_dist prefetched under ``key``; that
+        forward must be of the features given to ``prefetch``."""
+        if key not in self._prefetched:
+            raise KeyError(f"no input_dist was prefetched under key {key} (or it was used)")
+        self._next_prefetched = key
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         return self.forward_start(features).wait()
@@ -475,9 +489,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """``forward`` begun: input_dist (or its prefetched result), lookup, and the output
         all-to-all started; ``.wait()`` gives the ``KeyedTensor``. A model computes its
         dense layers in between (the all-to-all overlaps them)."""
-        index = next((i for i, (f, _, _) in enumerate(self._prefetched) if f is features), None)
-        if index is not None:
-            _, pending, held = self._prefetched.pop(index)
+        key, self._next_prefetched = self._next_prefetched, None
+        if key is not None:
+            pending, held, shape = self._prefetched.pop(key)
+            assert shape == _shape_of(features), "the forward is not of the prefetched batch"
             self.comm.stats.merge(held)
         else:
             pending = self.input_dist(features)
@@ -606,6 +621,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
         received = comm.all_to_all(summed.reshape(-1), send, recv, "output_cross_host", self.codecs)
         blocks = received.split([batch * w for w in widths])
         return torch.cat([b.view(batch, w) for b, w in zip(blocks, widths)], dim=1)
+
+
+def _shape_of(features: KeyedJaggedTensor) -> tuple[object, ...]:
+    """Keys, batch size and id count: what a forward and its prefetched batch share."""
+    return (tuple(features.keys()), features.stride(), features.values().numel())
 
 
 class _KeepLocalSamples(torch.autograd.Function):
