@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from towerrec.config import Config
 from towerrec.data.batch import Batch
+from towerrec.data.source import DataSource
 from towerrec.models.interfaces import RecommendationModel
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.train.build import (
@@ -111,7 +112,7 @@ def train(
         torch.set_num_threads(config.train.threads)
     device = resolve_device(config.train.device)
     ctx = start_distributed(config, device)
-    source = build_source(config.data)
+    source: DataSource = build_source(config.data)
     config, steps_from = resolve_run_config(config, source)
     cfg, steps = config.train, config.train.steps
     assert steps is not None  # resolved
@@ -175,8 +176,8 @@ def train(
         log.info("resumed from %s at step %d", path, state["step"])
 
     oracle_auc = None
-    if hasattr(source, "eval_oracle"):
-        labels, probs = source.eval_oracle()
+    if (oracle := source.eval_oracle()) is not None:  # a planted truth's probabilities
+        labels, probs = oracle
         oracle_auc = auc(probs, labels)
     num_dense = model.num_dense_parameters()
     num_embedding = sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model))
@@ -362,6 +363,5 @@ def train(
     run.plot_curves(oracle_auc)
     run.close()
     if final and final["ne"] >= 1 and ctx.is_main:
-        train_rows = None if config.data.source == "synthetic" else source.train_rows
-        _warn_worse_than_base_rate(final["ne"], state["samples"], train_rows)
+        _warn_worse_than_base_rate(final["ne"], state["samples"], source.train_rows)
     return summary
