@@ -241,6 +241,10 @@ class ColumnSource:
         """This rank's batches of the test split (none when it is empty)."""
         return self._batches_of(self._test, batch_size, rank, world_size)
 
+    def eval_oracle(self, rank: int = 0, world_size: int = 1) -> None:
+        """Recorded data has no known click probabilities: no oracle."""
+        return None
+
     def _batches_of(
         self, split: _Split, batch_size: int, rank: int, world_size: int
     ) -> Iterator[Batch]:

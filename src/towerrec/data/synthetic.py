@@ -284,9 +284,18 @@ class SyntheticSource:
             yield self.samples("eval", start, min(batch_size, hi - start))[0]
 
     @property
+    def train_rows(self) -> None:
+        """The training stream is endless: no row count."""
+        return None
+
+    @property
     def test_rows(self) -> int:
         """The stream's held-out split is its eval (validation) split; it has no test split."""
         return 0
+
+    def test_batches(self, batch_size: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+        """No test split: no batches."""
+        return iter(())
 
     def eval_oracle(self, rank: int = 0, world_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Labels and teacher probabilities of this rank's eval samples."""

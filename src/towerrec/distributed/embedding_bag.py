@@ -32,8 +32,9 @@ The three stages are three files: ``input_dist.py`` (``InputDist``, the
 
 from __future__ import annotations
 
+from itertools import count
+
 import torch
-from torch import nn
 
 from towerrec.distributed.column_sync import ColumnRowwiseSync
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats, Pending
@@ -48,13 +49,14 @@ from towerrec.distributed.lookup import (
 from towerrec.distributed.output_dist import OutputDist, ScaleGrad
 from towerrec.distributed.state import load_tensor, state_tensors
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.interfaces import FusedEmbeddingCollection
 from towerrec.sharding import ShardingPlan, strategy_for
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 __all__ = ["DistInput", "ScaleGrad", "ShardView", "ShardedEmbeddingBagCollection"]
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
     """The sharded twin of ``ebc`` under ``plan`` (module doc); made on every rank.
 
     Each rank allocates only its own shards. If ``ebc`` holds its tables, their
@@ -65,12 +67,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
     no rank ever holds a full table (data-parallel replicas excepted).
     ``grad_scale`` multiplies the gradients that reach the embeddings
     (``parallelize`` sets 1/world so they match DDP's averaged dense gradients).
+
+    A ``PooledEmbeddingCollection``, a ``FusedEmbeddingCollection`` and a
+    ``PrefetchingCollection`` (``modules/interfaces.py``).
     """
 
     _local: EmbeddingBagCollection | None
     _replica: EmbeddingBagCollection | None
-
-    is_fused_embedding = True
 
     def __init__(
         self,
@@ -137,7 +140,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
             grad_scale=grad_scale,
             device=self.device,
         )
-        self._prefetched: list[tuple[KeyedJaggedTensor, Pending, CommStats]] = []
+        # Prefetched input_dists by key, and the key the next forward takes (if any).
+        self._prefetched: dict[int, tuple[Pending, CommStats, tuple[object, ...]]] = {}
+        self._prefetch_keys = count()
+        self._next_prefetched: int | None = None
 
     # ----------------------------------------------------------- accessors
     @property
@@ -193,13 +199,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
         (``input_dist.py``)."""
         return self._input.start(features)
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
-        """Start ``input_dist`` of a batch that a later ``forward(features)`` (the same
-        object) will use; every rank must prefetch the same sequence of batches."""
+    def prefetch(self, features: KeyedJaggedTensor) -> int:
+        """Start ``input_dist`` of a batch that a later forward will take; returns its key
+        (see ``use_prefetched``). Every rank must prefetch the same sequence of batches."""
         held = CommStats()  # counted when the batch is trained, not while it waits
         with self.comm.recording_into(held):
             pending = self.input_dist(features)
-        self._prefetched.append((features, pending, held))
+        key = next(self._prefetch_keys)
+        self._prefetched[key] = (pending, held, _shape_of(features))
+        return key
+
+    def use_prefetched(self, key: int) -> None:
+        """Make the next forward take the input_dist prefetched under ``key``; that
+        forward must be of the features given to ``prefetch``."""
+        if key not in self._prefetched:
+            raise KeyError(f"no input_dist was prefetched under key {key} (or it was used)")
+        self._next_prefetched = key
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         return self.forward_start(features).wait()
@@ -208,9 +223,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         """``forward`` begun: input_dist (or its prefetched result), lookup, and the output
         all-to-all started; ``.wait()`` gives the ``KeyedTensor``. A model computes its
         dense layers in between (the all-to-all overlaps them)."""
-        index = next((i for i, (f, _, _) in enumerate(self._prefetched) if f is features), None)
-        if index is not None:
-            _, pending, held = self._prefetched.pop(index)
+        key, self._next_prefetched = self._next_prefetched, None
+        if key is not None:
+            pending, held, shape = self._prefetched.pop(key)
+            if shape != _shape_of(features):
+                raise ValueError(
+                    f"the forward's batch (keys, batch size, ids: {_shape_of(features)}) is not "
+                    f"the one prefetched under key {key} ({shape}): prefetch and forward the "
+                    "same batches in the same order"
+                )
             self.comm.stats.merge(held)
         else:
             pending = self.input_dist(features)
@@ -253,3 +274,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
             f"tables={len(self.tables)}, world={self.comm.world_size}, hosts={self.comm.topology.hosts}, "
             f"sharding={kinds}, backend={self.backend.value}"
         )
+
+
+def _shape_of(features: KeyedJaggedTensor) -> tuple[object, ...]:
+    """Keys, batch size and id count: what a forward and its prefetched batch share."""
+    return (tuple(features.keys()), features.stride(), features.values().numel())

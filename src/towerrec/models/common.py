@@ -3,49 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
 
 from torch import nn
 
-from towerrec.sparse import KeyedJaggedTensor
+from towerrec.modules.embedding_bag import dense_parameters
+from towerrec.modules.interfaces import PooledEmbeddingCollection
 
 __all__ = [
-    "Ready",
     "check_dense_input",
     "check_mlp_ends",
+    "count_dense_parameters",
     "shared_embedding_dim",
-    "sparse_flops_per_sample",
-    "start_lookup",
 ]
 
 
-class Ready:
-    """A result already computed, with the ``wait()`` of one still in flight."""
-
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def wait(self):
-        return self.value
+def count_dense_parameters(model: nn.Module) -> int:
+    """Parameters of ``model`` that the dense optimizer owns (not the fused embeddings')."""
+    return sum(p.numel() for _, p in dense_parameters(model))
 
 
-def start_lookup(sparse: nn.Module, features: KeyedJaggedTensor):
-    """Begin ``sparse(features)``; ``.wait()`` gives its ``KeyedTensor``. A sharded
-    collection returns with its output all-to-all in flight, so the model computes
-    its bottom layers meanwhile; any other collection computes here."""
-    start = getattr(sparse, "forward_start", None)
-    return start(features) if start is not None else Ready(sparse(features))
-
-
-def sparse_flops_per_sample(sparse: nn.Module) -> int:
-    """Dense FLOPs of an embedding collection itself (projections, combinations), if any."""
-    flops = getattr(sparse, "flops_per_sample", None)
-    return int(flops()) if callable(flops) else 0
-
-
-def shared_embedding_dim(sparse: nn.Module, model: str) -> int:
+def shared_embedding_dim(sparse: PooledEmbeddingCollection, model: str) -> int:
     """The one embedding dim of every feature of ``sparse`` (the models stack them)."""
-    dims = set(cast("list[int]", sparse.embedding_dims))
+    dims = set(sparse.embedding_dims)
     if len(dims) != 1:
         raise ValueError(f"{model} needs one embedding dim for every feature, got {sorted(dims)}")
     return dims.pop()

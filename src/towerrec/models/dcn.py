@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import cast
 
 import torch
 from torch import nn
@@ -32,9 +31,10 @@ from torch import nn
 from towerrec.models.common import (
     check_dense_input,
     check_mlp_ends,
+    count_dense_parameters,
     shared_embedding_dim,
-    sparse_flops_per_sample,
 )
+from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -92,7 +92,7 @@ class DCN(nn.Module):
 
     def __init__(
         self,
-        sparse: nn.Module,
+        sparse: PooledEmbeddingCollection,
         num_dense: int,
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
@@ -109,7 +109,7 @@ class DCN(nn.Module):
         self.config = config
         self.sparse = sparse
         self.embedding_dim = dim
-        self.num_sparse = len(cast("list[str]", sparse.feature_names))
+        self.num_sparse = len(sparse.feature_names)
         width = dim * (self.num_sparse + int(num_dense > 0))
         mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
         self.bottom = mlp(num_dense, bottom_mlp) if num_dense else None
@@ -123,6 +123,10 @@ class DCN(nn.Module):
             deep_out = hidden[-1] if hidden else 0
             self.head = nn.Linear(width + deep_out, 1)
 
+    def num_dense_parameters(self) -> int:
+        """Parameters that the dense optimizer owns."""
+        return count_dense_parameters(self)
+
     def flops_per_sample(self) -> int:
         """Forward FLOPs of the dense part per sample."""
         flops = self.cross.flops_per_sample()
@@ -130,7 +134,7 @@ class DCN(nn.Module):
         flops += self.deep.flops_per_sample() if self.deep is not None else 0
         if self.head is not None:
             flops += 2 * self.head.in_features
-        return flops + sparse_flops_per_sample(self.sparse)
+        return flops + self.sparse.flops_per_sample()
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         embeddings = self.sparse(sparse).values()

@@ -17,7 +17,7 @@ those of the T embeddings alone and the top MLP reads them alone. With
 ``concat_embeddings`` the top MLP reads the pooled embeddings ``[B, T*D]`` too,
 between x and the dots.
 
-The lookup starts first (``start_lookup``): with a sharded collection its output
+The lookup starts first (``forward_start``): with a sharded collection its output
 all-to-all is in flight while the bottom MLP runs. The top MLP's input gets
 its alignment zeros (``MLP.input_padding``) in the same concatenation.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import cast
 
 import torch
 from torch import nn
@@ -37,11 +36,11 @@ from torch import nn
 from towerrec.models.common import (
     check_dense_input,
     check_mlp_ends,
+    count_dense_parameters,
     shared_embedding_dim,
-    sparse_flops_per_sample,
-    start_lookup,
 )
 from towerrec.modules.interaction import DotInteraction
+from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -51,13 +50,13 @@ __all__ = ["DLRM"]
 class DLRM(nn.Module):
     """DLRM over an embedding collection whose features all have one dim D.
 
-    ``sparse`` is any module mapping a ``KeyedJaggedTensor`` to a ``KeyedTensor``
-    (the ``EmbeddingBagCollection``, or its sharded twin after ``parallelize``).
+    ``sparse`` is any ``PooledEmbeddingCollection`` (``modules/interfaces.py``): the
+    ``EmbeddingBagCollection``, a compact one, or the sharded twin after ``parallelize``.
     """
 
     def __init__(
         self,
-        sparse: nn.Module,
+        sparse: PooledEmbeddingCollection,
         num_dense: int,
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
@@ -73,7 +72,7 @@ class DLRM(nn.Module):
         check_mlp_ends(
             bottom_mlp, top_mlp, dim, f"the embedding dim {dim} (it is dotted with the embeddings)"
         )
-        self.num_sparse = len(cast("list[str]", sparse.feature_names))
+        self.num_sparse = len(sparse.feature_names)
         self.embedding_dim = dim
         self.sparse = sparse
         self.concat_embeddings = concat_embeddings
@@ -85,17 +84,21 @@ class DLRM(nn.Module):
         top_in += self.num_sparse * dim if concat_embeddings else 0
         self.top = mlp(top_in, top_mlp, final_activation=False)
 
+    def num_dense_parameters(self) -> int:
+        """Parameters that the dense optimizer owns."""
+        return count_dense_parameters(self)
+
     def flops_per_sample(self) -> int:
         """Forward FLOPs of the dense part per sample (MLPs and interaction)."""
         return (
             (self.bottom.flops_per_sample() if self.bottom is not None else 0)
             + self.interaction.flops_per_sample(self.embedding_dim)
             + self.top.flops_per_sample()
-            + sparse_flops_per_sample(self.sparse)
+            + self.sparse.flops_per_sample()
         )
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        in_flight = start_lookup(self.sparse, sparse)  # sharded: all-to-all in flight ...
+        in_flight = self.sparse.forward_start(sparse)  # sharded: all-to-all in flight ...
         x = self.bottom(dense) if self.bottom is not None else None  # ... while this runs
         pooled = in_flight.wait()
         embeddings = pooled.stacked()

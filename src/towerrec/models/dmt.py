@@ -49,10 +49,11 @@ from torch import nn
 from towerrec.models.common import (
     check_dense_input,
     check_mlp_ends,
+    count_dense_parameters,
     shared_embedding_dim,
-    sparse_flops_per_sample,
 )
 from towerrec.modules.interaction import DotInteraction
+from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.utils import parse_enum
@@ -260,7 +261,7 @@ class DMT(nn.Module):
 
     def __init__(
         self,
-        sparse: nn.Module,
+        sparse: PooledEmbeddingCollection,
         num_dense: int,
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
@@ -289,7 +290,7 @@ class DMT(nn.Module):
             dim,
             f"the embedding dim {dim} (it is dotted with the tower outputs)",
         )
-        features = list(cast("list[str]", sparse.feature_names))
+        features = list(sparse.feature_names)
         check_partition(partition, features)
         self.partition = [list(group) for group in partition]
         self.embedding_dim = dim
@@ -333,6 +334,10 @@ class DMT(nn.Module):
         """Floats into the towers over floats out of them, per sample."""
         return len(self.tower_order) / self.num_tower_vectors
 
+    def num_dense_parameters(self) -> int:
+        """Parameters that the dense optimizer owns."""
+        return count_dense_parameters(self)
+
     def flops_per_sample(self) -> int:
         """Forward FLOPs of the dense part per sample (MLPs, towers, interaction, and
         the embedding collection's own projections, as the other models count)."""
@@ -341,7 +346,7 @@ class DMT(nn.Module):
             + sum(t.flops_per_sample() for t in cast("Iterable[TowerModule]", self.towers))
             + self.interaction.flops_per_sample(self.embedding_dim)
             + self.top.flops_per_sample()
-            + sparse_flops_per_sample(self.sparse)
+            + self.sparse.flops_per_sample()
         )
 
     def tower_inputs(self, pooled) -> list[torch.Tensor]:
@@ -369,7 +374,10 @@ class DMT(nn.Module):
 
     @classmethod
     def from_dlrm(
-        cls, dlrm: DLRM, partition: Sequence[Sequence[str]], sparse: nn.Module | None = None
+        cls,
+        dlrm: DLRM,
+        partition: Sequence[Sequence[str]],
+        sparse: PooledEmbeddingCollection | None = None,
     ) -> DMT:
         """An identity-tower DMT computing the same function as ``dlrm``.
 

@@ -34,9 +34,10 @@ from torch import nn
 from towerrec.models.common import (
     check_dense_input,
     check_mlp_ends,
+    count_dense_parameters,
     shared_embedding_dim,
-    sparse_flops_per_sample,
 )
+from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -142,7 +143,7 @@ class Wukong(nn.Module):
 
     def __init__(
         self,
-        sparse: nn.Module,
+        sparse: PooledEmbeddingCollection,
         num_dense: int,
         bottom_mlp: Sequence[int],
         top_mlp: Sequence[int],
@@ -165,7 +166,7 @@ class Wukong(nn.Module):
         self.config = config
         self.sparse = sparse
         self.embedding_dim = dim
-        self.num_sparse = len(cast("list[str]", sparse.feature_names))
+        self.num_sparse = len(sparse.feature_names)
         mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
         self.bottom = mlp(num_dense, bottom_mlp) if num_dense else None
         layers, width = [], self.num_sparse + (rows if self.bottom is not None else 0)
@@ -186,13 +187,17 @@ class Wukong(nn.Module):
         self.layers = nn.Sequential(*layers)
         self.top = mlp(width * dim, top_mlp, final_activation=False)
 
+    def num_dense_parameters(self) -> int:
+        """Parameters that the dense optimizer owns."""
+        return count_dense_parameters(self)
+
     def flops_per_sample(self) -> int:
         """Forward FLOPs of the dense part per sample."""
         return (
             (self.bottom.flops_per_sample() if self.bottom is not None else 0)
             + sum(layer.flops_per_sample() for layer in cast("Iterable[WukongLayer]", self.layers))
             + self.top.flops_per_sample()
-            + sparse_flops_per_sample(self.sparse)
+            + self.sparse.flops_per_sample()
         )
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:

@@ -62,6 +62,7 @@ from towerrec.modules.embedding_bag import (
     apply_id_policy,
     check_weighted_pooling,
 )
+from towerrec.modules.interfaces import Ready
 from towerrec.modules.kernels import Backend, resolve_backend
 from towerrec.modules.mixed_dim import mixed_dimensions
 from towerrec.modules.tables import Pooling, TableConfig
@@ -76,7 +77,6 @@ __all__ = [
     "EmbeddingKind",
     "TableStorageConfig",
     "build_embedding_collection",
-    "describe_tables",
 ]
 
 
@@ -167,7 +167,9 @@ def _plans(tables: list[TableConfig], collection: CompactConfig) -> list[_Plan]:
 
 
 class CompactEmbeddingCollection(nn.Module):
-    """Hashed, compositional or mixed-dimension tables behind the collection interface."""
+    """Hashed, compositional or mixed-dimension tables behind the collection interface
+    (a ``PooledEmbeddingCollection``, ``modules/interfaces.py``); its inner collection is
+    the fused one."""
 
     _rows_per_feature: torch.Tensor
 
@@ -347,6 +349,10 @@ class CompactEmbeddingCollection(nn.Module):
             outs.append(vectors)
         return KeyedTensor(self.feature_names, self.embedding_dims, torch.cat(outs, dim=1))
 
+    def forward_start(self, features: KeyedJaggedTensor) -> Ready:
+        """``forward``, its result ready (the combination runs here, on the lookup's)."""
+        return Ready(self(features))
+
     @staticmethod
     def _pool(
         vectors: torch.Tensor,
@@ -381,7 +387,7 @@ def build_embedding_collection(
     *,
     materialize: bool = True,
     **kwargs: Any,
-) -> nn.Module:
+) -> EmbeddingBagCollection | CompactEmbeddingCollection:
     """A plain ``EmbeddingBagCollection`` for full tables, else the compact collection.
 
     ``materialize=False`` leaves full tables unallocated (their shards initialise
@@ -393,22 +399,3 @@ def build_embedding_collection(
     if config.is_full:
         return EmbeddingBagCollection(tables, optimizer, materialize=materialize, **kwargs)
     return CompactEmbeddingCollection(tables, config, optimizer, **kwargs)
-
-
-def describe_tables(collection: nn.Module) -> list[dict[str, Any]] | None:
-    """Per logical table of a (compact, plain or sharded) collection: kind, storage rows
-    and dims, parameters; None for a module that is none of these."""
-    if hasattr(collection, "describe"):
-        return collection.describe()  # type: ignore[operator,no-any-return]  # probed attribute; torch types it Tensor | Module
-    if not hasattr(collection, "tables"):
-        return None
-    return [
-        {
-            "table": t.name,
-            "kind": EmbeddingKind.FULL.value,
-            "rows": [t.num_embeddings],
-            "dims": [t.embedding_dim],
-            "params": t.num_parameters,
-        }
-        for t in collection.tables  # type: ignore[union-attr]  # probed attribute; torch types it Tensor | Module
-    ]

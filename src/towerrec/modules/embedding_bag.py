@@ -32,6 +32,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from towerrec.modules.interfaces import FusedEmbeddingCollection, Ready
 from towerrec.modules.kernels import (
     Backend,
     EmbeddingKernel,
@@ -110,10 +111,11 @@ def check_weighted_pooling(features: KeyedJaggedTensor, tables: Sequence[TableCo
             )
 
 
-class EmbeddingBagCollection(nn.Module):
-    """Pooled embedding lookups for many tables with a fused optimizer (module doc)."""
+class EmbeddingBagCollection(FusedEmbeddingCollection):
+    """Pooled embedding lookups for many tables with a fused optimizer (module doc).
 
-    is_fused_embedding = True
+    A ``PooledEmbeddingCollection`` and a ``FusedEmbeddingCollection``
+    (``modules/interfaces.py``)."""
 
     def __init__(
         self,
@@ -342,6 +344,10 @@ class EmbeddingBagCollection(nn.Module):
             pooled = torch.cat(outs, dim=1)
         return KeyedTensor(self.feature_names, self.embedding_dims, pooled)
 
+    def forward_start(self, features: KeyedJaggedTensor) -> Ready:
+        """``forward``, its result ready (a local lookup has nothing in flight)."""
+        return Ready(self(features))
+
     def extra_repr(self) -> str:
         return (
             f"tables={len(self.tables)}, features={len(self.feature_names)}, "
@@ -370,13 +376,10 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, key: str) -> None:
     target.copy_(source)
 
 
-def fused_embedding_modules(model: nn.Module) -> Iterator[tuple[str, Any]]:
-    """``(fqn, module)`` of every module whose optimizer runs inside backward.
-
-    Typed ``Any``: such modules are found by their ``is_fused_embedding`` flag, not a
-    declared interface."""
+def fused_embedding_modules(model: nn.Module) -> Iterator[tuple[str, FusedEmbeddingCollection]]:
+    """``(fqn, module)`` of every module whose optimizer runs inside backward."""
     for name, module in model.named_modules():
-        if getattr(module, "is_fused_embedding", False):
+        if isinstance(module, FusedEmbeddingCollection):
             yield name, module
 
 

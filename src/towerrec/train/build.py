@@ -21,6 +21,7 @@ from towerrec.models.dmt import DMT, check_partition
 from towerrec.models.wukong import Wukong
 from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.embedding_bag import dense_parameters
+from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.towers import (
     FeatureStats,
@@ -175,7 +176,9 @@ def partition_groups(config: Config, schema: DataSchema) -> list[list[str]]:
     )
 
 
-def _build_dmt(config: Config, schema: DataSchema, sparse: nn.Module, device: torch.device) -> DMT:
+def _build_dmt(
+    config: Config, schema: DataSchema, sparse: PooledEmbeddingCollection, device: torch.device
+) -> DMT:
     """The DMT model of ``config`` over ``sparse``; dense weights seeded by ``train.seed``."""
     check_towers_fit_hosts(config)
     groups = partition_groups(config, schema)

@@ -8,9 +8,13 @@
 
 ``pipelined(model, batches)`` wraps the batch iterator: before handing out
 batch i it starts ``prefetch`` (count exchange, then the id all-to-alls as
-asynchronous collectives) of batch i+1 on every sharded embedding collection;
-``forward`` of batch i+1 later picks up the result. The train step itself is
-unchanged, and the arithmetic is identical to the plain loop.
+asynchronous collectives) of batch i+1 on every collection that prefetches
+(``PrefetchingCollection``, ``modules/interfaces.py``: the sharded ones), and
+marks batch i's prefetched input, by the key its ``prefetch`` returned, as the
+one the collection's next forward takes (``use_prefetched``). That forward is
+the train step's; an evaluation between steps forwards its own batches
+without a prefetch. The train step itself is unchanged, and the arithmetic is
+identical to the plain loop.
 """
 
 from __future__ import annotations
@@ -21,22 +25,31 @@ from torch import nn
 
 from towerrec.data.batch import Batch
 from towerrec.modules.embedding_bag import fused_embedding_modules
+from towerrec.modules.interfaces import PrefetchingCollection
 
 __all__ = ["pipelined"]
 
 
 def pipelined(model: nn.Module, batches: Iterator[Batch]) -> Iterator[Batch]:
     """``batches`` with each next batch's input_dist started one step ahead."""
-    sharded = [m for _, m in fused_embedding_modules(model) if hasattr(m, "prefetch")]
-    if not sharded:
+    collections = [
+        m for _, m in fused_embedding_modules(model) if isinstance(m, PrefetchingCollection)
+    ]
+    if not collections:
         yield from batches
         return
+
+    def prefetch(batch: Batch) -> list[int]:
+        return [c.prefetch(batch.sparse) for c in collections]
+
     current = next(batches)
-    for module in sharded:
-        module.prefetch(current.sparse)
+    keys = prefetch(current)
     for upcoming in batches:
-        for module in sharded:
-            module.prefetch(upcoming.sparse)
+        upcoming_keys = prefetch(upcoming)
+        for collection, key in zip(collections, keys):
+            collection.use_prefetched(key)  # the next forward is this batch's
         yield current
-        current = upcoming
+        current, keys = upcoming, upcoming_keys
+    for collection, key in zip(collections, keys):
+        collection.use_prefetched(key)
     yield current

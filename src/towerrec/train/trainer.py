@@ -21,8 +21,9 @@ from tqdm import tqdm
 
 from towerrec.config import Config
 from towerrec.data.batch import Batch
-from towerrec.modules.compact import describe_tables
-from towerrec.modules.embedding_bag import dense_parameters, fused_embedding_modules
+from towerrec.data.source import DataSource
+from towerrec.models.interfaces import RecommendationModel
+from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.train.build import (
     build_dense_optimizer,
     build_model,
@@ -111,7 +112,7 @@ def train(
         torch.set_num_threads(config.train.threads)
     device = resolve_device(config.train.device)
     ctx = start_distributed(config, device)
-    source = build_source(config.data)
+    source: DataSource = build_source(config.data)
     config, steps_from = resolve_run_config(config, source)
     cfg, steps = config.train, config.train.steps
     assert steps is not None  # resolved
@@ -148,6 +149,8 @@ def train(
         materialize_embeddings=ctx.world_size == 1,
     )
     model = ctx.parallelize(model, config, source)
+    if not isinstance(model, RecommendationModel):  # every model build_model makes is one
+        raise TypeError(f"{type(model).__name__} is not a RecommendationModel")
     optimizer = build_dense_optimizer(config.optimizer, model)
     state: dict[str, Any] = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
     if resume:
@@ -173,18 +176,16 @@ def train(
         log.info("resumed from %s at step %d", path, state["step"])
 
     oracle_auc = None
-    if hasattr(source, "eval_oracle"):
-        labels, probs = source.eval_oracle()
+    if (oracle := source.eval_oracle()) is not None:  # a planted truth's probabilities
+        labels, probs = oracle
         oracle_auc = auc(probs, labels)
-    num_dense = sum(p.numel() for _, p in dense_parameters(model))
-    if hasattr(model, "num_dense_parameters"):  # a rank that holds part of the dense model
-        num_dense = model.num_dense_parameters()  # type: ignore[operator]  # duck-typed model attribute (nn.Module types it Tensor | Module)
+    num_dense = model.num_dense_parameters()
     num_embedding = sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model))
     log.info(
         "model: %s dense + %s embedding parameters, %s backend, device %s",
         f"{num_dense:,}",
         f"{num_embedding:,}",
-        model.sparse.backend.value,  # type: ignore[union-attr]  # duck-typed model attribute (nn.Module types it Tensor | Module)
+        model.sparse.backend.value,
         device,
     )
 
@@ -330,6 +331,7 @@ def train(
             test["logloss"],
         )
 
+    collisions = model.sparse.collisions()
     summary = {
         **final,  # validation metrics of the returned weights (the best step's, if restored)
         "oracle_auc": oracle_auc,
@@ -347,15 +349,11 @@ def train(
         "num_params": num_dense + num_embedding,
         "num_dense_params": num_dense,
         "num_embedding_params": num_embedding,
-        "flops_per_sample": model.flops_per_sample()  # type: ignore[operator]  # duck-typed model attribute (nn.Module types it Tensor | Module)
-        if hasattr(model, "flops_per_sample")
-        else None,
-        "backend": model.sparse.backend.value,  # type: ignore[union-attr]  # duck-typed model attribute (nn.Module types it Tensor | Module)
+        "flops_per_sample": model.flops_per_sample(),
+        "backend": model.sparse.backend.value,
         "precision": cfg.precision,
-        "hash_collisions": sum(model.sparse.collisions().values())  # type: ignore[operator]  # duck-typed model attribute (nn.Module types it Tensor | Module)
-        if hasattr(model.sparse, "collisions")
-        else None,
-        "embedding_tables": describe_tables(model.sparse) if hasattr(model, "sparse") else None,  # type: ignore[arg-type]  # duck-typed model attribute (nn.Module types it Tensor | Module)
+        "hash_collisions": sum(collisions.values()) if collisions is not None else None,
+        "embedding_tables": model.sparse.describe(),
         "device": str(device),
         "train_s": state["train_s"],
         **ctx.comm_per_sample(state["samples"]),
@@ -365,6 +363,5 @@ def train(
     run.plot_curves(oracle_auc)
     run.close()
     if final and final["ne"] >= 1 and ctx.is_main:
-        train_rows = None if config.data.source == "synthetic" else source.train_rows
-        _warn_worse_than_base_rate(final["ne"], state["samples"], train_rows)
+        _warn_worse_than_base_rate(final["ne"], state["samples"], source.train_rows)
     return summary

@@ -1,0 +1,38 @@
+"""The interface of a recommendation model, as the trainer and benchmarks use it.
+
+Implementations: ``DLRM``, ``DCN``, ``Wukong``, ``DMT`` (single device, also
+after ``parallelize``, which swaps their collection for its sharded twin) and
+``TowerParallelDMT`` (``distributed/towers.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from towerrec.modules.interfaces import PooledEmbeddingCollection
+from towerrec.sparse import KeyedJaggedTensor
+
+__all__ = ["RecommendationModel"]
+
+
+@runtime_checkable
+class RecommendationModel(Protocol):
+    """``model(dense [B, F_d], sparse) -> logits [B]`` over a pooled-embedding collection."""
+
+    @property
+    def sparse(self) -> PooledEmbeddingCollection:
+        """The embedding collection the model looks its features up in."""
+        ...
+
+    def __call__(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor: ...
+
+    def flops_per_sample(self) -> int:
+        """Forward FLOPs per sample of the dense part (and the collection's own)."""
+        ...
+
+    def num_dense_parameters(self) -> int:
+        """Parameters of the whole model that the dense optimizer owns (on a rank that
+        holds only part of the model, the whole model's count)."""
+        ...
