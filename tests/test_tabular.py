@@ -9,8 +9,9 @@ import pytest
 from conftest import run_cli
 
 from towerrec.data.cache import open_cache
+from towerrec.data.libfm import preprocess_libfm, read_field_map
 from towerrec.data.loader import ColumnSource, LoaderConfig
-from towerrec.data.tabular import TableSchema, preprocess_libfm, preprocess_table, read_field_map
+from towerrec.data.tabular import TableSchema, preprocess_table
 from towerrec.data.text_input import MalformedInputError
 
 FIELDS = """# name first last kind

@@ -158,7 +158,7 @@ def _print_manifest(manifest: dict, out: Path) -> None:
 
 
 def _cmd_libfm(args: argparse.Namespace) -> int:
-    from towerrec.data.tabular import infer_field_map, preprocess_libfm, write_field_map
+    from towerrec.data.libfm import infer_field_map, preprocess_libfm, write_field_map
 
     if args.infer_fields:
         fields = infer_field_map(args.inputs)

@@ -12,7 +12,7 @@ split by columns (column-wise, table-column-wise, in any plan)::
                once on every rank, after all of the rank's kernels and the
                lookup's other collectives
     kernels    backward: the touched rows' gradients; the column shards' updates
-               are deferred (``modules/kernels.py``, PyTorch path on either backend)
+               are deferred (``modules/kernels/``, PyTorch path on either backend)
     fence      partial[r] = sum over the shard's columns of g[r, j]^2 (one float per
                touched row); one all-to-all sends each partial to the table's other
                shards (they saw the same ids, so the same sorted rows); every shard

@@ -240,7 +240,7 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
 
     def defer_rowwise(self, tables: Collection[str], sync: RowwiseSync) -> None:
         """Hand the row-wise Adagrad updates of ``tables`` to ``sync`` (a sharded
-        collection's column shards; see ``modules/kernels.py``)."""
+        collection's column shards; see ``modules/kernels/``)."""
         self._require_tables()
         for group, kernel in zip(self._groups, self._kernels):
             mine = {i: t.name for i, t in enumerate(group) if t.name in tables}

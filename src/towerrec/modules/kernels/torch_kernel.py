@@ -1,0 +1,135 @@
+"""``TorchKernel``: one ``embedding_bag`` over the tables' concatenated rows and an
+exact sparse update (sort + segment-sum) in a custom autograd function."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from towerrec.modules.kernels.base import (
+    EmbeddingKernel,
+    RowwiseStep,
+    TableSpec,
+    row_gradients,
+)
+from towerrec.modules.tables import Pooling
+from towerrec.optim.sparse import EmbeddingOptimizerConfig, sparse_update
+
+
+class _FusedLookup(torch.autograd.Function):
+    """``embedding_bag`` forward; backward applies the sparse optimizer in place."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        trigger: torch.Tensor,
+        kernel: TorchKernel,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        step: RowwiseStep | None,
+        iteration: int,
+    ) -> torch.Tensor:
+        ctx.kernel, ctx.step, ctx.trigger_shape = kernel, step, trigger.shape
+        ctx.iteration = iteration
+        ctx.save_for_backward(ids, offsets, weights)
+        mode = "sum" if kernel.pooling is Pooling.SUM else "mean"
+        return F.embedding_bag(
+            ids,
+            kernel.weight,
+            offsets,
+            mode=mode,
+            per_sample_weights=weights,
+            include_last_offset=True,
+        )
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_bags: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
+        ids, offsets, weights = ctx.saved_tensors
+        if ctx.step is None:
+            ctx.kernel.apply_gradient(ids, offsets, weights, grad_bags, ctx.iteration)
+            return None, None, None, None, None, None, None
+        kernel = ctx.kernel
+        rows, grad_rows = row_gradients(
+            ids, offsets, weights, grad_bags, kernel.pooling, kernel.embedding_dim
+        )
+        kernel._update_split(rows, grad_rows, ctx.step, ctx.iteration)
+        # A gradient for the step's trigger, so its backward runs after this one.
+        return grad_bags.new_zeros(ctx.trigger_shape), None, None, None, None, None, None
+
+
+class TorchKernel(EmbeddingKernel):
+    """Pure-PyTorch fused kernel: runs wherever PyTorch runs (CPU, CUDA)."""
+
+    def __init__(
+        self,
+        tables: Sequence[TableSpec],
+        feature_table_map: Sequence[int],
+        pooling: Pooling,
+        optimizer: EmbeddingOptimizerConfig,
+        device: torch.device,
+    ) -> None:
+        super().__init__(tables, feature_table_map, pooling, optimizer, device)
+        dim = self.embedding_dim
+        self.weight = torch.zeros(self.row_offsets[-1], dim, device=self.device)
+        self.state = {
+            name: torch.zeros((self.row_offsets[-1], *shape[1:]), device=self.device)
+            for name, shape in optimizer.kind.state_shapes(1, dim).items()
+            if shape  # not the step (``iteration``)
+        }
+        # Leaf that makes autograd call backward; not a parameter of any model.
+        self._trigger = torch.zeros(0, device=self.device, requires_grad=True)
+
+    def split_weights(self) -> list[torch.Tensor]:
+        return [self.weight[a:b] for a, b in zip(self.row_offsets, self.row_offsets[1:])]
+
+    def split_optimizer_states(self) -> list[dict[str, torch.Tensor]]:
+        return self._with_step(
+            [
+                {name: s[a:b] for name, s in self.state.items()}
+                for a, b in zip(self.row_offsets, self.row_offsets[1:])
+            ]
+        )
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.lr = lr
+
+    def forward(
+        self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        num_bags = offsets.numel() - 1
+        batch = num_bags // self.num_features
+        ids = self._global_ids(values, offsets)
+        step = self._sync.step() if self._sync is not None else None
+        trigger = step.trigger if step is not None else self._trigger
+        iteration = self._next_iteration()
+        bags: torch.Tensor = _FusedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
+            trigger, self, ids, offsets.long(), weights, step, iteration
+        )
+        # [F*B, D] feature-major -> [B, F*D] sample-major
+        return (
+            bags.view(self.num_features, batch, self.embedding_dim)
+            .transpose(0, 1)
+            .reshape(batch, self.num_features * self.embedding_dim)
+        )
+
+    @torch.no_grad()
+    def apply_gradient(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        grad_bags: torch.Tensor,
+        iteration: int,
+    ) -> None:
+        rows, grad_rows = row_gradients(
+            ids, offsets, weights, grad_bags, self.pooling, self.embedding_dim
+        )
+        sparse_update(
+            self.optimizer, self.weight, self.state, rows, grad_rows, self.lr, iteration=iteration
+        )
