@@ -122,7 +122,8 @@ def inverse_root(matrix: torch.Tensor, root: int, epsilon: float) -> torch.Tenso
     taken as 0)."""
     values, vectors = torch.linalg.eigh(matrix.double())
     scale = (values.clamp(min=0) + epsilon).pow(-1.0 / root)
-    return ((vectors * scale) @ vectors.T).to(matrix.dtype)
+    out: torch.Tensor = ((vectors * scale) @ vectors.T).to(matrix.dtype)
+    return out
 
 
 def _unfold(block: torch.Tensor, dim: int) -> torch.Tensor:
@@ -307,4 +308,5 @@ class Shampoo(torch.optim.Optimizer):
         norm = direction.norm()
         if norm == 0:
             return torch.zeros_like(direction)
-        return direction * (graft.norm() / norm)
+        scaled: torch.Tensor = direction * (graft.norm() / norm)
+        return scaled
