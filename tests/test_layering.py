@@ -12,6 +12,7 @@ FORBIDDEN = {
     "sparse.py": ["torch.distributed", "towerrec."],
     "utils.py": ["torch", "towerrec."],
     "memory.py": ["torch", "towerrec."],
+    "scaling.py": ["torch", "towerrec."],
     "data": [
         "torch.distributed",
         "towerrec.modules",

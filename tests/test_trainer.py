@@ -48,9 +48,24 @@ def final_state(out_dir, config):
     return state
 
 
-@pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_resume_equals_uninterrupted(tmp_path, backend):
-    config = quick_config("train.steps=20", f"embedding.backend={backend}")
+SHAMPOO = [
+    "optimizer.name=shampoo",  # inverse roots at steps 3, 7, 11, ...: the resume at 9 uses saved ones
+    "optimizer.shampoo.start_preconditioning_step=3",
+    "optimizer.shampoo.precondition_frequency=4",
+]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["embedding.backend=torch"],
+        ["embedding.backend=auto"],
+        ["embedding.backend=torch", *SHAMPOO],
+    ],
+    ids=["torch", "auto", "shampoo"],
+)
+def test_resume_equals_uninterrupted(tmp_path, settings):
+    config = quick_config("train.steps=20", *settings)
     full = trainer.train(config, tmp_path / "full")
     stopped = trainer.train(config, tmp_path / "split", stop_after=8)
     assert stopped["steps"] == 8 and not stopped["completed"]

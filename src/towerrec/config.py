@@ -43,6 +43,7 @@ from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
+from towerrec.optim.shampoo import ShampooSettings
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
 
@@ -267,9 +268,10 @@ class OptimizerConfig:
     # validations in a row without improving train.early_stopping.metric
     plateau_factor: float = 0.5
     plateau_patience: int = 2
+    shampoo: ShampooSettings = field(default_factory=ShampooSettings)  # name = "shampoo"
 
     def __post_init__(self) -> None:
-        _choice(self.name, ("adam", "adagrad", "sgd"), "optimizer.name")
+        _choice(self.name, ("adam", "adagrad", "sgd", "shampoo"), "optimizer.name")
         _choice(self.decay, ("none", "linear", "cosine", "plateau"), "optimizer.decay")
         if not 0 < self.plateau_factor < 1:
             raise ValueError(

@@ -23,6 +23,7 @@ from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.embedding_bag import dense_parameters
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.tables import TableConfig
+from towerrec.optim.shampoo import Shampoo
 from towerrec.planner.towers import (
     FeatureStats,
     contiguous_partition,
@@ -214,6 +215,10 @@ def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.op
             weight_decay=config.weight_decay,
             decoupled_weight_decay=True,
             fused=fused or None,
+        )
+    if config.name == "shampoo":  # every rank computes every block (replicas stay equal)
+        return Shampoo(
+            params, lr=config.lr, settings=config.shampoo, weight_decay=config.weight_decay
         )
     if config.name == "adagrad":
         return torch.optim.Adagrad(

@@ -1,0 +1,233 @@
+"""Shampoo against explicit full-matrix arithmetic, blocking, resume, and its
+distributed form against the single-process one."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli
+from scipy.linalg import fractional_matrix_power
+
+from towerrec.config import load_config
+from towerrec.distributed.launch import spawn_world
+from towerrec.optim.shampoo import Shampoo, ShampooSettings, block_slices
+from towerrec.train import trainer
+
+EPS = 1e-6
+GRAFT_EPS = 1e-8
+
+
+def _gradients(shape, steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(steps)]
+
+
+def _run(param, grads, lr=0.1, **settings):
+    param = torch.nn.Parameter(param.clone())
+    optimizer = Shampoo([param], lr=lr, settings=ShampooSettings(**settings))
+    for g in grads:
+        param.grad = g.clone()
+        optimizer.step()
+    return param.detach()
+
+
+def _explicit_matrix(w0, grads, lr):
+    """Full-matrix arithmetic: the preconditioner as one Kronecker product over vec(G)."""
+    w = w0.numpy().copy()
+    m, n = w.shape
+    left, right, acc = np.zeros((m, m)), np.zeros((n, n)), np.zeros((m, n))
+    for g in (g.numpy() for g in grads):
+        left += g @ g.T
+        right += g.T @ g
+        acc += g * g
+        full = np.kron(
+            fractional_matrix_power(left + EPS * np.eye(m), -0.25),
+            fractional_matrix_power(right + EPS * np.eye(n), -0.25),
+        ).real
+        direction = (full @ g.reshape(-1)).reshape(m, n)
+        graft = g / (np.sqrt(acc) + GRAFT_EPS)
+        w -= lr * direction * np.linalg.norm(graft) / np.linalg.norm(direction)
+    return torch.from_numpy(w)
+
+
+def test_one_matrix_block_equals_the_explicit_kronecker_preconditioner():
+    w0 = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    grads = _gradients((5, 3), 6)
+    got = _run(w0, grads, epsilon=EPS, start_preconditioning_step=1, precondition_frequency=1)
+    torch.testing.assert_close(got, _explicit_matrix(w0, grads, 0.1), rtol=1e-7, atol=1e-8)
+
+
+def test_a_vector_takes_the_inverse_square_root_of_its_one_factor():
+    w0 = torch.zeros(4, dtype=torch.float64)
+    grads = _gradients((4,), 3, seed=1)
+    got = _run(w0, grads, epsilon=EPS, start_preconditioning_step=1, precondition_frequency=1)
+    w, factor, acc = np.zeros(4), np.zeros((4, 4)), np.zeros(4)
+    for g in (g.numpy() for g in grads):
+        factor += np.outer(g, g)
+        acc += g * g
+        direction = fractional_matrix_power(factor + EPS * np.eye(4), -0.5).real @ g
+        graft = g / (np.sqrt(acc) + GRAFT_EPS)
+        w -= 0.1 * direction * np.linalg.norm(graft) / np.linalg.norm(direction)
+    torch.testing.assert_close(got, torch.from_numpy(w), rtol=1e-7, atol=1e-8)
+
+
+def test_blocks_are_preconditioned_independently():
+    w0 = torch.randn(5, 3, dtype=torch.float64)
+    grads = _gradients((5, 3), 4, seed=2)
+    settings = dict(
+        start_preconditioning_step=2, precondition_frequency=2, max_preconditioner_dim=2
+    )
+    got = _run(w0, grads, **settings)
+    blocks = block_slices((5, 3), 2)
+    assert len(blocks) == 6  # rows 0:2, 2:4, 4:5 x columns 0:2, 2:3
+    for block in blocks:
+        alone = _run(w0[block], [g[block] for g in grads], **settings)
+        torch.testing.assert_close(got[block], alone, rtol=0, atol=0)
+
+
+def test_before_the_start_step_only_the_graft_steps():
+    w0 = torch.randn(6, 4, dtype=torch.float64)
+    grads = _gradients((6, 4), 3, seed=3)
+    got = _run(w0, grads, lr=0.05, start_preconditioning_step=10, graft_epsilon=1e-10)
+    param = torch.nn.Parameter(w0.clone())
+    adagrad = torch.optim.Adagrad([param], lr=0.05, eps=1e-10)
+    for g in grads:
+        param.grad = g.clone()
+        adagrad.step()
+    torch.testing.assert_close(got, param.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_adam_graft_and_filtered_gradient_run_and_decrease_a_quadratic():
+    target = torch.randn(8, 5, generator=torch.Generator().manual_seed(4))
+    param = torch.nn.Parameter(torch.zeros(8, 5))
+    optimizer = Shampoo(
+        [param],
+        lr=0.05,
+        settings=ShampooSettings(
+            beta1=0.9, beta2=0.99, grafting="adam", start_preconditioning_step=3
+        ),
+    )
+    first = None
+    for _ in range(60):
+        optimizer.zero_grad()
+        loss = ((param - target) ** 2).sum()
+        first = first if first is not None else float(loss.detach())
+        loss.backward()
+        optimizer.step()
+    assert float(loss.detach()) < 0.05 * first
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(7, 9), torch.nn.ReLU(), torch.nn.Linear(9, 1))
+
+
+def _batches(steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(16, 7, generator=gen), torch.randn(16, 1, generator=gen)) for _ in range(steps)
+    ]
+
+
+def _train(model, optimizer, batches):
+    for x, y in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
+SETTINGS = ShampooSettings(
+    beta1=0.5, start_preconditioning_step=2, precondition_frequency=3, max_preconditioner_dim=4
+)
+
+
+def test_resume_from_a_state_dict_is_bit_exact():
+    batches = _batches(7)
+    model = _model(0)
+    optimizer = Shampoo(model.parameters(), lr=0.01, settings=SETTINGS, weight_decay=1e-3)
+    _train(model, optimizer, batches)
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    model = _model(0)
+    optimizer = Shampoo(model.parameters(), lr=0.01, settings=SETTINGS, weight_decay=1e-3)
+    _train(model, optimizer, batches[:4])  # stopped after step 4, with roots from step 2
+    resumed = _model(1)
+    resumed.load_state_dict(model.state_dict())
+    again = Shampoo(resumed.parameters(), lr=0.01, settings=SETTINGS, weight_decay=1e-3)
+    again.load_state_dict(optimizer.state_dict())
+    _train(resumed, again, batches[4:])
+    for p, e in zip(resumed.parameters(), expected):
+        assert torch.equal(p.detach(), e)
+
+
+def _distributed(topology, steps):
+    from towerrec.distributed.block_exchange import GroupExchange
+
+    model = _model(0)
+    optimizer = Shampoo(model.parameters(), lr=0.01, settings=SETTINGS, exchange=GroupExchange())
+    _train(model, optimizer, _batches(steps))  # every rank sees the same batches: replicas
+    owned = sum(1 for (i, j), r in optimizer._owner.items() if r == topology.rank)
+    held = sum(1 for state in optimizer.state.values() for key in state if key.endswith(".L0"))
+    return [p.detach() for p in model.parameters()], owned, held
+
+
+@pytest.mark.multiprocess
+def test_blocks_dealt_over_ranks_take_the_single_process_steps_bit_for_bit():
+    model = _model(0)
+    optimizer = Shampoo(model.parameters(), lr=0.01, settings=SETTINGS)
+    _train(model, optimizer, _batches(6))
+    expected = [p.detach() for p in model.parameters()]
+    results = spawn_world(_distributed, 2, 1, 6)
+    for params, owned, held in results:
+        for p, e in zip(params, expected):
+            assert torch.equal(p, e)
+        assert 0 < owned == held  # each rank keeps statistics for its own blocks only
+    assert sum(r[1] for r in results) == len(optimizer._owner)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(grafting="rmsprop"), "grafting must be one of"),
+        (dict(beta2=0.0), "beta2 must lie in"),
+        (dict(max_preconditioner_dim=0), "max_preconditioner_dim must be >= 1"),
+        (dict(epsilon=0.0), "epsilon"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_key(settings, message):
+    with pytest.raises(ValueError, match=message):
+        ShampooSettings(**settings)
+
+
+def test_any_parameter_shape_is_blocked():
+    for shape in [(), (3,), (2, 3, 4), (2000, 3)]:
+        param = torch.nn.Parameter(torch.ones(shape))
+        optimizer = Shampoo([param], lr=0.1, settings=ShampooSettings(start_preconditioning_step=1))
+        param.grad = torch.full(shape, 0.5)
+        optimizer.step()
+        assert torch.isfinite(param).all() and not torch.equal(param, torch.ones(shape))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_movielens_with_shampoo_on_2_ranks_follows_one_process(tmp_path):
+    overrides = [
+        "optimizer.name=shampoo",
+        "optimizer.shampoo.start_preconditioning_step=2",
+        "optimizer.shampoo.precondition_frequency=2",
+        "train.steps=6",
+        "train.progress=false",
+        "train.eval_batch_size=4096",
+    ]
+    sets = [x for s in overrides for x in ("--set", s)]
+    result = run_cli(
+        "train", "--config", "configs/movielens.toml", "--nproc", "2",
+        "--out", str(tmp_path / "two"), *sets, OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    one = trainer.train(load_config("configs/movielens.toml", overrides), tmp_path / "one")
+    assert two["completed"] and one["completed"]
+    assert abs(two["auc"] - one["auc"]) < 1e-3
+    assert abs(two["logloss"] - one["logloss"]) < 1e-3
