@@ -81,7 +81,7 @@ FORBIDDEN = {
         "towerrec.cli",
         "towerrec.bench",
     ],
-    "config.py": ["torch.distributed", "towerrec.train", "towerrec.cli", "towerrec.bench"],
+    "config": ["torch.distributed", "towerrec.train", "towerrec.cli", "towerrec.bench"],
     "train": ["towerrec.cli", "towerrec.bench"],
     "bench": ["towerrec.cli"],
 }

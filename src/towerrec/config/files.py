@@ -1,0 +1,216 @@
+"""A ``Config`` from TOML files and ``--set`` overrides, back to TOML, and the changes a
+resumed run may make to its saved config."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import tomllib
+import types
+import typing
+from enum import Enum
+from pathlib import Path
+from typing import Any, cast
+
+import tomli_w
+
+from towerrec.config.sections import RESUME_SAFE_KEYS, Config, ConfigError
+
+__all__ = ["config_from_dict", "config_to_dict", "config_to_toml", "load_config", "resume_changes"]
+
+
+def _convert(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        errors = []
+        for option in options:
+            try:
+                return _convert(value, option, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table of settings, got {value!r}")
+        return _build(cast(type, hint), value, key)  # a dataclass type hint, not an instance
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table of named entries, got {value!r}")
+        item = typing.get_args(hint)[1]
+        return {str(k): _convert(v, item, f"{key}.{k}") for k, v in value.items()}
+    if origin in (tuple, list):
+        args = typing.get_args(hint)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        item = args[0] if args else Any
+        items = [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if isinstance(hint, type) and issubclass(hint, Enum):
+        try:
+            return hint(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in hint)
+            raise ConfigError(f"{key} = {value!r} is not one of {choices}") from None
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{where}.{key}" if where else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"unknown config key {full!r}{hint}; valid keys here: {', '.join(names)}"
+            )
+        kwargs[key] = _convert(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"[{where or 'config'}] {e}") from None
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    return _build(Config, data, "")
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set train.steps=100")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word: a string
+    return key.split("."), value
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; see configs/ for examples")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def _merge(into: dict[str, Any], data: dict[str, Any]) -> None:
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    base: str | Path | None = None,
+) -> Config:
+    """Defaults, then the TOML file at ``base`` (a resumed run's saved config.toml), then
+    the TOML file at ``path``, then ``section.key=value`` overrides."""
+    data: dict[str, Any] = {}
+    for file in (base, path):
+        if file is not None:
+            _merge(data, _read_toml(file))
+    for text in overrides:
+        parts, value = _parse_override(text)
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {text!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return config_from_dict(data)
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resume_changes(saved: Config, config: Config) -> dict[str, dict[str, Any]]:
+    """The settings ``config`` changes of a run's ``saved`` config, ``{key: {"from": saved
+    value, "to": new value}}``; a ``ConfigError`` names every change not in
+    ``RESUME_SAFE_KEYS``."""
+    old, new = _flatten(config_to_dict(saved)), _flatten(config_to_dict(config))
+    changed = {
+        key: {"from": old.get(key), "to": new.get(key)}
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key)
+    }
+    refused = [
+        key
+        for key in changed
+        if not any(fnmatch.fnmatchcase(key, safe) for safe in RESUME_SAFE_KEYS)
+    ]
+    if refused:
+        detail = ", ".join(
+            f"{key} = {changed[key]['to']!r} (the run has {changed[key]['from']!r})"
+            for key in refused
+        )
+        raise ConfigError(
+            f"--resume continues the run with its saved config.toml; it cannot change {detail}. "
+            f"Drop those --set/--config values, or start a new run with another --out "
+            f"(a resume may change only {', '.join(RESUME_SAFE_KEYS)})"
+        )
+    return changed
+
+
+# ------------------------------------------------------------------ writing
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {
+            f.name: _plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if getattr(value, f.name) is not None
+        }
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def config_to_dict(config: Any) -> dict[str, Any]:
+    return _plain(config)
+
+
+def config_to_toml(config: Config) -> str:
+    return tomli_w.dumps(config_to_dict(config))
