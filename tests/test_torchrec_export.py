@@ -93,7 +93,7 @@ def _run(rank, world, port, plan_dict, queue):
 @needs_torchrec
 @pytest.mark.multiprocess
 def test_torchrec_shards_and_runs_an_exported_plan():
-    from towerrec.bench.torchrec_ref import _free_port
+    from towerrec.distributed.launch import free_port
 
     model = CostModel(topology_preset("cpu", 1, 2), None, 64)
     # Table a column-wise over both ranks, b and c table-wise.
@@ -103,7 +103,7 @@ def test_torchrec_shards_and_runs_an_exported_plan():
     assert {plan.tables[t].sharding for t in "bc"} == {ShardingType.TABLE_WISE}
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_run, args=(r, 2, port, plan.to_dict(), queue)) for r in range(2)]
     for p in procs:
         p.start()

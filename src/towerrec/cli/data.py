@@ -23,7 +23,12 @@ import shlex
 import time
 from pathlib import Path
 
+from towerrec.data.cache import open_cache
+from towerrec.data.criteo import CriteoOptions, preprocess_criteo
+from towerrec.data.criteo_gen import generate_criteo_files
+from towerrec.data.libfm import infer_field_map, preprocess_libfm, write_field_map
 from towerrec.data.splits import SPLITS, Split
+from towerrec.data.tabular import TableSchema, preprocess_table
 
 __all__ = ["DEFAULT_EVAL_FRACTION", "add_commands"]
 
@@ -87,8 +92,6 @@ def _print_next_step(
 
 
 def _cmd_criteo(args: argparse.Namespace) -> int:
-    from towerrec.data.criteo import CriteoOptions, preprocess_criteo
-
     split = _split(args)
     options = CriteoOptions(
         num_embeddings=args.num_embeddings,
@@ -158,8 +161,6 @@ def _print_manifest(manifest: dict, out: Path) -> None:
 
 
 def _cmd_libfm(args: argparse.Namespace) -> int:
-    from towerrec.data.libfm import infer_field_map, preprocess_libfm, write_field_map
-
     if args.infer_fields:
         fields = infer_field_map(args.inputs)
         write_field_map(fields, args.infer_fields)
@@ -181,8 +182,6 @@ def _cmd_libfm(args: argparse.Namespace) -> int:
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
-    from towerrec.data.tabular import TableSchema, preprocess_table
-
     schema = TableSchema(
         label=args.label,
         dense=tuple(c for c in args.dense.split(",") if c),
@@ -198,8 +197,6 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 
 def _cmd_gen_criteo(args: argparse.Namespace) -> int:
-    from towerrec.data.criteo_gen import generate_criteo_files
-
     paths = generate_criteo_files(
         args.out,
         args.files,
@@ -216,8 +213,6 @@ def _cmd_gen_criteo(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from towerrec.data.cache import open_cache
-
     store = open_cache(args.cache, verify="never" if args.no_verify else "always")
     manifest = store.manifest
     print(

@@ -15,7 +15,14 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
+from towerrec import calibration
 from towerrec.cli.common import add_config_args
+from towerrec.config import load_config
+from towerrec.planner.report import device_table, write_bar_chart
+from towerrec.planner.stats import load_stats, save_stats, stats_from_source
+from towerrec.planner.suites import dlrm_like_suite
+from towerrec.train.build import build_source
+from towerrec.train.planning import plan_source
 
 __all__ = ["add_commands"]
 
@@ -53,21 +60,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from towerrec.config import load_config
-    from towerrec.planner.report import device_table, write_bar_chart
-    from towerrec.planner.stats import load_stats, save_stats
-    from towerrec.planner.suites import dlrm_like_suite
-    from towerrec.train.build import build_source
-    from towerrec.train.planning import plan_source
-
     config = load_config(args.config, args.overrides)
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     if args.planner:
         config = replace(config, plan=replace(config.plan, planner=args.planner))
     if args.calibrate:
-        from towerrec import calibration
-
         report = calibration.calibrate()
         Path(args.calibration_out).write_text(json.dumps(report, indent=2) + "\n")
         log.info("calibration written to %s", args.calibration_out)
@@ -82,8 +80,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         stats = None
     result = plan_source(config, source, args.world_size, stats)
     if args.save_stats:
-        from towerrec.planner.stats import stats_from_source
-
         save_stats(
             stats
             or stats_from_source(
