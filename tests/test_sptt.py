@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from towerrec.config import load_config
 from towerrec.distributed.comm import CommStats
 from towerrec.distributed.launch import spawn_world
-from towerrec.distributed.mesh import HOSTS_ENV, Topology
+from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import comm_stats
 from towerrec.distributed.towers import _tower_tables, check_towers, parallelize_towers
 from towerrec.models.dlrm import DLRM
@@ -373,17 +373,14 @@ def test_train_dmt_on_two_hosts(tmp_path):
     )
 
 
-def test_more_towers_than_hosts_fails_before_the_pilot_run(monkeypatch):
+def test_more_towers_than_hosts_fails_before_the_pilot_run():
     """What a worker of ``--nproc 4 --hosts 2 --set model.dmt.num_towers=3`` sees (the
     launcher prints a worker's error as one ``error:`` line, tests/test_dist_launch.py)."""
     config = load_config(None, ["model.name=dmt", "model.dmt.num_towers=3"])
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv(HOSTS_ENV, "2")
     with pytest.raises(ValueError, match=r"num_towers = 3 but the run has 2 hosts.*= 2"):
-        check_towers_fit_hosts(config)
-    monkeypatch.setenv(HOSTS_ENV, "1")  # one host: flat sharding, any number of towers
-    check_towers_fit_hosts(config)
+        check_towers_fit_hosts(config, Topology(4, 2, 1))
+    # one host: flat sharding, any number of towers
+    check_towers_fit_hosts(config, Topology(4, 1, 1))
 
 
 def test_pipeline_is_refused_under_the_tower_transform():

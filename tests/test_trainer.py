@@ -8,7 +8,7 @@ from conftest import run_cli
 from towerrec.config import ConfigError, config_from_dict, config_to_toml, load_config
 from towerrec.data.batch import Batch
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train import trainer
+from towerrec.train import session, trainer
 from towerrec.train.checkpoint import embedding_optimizer_state_dict
 
 QUICK = [
@@ -174,7 +174,7 @@ def test_nan_dense_feature_stops_training_with_a_clear_error(tmp_path, monkeypat
                     batch.dense[7, 3] = float("nan")
                 yield batch
 
-    monkeypatch.setattr(trainer, "build_source", lambda cfg: Poisoned(cfg.synthetic))
+    monkeypatch.setattr(session, "build_source", lambda cfg: Poisoned(cfg.synthetic))
     with pytest.raises(ValueError, match=r"dense feature 3 of sample 7 is nan"):
         trainer.train(quick_config("train.steps=5"), tmp_path)
 
@@ -189,7 +189,7 @@ def test_a_negative_synthetic_id_stops_training_with_a_clear_error(tmp_path, mon
                     batch.sparse.values()[0] = -3
                 yield batch
 
-    monkeypatch.setattr(trainer, "build_source", lambda cfg: Poisoned(cfg.synthetic))
+    monkeypatch.setattr(session, "build_source", lambda cfg: Poisoned(cfg.synthetic))
     with pytest.raises(ValueError, match=r"id -3 of feature 'cat_0' \(sample 0\) is out of"):
         trainer.train(quick_config("train.steps=5", "embedding.backend=auto"), tmp_path)
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from towerrec.cli.common import add_config_args
 from towerrec.config import load_config
 from towerrec.distributed.launch import WorkerError, launch
-from towerrec.distributed.mesh import HOSTS_ENV
 from towerrec.train.run_dir import RunDir, default_run_dir
 from towerrec.train.trainer import train
 from towerrec.train.worker import train_worker
@@ -31,9 +30,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     fresh = not out.exists()
     try:
         if "WORLD_SIZE" in os.environ:  # already a worker of torchrun: train, don't launch
-            if args.hosts > 1:  # the trainer reads the topology from torchrun's environment
-                os.environ[HOSTS_ENV] = str(args.hosts)
-            summary = train(config, out, resume=args.resume)
+            hosts = args.hosts if args.hosts > 1 else None  # else as torchrun says
+            summary = train(config, out, resume=args.resume, hosts=hosts)
             if os.environ.get("RANK", "0") != "0":
                 return 0
         elif args.nproc > 1 or args.hosts > 1:

@@ -9,7 +9,7 @@ its tables' times (NeuroShard, DreamShard). The model sees the set of shards::
     concat device features (kernels, shards) ─► head MLP ─► log seconds
 
 It is trained on measured multi-table kernel times (``towerrec bench costmodel``
-collects them with bench/calibrate.py) by least squares on log time, so its
+collects them with towerrec.calibration) by least squares on log time, so its
 error is relative.
 """
 

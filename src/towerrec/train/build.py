@@ -14,7 +14,7 @@ from towerrec.data.cache import open_cache
 from towerrec.data.loader import ColumnSource
 from towerrec.data.movielens import bundled_movielens_path, load_movielens
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.distributed.mesh import topology_from_env
+from towerrec.distributed.mesh import Topology
 from towerrec.models.dcn import DCN
 from towerrec.models.dlrm import DLRM
 from towerrec.models.dmt import DMT, check_partition
@@ -133,10 +133,11 @@ def feature_stats(config: Config, schema: DataSchema) -> list[FeatureStats]:
     ]
 
 
-def check_towers_fit_hosts(config: Config) -> None:
+def check_towers_fit_hosts(config: Config, topology: Topology) -> None:
     """Under the tower transform (several hosts) each host runs one tower: fail before the
     pilot run when ``model.dmt.num_towers`` does not match."""
-    topology = topology_from_env()
+    if config.model.name != "dmt":
+        return
     towers = config.model.dmt.num_towers
     if topology.world_size > 1 and topology.hosts > 1 and towers != topology.hosts:
         raise ValueError(
@@ -181,7 +182,6 @@ def _build_dmt(
     config: Config, schema: DataSchema, sparse: PooledEmbeddingCollection, device: torch.device
 ) -> DMT:
     """The DMT model of ``config`` over ``sparse``; dense weights seeded by ``train.seed``."""
-    check_towers_fit_hosts(config)
     groups = partition_groups(config, schema)
     torch.manual_seed(config.train.seed)
     model, dmt = config.model, config.model.dmt

@@ -240,9 +240,10 @@ class RunContext:
         }
 
 
-def start_distributed(config: Config, device: torch.device) -> RunContext:
-    """Join the run the environment describes (world size 1 when there is none)."""
-    topology = topology_from_env()
+def start_distributed(config: Config, device: torch.device, hosts: int | None = None) -> RunContext:
+    """Join the run the environment describes (world size 1 when there is none); ``hosts``
+    (``towerrec train --hosts`` under torchrun) overrides the hosts it implies."""
+    topology = topology_from_env(hosts)
     if topology.world_size == 1:
         return RunContext(topology)
     if not config.train.threads:

@@ -23,7 +23,6 @@ from towerrec.train.build import (
     build_dense_optimizer,
     build_model,
     build_source,
-    check_towers_fit_hosts,
     feature_stats,
     lr_factor,
     partition_groups,
@@ -105,7 +104,6 @@ def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:
     if dmt.partition != "auto":
         return partition_groups(config, schema)
     names = schema.sparse_names
-    check_towers_fit_hosts(config)
     if dmt.num_towers > len(names):
         raise ValueError(
             f"model.dmt.num_towers = {dmt.num_towers} but the data has only {len(names)} "

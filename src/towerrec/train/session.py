@@ -1,0 +1,179 @@
+"""What a run is made of before its first step: the resolved config, the process's
+run context, data source, model, optimizer, run directory, checkpoint managers and
+early stopper (``set_up``), and the state a ``--resume`` restores (``Session.resume``)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from towerrec.config import Config
+from towerrec.data.source import DataSource
+from towerrec.models.interfaces import RecommendationModel
+from towerrec.modules.embedding_bag import fused_embedding_modules
+from towerrec.train.build import (
+    build_dense_optimizer,
+    build_model,
+    build_source,
+    check_towers_fit_hosts,
+    resolve_device,
+    resolve_eval_every,
+    resolve_run_config,
+)
+from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
+from towerrec.train.distributed import RunContext, start_distributed
+from towerrec.train.early_stopping import EarlyStopping
+from towerrec.train.metrics import auc
+from towerrec.train.run_dir import RunDir
+from towerrec.train.towers import with_learned_partition
+
+__all__ = ["Session", "set_up"]
+
+log = logging.getLogger("towerrec")
+
+
+@dataclass
+class Session:
+    """One run's objects; ``state`` is the checkpointed train state (step, samples, ...)."""
+
+    config: Config
+    steps: int
+    device: torch.device
+    ctx: RunContext
+    source: DataSource
+    run: RunDir
+    checkpoints: CheckpointManager
+    best: CheckpointManager
+    eval_every: int
+    stopper: EarlyStopping
+    model: nn.Module  # a RecommendationModel (checked in set_up): see ``recommender``
+    optimizer: torch.optim.Optimizer
+    state: dict[str, Any]
+    oracle_auc: float | None
+    num_dense: int
+    num_embedding: int
+
+    @property
+    def recommender(self) -> RecommendationModel:
+        """``model`` as the interface it was checked to have."""
+        return cast(RecommendationModel, self.model)
+
+    def checkpoint(self, step: int, best: bool = False) -> None:
+        """Save the run at ``step`` (into ``best/`` for the best validation's weights)."""
+        self.state.update(step=step, rng=capture_rng())
+        meta = {
+            "train_bytes": self.ctx.run_train_bytes(),
+            "early_stopping": self.stopper.state_dict(),
+        }
+        manager = self.best if best else self.checkpoints
+        manager.save(step, self.model, self.optimizer, self.state, meta)
+
+    def resume(self, changed: dict[str, Any]) -> None:
+        """Load the latest checkpoint: weights, optimizer states, train state, RNG, byte
+        counters and the early stopper; the run's records after its step are dropped."""
+        path = self.checkpoints.latest()
+        assert path is not None  # checked in set_up
+        self.state = self.checkpoints.load(path, self.model, self.optimizer, self.state)
+        if self.state["step"] >= self.steps:
+            raise ValueError(
+                f"the run in {self.run.path} already finished step {self.state['step']} of "
+                f"train.steps = {self.steps}; raise train.steps (--set train.steps=N) to train "
+                "further"
+            )
+        restore_rng(self.state["rng"])
+        meta = read_meta(path)
+        self.ctx.restore_train_bytes(meta.get("train_bytes", []))
+        self.stopper.load_state_dict(meta.get("early_stopping"))
+        if self.stopper.stopped:
+            raise ValueError(
+                f"the run in {self.run.path} already stopped early at step {self.state['step']} "
+                f"(best validation step {self.stopper.best_step}); start a new run to train further"
+            )
+        self.run.truncate_after(self.state["step"])
+        self.run.log({"kind": "resume", "step": self.state["step"], "changed": changed})
+        log.info("resumed from %s at step %d", path, self.state["step"])
+
+
+def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None = None) -> Session:
+    """Everything before the first step (module doc); resumed if ``resume``. ``hosts``:
+    how many hosts the ranks stand for (``None``: as the environment says)."""
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    device = resolve_device(config.train.device)
+    ctx = start_distributed(config, device, hosts)
+    source: DataSource = build_source(config.data)
+    config, steps_from = resolve_run_config(config, source)
+    cfg, steps = config.train, config.train.steps
+    assert steps is not None  # resolved
+    run = RunDir(out_dir, writer=ctx.is_main, tensorboard=cfg.tensorboard)
+    checkpoints = CheckpointManager(run.checkpoint_dir, keep=cfg.keep_checkpoints)
+    best = CheckpointManager(run.best_dir, keep=1)
+    eval_every = resolve_eval_every(config, source)
+    stopper = EarlyStopping.from_config(config)
+    if resume and checkpoints.latest() is None:
+        raise FileNotFoundError(
+            f"--resume: {run.checkpoint_dir} holds no checkpoint to resume from"
+        )
+    changed = run.resume_changes(config) if resume else {}
+    if ctx.is_main:
+        run.start(config, resume=resume)
+    ctx.barrier()
+    log.info("train.steps = %s: %s", f"{steps:,}", steps_from)
+    if config.optimizer.warmup_steps >= steps:
+        log.warning(
+            "optimizer.warmup_steps = %d >= train.steps = %d: the learning rate never reaches "
+            "optimizer.lr; lower optimizer.warmup_steps",
+            config.optimizer.warmup_steps,
+            steps,
+        )
+    if config.plan.strategy != "none" and ctx.world_size == 1:
+        log.warning("plan.strategy only shards tables over ranks; one process keeps them all")
+    check_towers_fit_hosts(config, ctx.topology)  # before a DMT's pilot run
+    # A DMT's learned partition comes from a pilot run (on rank 0) before the model is built.
+    # Distributed: no rank allocates the full tables; each builds only its shards.
+    model = build_model(
+        with_learned_partition(config, source.schema),
+        source.schema,
+        device,
+        materialize_embeddings=ctx.world_size == 1,
+    )
+    model = ctx.parallelize(model, config, source)
+    if not isinstance(model, RecommendationModel):  # every model build_model makes is one
+        raise TypeError(f"{type(model).__name__} is not a RecommendationModel")
+    oracle_auc = None
+    if (oracle := source.eval_oracle()) is not None:  # a planted truth's probabilities
+        labels, probs = oracle
+        oracle_auc = auc(probs, labels)
+    session = Session(
+        config=config,
+        steps=steps,
+        device=device,
+        ctx=ctx,
+        source=source,
+        run=run,
+        checkpoints=checkpoints,
+        best=best,
+        eval_every=eval_every,
+        stopper=stopper,
+        model=model,
+        optimizer=build_dense_optimizer(config.optimizer, model),
+        state={"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()},
+        oracle_auc=oracle_auc,
+        num_dense=model.num_dense_parameters(),
+        num_embedding=sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model)),
+    )
+    if resume:
+        session.resume(changed)
+    log.info(
+        "model: %s dense + %s embedding parameters, %s backend, device %s",
+        f"{session.num_dense:,}",
+        f"{session.num_embedding:,}",
+        model.sparse.backend.value,
+        device,
+    )
+    return session
