@@ -219,3 +219,23 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_a_worker_error_the_agent_missed_is_reported_over_a_lost_peer(tmp_path):
+    """The agent may see only rank 0's lost connection (it stops rank 1 before seeing its
+    exit); the error rank 1 wrote is the cause, and the one reported."""
+    from types import SimpleNamespace
+
+    from towerrec.distributed.launch import _root_failure
+
+    lost = SimpleNamespace(
+        message="RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:50358",
+        timestamp=1,
+        exitcode=1,
+    )
+    assert _root_failure({0: lost}, str(tmp_path)).startswith("rank 0: RuntimeError")
+    (tmp_path / "rank1.txt").write_text("ValueError: invalid sharding plan: no placement")
+    (tmp_path / "rank0.txt").write_text("RuntimeError: Connection closed by peer")
+    assert _root_failure({0: lost}, str(tmp_path)) == (
+        "rank 1: ValueError: invalid sharding plan: no placement"
+    )

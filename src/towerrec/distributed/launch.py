@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing.connection import wait as connection_wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -192,15 +193,31 @@ def launch(
         start_method="spawn",
     )
     os.environ[HOSTS_ENV] = str(hosts)
+    with tempfile.TemporaryDirectory(prefix="towerrec-errors-") as errors_dir:
+        try:
+            return elastic_launch(config, _recording_errors)(entry, errors_dir, *args)
+        except ChildFailedError as e:
+            raise WorkerError(_root_failure(e.failures, errors_dir)) from None
+
+
+def _recording_errors(entry: Callable[..., Any], errors_dir: str, *args: Any) -> Any:
+    """``entry(*args)`` in a launched worker; an error it raises is also written to
+    ``errors_dir`` (the agent may stop a failing rank's peers, whose lost connections it
+    sees, before it sees the rank's own error)."""
     try:
-        return elastic_launch(config, entry)(*args)
-    except ChildFailedError as e:
-        raise WorkerError(_root_failure(e.failures)) from None
+        return entry(*args)
+    except Exception as e:
+        path = os.path.join(errors_dir, f"rank{os.environ.get('RANK', '0')}.txt")
+        with open(path + ".part", "w") as f:
+            f.write(f"{type(e).__name__}: {e}")
+        os.replace(path + ".part", path)
+        raise
 
 
-def _root_failure(failures: dict) -> str:
+def _root_failure(failures: dict, errors_dir: str | None = None) -> str:
     """The message of the failure that caused the others: the earliest one, preferring
-    a worker's own error over a peer's lost connection or a kill signal."""
+    a worker's own error over a peer's lost connection or a kill signal; when the agent
+    saw only such secondary failures, the newest error a worker wrote to ``errors_dir``."""
 
     def describe(rank, failure) -> str:
         line = _error_line(failure.message)
@@ -212,10 +229,27 @@ def _root_failure(failures: dict) -> str:
 
     def secondary(failure) -> bool:
         text = str(failure.message)
-        return not text or "closed by peer" in text or "Connection reset" in text
+        return not text or _lost_peer(text)
 
     ordered = sorted(failures.items(), key=lambda kv: (secondary(kv[1]), kv[1].timestamp))
+    if secondary(ordered[0][1]) and errors_dir is not None:
+        written = [
+            os.path.join(errors_dir, name)
+            for name in os.listdir(errors_dir)
+            if name.startswith("rank") and name.endswith(".txt")
+        ]
+        texts = {path: Path(path).read_text() for path in written}
+        own = [p for p, text in texts.items() if text and not _lost_peer(text)]
+        if own:
+            newest = max(own, key=os.path.getmtime)
+            rank = os.path.basename(newest)[len("rank") : -len(".txt")]
+            return f"rank {rank}: {texts[newest].splitlines()[0]}"
     return describe(*ordered[0])
+
+
+def _lost_peer(text: str) -> bool:
+    """A collective's error when a peer went away: a consequence, not a cause."""
+    return "closed by peer" in text or "Connection reset" in text
 
 
 def _error_line(message: object) -> str:
