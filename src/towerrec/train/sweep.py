@@ -1,0 +1,137 @@
+"""A grid of training runs into one runs file, for scaling-law fits (``towerrec sweep``).
+
+Each point of the grid (the product of every ``KEY=V1,V2,...`` axis) is one run
+of ``train`` on the base config with the point's overrides, in
+``OUT/point-NNN``, one after another in this process. After each, one JSON line
+goes to ``OUT/runs.jsonl``: the point's overrides, ``status`` (``ok`` or
+``failed`` with the error: a failing point is recorded and the sweep goes on),
+and for a finished run the axes a scaling fit reads::
+
+    examples    training samples seen (steps x global batch)
+    params      all parameters; dense_params, embedding_params apart
+    flops       FLOPs per example of the forward pass (as the model counts them)
+    compute     3 x flops x examples: forward and backward of every example
+    ne, logloss, auc   the returned weights' validation metrics
+
+A point already in the runs file with ``ok`` is skipped, so an interrupted sweep
+continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from towerrec.config import Config, load_config
+from towerrec.train.trainer import train
+
+__all__ = ["parse_axis", "read_runs", "run_sweep", "sweep_points"]
+
+log = logging.getLogger("towerrec")
+
+RUNS_FILE = "runs.jsonl"
+
+
+def parse_axis(text: str) -> tuple[str, list[str]]:
+    """``KEY=V1,V2,...`` -> (KEY, [V1, V2, ...]); values stay in TOML syntax, as ``--set``."""
+    key, sep, values = text.partition("=")
+    items = [v.strip() for v in values.split(",") if v.strip()]
+    if not sep or not key.strip() or not items:
+        raise ValueError(
+            f"a sweep axis is KEY=V1,V2,... (e.g. model.embedding_dim=8,16,32), got {text!r}"
+        )
+    return key.strip(), items
+
+
+def sweep_points(axes: Sequence[str]) -> list[list[str]]:
+    """The overrides (``KEY=VALUE`` strings) of every point of the grid, in order."""
+    if not axes:
+        raise ValueError("a sweep needs at least one --grid KEY=V1,V2,... axis")
+    parsed = [parse_axis(a) for a in axes]
+    keys = [k for k, _ in parsed]
+    if len(set(keys)) != len(keys):
+        raise ValueError(
+            f"a sweep axis is given twice: {sorted(k for k in keys if keys.count(k) > 1)}"
+        )
+    return [
+        [f"{k}={v}" for k, v in zip(keys, values)]
+        for values in itertools.product(*(v for _, v in parsed))
+    ]
+
+
+def read_runs(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a runs file (a sweep's ``runs.jsonl``, or the file itself)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / RUNS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run `towerrec sweep --out DIR` first")
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number} is not a JSON line: {e}") from e
+    return records
+
+
+def _axes(summary: dict[str, Any]) -> dict[str, Any]:
+    examples = summary["steps"] * summary["batch_size"]
+    flops = summary["flops_per_sample"]
+    return {
+        "examples": examples,
+        "params": summary["num_params"],
+        "dense_params": summary["num_dense_params"],
+        "embedding_params": summary["num_embedding_params"],
+        "flops": flops,
+        "compute": 3 * flops * examples,
+        "ne": summary.get("ne"),
+        "logloss": summary.get("logloss"),
+        "auc": summary.get("auc"),
+    }
+
+
+def run_sweep(
+    config_path: str | Path | None,
+    overrides: Sequence[str],
+    axes: Sequence[str],
+    out_dir: str | Path,
+) -> list[dict[str, Any]]:
+    """Run every point (module doc); the records of this sweep, finished points included."""
+    points = sweep_points(axes)
+    # Every point's config is checked before the first run: a typo fails now, not at point 7.
+    configs: list[Config] = [load_config(config_path, [*overrides, *p]) for p in points]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs_file = out / RUNS_FILE
+    done = {
+        tuple(r["overrides"]): r
+        for r in (read_runs(runs_file) if runs_file.exists() else [])
+        if r.get("status") == "ok"
+    }
+    records = []
+    for index, (point, config) in enumerate(zip(points, configs)):
+        if tuple(point) in done:
+            log.info("sweep point %d/%d (%s): done before", index + 1, len(points), " ".join(point))
+            records.append(done[tuple(point)])
+            continue
+        log.info("sweep point %d/%d: %s", index + 1, len(points), " ".join(point))
+        run, attempt = f"point-{index:03d}", 1
+        while (out / run).exists():  # a failed earlier attempt keeps its directory
+            run, attempt = f"point-{index:03d}-{attempt}", attempt + 1
+        record: dict[str, Any] = {"point": index, "overrides": point, "run": run}
+        try:
+            summary = train(config, out / record["run"])
+            record.update(status="ok", **_axes(summary))
+        except Exception as e:  # a failing point is recorded; the sweep goes on
+            log.warning("sweep point %d failed: %s", index + 1, e)
+            record.update(status="failed", error=f"{type(e).__name__}: {e}")
+        with runs_file.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        records.append(record)
+    return records

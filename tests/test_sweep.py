@@ -1,0 +1,125 @@
+"""towerrec sweep (a grid of runs, failures recorded, resumable) and towerrec scaling fit."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import run_cli
+
+from towerrec.train import sweep
+from towerrec.train.sweep import read_runs, run_sweep, sweep_points
+
+QUICK = [
+    "data.synthetic.num_embeddings=[60, 30, 90]",
+    "data.synthetic.pooling_factors=[1, 2, 1]",
+    "data.synthetic.eval_samples=2048",
+    "train.batch_size=256",
+    "train.eval_every=0",
+    "train.progress=false",
+    "optimizer.warmup_steps=1",
+]
+
+
+def test_the_grid_is_the_product_of_its_axes():
+    points = sweep_points(["model.embedding_dim=8,16", "train.steps=2, 4 ,6"])
+    assert len(points) == 6
+    assert points[0] == ["model.embedding_dim=8", "train.steps=2"]
+    assert points[-1] == ["model.embedding_dim=16", "train.steps=6"]
+
+
+@pytest.mark.parametrize(
+    "axes, message",
+    [
+        ([], "at least one --grid"),
+        (["train.steps"], "KEY=V1,V2"),
+        (["train.steps="], "KEY=V1,V2"),
+        (["train.steps=1,2", "train.steps=3"], "given twice"),
+    ],
+)
+def test_bad_axes_are_refused(axes, message):
+    with pytest.raises(ValueError, match=message):
+        sweep_points(axes)
+
+
+def test_a_bad_value_is_refused_before_any_run(tmp_path):
+    with pytest.raises(ValueError, match=r"model\.embedding_dim"):
+        run_sweep(None, QUICK, ["model.embedding_dim=8,-1"], tmp_path)
+    assert not (tmp_path / "runs.jsonl").exists()
+
+
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on_then_resumes(tmp_path, monkeypatch):
+    real = sweep.train
+    fail = {"on": True}
+
+    def train(config, out_dir):
+        if config.train.steps == 4 and fail["on"]:
+            out_dir.mkdir()  # as a run that started and then failed leaves its directory
+            raise RuntimeError("out of memory (simulated)")
+        return real(config, out_dir)
+
+    monkeypatch.setattr(sweep, "train", train)
+    records = run_sweep(None, QUICK, ["train.steps=2,4,6"], tmp_path)
+    assert [r["status"] for r in records] == ["ok", "failed", "ok"]
+    assert "out of memory" in records[1]["error"]
+    ok = records[0]
+    assert ok["examples"] == 2 * 256 and ok["compute"] == 3 * ok["flops"] * 512
+    assert ok["params"] == ok["dense_params"] + ok["embedding_params"] > 0
+    assert ok["ne"] > 0 and 0 < ok["auc"] < 1
+
+    fail["on"] = False  # the run again: finished points are skipped, the failed one retried
+    again = run_sweep(None, QUICK, ["train.steps=2,4,6"], tmp_path)
+    assert [r["status"] for r in again] == ["ok", "ok", "ok"]
+    assert again[1]["run"] == "point-001-1"  # the failed attempt's directory is kept
+    assert [r["status"] for r in read_runs(tmp_path)] == ["ok", "failed", "ok", "ok"]
+
+
+def _planted_runs(path, alpha=3.0, beta=0.4, gamma=0.55):
+    with path.open("w") as f:
+        for examples in np.geomspace(1e3, 1e7, 9):
+            ne = alpha * examples**-beta + gamma
+            f.write(
+                json.dumps({"status": "ok", "overrides": [], "examples": examples, "ne": ne}) + "\n"
+            )
+        f.write(json.dumps({"status": "failed", "overrides": [], "error": "x"}) + "\n")
+
+
+def test_scaling_fit_recovers_a_planted_curve_and_plots_it(tmp_path):
+    _planted_runs(tmp_path / "runs.jsonl")
+    result = run_cli(
+        "scaling", "fit", str(tmp_path), "--x", "examples", "--y", "ne",
+        "--bootstrap", "50", "--plot", str(tmp_path / "fit.png"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    fit = json.loads(result.stdout)["fit"]
+    assert fit["beta"] == pytest.approx(0.4, rel=1e-3)
+    assert fit["gamma"] == pytest.approx(0.55, rel=1e-3)
+    assert fit["alpha"] == pytest.approx(3.0, rel=1e-3)
+    assert (tmp_path / "fit.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_scaling_fit_of_too_few_points_is_a_clear_error(tmp_path):
+    (tmp_path / "runs.jsonl").write_text(
+        "".join(
+            json.dumps({"status": "ok", "overrides": [], "examples": n, "ne": 1 / n}) + "\n"
+            for n in (10, 20, 40)
+        )
+    )
+    result = run_cli("scaling", "fit", str(tmp_path))
+    assert result.returncode == 2
+    assert "too few points to fit" in result.stderr
+
+
+@pytest.mark.slow
+def test_sweep_then_fit_through_the_command_line(tmp_path):
+    sets = [x for s in QUICK for x in ("--set", s)]
+    result = run_cli(
+        "sweep", *sets, "--grid", "train.steps=2,4,8,16", "--out", str(tmp_path / "sweep"),
+        OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(result.stdout)
+    assert summary["points"] == 4 and summary["failed"] == []
+    fitted = run_cli("scaling", "fit", str(tmp_path / "sweep"), "--bootstrap", "20")
+    assert fitted.returncode == 0, fitted.stderr
+    result = json.loads(fitted.stdout)
+    assert len(result["points"]) == 4 and np.isfinite(result["fit"]["gamma"])
