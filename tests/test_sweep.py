@@ -65,6 +65,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on_then_resumes(tmp_path
     assert ok["examples"] == 2 * 256 and ok["compute"] == 3 * ok["flops"] * 512
     assert ok["params"] == ok["dense_params"] + ok["embedding_params"] > 0
     assert ok["ne"] > 0 and 0 < ok["auc"] < 1
+    assert 0 < ok["oracle_ne"] < 1  # the synthetic teacher's own NE: the floor of ne
 
     fail["on"] = False  # the run again: finished points are skipped, the failed one retried
     again = run_sweep(None, QUICK, ["train.steps=2,4,6"], tmp_path)

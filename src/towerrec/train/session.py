@@ -28,7 +28,7 @@ from towerrec.train.build import (
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
 from towerrec.train.distributed import RunContext, start_distributed
 from towerrec.train.early_stopping import EarlyStopping
-from towerrec.train.metrics import auc
+from towerrec.train.metrics import auc, normalized_entropy
 from towerrec.train.run_dir import RunDir
 from towerrec.train.towers import with_learned_partition
 
@@ -55,6 +55,7 @@ class Session:
     optimizer: torch.optim.Optimizer
     state: dict[str, Any]
     oracle_auc: float | None
+    oracle_ne: float | None  # the teacher's own NE on the eval set: the floor a model can reach
     num_dense: int
     num_embedding: int
 
@@ -145,10 +146,11 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
     model = ctx.parallelize(model, config, source)
     if not isinstance(model, RecommendationModel):  # every model build_model makes is one
         raise TypeError(f"{type(model).__name__} is not a RecommendationModel")
-    oracle_auc = None
+    oracle_auc = oracle_ne = None
     if (oracle := source.eval_oracle()) is not None:  # a planted truth's probabilities
         labels, probs = oracle
         oracle_auc = auc(probs, labels)
+        oracle_ne = normalized_entropy(probs, labels)
     session = Session(
         config=config,
         steps=steps,
@@ -164,6 +166,7 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         optimizer=build_dense_optimizer(config.optimizer, model),
         state={"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()},
         oracle_auc=oracle_auc,
+        oracle_ne=oracle_ne,
         num_dense=model.num_dense_parameters(),
         num_embedding=sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model)),
     )

@@ -29,6 +29,7 @@ def run_summary(
     return {
         **final,  # validation metrics of the returned weights (the best step's, if restored)
         "oracle_auc": s.oracle_auc,
+        "oracle_ne": s.oracle_ne,
         "samples_per_s": state["samples"] / state["train_s"] if state["train_s"] else None,
         "steps": step,
         "completed": finished,

@@ -12,6 +12,7 @@ and for a finished run the axes a scaling fit reads::
     flops       FLOPs per example of the forward pass (as the model counts them)
     compute     3 x flops x examples: forward and backward of every example
     ne, logloss, auc   the returned weights' validation metrics
+    oracle_ne   on the synthetic data, the teacher's own NE: the floor of ne
 
 A point already in the runs file with ``ok`` is skipped, so an interrupted sweep
 continues where it stopped.
@@ -93,6 +94,7 @@ def _axes(summary: dict[str, Any]) -> dict[str, Any]:
         "ne": summary.get("ne"),
         "logloss": summary.get("logloss"),
         "auc": summary.get("auc"),
+        "oracle_ne": summary.get("oracle_ne"),  # synthetic data: the floor of ne
     }
 
 
