@@ -231,3 +231,39 @@ def test_movielens_with_shampoo_on_2_ranks_follows_one_process(tmp_path):
     assert two["completed"] and one["completed"]
     assert abs(two["auc"] - one["auc"]) < 1e-3
     assert abs(two["logloss"] - one["logloss"]) < 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_criteo_format_cache_with_shampoo_on_2_ranks_follows_one_process(tmp_path):
+    from towerrec.data.criteo import CriteoOptions, preprocess_criteo
+    from towerrec.data.criteo_gen import generate_criteo_files
+
+    days = generate_criteo_files(tmp_path / "raw", files=2, rows_per_file=801, seed=3)
+    cache = tmp_path / "cache"
+    options = CriteoOptions(num_embeddings=(500,), eval_files=("day_1",))
+    preprocess_criteo(days, cache, options, progress=False)
+    overrides = [
+        "data.source=criteo",
+        f"data.path={cache}",
+        "optimizer.name=shampoo",
+        "optimizer.shampoo.start_preconditioning_step=2",
+        "optimizer.shampoo.precondition_frequency=2",
+        "optimizer.warmup_steps=2",
+        "model.embedding_dim=8",
+        "model.bottom_mlp=[16, 8]",
+        "model.top_mlp=[16, 1]",
+        "train.batch_size=128",
+        "train.steps=6",
+        "train.progress=false",
+    ]
+    sets = [x for s in overrides for x in ("--set", s)]
+    result = run_cli(
+        "train", "--nproc", "2", "--out", str(tmp_path / "two"), *sets, OMP_NUM_THREADS="1"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    one = trainer.train(load_config(None, overrides), tmp_path / "one")
+    assert two["eval_samples"] == one["eval_samples"] == 801  # uneven over 2 ranks
+    assert abs(two["auc"] - one["auc"]) < 1e-3
+    assert abs(two["logloss"] - one["logloss"]) < 1e-3
