@@ -22,6 +22,7 @@ from towerrec.bench import (
     memory,
     plan,
     quality,
+    shampoo,
     towers,
     train,
     zoo,
@@ -47,6 +48,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "dmt-scale": dmt_scale.BENCHMARK,
     "dist": dist_train.BENCHMARK,
     "memory": memory.BENCHMARK,
+    "shampoo": shampoo.BENCHMARK,
 }
 
 

@@ -33,6 +33,9 @@ all-gather gives every rank every block's update, and every rank applies the
 same updates to its replica. A block's arithmetic is the same on whichever rank
 owns it, so given the same gradients a distributed run takes the single-process
 steps bit for bit. The optimizer state of a rank holds its own blocks only.
+Parameters named in ``local`` (replicated over fewer ranks than the exchange's
+group, such as a tower's under the tower transform) are not dealt: every rank
+computes all their blocks itself.
 """
 
 from __future__ import annotations
@@ -152,6 +155,7 @@ class Shampoo(torch.optim.Optimizer):
         settings: ShampooSettings | None = None,
         weight_decay: float = 0.0,
         exchange: BlockExchange | None = None,
+        local: Iterable[torch.Tensor] = (),
     ) -> None:
         if not lr > 0:
             raise ValueError(f"Shampoo's lr must be > 0, got {lr}")
@@ -160,11 +164,13 @@ class Shampoo(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.settings = settings or ShampooSettings()
         self.exchange = exchange
+        local_ids = {id(p) for p in local}
         self._blocks = {
             p: block_slices(p.shape, self.settings.max_preconditioner_dim)
             for group in self.param_groups
             for p in group["params"]
         }
+        self._local = {i for i, p in enumerate(self._blocks) if id(p) in local_ids}
         self._owner = self._deal()
         for i, p in enumerate(self._blocks):
             self._init_state(i, p)
@@ -194,6 +200,7 @@ class Shampoo(torch.optim.Optimizer):
         blocks = [
             (i, j, _cost([s.stop - s.start for s in block]))
             for i, p in enumerate(self._blocks)
+            if i not in self._local
             for j, block in enumerate(self._blocks[p])
         ]
         load = [0] * world
@@ -204,7 +211,19 @@ class Shampoo(torch.optim.Optimizer):
             load[rank] += cost
         return owner
 
+    def block_counts(self) -> tuple[int, int]:
+        """(blocks this rank preconditions, blocks in all)."""
+        total = sum(len(blocks) for blocks in self._blocks.values())
+        mine = sum(
+            self._mine(i, j)
+            for i, p in enumerate(self._blocks)
+            for j in range(len(self._blocks[p]))
+        )
+        return mine, total
+
     def _mine(self, param_index: int, block: int) -> bool:
+        if param_index in self._local:
+            return True
         rank = self.exchange.rank if self.exchange is not None else 0
         return self._owner[(param_index, block)] == rank
 
@@ -235,7 +254,7 @@ class Shampoo(torch.optim.Optimizer):
                         g = grad[block] if p.dim() else grad
                         updates[(i, j)] = self._block_update(state, j, g, t)
         if self.exchange is not None:
-            updates = self._gather(updates, lrs)
+            updates.update(self._gather(updates, lrs))
         for group in self.param_groups:
             for p in group["params"]:
                 i = index[p]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
@@ -23,7 +24,7 @@ from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.embedding_bag import dense_parameters
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.tables import TableConfig
-from towerrec.optim.shampoo import Shampoo
+from towerrec.optim.shampoo import BlockExchange, Shampoo
 from towerrec.planner.towers import (
     FeatureStats,
     contiguous_partition,
@@ -202,7 +203,15 @@ def _build_dmt(
     ).to(device)
 
 
-def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
+def build_dense_optimizer(
+    config: OptimizerConfig,
+    model: nn.Module,
+    exchange: BlockExchange | None = None,
+    local: Iterable[torch.Tensor] = (),
+) -> torch.optim.Optimizer:
+    """The dense parameters' optimizer. Shampoo with an ``exchange`` deals its blocks over
+    the exchange's ranks (``optim/shampoo.py``); ``local``: parameters replicated over
+    fewer ranks, whose blocks every rank computes itself."""
     params = [p for _, p in dense_parameters(model) if p.requires_grad]
     # One fused kernel over all parameters instead of a few ops per tensor (CPU, CUDA).
     fused = bool(params) and all(
@@ -216,9 +225,14 @@ def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.op
             decoupled_weight_decay=True,
             fused=fused or None,
         )
-    if config.name == "shampoo":  # every rank computes every block (replicas stay equal)
+    if config.name == "shampoo":
         return Shampoo(
-            params, lr=config.lr, settings=config.shampoo, weight_decay=config.weight_decay
+            params,
+            lr=config.lr,
+            settings=config.shampoo,
+            weight_decay=config.weight_decay,
+            exchange=exchange,
+            local=local,
         )
     if config.name == "adagrad":
         return torch.optim.Adagrad(

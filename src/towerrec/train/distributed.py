@@ -24,9 +24,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from towerrec.config import Config
+from towerrec.distributed.block_exchange import GroupExchange
 from towerrec.distributed.comm import CommCodecs, CommStats
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
+from towerrec.distributed.towers import TowerParallelDMT, parallelize_towers
 from towerrec.memory import peak_rss_mb
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.train.planning import build_plan
@@ -120,11 +122,20 @@ class RunContext:
         assert self.mesh is not None  # set for every distributed run
         return parallelize(model, self.mesh, plan, codecs=codecs, dense_stats=self.dense_stats)
 
+    def block_exchange(self, model: nn.Module) -> tuple[GroupExchange | None, list[nn.Parameter]]:
+        """For a distributed Shampoo: an exchange over every rank (a process group of its
+        own, so its all-gather never interleaves with other collectives) and the dense
+        parameters replicated over fewer ranks (a tower's, under the tower transform),
+        which each rank preconditions itself. One process: no exchange. Every rank
+        calls this at the same point (it makes a process group)."""
+        if self.world_size == 1:
+            return None, []
+        local = list(model.tower.parameters()) if isinstance(model, TowerParallelDMT) else []
+        return GroupExchange(dist.new_group()), local
+
     def _parallelize_towers(self, model: nn.Module, config: Config) -> nn.Module:
         """A DMT on several hosts: the tower transform, tower t on host t
         (``distributed/towers.py``)."""
-        from towerrec.distributed.towers import parallelize_towers
-
         settings = config.distributed
         if settings.pipeline:
             raise ValueError(

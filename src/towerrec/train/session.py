@@ -16,6 +16,7 @@ from towerrec.config import Config
 from towerrec.data.source import DataSource
 from towerrec.models.interfaces import RecommendationModel
 from towerrec.modules.embedding_bag import fused_embedding_modules
+from towerrec.optim.shampoo import Shampoo
 from towerrec.train.build import (
     build_dense_optimizer,
     build_model,
@@ -146,6 +147,9 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
     model = ctx.parallelize(model, config, source)
     if not isinstance(model, RecommendationModel):  # every model build_model makes is one
         raise TypeError(f"{type(model).__name__} is not a RecommendationModel")
+    exchange, local = (
+        ctx.block_exchange(model) if config.optimizer.name == "shampoo" else (None, [])
+    )
     oracle_auc = oracle_ne = None
     if (oracle := source.eval_oracle()) is not None:  # a planted truth's probabilities
         labels, probs = oracle
@@ -163,13 +167,16 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         eval_every=eval_every,
         stopper=stopper,
         model=model,
-        optimizer=build_dense_optimizer(config.optimizer, model),
+        optimizer=build_dense_optimizer(config.optimizer, model, exchange, local),
         state={"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()},
         oracle_auc=oracle_auc,
         oracle_ne=oracle_ne,
         num_dense=model.num_dense_parameters(),
         num_embedding=sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model)),
     )
+    if isinstance(session.optimizer, Shampoo) and exchange is not None:
+        mine, total = session.optimizer.block_counts()
+        log.info("Shampoo: this rank preconditions %d of %d blocks", mine, total)
     if resume:
         session.resume(changed)
     log.info(
