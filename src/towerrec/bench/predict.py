@@ -33,7 +33,7 @@ from towerrec.train.trainer import train
 __all__ = ["BENCHMARK"]
 
 REPO = Path(__file__).resolve().parents[3]
-DATASETS = {
+DATASETS: dict[str, tuple[Path | None, list[str]]] = {
     "default": (None, []),
     "movielens": (REPO / "configs" / "movielens.toml", []),
 }
