@@ -304,9 +304,14 @@ def test_data_of_another_schema_is_refused(synthetic_artefact, criteo_files, tmp
 
 
 def test_export_refuses_an_unfinished_run(tmp_path):
-    (tmp_path / "run").mkdir()
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no finished run"):
+        export_run(tmp_path / "empty", tmp_path / "artefact")
+    config = load_config(None, [*SMALL, *SYNTHETIC])
+    trainer.train(config, tmp_path / "run", stop_after=3)  # as a stop signal ends a run
+    with pytest.raises(ValueError, match="stopped at step 3 before it finished.*--resume"):
         export_run(tmp_path / "run", tmp_path / "artefact")
+    assert not (tmp_path / "artefact").exists()
 
 
 def test_command_line(synthetic_run, tmp_path, capsys):

@@ -131,6 +131,11 @@ def _pick_checkpoint(run: Path) -> tuple[Path, int]:
             "towerrec train --out RUN --resume)"
         )
     summary = json.loads(summary_path.read_text())
+    if not summary.get("completed"):
+        raise ValueError(
+            f"the run in {run} stopped at step {summary.get('steps')} before it finished; "
+            f"finish it first (towerrec train --out {run} --resume)"
+        )
     step = int(summary.get("weights_step") or summary["steps"])
     for directory in (run / "best", run / "checkpoint"):
         path = directory / f"step_{step:08d}"
