@@ -309,7 +309,7 @@ def test_export_refuses_an_unfinished_run(tmp_path):
         export_run(tmp_path / "empty", tmp_path / "artefact")
     config = load_config(None, [*SMALL, *SYNTHETIC])
     trainer.train(config, tmp_path / "run", stop_after=3)  # as a stop signal ends a run
-    with pytest.raises(ValueError, match="stopped at step 3 before it finished.*--resume"):
+    with pytest.raises(ValueError, match=r"stopped at step 3 before it finished.*--resume"):
         export_run(tmp_path / "run", tmp_path / "artefact")
     assert not (tmp_path / "artefact").exists()
 

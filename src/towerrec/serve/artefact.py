@@ -149,7 +149,6 @@ class InferenceArtefact:
                 files = [path / TABLES / name for name in table_files(spec.table, self.table_dtype)]
                 arrays = [np.load(_required(f), allow_pickle=False) for f in files]
                 self.tables[spec.table] = TableStore(self.table_dtype, arrays, spec)
-        self._rows = torch.tensor([f.num_embeddings for f in self.features], dtype=torch.int64)
         self.program = torch.export.load(_required(path / PROGRAM)).module()
 
     @property

@@ -260,7 +260,10 @@ def predict(
         "batch_size": batch_size,
         "threads": torch.get_num_threads(),
     }
-    result.update(compute_metrics(torch.from_numpy(preds), torch.from_numpy(labels)).as_dict())
+    if bool(np.isin(labels, (0.0, 1.0)).all()):  # AUC and log-loss need 0/1 labels
+        result.update(compute_metrics(torch.from_numpy(preds), torch.from_numpy(labels)).as_dict())
+    else:
+        log.warning("the labels are not all 0 or 1: no AUC or log-loss reported")
     if out is not None:
         table = pa.table({"prediction": preds.astype(np.float32), "label": labels})
         Path(out).parent.mkdir(parents=True, exist_ok=True)
