@@ -303,6 +303,24 @@ def test_data_of_another_schema_is_refused(synthetic_artefact, criteo_files, tmp
         artefact.predict(dense, ["cat_0"], torch.tensor([1, 2]), torch.tensor([1, 1]))
 
 
+def test_export_takes_the_weights_the_run_returned(tmp_path):
+    """Under early stopping a run returns its best step's weights (best/): so does export."""
+    run = train_run(tmp_path / "run", *SYNTHETIC, "train.checkpoint_every=6")
+    (run / "best").mkdir()
+    shutil.move(run / "checkpoint" / "step_00000006", run / "best" / "step_00000006")
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, "weights_step": 6}))
+    manifest = export_run(run, tmp_path / "artefact")
+    assert manifest["step"] == 6
+    predict(tmp_path / "artefact", out=tmp_path / "p.parquet", progress=False)
+    preds, _ = scored(tmp_path / "p.parquet")
+    last = reference_predictions(run)  # the last step's weights, in checkpoint/
+    assert np.abs(preds - last).max() > 1e-3
+    shutil.rmtree(run / "checkpoint")
+    shutil.move(run / "best", run / "checkpoint")
+    np.testing.assert_allclose(preds, reference_predictions(run), rtol=0, atol=1e-6)
+
+
 def test_export_refuses_an_unfinished_run(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no finished run"):
