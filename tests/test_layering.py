@@ -84,6 +84,10 @@ FORBIDDEN = {
     "config": ["torch.distributed", "towerrec.train", "towerrec.cli", "towerrec.bench"],
     "train": ["towerrec.cli", "towerrec.bench"],
     "bench": ["towerrec.cli"],
+    # Export and predict sit on train/ (the run's model and checkpoint), below the command
+    # line; the artefact loader is standalone: torch and numpy only, never towerrec.
+    "serve": ["towerrec.cli", "towerrec.bench"],
+    "serve/artefact.py": ["towerrec."],
 }
 
 

@@ -21,6 +21,7 @@ from towerrec.bench import (
     embedding,
     memory,
     plan,
+    predict,
     quality,
     shampoo,
     towers,
@@ -49,6 +50,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "dist": dist_train.BENCHMARK,
     "memory": memory.BENCHMARK,
     "shampoo": shampoo.BENCHMARK,
+    "predict": predict.BENCHMARK,
 }
 
 

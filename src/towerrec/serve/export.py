@@ -1,0 +1,268 @@
+"""``towerrec export RUN --out DIR``: a finished run as a self-contained inference artefact.
+
+::
+
+    RUN/config.toml ──► build the single-device model ◄── RUN/best|checkpoint/step_N (DCP,
+                                                          any world size and sharding)
+          │
+          ├─ tables:  model.sparse.table_weights()  ──► DIR/tables/<table>.npy
+          │           (fp32, fp16, or int8 row-wise: q [rows, D] uint8, scale, bias [rows])
+          └─ program: the model with its collection swapped for ``PooledInput``,
+                      torch.export'ed with a dynamic batch ──► DIR/program.pt2
+                      (dense [B, F_d], pooled [B, sum(D_f)]) -> logits [B]
+
+The program holds only the dense part (MLPs, interaction, towers): the embedding
+lookup stays outside it, as in serving stacks where tables live apart from the
+network, so tables can be stored in a smaller dtype and looked up by any kernel.
+``serve/artefact.py`` loads the result with torch and numpy alone. The manifest
+(format in ``artefact.py``) records the feature schema, the id policy and how the
+run's data mapped raw values to ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from datetime import UTC, datetime
+from enum import StrEnum
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.export import Dim
+
+from towerrec.config import Config, config_to_toml, load_config
+from towerrec.data.batch import DataSchema
+from towerrec.data.cache import read_manifest as read_cache_manifest
+from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.interfaces import Ready
+from towerrec.serve.artefact import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    PROGRAM,
+    TABLES,
+    table_files,
+)
+from towerrec.sparse import KeyedTensor
+from towerrec.train.build import build_dense_optimizer, build_model, build_source
+from towerrec.train.checkpoint import CheckpointManager, capture_rng
+from towerrec.train.towers import with_learned_partition
+
+__all__ = [
+    "RUN_CONFIG",
+    "TableDtype",
+    "export_run",
+    "load_run_model",
+    "quantize_rowwise",
+    "towerrec_version",
+]
+
+log = logging.getLogger("towerrec")
+
+RUN_CONFIG = "run_config.toml"  # the run's config.toml, copied: predict's default data
+
+
+class TableDtype(StrEnum):
+    FP32 = "fp32"
+    FP16 = "fp16"
+    INT8 = "int8"  # row-wise: per-row scale and bias
+
+
+def towerrec_version() -> str:
+    try:
+        return version("towerrec")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "0+unknown"
+
+
+class PooledInput(nn.Module):
+    """Stands in for a model's embedding collection: its "features" are the pooled
+    embeddings ``[B, sum(D_f)]`` themselves, handed back as the ``KeyedTensor`` the
+    model would have got from the lookup."""
+
+    def __init__(self, feature_names: list[str], embedding_dims: list[int]) -> None:
+        super().__init__()
+        self.feature_names = feature_names
+        self.embedding_dims = embedding_dims
+
+    def forward(self, pooled: torch.Tensor) -> KeyedTensor:
+        return KeyedTensor(self.feature_names, self.embedding_dims, pooled)
+
+    def forward_start(self, pooled: torch.Tensor) -> Ready:
+        return Ready(self(pooled))
+
+
+class DenseProgram(nn.Module):
+    """``(dense [B, F_d], pooled [B, sum(D_f)]) -> logits [B]``: the model after its lookup."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return self.model(dense, pooled)
+
+
+def quantize_rowwise(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row-wise 8-bit quantisation of ``weight`` [rows, D]: ``q`` [rows, D] uint8 and
+    per-row ``scale``, ``bias`` [rows] float32 with ``row ~= q * scale + bias``
+    (bias the row's minimum, scale its range / 255; a constant row has scale 1)."""
+    w = weight.detach().float()
+    low = w.min(dim=1).values
+    span = w.max(dim=1).values - low
+    scale = torch.where(span > 0, span / 255.0, torch.ones_like(span))
+    q = torch.round((w - low.unsqueeze(1)) / scale.unsqueeze(1)).clamp(0, 255).to(torch.uint8)
+    return q.numpy(), scale.numpy(), low.numpy()
+
+
+def _pick_checkpoint(run: Path) -> tuple[Path, int]:
+    """The checkpoint of the weights the run returned (``summary.json``'s weights_step:
+    the best validation step's under early stopping, else the last)."""
+    summary_path = run / "summary.json"
+    if not (run / "config.toml").is_file() or not summary_path.is_file():
+        raise FileNotFoundError(
+            f"{run} holds no finished run (it needs config.toml and summary.json); give the "
+            "directory of a towerrec train run that has finished (or finish it with "
+            "towerrec train --out RUN --resume)"
+        )
+    summary = json.loads(summary_path.read_text())
+    if not summary.get("completed"):
+        raise ValueError(
+            f"the run in {run} stopped at step {summary.get('steps')} before it finished; "
+            f"finish it first (towerrec train --out {run} --resume)"
+        )
+    step = int(summary.get("weights_step") or summary["steps"])
+    for directory in (run / "best", run / "checkpoint"):
+        path = directory / f"step_{step:08d}"
+        if (path / ".metadata").is_file():
+            return path, step
+    raise FileNotFoundError(
+        f"{run} has no checkpoint of its returned weights (step {step}) under best/ or "
+        "checkpoint/; was it pruned (train.keep_checkpoints)? Export needs that step's "
+        "checkpoint"
+    )
+
+
+def load_run_model(run: str | Path) -> tuple[Config, DataSchema, nn.Module, int]:
+    """The run's config, data schema and single-device model (eval mode) with the
+    returned weights loaded from its checkpoint, whatever the world size and sharding
+    that wrote it; and that checkpoint's step."""
+    run = Path(run)
+    path, step = _pick_checkpoint(run)
+    config = load_config(base=run / "config.toml")
+    schema = build_source(config.data).schema
+    config = with_learned_partition(config, schema)
+    model = build_model(config, schema, torch.device("cpu"))
+    optimizer = build_dense_optimizer(config.optimizer, model)
+    train_state = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
+    CheckpointManager(path.parent).load(path, model, optimizer, train_state)
+    return config, schema, model.eval(), step
+
+
+def _data_mapping(config: Config) -> dict[str, Any]:
+    """How the run's data turned raw values into ids, for scoring raw files alike."""
+    data = config.data
+    out: dict[str, Any] = {"source": data.source, "path": data.path}
+    if data.source == "movielens":
+        out["movielens"] = {
+            k: getattr(data.movielens, k) for k in data.movielens.__dataclass_fields__
+        }
+    elif data.source in ("criteo", "cache") and data.path:
+        cache = read_cache_manifest(data.path)
+        out["cache_source"] = cache.get("source")
+        out["options"] = cache.get("options")  # criteo: hashing sizes or min_count vocabulary
+    return out
+
+
+def export_run(
+    run: str | Path, out: str | Path, tables: TableDtype | str = TableDtype.FP32
+) -> dict[str, Any]:
+    """Write the artefact of ``run`` into ``out`` (module doc); returns its manifest."""
+    run, out, dtype = Path(run), Path(out), TableDtype(tables)
+    if (out / MANIFEST).exists():
+        raise FileExistsError(f"{out} already holds an artefact; choose another --out")
+    config, schema, model, step = load_run_model(run)
+    sparse = model.sparse
+    if not isinstance(sparse, EmbeddingBagCollection):
+        raise ValueError(
+            f"export stores full tables; this run's embedding.kind makes a "
+            f"{type(sparse).__name__}: export supports embedding.kind = 'full' runs"
+        )
+    features = _feature_specs(sparse)
+    weights = sparse.table_weights()
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / TABLES).mkdir(parents=True)
+    stored = 0
+    for table, weight in weights.items():
+        arrays = _stored(weight, dtype)
+        for name, array in zip(table_files(table, dtype.value), arrays):
+            np.save(tmp / TABLES / name, array, allow_pickle=False)
+            stored += array.nbytes
+    model.sparse = PooledInput(list(sparse.feature_names), list(sparse.embedding_dims))
+    program = _export_program(model, schema.num_dense, sum(sparse.embedding_dims))
+    torch.export.save(program, tmp / PROGRAM)
+    (tmp / RUN_CONFIG).write_text(config_to_toml(config))
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "towerrec_version": towerrec_version(),
+        "torch_version": torch.__version__,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "run": str(run.resolve()),
+        "step": step,
+        "model": config.model.name,
+        "program": {"file": PROGRAM, "inputs": ["dense [B, F_d]", "pooled [B, sum(D_f)]"]},
+        "tables": {"dtype": dtype.value, "bytes": stored},
+        "schema": {"num_dense": schema.num_dense, "sparse": features},
+        "id_policy": sparse.id_policy.value,
+        "data": _data_mapping(config),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log.info("exported %s (step %d, %s tables, %s bytes) to %s", run, step, dtype, stored, out)
+    return manifest
+
+
+def _feature_specs(sparse: EmbeddingBagCollection) -> list[dict[str, Any]]:
+    """Per feature, in the order the model lays out its pooled embeddings."""
+    table_of = {f: t for t in sparse.tables for f in t.feature_names}
+    return [
+        {
+            "name": name,
+            "table": table_of[name].name,
+            "num_embeddings": table_of[name].num_embeddings,
+            "embedding_dim": dim,
+            "pooling": table_of[name].pooling.value,
+        }
+        for name, dim in zip(sparse.feature_names, sparse.embedding_dims)
+    ]
+
+
+def _stored(weight: torch.Tensor, dtype: TableDtype) -> list[np.ndarray]:
+    w = weight.detach().cpu().float()
+    if dtype is TableDtype.FP16:
+        return [w.half().numpy()]
+    if dtype is TableDtype.INT8:
+        return list(quantize_rowwise(w))
+    return [w.numpy().copy()]
+
+
+def _export_program(model: nn.Module, num_dense: int, pooled_width: int):
+    """torch.export of ``DenseProgram(model)`` with the batch dimension dynamic."""
+    example = 4  # any size > 1 (a size-1 example specialises the batch dimension)
+    dense = torch.zeros(example, num_dense)
+    pooled = torch.zeros(example, pooled_width)
+    batch = Dim("batch", min=1)
+    with torch.no_grad():
+        return torch.export.export(
+            DenseProgram(model),
+            (dense, pooled),
+            dynamic_shapes={"dense": {0: batch}, "pooled": {0: batch}},
+        )
