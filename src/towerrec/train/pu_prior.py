@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from towerrec.config import Config
 from towerrec.data.batch import Batch
-from towerrec.data.source import RowAccessSource
+from towerrec.data.source import DataSource, RowAccessSource
 from towerrec.train.build import (
     build_dense_optimizer,
     build_model,
@@ -60,7 +60,7 @@ __all__ = [
 log = logging.getLogger("towerrec")
 
 TOP_FRACTION = 0.02  # of the held-out examples: those the classifier scores highest
-FOLDS = 5  # cross-fitting folds over the training rows
+FOLDS = 3  # cross-fitting folds over the training rows
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,9 @@ def _row_batches(source: RowAccessSource, rows: np.ndarray, batch_size: int, see
             yield source.gather_train(order[start : start + batch_size])
 
 
-def held_out_scores(config: Config, folds: int = FOLDS) -> tuple[torch.Tensor, torch.Tensor]:
+def held_out_scores(
+    config: Config, folds: int = FOLDS, source: DataSource | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Classifier probabilities ``[N]`` of being labelled, on examples it did not train on,
     and their observed labels ``[N]``.
 
@@ -167,12 +169,13 @@ def held_out_scores(config: Config, folds: int = FOLDS) -> tuple[torch.Tensor, t
     its training rows are dealt at random (``train.seed``) into ``folds`` folds, and each
     fold is scored by a model trained on the others, so every training row is held out
     once. A stream (synthetic) trains one model on its stream and scores its
-    validation set, drawn from the same distribution.
+    validation set, drawn from the same distribution. ``source``: ``config.data``'s
+    unless given.
     """
     if folds < 2:
         raise ValueError(f"cross-fitting needs at least 2 folds, got {folds}")
     device = resolve_device(config.train.device)
-    source = build_source(config.data)
+    source = source if source is not None else build_source(config.data)
     config, _ = resolve_run_config(config, source)
     batch_size, eval_size = config.train.batch_size, config.train.eval_batch_size
     if not isinstance(source, RowAccessSource):
@@ -197,11 +200,14 @@ def held_out_scores(config: Config, folds: int = FOLDS) -> tuple[torch.Tensor, t
 
 
 def estimate_class_prior(
-    config: Config, folds: int = FOLDS, top_fraction: float = TOP_FRACTION
+    config: Config,
+    folds: int = FOLDS,
+    top_fraction: float = TOP_FRACTION,
+    source: DataSource | None = None,
 ) -> PriorEstimate:
     """``estimate_prior`` over ``held_out_scores`` of ``config`` (its model, trained with
     BCE on the observed labels for its ``train.steps``)."""
-    scores, labels = held_out_scores(config, folds)
+    scores, labels = held_out_scores(config, folds, source)
     return estimate_prior(scores, labels, top_fraction)
 
 

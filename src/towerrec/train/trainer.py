@@ -23,8 +23,8 @@ from tqdm import tqdm
 from towerrec.config import Config
 from towerrec.data.batch import Batch
 from towerrec.train.build import lr_factor
-from towerrec.train.metrics import EvalMetrics
 from towerrec.train.loss import Objective
+from towerrec.train.metrics import EvalMetrics
 from towerrec.train.pipeline import pipelined
 from towerrec.train.pu_prior import resolve_objective
 from towerrec.train.session import Session, set_up
