@@ -226,8 +226,9 @@ def test_a_planted_prior_is_recovered_by_a_trained_classifier():
             "model.top_mlp=[8, 1]",
             "embedding.lr=0.1",
             "optimizer.warmup_steps=5",
-            "train.steps=60",
+            "train.steps=150",
             "train.batch_size=512",
+            "train.threads=1",
             "train.progress=false",
         ],
     )

@@ -426,9 +426,7 @@ class LossConfig:
         _choice(self.kind, ("bce", "pu_bce", "punce"), "loss.kind")
         prior = self.class_prior
         if isinstance(prior, str) and prior != "estimate":
-            raise ValueError(
-                f'loss.class_prior = {prior!r}: give a number in (0, 1) or "estimate"'
-            )
+            raise ValueError(f'loss.class_prior = {prior!r}: give a number in (0, 1) or "estimate"')
         if isinstance(prior, int | float) and not 0 < prior < 1:
             raise ValueError(
                 f"loss.class_prior = {prior} must lie strictly between 0 and 1 (the share of "
@@ -447,9 +445,7 @@ class LossConfig:
                 stacklevel=2,
             )
         if not self.contrastive_weight >= 0:
-            raise ValueError(
-                f"loss.contrastive_weight must be >= 0, got {self.contrastive_weight}"
-            )
+            raise ValueError(f"loss.contrastive_weight must be >= 0, got {self.contrastive_weight}")
         if not self.temperature > 0:
             raise ValueError(f"loss.temperature must be > 0, got {self.temperature}")
 

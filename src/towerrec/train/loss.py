@@ -63,7 +63,7 @@ def check_prior(prior: float, what: str = "loss.class_prior") -> float:
     if not 0 < prior < 1:
         raise ValueError(
             f"{what} = {prior} must lie strictly between 0 and 1: the share of positives "
-            "among the unlabelled examples (or \"estimate\" to estimate it from the training "
+            'among the unlabelled examples (or "estimate" to estimate it from the training '
             "data, as `towerrec data pu-prior` does)"
         )
     return prior

@@ -10,8 +10,9 @@ tell labelled from unlabelled examples equals ``c * P(positive | x)`` (Elkan and
 The estimator (``estimate_prior``), on held-out examples (the validation split):
 
 1. train ``g``: the configured model with BCE on the observed labels (the train split);
-2. take the ``top_fraction`` of held-out examples ``g`` scores highest: the set most
-   nearly all positive; ``c`` is the share of labelled examples in it (an unbiased
+2. take the ``top_fraction`` of held-out examples ``g`` scores highest (of each
+   cross-fitting fold, ranked by that fold's own classifier): the set most nearly all
+   positive; ``c`` is the share of labelled examples in it (an unbiased
    count, not the model's own probabilities, so miscalibration of ``g`` does not enter);
 3. ``prior = labelled fraction / c`` (clipped below 1), and the share of positives among
    the unlabelled examples, ``unlabelled_prior = (prior - l) / (1 - l)``, ``l`` the
@@ -81,10 +82,17 @@ class PriorEstimate:
 
 
 def estimate_prior(
-    scores: torch.Tensor, labels: torch.Tensor, top_fraction: float = TOP_FRACTION
+    scores: torch.Tensor,
+    labels: torch.Tensor,
+    top_fraction: float = TOP_FRACTION,
+    groups: torch.Tensor | None = None,
 ) -> PriorEstimate:
     """The class prior from held-out classifier ``scores [N]`` (probabilities of being
-    labelled) and observed ``labels [N]`` (1 labelled positive, 0 unlabelled); module doc."""
+    labelled) and observed ``labels [N]`` (1 labelled positive, 0 unlabelled); module doc.
+
+    ``groups [N]`` (the cross-fitting folds): each group's examples are ranked among
+    themselves, since two folds' classifiers need not score on one scale; the top set is
+    the union of every group's ``top_fraction``."""
     scores, labels = scores.double().reshape(-1), labels.double().reshape(-1)
     if scores.numel() != labels.numel():
         raise ValueError(f"{scores.numel()} scores but {labels.numel()} labels")
@@ -105,9 +113,15 @@ def estimate_prior(
             "example whose class prior could be estimated"
         )
     fraction = labelled / n
-    top = max(1, round(n * top_fraction))
-    order = torch.argsort(scores, descending=True, stable=True)
-    c = float(labels[order[:top]].mean())
+    groups = torch.zeros(n, dtype=torch.long) if groups is None else groups.reshape(-1)
+    chosen = []
+    for group in torch.unique(groups):
+        members = torch.nonzero(groups == group).reshape(-1)
+        order = torch.argsort(scores[members], descending=True, stable=True)
+        chosen.append(members[order[: max(1, round(len(members) * top_fraction))]])
+    top_set = torch.cat(chosen)
+    top = top_set.numel()
+    c = float(labels[top_set].mean())
     if c == 0:
         raise ValueError(
             f"none of the {top} held-out examples the classifier scores highest is labelled: "
@@ -161,9 +175,9 @@ def _row_batches(source: RowAccessSource, rows: np.ndarray, batch_size: int, see
 
 def held_out_scores(
     config: Config, folds: int = FOLDS, source: DataSource | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Classifier probabilities ``[N]`` of being labelled, on examples it did not train on,
-    and their observed labels ``[N]``.
+    their observed labels ``[N]`` and the fold that scored each ``[N]``.
 
     A source with row access (``RowAccessSource``: MovieLens, caches) is cross-fitted:
     its training rows are dealt at random (``train.seed``) into ``folds`` folds, and each
@@ -174,13 +188,17 @@ def held_out_scores(
     """
     if folds < 2:
         raise ValueError(f"cross-fitting needs at least 2 folds, got {folds}")
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
     device = resolve_device(config.train.device)
     source = source if source is not None else build_source(config.data)
     config, _ = resolve_run_config(config, source)
     batch_size, eval_size = config.train.batch_size, config.train.eval_batch_size
+    schema = source.schema
     if not isinstance(source, RowAccessSource):
-        model = _fit(config, source.schema, source.train_batches(batch_size), device)
-        return _predict(model, source.eval_batches(eval_size), device)
+        model = _fit(config, schema, source.train_batches(batch_size), device)
+        probs, observed = _predict(model, source.eval_batches(eval_size), device)
+        return probs, observed, torch.zeros(len(probs), dtype=torch.long)
     n = source.train_rows
     fold_of = np.random.default_rng(config.train.seed).permutation(n) % folds
     if n // folds < batch_size:
@@ -189,14 +207,16 @@ def held_out_scores(
             f"{batch_size} rows per fold; lower train.batch_size"
         )
     scores, labels = torch.zeros(n), torch.zeros(n)
-    for fold in tqdm(range(folds), desc="pu-prior folds", unit="fold", disable=folds < 2):
+    for fold in tqdm(
+        range(folds), desc="pu-prior folds", unit="fold", disable=not config.train.progress
+    ):
         rest, held = np.nonzero(fold_of != fold)[0], np.nonzero(fold_of == fold)[0]
         batches = _row_batches(source, rest, batch_size, config.train.seed + fold)
-        model = _fit(config, source.schema, batches, device)
+        model = _fit(config, schema, batches, device)
         pieces = (held[i : i + eval_size] for i in range(0, len(held), eval_size))
         probs, observed = _predict(model, (source.gather_train(r) for r in pieces), device)
         scores[held], labels[held] = probs, observed
-    return scores, labels
+    return scores, labels, torch.from_numpy(fold_of)
 
 
 def estimate_class_prior(
@@ -207,8 +227,8 @@ def estimate_class_prior(
 ) -> PriorEstimate:
     """``estimate_prior`` over ``held_out_scores`` of ``config`` (its model, trained with
     BCE on the observed labels for its ``train.steps``)."""
-    scores, labels = held_out_scores(config, folds, source)
-    return estimate_prior(scores, labels, top_fraction)
+    scores, labels, fold_of = held_out_scores(config, folds, source)
+    return estimate_prior(scores, labels, top_fraction, fold_of)
 
 
 def resolve_objective(config: Config) -> tuple[Objective, PriorEstimate | None]:
