@@ -61,7 +61,7 @@ __all__ = [
 log = logging.getLogger("towerrec")
 
 TOP_FRACTION = 0.02  # of the held-out examples: those the classifier scores highest
-FOLDS = 3  # cross-fitting folds over the training rows
+FOLDS = 5  # cross-fitting folds over the training rows
 
 
 @dataclass(frozen=True)
