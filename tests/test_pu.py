@@ -328,3 +328,34 @@ def test_pu_prior_command_prints_the_estimate_and_refuses_a_bad_path(tmp_path):
     estimate = json.loads(result.stdout)
     assert 0 < estimate["unlabelled_prior"] < 1
     assert estimate["held_out"] > 0
+
+
+def test_an_estimated_prior_trains_on_a_criteo_format_cache(tmp_path):
+    from towerrec.data.criteo import CriteoOptions, preprocess_criteo
+    from towerrec.data.criteo_gen import generate_criteo_files
+
+    days = generate_criteo_files(tmp_path / "raw", files=2, rows_per_file=801, seed=3)
+    cache = tmp_path / "cache"
+    options = CriteoOptions(num_embeddings=(500,), eval_files=("day_1",))
+    preprocess_criteo(days, cache, options, progress=False)
+    config = load_config(
+        None,
+        [
+            "data.source=criteo",
+            f"data.path={cache}",
+            "loss.kind=pu_bce",
+            "loss.class_prior=estimate",
+            "model.embedding_dim=8",
+            "model.bottom_mlp=[16, 8]",
+            "model.top_mlp=[16, 1]",
+            "optimizer.warmup_steps=2",
+            "train.batch_size=128",
+            "train.steps=4",
+            "train.threads=1",
+            "train.progress=false",
+        ],
+    )
+    summary = trainer.train(config, tmp_path / "run")
+    estimate = summary["class_prior_estimate"]
+    assert summary["completed"] and 0 < estimate["unlabelled_prior"] < 1
+    assert estimate["held_out"] == 801  # every training row scored once, out of fold

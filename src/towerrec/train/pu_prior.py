@@ -241,6 +241,13 @@ def resolve_objective(config: Config) -> tuple[Objective, PriorEstimate | None]:
         bce = replace(config, loss=replace(loss, kind="bce", class_prior=None))
         estimate = estimate_class_prior(bce)
         prior = estimate.unlabelled_prior
+        if not prior > 0:
+            raise ValueError(
+                f"the estimated label frequency is {estimate.label_frequency:.3f}: every "
+                "top-ranked held-out example is labelled, so the estimate finds no positive "
+                "among the unlabelled examples; train with loss.kind = 'bce', or set "
+                "loss.class_prior to a number in (0, 1)"
+            )
         log.info(
             "loss.class_prior estimated: %.4f of the unlabelled examples are positive "
             "(prior %.4f, label frequency %.4f)",
