@@ -359,3 +359,11 @@ def test_an_estimated_prior_trains_on_a_criteo_format_cache(tmp_path):
     estimate = summary["class_prior_estimate"]
     assert summary["completed"] and 0 < estimate["unlabelled_prior"] < 1
     assert estimate["held_out"] == 801  # every training row scored once, out of fold
+
+
+def test_towerrec_train_with_punce_on_movielens(tmp_path):
+    sets = [s for s in PU_TRAIN if s != "loss.kind=pu_bce"] + ["loss.kind=punce"]
+    summary = trainer.train(load_config("configs/movielens.toml", sets), tmp_path)
+    pointwise = trainer.train(load_config("configs/movielens.toml", PU_TRAIN), tmp_path / "pu")
+    # the contrastive term changes the steps (pu_bce alone is the same run without it)
+    assert summary["completed"] and summary["test"]["logloss"] != pointwise["test"]["logloss"]
