@@ -367,3 +367,22 @@ def test_towerrec_train_with_punce_on_movielens(tmp_path):
     pointwise = trainer.train(load_config("configs/movielens.toml", PU_TRAIN), tmp_path / "pu")
     # the contrastive term changes the steps (pu_bce alone is the same run without it)
     assert summary["completed"] and summary["test"]["logloss"] != pointwise["test"]["logloss"]
+
+
+def test_a_stream_is_scored_on_its_validation_set():
+    """The synthetic stream has no rows to deal into folds: one classifier trained on the
+    stream scores the validation set (drawn from the same distribution)."""
+    config = load_config(
+        None,
+        [
+            "data.synthetic.eval_samples=5000",
+            "train.steps=5",
+            "train.batch_size=256",
+            "train.threads=1",
+            "train.progress=false",
+        ],
+    )
+    estimate = estimate_class_prior(config)
+    assert estimate.held_out == 5000
+    assert estimate.top == 100  # 2 % of the validation set, one group
+    assert 0 < estimate.labelled_fraction < estimate.prior < 1
