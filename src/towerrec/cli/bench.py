@@ -22,6 +22,7 @@ from towerrec.bench import (
     memory,
     plan,
     predict,
+    pu,
     quality,
     shampoo,
     towers,
@@ -51,6 +52,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "memory": memory.BENCHMARK,
     "shampoo": shampoo.BENCHMARK,
     "predict": predict.BENCHMARK,
+    "pu": pu.BENCHMARK,
 }
 
 

@@ -5,6 +5,7 @@
     towerrec data table a.parquet --label click --categorical user:1000 --out DIR
     towerrec data gen-criteo --out DIR --files 2 --rows 100000
     towerrec data info DIR                              manifest summary (and checksum check)
+    towerrec data pu-prior DATA_OR_CONFIG               class prior of positive-unlabeled data
 
 Train on a cache with ``towerrec train --set data.source=criteo --set data.path=DIR``.
 Every converter takes a validation and a test split as whole files
@@ -23,6 +24,7 @@ import shlex
 import time
 from pathlib import Path
 
+from towerrec.cli.pu_prior import add_pu_prior_command
 from towerrec.data.cache import open_cache
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
@@ -340,3 +342,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     info.add_argument("cache", type=Path)
     info.add_argument("--no-verify", action="store_true", help="skip the checksum check")
     info.set_defaults(func=_cmd_info)
+
+    add_pu_prior_command(data_sub)

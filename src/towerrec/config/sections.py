@@ -34,6 +34,7 @@ __all__ = [
     "DistributedConfig",
     "EarlyStoppingConfig",
     "EmbeddingConfig",
+    "LossConfig",
     "ModelConfig",
     "OptimizerConfig",
     "PlanConfig",
@@ -406,6 +407,50 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class LossConfig:
+    """``loss``: the training objective (``train/loss.py``; docs/pu_learning.md).
+
+    ``kind``: ``bce`` (labels at face value), ``pu_bce`` or ``punce`` (labels 0 are
+    unlabelled, not negative). ``class_prior``: for the PU kinds, the share of positives
+    among the unlabelled training examples, in (0, 1), or ``"estimate"``: estimated from
+    the training data before training (``towerrec data pu-prior``). ``punce`` adds
+    ``contrastive_weight`` times the contrastive term at ``temperature``.
+    """
+
+    kind: str = "bce"  # bce | pu_bce | punce
+    class_prior: float | str | None = None
+    contrastive_weight: float = 0.1
+    temperature: float = 0.5
+
+    def __post_init__(self) -> None:
+        _choice(self.kind, ("bce", "pu_bce", "punce"), "loss.kind")
+        prior = self.class_prior
+        if isinstance(prior, str) and prior != "estimate":
+            raise ValueError(f'loss.class_prior = {prior!r}: give a number in (0, 1) or "estimate"')
+        if isinstance(prior, int | float) and not 0 < prior < 1:
+            raise ValueError(
+                f"loss.class_prior = {prior} must lie strictly between 0 and 1 (the share of "
+                'positives among the unlabelled examples), or be "estimate"'
+            )
+        if self.kind != "bce" and prior is None:
+            raise ValueError(
+                f"loss.kind = {self.kind!r} needs loss.class_prior: the share of positives "
+                'among the unlabelled training examples (e.g. 0.3), or "estimate" to '
+                "estimate it from the training data (`towerrec data pu-prior` shows it)"
+            )
+        if self.kind == "bce" and prior is not None:
+            warnings.warn(
+                "loss.class_prior is ignored: loss.kind = 'bce' takes labels at face value "
+                "(set loss.kind = 'pu_bce' or 'punce' to use it)",
+                stacklevel=2,
+            )
+        if not self.contrastive_weight >= 0:
+            raise ValueError(f"loss.contrastive_weight must be >= 0, got {self.contrastive_weight}")
+        if not self.temperature > 0:
+            raise ValueError(f"loss.temperature must be > 0, got {self.temperature}")
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -414,8 +459,15 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
 
     def __post_init__(self) -> None:
+        if self.loss.kind == "punce" and self.model.name != "dlrm":
+            raise ValueError(
+                f"loss.kind = 'punce' needs a model with a representation; model.name = "
+                f"{self.model.name!r} has none (the DLRM's is its top MLP's input): set "
+                "model.name = 'dlrm' or loss.kind = 'pu_bce'"
+            )
         if self.train.epochs is not None and self.data.source == "synthetic":
             raise ValueError(
                 "train.epochs counts passes over a data set's training rows, but "

@@ -214,6 +214,10 @@ class ColumnSource:
         rows = self.train_rows_of(start, batch_size)
         return self._train.gather(rows, self.store.single, self.store.multi)
 
+    def gather_train(self, rows: np.ndarray) -> Batch:
+        """Batch of the given training rows (ids in ``[0, train_rows)``), in that order."""
+        return self._train.gather(rows, self.store.single, self.store.multi)
+
     def train_batches(
         self, batch_size: int, start_batch: int = 0, rank: int = 0, world_size: int = 1
     ) -> Generator[Batch, None, None]:

@@ -17,6 +17,12 @@ Split by time: ratings sorted by timestamp; the last ``test_fraction`` of them
 are the test split, the ``eval_fraction`` before those the validation split, so
 the model is scored on the future. (Tags are taken
 over the whole file; they describe the movie, not the rating.)
+
+A positive-unlabeled (PU) view for measuring PU learning: ``pu_hide_fraction``
+of the positives of the train and validation splits, drawn at random with
+``pu_seed`` (each positive independently, so the labelled positives are a
+random sample of the positives), are relabelled 0; the test split keeps the
+true labels, so its metrics are against the truth.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import pyarrow.csv as pa_csv
 from towerrec.data.batch import DataSchema, SparseFeature
 from towerrec.data.cache import ColumnStore, SplitColumns
 
-__all__ = ["MovieLensConfig", "bundled_movielens_path", "load_movielens"]
+__all__ = ["MovieLensConfig", "bundled_movielens_path", "hide_positives", "load_movielens"]
 
 _YEAR = re.compile(r"\((\d{4})\)\s*$")
 _REQUIRED = {
@@ -51,8 +57,16 @@ class MovieLensConfig:
     eval_fraction: float = 0.2  # the validation split: the latest ratings before test's
     min_tag_count: int = 2
     test_fraction: float = 0.0  # the test split: the latest ratings
+    # PU view: this share of train and validation positives relabelled 0 (test keeps truth)
+    pu_hide_fraction: float = 0.0
+    pu_seed: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.pu_hide_fraction < 1:
+            raise ValueError(
+                f"data.movielens.pu_hide_fraction must lie in [0, 1) (the share of train and "
+                f"validation positives relabelled 0; 0 = none), got {self.pu_hide_fraction}"
+            )
         if not 0 < self.eval_fraction < 1:
             raise ValueError(
                 f"data.movielens.eval_fraction must lie in (0, 1), got {self.eval_fraction}"
@@ -101,6 +115,17 @@ def _bags(owner: np.ndarray, item: np.ndarray, num_owners: int) -> tuple[np.ndar
     """Per-owner lists as (values sorted by owner, lengths [num_owners])."""
     order = np.lexsort((item, owner))
     return item[order], np.bincount(owner, minlength=num_owners)
+
+
+def hide_positives(labels: np.ndarray, end: int, fraction: float, seed: int) -> np.ndarray:
+    """``labels [N]`` with each positive among the first ``end`` rows relabelled 0 with
+    probability ``fraction`` (independently, seeded by ``seed``); the rest unchanged."""
+    if fraction == 0:
+        return labels
+    hidden = np.random.default_rng(seed).random(end) < fraction
+    observed = labels.copy()
+    observed[:end][hidden & (labels[:end] > 0)] = 0
+    return observed
 
 
 def load_movielens(path: str | Path, config: MovieLensConfig | None = None) -> ColumnStore:
@@ -177,6 +202,7 @@ def load_movielens(path: str | Path, config: MovieLensConfig | None = None) -> C
     n = len(order)
     test_cut = n - round(n * config.test_fraction)
     cut = test_cut - max(1, round(n * config.eval_fraction))
+    labels = hide_positives(labels, test_cut, config.pu_hide_fraction, config.pu_seed)
     splits = {}
     bounds = {"train": (0, cut), "validation": (cut, test_cut), "test": (test_cut, n)}
     for split, (lo, hi) in bounds.items():

@@ -14,7 +14,7 @@ import numpy as np
 
 from towerrec.data.batch import Batch, DataSchema
 
-__all__ = ["DataSource"]
+__all__ = ["DataSource", "RowAccessSource"]
 
 
 @runtime_checkable
@@ -49,4 +49,17 @@ class DataSource(Protocol):
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """Labels and the true click probabilities of this rank's validation samples,
         for a source that knows them (a planted truth); None otherwise."""
+        ...
+
+
+@runtime_checkable
+class RowAccessSource(Protocol):
+    """A source whose training rows can be read by id (``ColumnSource``): what a
+    cross-fitted estimate over the training split (``train/pu_prior.py``) needs."""
+
+    @property
+    def train_rows(self) -> int: ...
+
+    def gather_train(self, rows: np.ndarray) -> Batch:
+        """Batch of the given training rows (ids in ``[0, train_rows)``), in that order."""
         ...

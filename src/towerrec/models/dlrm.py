@@ -84,6 +84,12 @@ class DLRM(nn.Module):
         top_in += self.num_sparse * dim if concat_embeddings else 0
         self.top = mlp(top_in, top_mlp, final_activation=False)
 
+    @property
+    def representation_module(self) -> nn.Module:
+        """The top MLP: its input ``[B, top_in]`` is the example's representation
+        (``RepresentationModel``), read by contrastive losses."""
+        return self.top
+
     def num_dense_parameters(self) -> int:
         """Parameters that the dense optimizer owns."""
         return count_dense_parameters(self)

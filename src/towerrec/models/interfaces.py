@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.sparse import KeyedJaggedTensor
 
-__all__ = ["RecommendationModel"]
+__all__ = ["RecommendationModel", "RepresentationModel"]
 
 
 @runtime_checkable
@@ -35,4 +36,17 @@ class RecommendationModel(Protocol):
     def num_dense_parameters(self) -> int:
         """Parameters of the whole model that the dense optimizer owns (on a rank that
         holds only part of the model, the whole model's count)."""
+        ...
+
+
+@runtime_checkable
+class RepresentationModel(Protocol):
+    """A model with a representation of each example: the input ``[B, R]`` of its
+    ``representation_module`` (the DLRM's: its top MLP, which reads the bottom MLP's output,
+    the dots and, with ``concat_embeddings``, the pooled embeddings). Contrastive losses
+    (``loss.kind = "punce"``) read it with a forward pre-hook on that module."""
+
+    @property
+    def representation_module(self) -> nn.Module:
+        """The module whose first input is the representation ``[B, R]``."""
         ...

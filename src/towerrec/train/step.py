@@ -1,6 +1,7 @@
 """One training step and one evaluation, on any layout of the model.
 
-``train_step``: forward to logits, BCE loss (outside the model), backward (the
+``train_step``: forward to logits, the loss (outside the model: BCE by default, or
+another ``loss.kind``'s ``Objective`` from ``loss.py``), backward (the
 fused embedding optimizer updates the looked-up rows inside backward), dense
 optimizer step. ``evaluate``: metrics over this rank's batches, or over every
 rank's when a run context is given. The loop around them is ``trainer.py``;
@@ -12,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from towerrec.config import Config
 from towerrec.data.batch import Batch
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.train.distributed import RunContext
+from towerrec.train.loss import BCE, Objective
 from towerrec.train.metrics import EvalMetrics, compute_metrics
 
 __all__ = ["autocast", "evaluate", "set_learning_rates", "train_step"]
@@ -35,10 +36,12 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     autocast_dtype: torch.dtype | None = None,
+    objective: Objective | None = None,
 ) -> torch.Tensor:
+    objective = objective or BCE
     with autocast(batch.dense.device, autocast_dtype):
-        logits = model(batch.dense, batch.sparse)
-    loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+        logits, representation = objective.forward(model, batch)
+    loss = objective.loss(logits, representation, batch.labels)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # embedding rows are updated here, inside backward
     optimizer.step()

@@ -23,8 +23,10 @@ from tqdm import tqdm
 from towerrec.config import Config
 from towerrec.data.batch import Batch
 from towerrec.train.build import lr_factor
+from towerrec.train.loss import Objective
 from towerrec.train.metrics import EvalMetrics
 from towerrec.train.pipeline import pipelined
+from towerrec.train.pu_prior import resolve_objective
 from towerrec.train.session import Session, set_up
 from towerrec.train.step import evaluate, set_learning_rates, train_step
 from towerrec.train.summary import run_summary, warn_worse_than_base_rate
@@ -99,7 +101,9 @@ def train(
             padding=padding,
         )
 
-    step, last_eval = _loop(session, validate, amp_dtype, stop_after)
+    objective, prior_estimate = resolve_objective(session.config)
+    objective.check_model(session.model)
+    step, last_eval = _loop(session, validate, amp_dtype, stop_after, objective)
     stopper, run = session.stopper, session.run
     finished = step == session.steps or stopper.stopped
     final = last_eval.as_dict() if last_eval else {}
@@ -117,6 +121,8 @@ def train(
             test["logloss"],
         )
     summary = run_summary(session, step, finished, final, weights_step, test)
+    if prior_estimate is not None:  # loss.class_prior = "estimate"
+        summary["class_prior_estimate"] = prior_estimate.as_dict()
     run.write_summary(summary)
     run.plot_curves(session.oracle_auc)
     run.close()
@@ -130,6 +136,7 @@ def _loop(
     validate: Any,
     amp_dtype: torch.dtype | None,
     stop_after: int | None,
+    objective: Objective,
 ) -> tuple[int, EvalMetrics | None]:
     """Train from the session's step to ``train.steps`` (or an early or requested stop);
     the last step and its last validation."""
@@ -161,7 +168,7 @@ def _loop(
             tick = time.perf_counter()
             batch = next(batches)
             before = ctx.comm_snapshot(model)
-            loss_sum += train_step(model, s.optimizer, batch, amp_dtype)
+            loss_sum += train_step(model, s.optimizer, batch, amp_dtype, objective)
             ctx.count_train_bytes(model, before)
             loss_count += 1
             state["train_s"] += time.perf_counter() - tick
