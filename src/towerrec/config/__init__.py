@@ -32,6 +32,7 @@ from towerrec.config.sections import (
     ModelConfig,
     OptimizerConfig,
     PlanConfig,
+    PruneGrowConfig,
     TrainConfig,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "PlanConfig",
+    "PruneGrowConfig",
     "TrainConfig",
     "config_from_dict",
     "config_to_dict",
