@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -50,7 +52,7 @@ class Narrowed:
     """``param`` (of shape ``before`` until then) kept the entries ``index`` (ascending)
     along ``dim``."""
 
-    param: nn.Parameter
+    param: torch.Tensor
     dim: int
     index: torch.Tensor
     before: torch.Size
@@ -61,7 +63,7 @@ class Widened:
     """``param`` (of shape ``before`` until then) got ``added`` entries appended along
     ``dim``."""
 
-    param: nn.Parameter
+    param: torch.Tensor
     dim: int
     added: int
     before: torch.Size
@@ -80,7 +82,9 @@ def _hidden_layers(mlp: MLP) -> list[_Hidden]:
     layers = []
     for a, b in itertools.pairwise(linears):
         norms = [m for m in modules[a:b] if isinstance(m, nn.BatchNorm1d)]
-        layers.append(_Hidden(modules[a], norms[0] if norms else None, modules[b]))
+        incoming, outgoing = cast(nn.Linear, modules[a]), cast(nn.Linear, modules[b])
+        norm = norms[0] if norms else None
+        layers.append(_Hidden(incoming, norm, outgoing))
     return layers
 
 
@@ -107,7 +111,8 @@ def unit_scores(mlp: MLP, i: int) -> torch.Tensor:
         if h.incoming.bias is not None:
             parts.append(h.incoming.bias.unsqueeze(1))
         incoming = torch.cat(parts, dim=1).norm(dim=1)
-    return incoming * h.outgoing.weight.norm(dim=0)
+    scores: torch.Tensor = incoming * h.outgoing.weight.norm(dim=0)
+    return scores
 
 
 def keep_by_score(scores: torch.Tensor, keep: int) -> torch.Tensor:
@@ -119,7 +124,7 @@ def keep_by_score(scores: torch.Tensor, keep: int) -> torch.Tensor:
     return torch.sort(order[:keep]).values
 
 
-def _set(param: nn.Parameter, value: torch.Tensor) -> None:
+def _set(param: torch.Tensor, value: torch.Tensor) -> None:
     """``param.data = value``, and a fresh gradient accumulator for ``param``: autograd
     keeps the one it made (holding the old shape) as long as some graph or DDP's reducer
     refers to it, and forgets it on ``set_data`` only when the dtype changes, so the data
@@ -142,7 +147,7 @@ def narrow_hidden(mlp: MLP, i: int, index: torch.Tensor) -> list[Narrowed | Wide
         raise ValueError(f"unit index out of range for a hidden layer of width {width}")
     changes: list[Narrowed | Widened] = []
 
-    def keep(param: nn.Parameter, dim: int) -> None:
+    def keep(param: torch.Tensor, dim: int) -> None:
         before = param.shape
         _set(param, param.index_select(dim, index.to(param.device)))
         changes.append(Narrowed(param, dim, index, before))
@@ -157,7 +162,9 @@ def narrow_hidden(mlp: MLP, i: int, index: torch.Tensor) -> list[Narrowed | Wide
     return changes
 
 
-def _narrow_norm(norm: nn.BatchNorm1d, index: torch.Tensor, keep) -> None:
+def _narrow_norm(
+    norm: nn.BatchNorm1d, index: torch.Tensor, keep: Callable[[torch.Tensor, int], None]
+) -> None:
     if norm.weight is not None and norm.bias is not None:
         keep(norm.weight, 0)
         keep(norm.bias, 0)
@@ -179,7 +186,7 @@ def widen_hidden(
         raise ValueError(f"hidden layer {i} has {h.incoming.out_features} units, more than {width}")
     changes: list[Narrowed | Widened] = []
 
-    def append(param: nn.Parameter, dim: int, new: torch.Tensor) -> None:
+    def append(param: torch.Tensor, dim: int, new: torch.Tensor) -> None:
         before = param.shape
         _set(param, torch.cat([param, new.to(param.device, param.dtype)], dim=dim))
         changes.append(Widened(param, dim, added, before))
