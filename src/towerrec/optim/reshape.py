@@ -3,16 +3,15 @@
 When a parameter keeps some entries along a dimension (pruning) or gets entries
 appended (growth), every state tensor of the parameter's shape is changed the same
 way: Adam's ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq``), Adagrad's
-``sum``, SGD's ``momentum_buffer``. Kept entries keep their state bit for bit.
-Appended entries start with a zero first moment (``exp_avg``, ``momentum_buffer``)
-and with the mean of the tensor's existing entries as their squared-gradient
-statistic (``exp_avg_sq``, ``max_exp_avg_sq``, ``sum``): scalars such as Adam's
-``step`` are per tensor, so with zeros there the new entries would take steps far
-larger than the others' (Adam's bias correction is already ~1 at a late step: its
-ratio m / sqrt(v) reaches about 6 after ten steps from zero at the default betas,
-against about 1 for an established entry; Adagrad's first step from a zero sum is a
-full ``lr`` sign step). Starting from the mean, they step like a typical entry of
-their tensor.
+``sum``, SGD's ``momentum_buffer``. Kept entries keep their state bit for bit;
+appended entries start from zero, as for a parameter the optimizer never saw.
+Scalars (Adam's ``step``) are per tensor and stay, so Adam's bias correction is
+already ~1 for the new entries: their ratio m / sqrt(v) climbs to about 6 within
+ten steps (about 1 for an established entry), so they move fast while their
+moments fill. Starting their squared-gradient statistic at the tensor's mean
+instead (steps like a typical entry's) scored worse on the growth-and-pruning
+benchmark (docs/benchmarks.md): the new units, zero at their outgoing side, are
+better off catching up quickly.
 
 Shampoo's state (Kronecker factors per block, inverse roots, grafting state) does not
 slice along a unit; it is refused (``check_reshapable``).
@@ -24,10 +23,7 @@ import torch
 
 from towerrec.optim.shampoo import Shampoo
 
-__all__ = ["SQUARED_STATE", "check_reshapable", "narrow_state", "widen_state"]
-
-# State keys holding running squared-gradient statistics (Adam, Adagrad).
-SQUARED_STATE = ("exp_avg_sq", "max_exp_avg_sq", "sum")
+__all__ = ["check_reshapable", "narrow_state", "widen_state"]
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.SGD)
 
@@ -78,13 +74,11 @@ def widen_state(
     before: torch.Size,
 ) -> None:
     """``param`` (now widened, of shape ``before`` until then) got ``added`` entries
-    appended along ``dim``: append zeros to its state, or the mean of the existing
-    entries to a squared-gradient statistic (module doc)."""
+    appended along ``dim``: append zeros to its state (module doc)."""
     state = optimizer.state.get(param)
     if not state:
         return
     for key, value in list(_shaped_like(state, param, before)):
         shape = list(value.shape)
         shape[dim] = added
-        fill = value.mean() if key in SQUARED_STATE else 0.0
-        state[key] = torch.cat([value, value.new_zeros(shape) + fill], dim=dim)
+        state[key] = torch.cat([value, value.new_zeros(shape)], dim=dim)
