@@ -200,7 +200,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
-    parser.add_argument("--mlps", default="top,bottom", help="MLPs to prune (top, bottom)")
+    parser.add_argument("--mlps", default="top", help="MLPs to prune (top, bottom)")
     parser.add_argument("--keep", type=float, default=0.5, help="share of hidden units kept")
     parser.add_argument("--prune-at", default="0.1, 0.5", help="fractions of the run")
     parser.add_argument("--grow-at", default="0.4, 0.8", help="fractions of the run")
