@@ -286,3 +286,22 @@ def _movielens_state(out_dir, config):
     for i, s in enumerate(optimizer.state_dict()["state"].values()):
         state.update({f"opt/{i}/{k}": v.clone() for k, v in s.items() if torch.is_tensor(v)})
     return state
+
+
+@pytest.mark.slow
+def test_the_benchmark_compares_a_pruned_run_with_a_dense_one(capsys):
+    from towerrec.cli import main
+
+    args = ["bench", "prune-grow", "--files", "1", "--rows", "3000", "--num-embeddings", "100"]
+    args += ["--seeds", "0", "--rounds", "1", "--threads", "1"]
+    args += ["--set", "train.batch_size=128", "--set", "model.top_mlp=[64, 32, 1]"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    (run,) = result["runs"]
+    assert run["dense"]["prune_grow"] is None and run["prune_grow"]["prune_grow"]["pruned_steps"]
+    assert run["dense"]["steps"] == run["prune_grow"]["steps"] == 19
+    assert (
+        result["mlp_train_flops_ratio"] == run["prune_grow"]["prune_grow"]["mlp_train_flops_ratio"]
+    )
+    assert 0 < result["mlp_train_flops_ratio"] < 1
+    assert set(result["targets"]) and result["step_times"]["pruned_step_s"] > 0
