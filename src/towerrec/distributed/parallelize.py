@@ -165,7 +165,9 @@ def rebuild_ddp(model: nn.Module) -> None:
     gradient buckets when it is built. Same parameters, process group and communication
     hook; the old reducer's autograd hooks are removed. A collective: every rank calls
     it at the same step. A module whose DDP is not built yet (``replicate`` builds it at
-    the first forward) is left as it is."""
+    the first forward) is left as it is. Composable ``replicate`` has no public way to
+    rebuild, so this reaches into its state (``_ddp``, ``_param_list``) and DDP's
+    ``_comm_hooks``; tests/test_prune_grow.py checks two ranks against one process."""
     for module in model.modules():
         if not isinstance(module, DDP):
             continue
