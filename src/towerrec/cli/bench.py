@@ -22,6 +22,7 @@ from towerrec.bench import (
     memory,
     plan,
     predict,
+    prune_grow,
     pu,
     quality,
     shampoo,
@@ -53,6 +54,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "shampoo": shampoo.BENCHMARK,
     "predict": predict.BENCHMARK,
     "pu": pu.BENCHMARK,
+    "prune-grow": prune_grow.BENCHMARK,
 }
 
 

@@ -33,6 +33,7 @@ from towerrec.config.sections import (
     ModelConfig,
     OptimizerConfig,
     PlanConfig,
+    PruneGrowConfig,
     TrainConfig,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "PlanConfig",
+    "PruneGrowConfig",
     "TrainConfig",
     "config_from_dict",
     "config_to_dict",

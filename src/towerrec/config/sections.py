@@ -3,6 +3,7 @@ values (``ConfigError`` names the key and the fix), and ``RESUME_SAFE_KEYS``."""
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "PlanConfig",
+    "PruneGrowConfig",
     "TrainConfig",
 ]
 
@@ -290,6 +292,66 @@ class EarlyStoppingConfig:
 
 
 @dataclass(frozen=True)
+class PruneGrowConfig:
+    """``train.prune_grow``: alternate pruned and full-width phases of the hidden layers of
+    the MLPs named in ``mlps`` (``train/prune_grow.py``). Pruned phase ``i`` runs from
+    ``prune_at[i]`` to ``grow_at[i]`` (fractions of ``train.steps``, or steps with
+    ``unit = "step"``) and keeps ``keep`` of each hidden layer's units; every pruned phase
+    ends in growth, so the run ends full-size. ``mlps`` empty: off."""
+
+    mlps: tuple[str, ...] = ()  # "top" and/or "bottom"
+    keep: float = 0.5  # share of each hidden layer's units kept while pruned, in (0, 1]
+    prune_at: tuple[float, ...] = ()
+    grow_at: tuple[float, ...] = ()
+    unit: str = "fraction"  # fraction (of train.steps) | step
+
+    def __post_init__(self) -> None:
+        key = "train.prune_grow"
+        _choice(self.unit, ("fraction", "step"), f"{key}.unit")
+        for name in self.mlps:
+            _choice(name, ("top", "bottom"), f"{key}.mlps[...]")
+        if len(set(self.mlps)) != len(self.mlps):
+            raise ValueError(f"{key}.mlps = {list(self.mlps)} names an MLP twice")
+        if not 0 < self.keep <= 1:
+            raise ValueError(
+                f"{key}.keep = {self.keep} must lie in (0, 1]: the share of hidden units a "
+                "pruned phase keeps (e.g. 0.5)"
+            )
+        if not self.mlps:
+            if self.prune_at or self.grow_at:
+                raise ValueError(
+                    f"{key}.prune_at/grow_at are set but {key}.mlps is empty; name the MLPs "
+                    'to prune, e.g. mlps = ["top"]'
+                )
+            return
+        if not self.prune_at:
+            raise ValueError(f"{key}.mlps is set but prune_at is empty; e.g. prune_at = [0.1]")
+        if len(self.grow_at) != len(self.prune_at):
+            raise ValueError(
+                f"{key} has {len(self.prune_at)} prune_at and {len(self.grow_at)} grow_at: "
+                "every pruned phase must end in a growth phase so that the run ends "
+                "full-size; give one grow_at after each prune_at"
+            )
+        points = [p for pair in zip(self.prune_at, self.grow_at, strict=True) for p in pair]
+        if any(b <= a for a, b in itertools.pairwise(points)):
+            raise ValueError(
+                f"{key}: prune_at {list(self.prune_at)} and grow_at {list(self.grow_at)} must "
+                "alternate in increasing order (prune_at[0] < grow_at[0] < prune_at[1] < ...)"
+            )
+        if self.unit == "fraction" and not (points[0] > 0 and points[-1] < 1):
+            raise ValueError(
+                f"{key}: with unit = 'fraction' every boundary must lie in (0, 1) of the run "
+                f"(got {points}); the last growth needs steps after it to train the full model"
+            )
+        if self.unit == "step" and not all(p >= 1 and float(p).is_integer() for p in points):
+            raise ValueError(f"{key}: with unit = 'step' every boundary is a whole step >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.mlps)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """``steps`` global batches, or ``epochs`` passes over a data set's training rows
     (one of the two). Neither set: 2,500 steps on synthetic data, one epoch on real
@@ -310,6 +372,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 (autocast of the dense part, fp32 master weights)
     tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl (extra: tensorboard)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    prune_grow: PruneGrowConfig = field(default_factory=PruneGrowConfig)
 
     def __post_init__(self) -> None:
         _choice(self.precision, ("fp32", "bf16"), "train.precision")
@@ -484,6 +547,27 @@ class Config:
                 "train.early_stopping.patience is set but train.eval_every = 0 validates only "
                 "at the end, so nothing could stop early; set train.eval_every to a number "
                 "of steps or 'epoch'"
+            )
+        if self.train.prune_grow.enabled and self.optimizer.name == "shampoo":
+            raise ValueError(
+                "train.prune_grow cannot be used with optimizer.name = 'shampoo': its "
+                "preconditioner blocks do not slice along a hidden unit; use adam, adagrad or sgd"
+            )
+        pg = self.train.prune_grow
+        if pg.enabled and self.train.early_stopping.patience:
+            raise ValueError(
+                "train.prune_grow with train.early_stopping.patience: the best weights could be "
+                "a pruned phase's, and the run must end full-size; set patience = 0"
+            )
+        if (
+            pg.enabled
+            and pg.unit == "step"
+            and self.train.steps is not None
+            and max(pg.grow_at) >= self.train.steps
+        ):
+            raise ValueError(
+                f"train.prune_grow.grow_at ends at step {max(pg.grow_at):g}, not before "
+                f"train.steps = {self.train.steps}: the run would end pruned; grow earlier"
             )
         if self.optimizer.decay == "plateau" and not periodic:
             raise ValueError(

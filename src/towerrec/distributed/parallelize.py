@@ -16,13 +16,16 @@ over the ranks follows the single-process model trained on that global batch.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 from typing import Any, cast
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import replicate
+from torch.distributed._composable.replicate import DDP
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats, ring_allreduce_hook
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
@@ -40,6 +43,7 @@ __all__ = [
     "apply_sharding",
     "comm_stats",
     "parallelize",
+    "rebuild_ddp",
     "replicate_counted",
     "topology_of",
     "uniform_plan",
@@ -153,3 +157,31 @@ def parallelize(
     group = dist.new_group(backend=dist.get_backend()) if topology.world_size > 1 else None
     model = apply_sharding(model, topology, plan, codecs=codecs, stats=CommStats(), group=group)
     return apply_ddp(model, topology, dense_stats)
+
+
+def rebuild_ddp(model: nn.Module) -> None:
+    """A new DDP for every replicated module of ``model`` after dense parameters changed
+    shape in place (``param.data`` swapped, as growth and pruning do): DDP sizes its
+    gradient buckets when it is built. Same parameters, process group and communication
+    hook; the old reducer's autograd hooks are removed. A collective: every rank calls
+    it at the same step. A module whose DDP is not built yet (``replicate`` builds it at
+    the first forward) is left as it is. Composable ``replicate`` has no public way to
+    rebuild, so this reaches into its state (``_ddp``, ``_param_list``) and DDP's
+    ``_comm_hooks``; tests/test_prune_grow.py checks two ranks against one process."""
+    for module in model.modules():
+        if not isinstance(module, DDP):
+            continue
+        state = replicate.state(module)
+        if not state.has_initialized:
+            continue
+        old = state._ddp
+        group, hooks = old.process_group, list(old._comm_hooks)
+        old._remove_autograd_hooks()
+        # The old reducer holds the parameters' gradient accumulators, which remember the
+        # old shapes; it must be gone before the new DDP looks them up afresh.
+        del state._ddp, old
+        gc.collect()
+        ddp = DistributedDataParallel(state._param_list, process_group=group)
+        for hook, hook_state in hooks:
+            ddp.register_comm_hook(hook_state, hook)
+        state._ddp = ddp

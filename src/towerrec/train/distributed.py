@@ -27,7 +27,7 @@ from towerrec.config import Config
 from towerrec.distributed.block_exchange import GroupExchange
 from towerrec.distributed.comm import CommCodecs, CommStats
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
-from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
+from towerrec.distributed.parallelize import comm_stats, parallelize, rebuild_ddp, uniform_plan
 from towerrec.distributed.towers import TowerParallelDMT, parallelize_towers
 from towerrec.memory import peak_rss_mb
 from towerrec.modules.embedding_bag import fused_embedding_modules
@@ -167,6 +167,11 @@ class RunContext:
                 settings.tower_sharding,
             )
         return parallel
+
+    def rebuild_dense_replicas(self, model: nn.Module) -> None:
+        """After dense parameters changed shape (``train.prune_grow``): DDP anew."""
+        if self.world_size > 1:
+            rebuild_ddp(model)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenation over ranks of 1-D tensors, in rank order; their lengths may

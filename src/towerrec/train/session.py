@@ -30,6 +30,7 @@ from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta,
 from towerrec.train.distributed import RunContext, start_distributed
 from towerrec.train.early_stopping import EarlyStopping
 from towerrec.train.metrics import auc, normalized_entropy
+from towerrec.train.prune_grow import PruneGrow
 from towerrec.train.run_dir import RunDir
 from towerrec.train.towers import with_learned_partition
 
@@ -59,6 +60,7 @@ class Session:
     oracle_ne: float | None  # the teacher's own NE on the eval set: the floor a model can reach
     num_dense: int
     num_embedding: int
+    prune_grow: PruneGrow | None = None  # train.prune_grow's schedule, when on
 
     @property
     def recommender(self) -> RecommendationModel:
@@ -80,6 +82,8 @@ class Session:
         counters and the early stopper; the run's records after its step are dropped."""
         path = self.checkpoints.latest()
         assert path is not None  # checked in set_up
+        if self.prune_grow is not None:  # the model takes the checkpoint step's widths
+            self.prune_grow.restore_widths(int(path.name.split("_")[-1]), self.optimizer)
         self.state = self.checkpoints.load(path, self.model, self.optimizer, self.state)
         if self.state["step"] >= self.steps:
             raise ValueError(
@@ -177,6 +181,8 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
     if isinstance(session.optimizer, Shampoo) and exchange is not None:
         mine, total = session.optimizer.block_counts()
         log.info("Shampoo: this rank preconditions %d of %d blocks", mine, total)
+    if config.train.prune_grow.enabled:
+        session.prune_grow = PruneGrow(config, steps, model, session.optimizer)
     if resume:
         session.resume(changed)
     log.info(

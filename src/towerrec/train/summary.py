@@ -53,6 +53,11 @@ def run_summary(
         "train_s": state["train_s"],
         **s.ctx.comm_per_sample(state["samples"]),
         **s.ctx.memory_summary(),
+        **(
+            {"prune_grow": s.prune_grow.summary(step, s.config.train.batch_size)}
+            if s.prune_grow
+            else {}
+        ),
     }
 
 

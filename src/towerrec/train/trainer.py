@@ -166,6 +166,8 @@ def _loop(
             factor = lr_factor(s.config.optimizer, step, s.steps) * stopper.lr_scale
             set_learning_rates(model, s.optimizer, s.config, factor)
             tick = time.perf_counter()
+            if s.prune_grow is not None and s.prune_grow.before_step(step, s.optimizer):
+                ctx.rebuild_dense_replicas(model)  # the dense parameters changed shape
             batch = next(batches)
             before = ctx.comm_snapshot(model)
             loss_sum += train_step(model, s.optimizer, batch, amp_dtype, objective)
