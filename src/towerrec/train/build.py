@@ -14,6 +14,7 @@ from towerrec.data.cache import open_cache
 from towerrec.data.loader import ColumnSource
 from towerrec.data.movielens import bundled_movielens_path, load_movielens
 from towerrec.data.synthetic import SyntheticSource
+from towerrec.distributed.fsdp import is_sharded
 from towerrec.distributed.mesh import Topology
 from towerrec.models.dcn import DCN
 from towerrec.models.dlrm import DLRM
@@ -204,10 +205,26 @@ def _build_dmt(
 
 def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
     params = [p for _, p in dense_parameters(model) if p.requires_grad]
-    # One fused kernel over all parameters instead of a few ops per tensor (CPU, CUDA).
-    fused = bool(params) and all(
-        p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params
+    sharded = sum(is_sharded(p) for p in params)  # distributed.dense = "fsdp"
+    # Sharded and whole parameters together (a DMT's tower on a host of one rank) cannot
+    # share a multi-tensor kernel: the optimizer then steps tensor by tensor.
+    mixed = 0 < sharded < len(params)
+    # One fused kernel over all parameters instead of a few ops per tensor (CPU, CUDA);
+    # on sharded parameters torch fuses Adam only (Adagrad, SGD: multi-tensor kernels).
+    fused = (
+        bool(params)
+        and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+        and (config.name == "adam" or not sharded)
+        and not mixed
     )
+    foreach = False if mixed else None
+    if sharded and config.name == "shampoo":
+        raise ValueError(
+            "optimizer.name = 'shampoo' preconditions whole parameter blocks, but "
+            "distributed.dense = 'fsdp' leaves each rank a piece of every parameter; use "
+            "distributed.dense = 'ddp' with Shampoo (its blocks are dealt over the ranks), "
+            "or adam, adagrad or sgd with fsdp"
+        )
     if config.name == "adam":  # weight decay decoupled from the gradient, as AdamW
         return torch.optim.Adam(
             params,
@@ -215,6 +232,7 @@ def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.op
             weight_decay=config.weight_decay,
             decoupled_weight_decay=True,
             fused=fused or None,
+            foreach=foreach,
         )
     if config.name == "shampoo":  # every rank computes every block (replicas stay equal)
         return Shampoo(
@@ -222,7 +240,11 @@ def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.op
         )
     if config.name == "adagrad":
         return torch.optim.Adagrad(
-            params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None
+            params,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            fused=fused or None,
+            foreach=foreach,
         )
     return torch.optim.SGD(
         params,
@@ -230,6 +252,7 @@ def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.op
         momentum=config.momentum,
         weight_decay=config.weight_decay,
         fused=fused or None,
+        foreach=foreach,
     )
 
 

@@ -118,7 +118,14 @@ class RunContext:
             log.info("plan.strategy = %s: %s", config.plan.strategy, dict(kinds))
         codecs = CommCodecs(settings.forward_codec, settings.backward_codec)  # type: ignore[arg-type]  # parsed in __post_init__
         assert self.mesh is not None  # set for every distributed run
-        return parallelize(model, self.mesh, plan, codecs=codecs, dense_stats=self.dense_stats)
+        return parallelize(
+            model,
+            self.mesh,
+            plan,
+            codecs=codecs,
+            dense_stats=self.dense_stats,
+            dense=settings.dense,
+        )
 
     def _parallelize_towers(self, model: nn.Module, config: Config) -> nn.Module:
         """A DMT on several hosts: the tower transform, tower t on host t
@@ -146,6 +153,7 @@ class RunContext:
             sharding=settings.tower_sharding,
             codecs=codecs,
             dense_stats=self.dense_stats,
+            dense=settings.dense,
         )
         if self.is_main:
             log.info(
