@@ -15,15 +15,18 @@ resumed runs continue exactly as the uninterrupted ones; one process loads an
 FSDP checkpoint into the unsharded model (the eval path).
 """
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import run_cli
 from dist_cases import gather_tables, local_slice, make_batch, plan_mixed
 from test_parallelize import FEATURES, NUM_DENSE, ROWS, TABLES
 from torch.distributed.device_mesh import init_device_mesh
 
-from towerrec.config import OptimizerConfig
+from towerrec.config import OptimizerConfig, load_config
 from towerrec.distributed.fsdp import (
     apply_fsdp,
     check_shardable,
@@ -39,6 +42,7 @@ from towerrec.models.dmt import DMT
 from towerrec.models.wukong import Wukong, WukongConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.train import trainer
 from towerrec.train.build import build_dense_optimizer
 from towerrec.train.checkpoint import CheckpointManager
 
@@ -222,3 +226,91 @@ def _shampoo_on_shards(topology):
 def test_shampoo_on_fsdp_shards_is_a_clear_error():
     for message in spawn_world(_shampoo_on_shards, 2, 1):
         assert message is not None and "distributed.dense = 'ddp' with Shampoo" in message
+
+
+# ------------------------------------------------------------------ through the CLI
+def _sets(overrides):
+    return [x for s in overrides for x in ("--set", s)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_movielens_under_fsdp_resumes_under_ddp_and_follows_one_process(tmp_path):
+    """MovieLens on 2 ranks: 3 steps under fsdp, resumed under ddp to 6 steps; the
+    result is the one-process run's (the LR schedule does not depend on train.steps)."""
+    overrides = [
+        "optimizer.decay=none",
+        "optimizer.warmup_steps=1",
+        "train.progress=false",
+        "train.eval_every=0",
+        "train.eval_batch_size=4096",
+    ]
+    out = str(tmp_path / "two")
+    first = run_cli(
+        "train", "--config", "configs/movielens.toml", "--nproc", "2", "--out", out,
+        *_sets([*overrides, "train.steps=3", "distributed.dense=fsdp"]), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_cli(
+        "train", "--config", "configs/movielens.toml", "--nproc", "2", "--out", out, "--resume",
+        *_sets([*overrides, "train.steps=6", "distributed.dense=ddp"]), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    one = trainer.train(
+        load_config("configs/movielens.toml", [*overrides, "train.steps=6"]), tmp_path / "one"
+    )
+    assert two["completed"] and one["completed"]
+    assert abs(two["auc"] - one["auc"]) < 1e-3
+    assert abs(two["logloss"] - one["logloss"]) < 1e-3
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_criteo_format_cache_with_wukong_under_fsdp_follows_one_process(tmp_path):
+    from towerrec.data.criteo import CriteoOptions, preprocess_criteo
+    from towerrec.data.criteo_gen import generate_criteo_files
+
+    days = generate_criteo_files(tmp_path / "raw", files=2, rows_per_file=801, seed=3)
+    cache = tmp_path / "cache"
+    options = CriteoOptions(num_embeddings=(500,), eval_files=("day_1",))
+    preprocess_criteo(days, cache, options, progress=False)
+    overrides = [
+        "data.source=criteo",
+        f"data.path={cache}",
+        "model.name=wukong",
+        "model.embedding_dim=8",
+        "model.bottom_mlp=[16, 8]",
+        "model.top_mlp=[16, 1]",
+        "model.wukong.fm_mlp=[16]",
+        "optimizer.warmup_steps=2",
+        "train.batch_size=128",
+        "train.steps=6",
+        "train.progress=false",
+    ]
+    result = run_cli(
+        "train", "--nproc", "2", "--out", str(tmp_path / "two"),
+        *_sets([*overrides, "distributed.dense=fsdp"]), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    one = trainer.train(load_config(None, overrides), tmp_path / "one")
+    assert two["eval_samples"] == one["eval_samples"] == 801  # uneven over 2 ranks
+    assert abs(two["auc"] - one["auc"]) < 1e-3
+    assert abs(two["logloss"] - one["logloss"]) < 1e-3
+
+
+def test_fsdp_in_one_process_is_a_warning(tmp_path, caplog):
+    overrides = ["distributed.dense=fsdp", "train.steps=2", "train.progress=false"]
+    overrides += ["data.synthetic.eval_samples=256", "train.eval_batch_size=256"]
+    with caplog.at_level("WARNING", logger="towerrec"):
+        summary = trainer.train(load_config(None, overrides), tmp_path)
+    assert summary["completed"]
+    assert "one process keeps them whole" in caplog.text
+
+
+def test_distributed_dense_names_its_choices():
+    with pytest.raises(
+        ValueError, match=r"distributed\.dense = 'zero3' is not one of 'ddp', 'fsdp'"
+    ):
+        load_config(None, ["distributed.dense=zero3"])

@@ -19,6 +19,7 @@ from towerrec.bench import (
     dmt,
     dmt_scale,
     embedding,
+    fsdp,
     memory,
     plan,
     quality,
@@ -47,6 +48,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "dmt-scale": dmt_scale.BENCHMARK,
     "dist": dist_train.BENCHMARK,
     "memory": memory.BENCHMARK,
+    "fsdp": fsdp.BENCHMARK,
 }
 
 

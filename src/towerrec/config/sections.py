@@ -62,6 +62,7 @@ RESUME_SAFE_KEYS = (
     "distributed.tower_sharding",
     "distributed.pipeline",
     "distributed.timeout_s",
+    "distributed.dense",  # DCP checkpoints load under ddp and fsdp alike
     "plan.*",
 )
 
