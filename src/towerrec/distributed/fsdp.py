@@ -109,13 +109,21 @@ def dense_mesh(mesh: DeviceMesh, group: dist.ProcessGroup | None = None) -> Devi
     return DeviceMesh.from_group(group, mesh.device_type)
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, per_layer: bool = True) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    per_layer: bool = True,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
     """Shard ``model``'s dense parameters over the 1-D ``mesh``: every unit of
     ``dense_units`` (``per_layer``), then the model itself; embedding tables are left
     out. In place; returns ``model``. One rank: nothing to shard, the model is returned.
 
     ``per_layer=False`` makes ``model`` one unit: for a module whose forward reaches
-    its children's weights without calling the children (``MLP`` does)."""
+    its children's weights without calling the children (``MLP`` does).
+    ``reshard_after_forward=False`` keeps each unit's gathered weights from its forward
+    to its backward (one all-gather per step instead of two, more memory in between)."""
     check_shardable(model)
     if mesh.ndim != 1:
         raise ValueError(f"apply_fsdp shards over a 1-D mesh, got {mesh.ndim} dimensions")
@@ -123,7 +131,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, per_layer: bool = True) ->
         return model
     ignored = _embedding_parameters(model)
     for unit in dense_units(model) if per_layer else []:
-        fully_shard(unit, mesh=mesh, ignored_params=ignored & set(unit.parameters()) or None)
+        fully_shard(
+            unit,
+            mesh=mesh,
+            ignored_params=ignored & set(unit.parameters()) or None,
+            reshard_after_forward=reshard_after_forward,
+        )
     fully_shard(model, mesh=mesh, ignored_params=ignored or None)
     return model
 
