@@ -2,16 +2,18 @@
 
 Golden: the same model, batches and default dense optimizer (Adam) under DDP and
 under FSDP2 end with the same dense weights and embedding tables after several
-steps, for DLRM, Wukong and DMT (flat on one host; the tower transform on two).
+steps, for DLRM, Wukong, DCN and DMT (flat on one host; the tower transform on two).
 Tolerance: FSDP reduce-scatters the gradients where DDP all-reduces them, so the
-average over ranks is formed in a different order (and divided before or after
-the sum); that is an fp32 rounding of the gradients (relative 1e-7), which Adam's
-normalised steps of lr = 2e-3 carry into the weights as at most a few 1e-7 per
-step. ``TOL = 1e-5`` over 5 steps leaves room for that and nothing else: one
-misplaced gradient scale (a sum instead of a mean) moves the weights by ~lr.
+average over ranks is formed in another order (and divided before or after the
+sum); that is an fp32 rounding of the gradients (relative ~1e-7), which Adam's
+normalised steps of lr = 2e-3 carry into the weights as a few 1e-8 per step
+(measured after 5 steps: at most 1.5e-8 on DLRM's and Wukong's dense weights,
+4.5e-8 on their tables). ``TOL = 1e-6`` leaves a margin of 20 over that and
+nothing else: one misplaced gradient scale (a sum instead of a mean) moves the
+weights by ~lr, 2e-3.
 
 DCP: a checkpoint saved under FSDP resumes under DDP and the reverse, and the
-resumed runs continue exactly as the uninterrupted ones; one process loads an
+resumed runs continue as the uninterrupted ones (to TOL); one process loads an
 FSDP checkpoint into the unsharded model (the eval path).
 """
 
@@ -37,6 +39,7 @@ from towerrec.distributed.fsdp import (
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.parallelize import parallelize
 from towerrec.distributed.towers import parallelize_towers
+from towerrec.models.dcn import DCN, DCNConfig
 from towerrec.models.dlrm import DLRM
 from towerrec.models.dmt import DMT
 from towerrec.models.wukong import Wukong, WukongConfig
@@ -46,7 +49,7 @@ from towerrec.train import trainer
 from towerrec.train.build import build_dense_optimizer
 from towerrec.train.checkpoint import CheckpointManager
 
-TOL = 1e-5
+TOL = 1e-6
 BATCH, STEPS = 8, 5
 PARTITION = [["t0", "f1a", "f1b", "t2"], ["t3", "t4", "t5"]]
 
@@ -59,6 +62,8 @@ def _build(name: str, seed: int = 0):
     if name == "wukong":
         config = WukongConfig(num_layers=2, num_fm=4, num_lcb=4, fm_rank=4, fm_mlp=(16,))
         return Wukong(ebc, NUM_DENSE, [8, 8], [16, 1], config)
+    if name == "dcn":  # parallel: cross network, deep MLP and a linear head beside them
+        return DCN(ebc, NUM_DENSE, [8, 8], [16, 1], DCNConfig(num_layers=2, structure="parallel"))
     if name == "dmt":
         return DMT(
             ebc, NUM_DENSE, [8, 8], [8, 1], PARTITION, tower="dot", tower_outputs=2,
@@ -132,7 +137,9 @@ def _golden(topology, name):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name, hosts", [("dlrm", 1), ("wukong", 1), ("dmt", 1), ("dmt", 2)])
+@pytest.mark.parametrize(
+    "name, hosts", [("dlrm", 1), ("wukong", 1), ("dcn", 1), ("dmt", 1), ("dmt", 2)]
+)
 def test_fsdp_trains_the_weights_ddp_trains(name, hosts):
     for result in spawn_world(_golden, 2, hosts, name):
         sharded, total = result["sharded"]
@@ -200,6 +207,8 @@ def test_units_are_the_dense_layers_and_leave_the_tables_out():
     assert units == [wukong.bottom, *wukong.layers, wukong.top]
     dmt = _build("dmt")
     assert dense_units(dmt) == [dmt.bottom, *dmt.towers, dmt.top]
+    dcn = _build("dcn")
+    assert dense_units(dcn) == [dcn.bottom, dcn.cross, dcn.deep, dcn.head]
     assert all(u is not dmt.sparse for u in dense_units(dmt))
 
 

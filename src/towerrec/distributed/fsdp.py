@@ -31,14 +31,14 @@ loads under the other.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from towerrec.modules.embedding_bag import dense_parameters, fused_embedding_modules
@@ -51,7 +51,6 @@ __all__ = [
     "dense_memory",
     "dense_mesh",
     "dense_units",
-    "fsdp_units",
     "is_sharded",
 ]
 
@@ -139,13 +138,6 @@ def apply_fsdp(
         )
     fully_shard(model, mesh=mesh, ignored_params=ignored or None)
     return model
-
-
-def fsdp_units(model: nn.Module) -> Iterator[tuple[str, FSDPModule]]:
-    """``(fqn, module)`` of every module of ``model`` that ``fully_shard`` wrapped."""
-    for name, module in model.named_modules():
-        if isinstance(module, FSDPModule):
-            yield name, module
 
 
 @dataclass(frozen=True)
