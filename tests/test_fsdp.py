@@ -115,11 +115,11 @@ def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _golden(topology, name):
+def _golden(topology, name, optimizer_name="adam"):
     models = {dense: _parallel(name, topology, dense) for dense in ("ddp", "fsdp")}
     result = {}
     for dense, model in models.items():
-        optimizer = build_dense_optimizer(OptimizerConfig(), model)
+        optimizer = build_dense_optimizer(OptimizerConfig(name=optimizer_name), model)
         _steps(model, optimizer, topology, range(STEPS))
         result[dense] = _weights(model)
         memory = dense_memory(model, optimizer)
@@ -153,6 +153,16 @@ def test_fsdp_trains_the_weights_ddp_trains(name, hosts):
         if hosts == 1:  # Adam's two moments, a piece of each per rank
             half = result["ddp_state_bytes"] / 2
             assert result["fsdp_state_bytes"] <= half + result["row_bytes"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
+def test_adagrad_and_sgd_step_on_the_shards_as_under_ddp(optimizer):
+    for result in spawn_world(_golden, 2, 1, "dlrm", optimizer):
+        sharded, total = result["sharded"]
+        assert sharded == total
+        assert _max_diff(result["ddp"][0], result["fsdp"][0]) < TOL
+        assert _max_diff(result["ddp"][1], result["fsdp"][1]) < TOL
 
 
 def _across(topology, directory):
