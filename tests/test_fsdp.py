@@ -72,11 +72,12 @@ def _build(name: str, seed: int = 0):
     return DLRM(ebc, NUM_DENSE, [8, 8], [8, 1])
 
 
-def _parallel(name, topology, dense, seed=0):
+def _parallel(name, topology, dense, seed=0, reshard=True):
     mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
     if name == "dmt" and topology.hosts > 1:
         return parallelize_towers(_build(name, seed), mesh, dense=dense)
-    return parallelize(_build(name, seed), mesh, plan_mixed(topology, TABLES), dense=dense)
+    plan = plan_mixed(topology, TABLES)
+    return parallelize(_build(name, seed), mesh, plan, dense=dense, reshard_after_forward=reshard)
 
 
 def _steps(model, optimizer, topology, steps):
@@ -115,8 +116,8 @@ def _max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _golden(topology, name, optimizer_name="adam"):
-    models = {dense: _parallel(name, topology, dense) for dense in ("ddp", "fsdp")}
+def _golden(topology, name, optimizer_name="adam", reshard=True):
+    models = {dense: _parallel(name, topology, dense, reshard=reshard) for dense in ("ddp", "fsdp")}
     result = {}
     for dense, model in models.items():
         optimizer = build_dense_optimizer(OptimizerConfig(name=optimizer_name), model)
@@ -161,6 +162,13 @@ def test_adagrad_and_sgd_step_on_the_shards_as_under_ddp(optimizer):
     for result in spawn_world(_golden, 2, 1, "dlrm", optimizer):
         sharded, total = result["sharded"]
         assert sharded == total
+        assert _max_diff(result["ddp"][0], result["fsdp"][0]) < TOL
+        assert _max_diff(result["ddp"][1], result["fsdp"][1]) < TOL
+
+
+@pytest.mark.multiprocess
+def test_keeping_the_gathered_weights_until_backward_trains_the_same():
+    for result in spawn_world(_golden, 2, 1, "wukong", "adam", False):
         assert _max_diff(result["ddp"][0], result["fsdp"][0]) < TOL
         assert _max_diff(result["ddp"][1], result["fsdp"][1]) < TOL
 

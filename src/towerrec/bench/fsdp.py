@@ -16,7 +16,8 @@ on the same per-rank batches, timed round-robin. Per rank it reports:
   widest unit; the next one may be prefetched), which DDP never needs;
 - samples/s (global batch over the median step time) and their ratio, and of
   ``fsdp_keep``: FSDP keeping each unit's gathered weights from forward to
-  backward (``reshard_after_forward=False``), which saves the second all-gather.
+  backward (``distributed.reshard_after_forward = false``), which saves the
+  second all-gather.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from towerrec.bench.common import Benchmark, machine_info, time_interleaved
 from towerrec.config import OptimizerConfig
 from towerrec.data.batch import Batch
-from towerrec.distributed.fsdp import apply_fsdp, dense_memory, dense_mesh, dense_units
+from towerrec.distributed.fsdp import dense_memory, dense_units
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.mesh import Topology
-from towerrec.distributed.parallelize import apply_sharding, parallelize, uniform_plan
+from towerrec.distributed.parallelize import parallelize, uniform_plan
 from towerrec.models.wukong import Wukong, WukongConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
@@ -82,10 +83,10 @@ def _model(shape: dict, topology: Topology, dense: str):
     model = Wukong(ebc, shape["num_dense"], [64, dim], shape["top_mlp"], config)
     mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
     plan = uniform_plan(_tables(shape), topology, "table_wise")
-    if dense != "fsdp_keep":
-        return parallelize(model, mesh, plan, dense=dense)
-    model = apply_sharding(model, topology, plan, group=dist.new_group(backend="gloo"))
-    return apply_fsdp(model, dense_mesh(mesh), reshard_after_forward=False)
+    keep = dense == "fsdp_keep"
+    return parallelize(
+        model, mesh, plan, dense="fsdp" if keep else dense, reshard_after_forward=not keep
+    )
 
 
 def _batches(shape: dict, rank: int, count: int = 4) -> list[Batch]:

@@ -393,6 +393,9 @@ class DistributedConfig:
     # The dense parameters over the ranks: "ddp" replicates them, "fsdp" shards them
     # (FSDP2 fully_shard per layer; embeddings stay sharded by the plan)
     dense: str = "ddp"
+    # fsdp: free each layer's gathered weights after its forward (gathered again for
+    # backward); false keeps them until backward: one all-gather fewer, more memory
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         _choice(str(self.sharding), tuple(t.value for t in ShardingType), "distributed.sharding")

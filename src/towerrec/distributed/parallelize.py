@@ -149,15 +149,16 @@ def parallelize(
     codecs: CommCodecs | None = None,
     dense_stats: CommStats | None = None,
     dense: str = "ddp",
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard the embeddings by ``plan`` and replicate (``dense="ddp"``) or shard
-    (``"fsdp"``) the dense layers (module doc); ``dense_stats`` counts the DDP gradient
-    all-reduces' bytes."""
+    (``"fsdp"``, ``apply_fsdp`` with ``reshard_after_forward``) the dense layers (module
+    doc); ``dense_stats`` counts the DDP gradient all-reduces' bytes."""
     if dense not in DENSE_LAYOUTS:
         raise ValueError(f"dense = {dense!r} is not one of {', '.join(map(repr, DENSE_LAYOUTS))}")
     topology = topology_of(mesh)
     group = dist.new_group(backend=dist.get_backend()) if topology.world_size > 1 else None
     model = apply_sharding(model, topology, plan, codecs=codecs, stats=CommStats(), group=group)
     if dense == "fsdp" and topology.world_size > 1:
-        return apply_fsdp(model, dense_mesh(mesh))
+        return apply_fsdp(model, dense_mesh(mesh), reshard_after_forward=reshard_after_forward)
     return apply_ddp(model, topology, dense_stats)

@@ -125,6 +125,7 @@ class RunContext:
             codecs=codecs,
             dense_stats=self.dense_stats,
             dense=settings.dense,
+            reshard_after_forward=settings.reshard_after_forward,
         )
 
     def _parallelize_towers(self, model: nn.Module, config: Config) -> nn.Module:
