@@ -19,6 +19,7 @@ from towerrec.bench import (
     dmt,
     dmt_scale,
     embedding,
+    fsdp,
     memory,
     plan,
     predict,
@@ -55,6 +56,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "predict": predict.BENCHMARK,
     "pu": pu.BENCHMARK,
     "prune-grow": prune_grow.BENCHMARK,
+    "fsdp": fsdp.BENCHMARK,
 }
 
 

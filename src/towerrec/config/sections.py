@@ -65,6 +65,7 @@ RESUME_SAFE_KEYS = (
     "distributed.tower_sharding",
     "distributed.pipeline",
     "distributed.timeout_s",
+    "distributed.dense",  # DCP checkpoints load under ddp and fsdp alike
     "plan.*",
 )
 
@@ -453,6 +454,12 @@ class DistributedConfig:
     timeout_s: float = 300.0  # a collective waiting longer for a peer fails the run
     # DMT on several hosts: tower t's tables inside host t (one of TOWER_SHARDINGS)
     tower_sharding: ShardingType = ShardingType.ROW_WISE
+    # The dense parameters over the ranks: "ddp" replicates them, "fsdp" shards them
+    # (FSDP2 fully_shard per layer; embeddings stay sharded by the plan)
+    dense: str = "ddp"
+    # fsdp: free each layer's gathered weights after its forward (gathered again for
+    # backward); false keeps them until backward: one all-gather fewer, more memory
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         _choice(str(self.sharding), tuple(t.value for t in ShardingType), "distributed.sharding")
@@ -467,6 +474,7 @@ class DistributedConfig:
             "distributed.tower_sharding",
         )
         object.__setattr__(self, "tower_sharding", ShardingType(self.tower_sharding))
+        _choice(self.dense, ("ddp", "fsdp"), "distributed.dense")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ Steps, in order:
    over its own process group (so its all-to-alls never interleave with DDP's
    all-reduces);
 2. ``apply_ddp``: the dense parameters are replicated with DDP (composable
-   ``replicate``: module names and state-dict keys stay as they were).
+   ``replicate``: module names and state-dict keys stay as they were); or, with
+   ``dense="fsdp"``, ``apply_fsdp`` shards them per layer (FSDP2, ``fsdp.py``).
 
 Gradients reaching the embeddings are scaled by 1/world so that, like DDP's
 averaged dense gradients, the parallel model trained on a global batch split
@@ -29,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats, ring_allreduce_hook
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
+from towerrec.distributed.fsdp import DENSE_LAYOUTS, apply_fsdp, dense_mesh
 from towerrec.distributed.mesh import Topology
 from towerrec.modules.embedding_bag import (
     EmbeddingBagCollection,
@@ -150,12 +152,19 @@ def parallelize(
     *,
     codecs: CommCodecs | None = None,
     dense_stats: CommStats | None = None,
+    dense: str = "ddp",
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard the embeddings by ``plan`` and replicate the dense layers (module doc);
-    ``dense_stats`` counts the dense gradient all-reduces' bytes."""
+    """Shard the embeddings by ``plan`` and replicate (``dense="ddp"``) or shard
+    (``"fsdp"``, ``apply_fsdp`` with ``reshard_after_forward``) the dense layers (module
+    doc); ``dense_stats`` counts the DDP gradient all-reduces' bytes."""
+    if dense not in DENSE_LAYOUTS:
+        raise ValueError(f"dense = {dense!r} is not one of {', '.join(map(repr, DENSE_LAYOUTS))}")
     topology = topology_of(mesh)
     group = dist.new_group(backend=dist.get_backend()) if topology.world_size > 1 else None
     model = apply_sharding(model, topology, plan, codecs=codecs, stats=CommStats(), group=group)
+    if dense == "fsdp" and topology.world_size > 1:
+        return apply_fsdp(model, dense_mesh(mesh), reshard_after_forward=reshard_after_forward)
     return apply_ddp(model, topology, dense_stats)
 
 

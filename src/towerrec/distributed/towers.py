@@ -47,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats
 from towerrec.distributed.embedding_bag import ScaleGrad, ShardedEmbeddingBagCollection
+from towerrec.distributed.fsdp import apply_fsdp, dense_mesh
 from towerrec.distributed.input_dist import assemble
 from towerrec.distributed.lookup import copy_tables
 from towerrec.distributed.mesh import Topology
@@ -286,12 +287,14 @@ def parallelize_towers(
     codecs: CommCodecs | None = None,
     stats: CommStats | None = None,
     dense_stats: CommStats | None = None,
+    dense: str = "ddp",
 ) -> TowerParallelDMT:
     """Apply SPTT to ``model`` (identical on every rank) on the (host, local) ``mesh``.
 
     Tower t's tables are sharded over host t's ranks as ``sharding`` (one of
     ``TOWER_SHARDINGS``); weights and optimizer state are copied from ``model``
     (or, when its collection is not materialized, the shards initialise themselves).
+    ``dense``: the bottom, top and tower replicated (``"ddp"``) or sharded (``"fsdp"``).
     """
     topology = topology_of(mesh)
     check_towers(model, topology)
@@ -323,7 +326,15 @@ def parallelize_towers(
         total_embedding_parameters=ebc.num_embedding_parameters,
     )
     parallel = TowerParallelDMT(model, topology, sparse, peer, codecs)
-    if topology.world_size > 1:
+    if topology.world_size > 1 and dense == "fsdp":
+        # Bottom and top sharded over every rank, the tower over its host's ranks; each
+        # of them is its own FSDP root (TowerParallelDMT's forward is not one module's).
+        world = dense_mesh(mesh)
+        for module in (m for m in (parallel.bottom, parallel.top) if m is not None):
+            apply_fsdp(module, world, per_layer=False)  # an MLP: one unit
+        if per_host > 1 and any(True for _ in parallel.tower.parameters()):
+            apply_fsdp(parallel.tower, dense_mesh(mesh, ddp_group), per_layer=False)
+    elif topology.world_size > 1:
         for module in (m for m in (parallel.bottom, parallel.top) if m is not None):
             replicate_counted(module, topology, dense_stats)
         if per_host > 1 and any(True for _ in parallel.tower.parameters()):

@@ -15,6 +15,7 @@ from towerrec.data.cache import open_cache
 from towerrec.data.loader import ColumnSource
 from towerrec.data.movielens import bundled_movielens_path, load_movielens
 from towerrec.data.synthetic import SyntheticSource
+from towerrec.distributed.fsdp import is_sharded
 from towerrec.distributed.mesh import Topology
 from towerrec.models.dcn import DCN
 from towerrec.models.dlrm import DLRM
@@ -213,10 +214,26 @@ def build_dense_optimizer(
     the exchange's ranks (``optim/shampoo.py``); ``local``: parameters replicated over
     fewer ranks, whose blocks every rank computes itself."""
     params = [p for _, p in dense_parameters(model) if p.requires_grad]
-    # One fused kernel over all parameters instead of a few ops per tensor (CPU, CUDA).
-    fused = bool(params) and all(
-        p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params
+    sharded = sum(is_sharded(p) for p in params)  # distributed.dense = "fsdp"
+    # Sharded and whole parameters together (a DMT's tower on a host of one rank) cannot
+    # share a multi-tensor kernel: the optimizer then steps tensor by tensor.
+    mixed = 0 < sharded < len(params)
+    # One fused kernel over all parameters instead of a few ops per tensor (CPU, CUDA);
+    # on sharded parameters torch fuses Adam only (Adagrad, SGD: multi-tensor kernels).
+    fused = (
+        bool(params)
+        and all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+        and (config.name == "adam" or not sharded)
+        and not mixed
     )
+    foreach = False if mixed else None
+    if sharded and config.name == "shampoo":
+        raise ValueError(
+            "optimizer.name = 'shampoo' preconditions whole parameter blocks, but "
+            "distributed.dense = 'fsdp' leaves each rank a piece of every parameter; use "
+            "distributed.dense = 'ddp' with Shampoo (its blocks are dealt over the ranks), "
+            "or adam, adagrad or sgd with fsdp"
+        )
     if config.name == "adam":  # weight decay decoupled from the gradient, as AdamW
         return torch.optim.Adam(
             params,
@@ -224,6 +241,7 @@ def build_dense_optimizer(
             weight_decay=config.weight_decay,
             decoupled_weight_decay=True,
             fused=fused or None,
+            foreach=foreach,
         )
     if config.name == "shampoo":
         return Shampoo(
@@ -236,7 +254,11 @@ def build_dense_optimizer(
         )
     if config.name == "adagrad":
         return torch.optim.Adagrad(
-            params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None
+            params,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            fused=fused or None,
+            foreach=foreach,
         )
     return torch.optim.SGD(
         params,
@@ -244,6 +266,7 @@ def build_dense_optimizer(
         momentum=config.momentum,
         weight_decay=config.weight_decay,
         fused=fused or None,
+        foreach=foreach,
     )
 
 

@@ -120,7 +120,15 @@ class RunContext:
             log.info("plan.strategy = %s: %s", config.plan.strategy, dict(kinds))
         codecs = CommCodecs(settings.forward_codec, settings.backward_codec)  # type: ignore[arg-type]  # parsed in __post_init__
         assert self.mesh is not None  # set for every distributed run
-        return parallelize(model, self.mesh, plan, codecs=codecs, dense_stats=self.dense_stats)
+        return parallelize(
+            model,
+            self.mesh,
+            plan,
+            codecs=codecs,
+            dense_stats=self.dense_stats,
+            dense=settings.dense,
+            reshard_after_forward=settings.reshard_after_forward,
+        )
 
     def block_exchange(self, model: nn.Module) -> tuple[GroupExchange | None, list[nn.Parameter]]:
         """For a distributed Shampoo: an exchange over every rank (a process group of its
@@ -157,6 +165,7 @@ class RunContext:
             sharding=settings.tower_sharding,
             codecs=codecs,
             dense_stats=self.dense_stats,
+            dense=settings.dense,
         )
         if self.is_main:
             log.info(

@@ -139,6 +139,17 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         )
     if config.plan.strategy != "none" and ctx.world_size == 1:
         log.warning("plan.strategy only shards tables over ranks; one process keeps them all")
+    if config.distributed.dense == "fsdp" and ctx.world_size == 1:
+        log.warning(
+            "distributed.dense = 'fsdp' shards the dense parameters over ranks; one process "
+            "keeps them whole (as with 'ddp')"
+        )
+    if not config.distributed.reshard_after_forward and config.distributed.dense != "fsdp":
+        log.warning(
+            "distributed.reshard_after_forward = false applies to distributed.dense = 'fsdp' "
+            "only; it is ignored under %r",
+            config.distributed.dense,
+        )
     check_towers_fit_hosts(config, ctx.topology)  # before a DMT's pilot run
     # A DMT's learned partition comes from a pilot run (on rank 0) before the model is built.
     # Distributed: no rank allocates the full tables; each builds only its shards.
