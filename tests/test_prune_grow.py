@@ -176,6 +176,13 @@ def test_bad_schedules_are_errors(settings, message):
 def test_shampoo_and_missing_layers_are_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"shampoo.*use adam, adagrad or sgd"):
         _config("shampoo")
+    with pytest.raises(ConfigError, match=r"distributed.dense = 'fsdp'.*use distributed.dense"):
+        config_from_dict(
+            {
+                "train": {"steps": 12, "prune_grow": SCHEDULE},
+                "distributed": {"dense": "fsdp"},
+            }
+        )
     schedule = ["train.prune_grow.prune_at=[0.3]", "train.prune_grow.grow_at=[0.6]"]
     no_hidden = quick_config(
         "train.steps=10", 'train.prune_grow.mlps=["top"]', "model.top_mlp=[1]", *schedule

@@ -567,6 +567,11 @@ class Config:
                 "train.prune_grow with train.early_stopping.patience: the best weights could be "
                 "a pruned phase's, and the run must end full-size; set patience = 0"
             )
+        if pg.enabled and self.distributed.dense == "fsdp":
+            raise ValueError(
+                "train.prune_grow with distributed.dense = 'fsdp': a layer's width changes "
+                "under FSDP's flat shards; use distributed.dense = 'ddp'"
+            )
         if (
             pg.enabled
             and pg.unit == "step"
