@@ -389,6 +389,8 @@ class DistributedConfig:
     timeout_s: float = 300.0  # a collective waiting longer for a peer fails the run
     # DMT on several hosts: tower t's tables inside host t (one of TOWER_SHARDINGS)
     tower_sharding: ShardingType = ShardingType.ROW_WISE
+    # ids on the wire: each key's unique ids once plus an inverse index, where smaller
+    dedup_ids: bool = True
 
     def __post_init__(self) -> None:
         _choice(str(self.sharding), tuple(t.value for t in ShardingType), "distributed.sharding")
@@ -403,6 +405,8 @@ class DistributedConfig:
             "distributed.tower_sharding",
         )
         object.__setattr__(self, "tower_sharding", ShardingType(self.tower_sharding))
+        if not isinstance(self.dedup_ids, bool):
+            raise ValueError(f"distributed.dedup_ids must be true or false, got {self.dedup_ids!r}")
 
 
 @dataclass(frozen=True)

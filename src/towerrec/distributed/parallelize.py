@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats, ring_allreduce_hook
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
+from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.mesh import Topology
 from towerrec.modules.embedding_bag import (
     EmbeddingBagCollection,
@@ -85,8 +86,10 @@ def apply_sharding(
     codecs: CommCodecs | None = None,
     stats: CommStats | None = None,
     group: dist.ProcessGroup | None = None,
+    id_wire: IdWire | None = None,
 ) -> nn.Module:
-    """Replace every ``EmbeddingBagCollection`` of ``model`` by its sharded twin (in place)."""
+    """Replace every ``EmbeddingBagCollection`` of ``model`` by its sharded twin (in place);
+    ``id_wire``: how its ids travel (``id_wire.py``)."""
     comm = Comm(topology, group, stats)
     found = [
         (n, m) for n, m in fused_embedding_modules(model) if isinstance(m, EmbeddingBagCollection)
@@ -95,7 +98,12 @@ def apply_sharding(
         raise ValueError("the model has no EmbeddingBagCollection to shard")
     for name, module in found:
         sharded = ShardedEmbeddingBagCollection(
-            module, plan, comm, codecs=codecs, grad_scale=1.0 / topology.world_size
+            module,
+            plan,
+            comm,
+            codecs=codecs,
+            grad_scale=1.0 / topology.world_size,
+            id_wire=id_wire,
         )
         if not name:
             return sharded
@@ -146,10 +154,13 @@ def parallelize(
     *,
     codecs: CommCodecs | None = None,
     dense_stats: CommStats | None = None,
+    id_wire: IdWire | None = None,
 ) -> nn.Module:
     """Shard the embeddings by ``plan`` and replicate the dense layers (module doc);
     ``dense_stats`` counts the dense gradient all-reduces' bytes."""
     topology = topology_of(mesh)
     group = dist.new_group(backend=dist.get_backend()) if topology.world_size > 1 else None
-    model = apply_sharding(model, topology, plan, codecs=codecs, stats=CommStats(), group=group)
+    model = apply_sharding(
+        model, topology, plan, codecs=codecs, stats=CommStats(), group=group, id_wire=id_wire
+    )
     return apply_ddp(model, topology, dense_stats)

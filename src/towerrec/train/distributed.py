@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from towerrec.config import Config
 from towerrec.distributed.comm import CommCodecs, CommStats
+from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, uniform_plan
 from towerrec.memory import peak_rss_mb
@@ -118,7 +119,14 @@ class RunContext:
             log.info("plan.strategy = %s: %s", config.plan.strategy, dict(kinds))
         codecs = CommCodecs(settings.forward_codec, settings.backward_codec)  # type: ignore[arg-type]  # parsed in __post_init__
         assert self.mesh is not None  # set for every distributed run
-        return parallelize(model, self.mesh, plan, codecs=codecs, dense_stats=self.dense_stats)
+        return parallelize(
+            model,
+            self.mesh,
+            plan,
+            codecs=codecs,
+            dense_stats=self.dense_stats,
+            id_wire=IdWire(settings.dedup_ids),
+        )
 
     def _parallelize_towers(self, model: nn.Module, config: Config) -> nn.Module:
         """A DMT on several hosts: the tower transform, tower t on host t
@@ -146,6 +154,7 @@ class RunContext:
             sharding=settings.tower_sharding,
             codecs=codecs,
             dense_stats=self.dense_stats,
+            id_wire=IdWire(settings.dedup_ids),
         )
         if self.is_main:
             log.info(
