@@ -48,19 +48,21 @@ def test_several_sources_back_to_back():
 
 
 def test_sizes_by_hand():
-    """Header 3 int32; 6 bags of 2 ids from 3 distinct values under 256."""
+    """A header of 1 + 3 x 2 int32; 6 bags of 2 ids; key 0's ids under 256, key 1's not."""
     lengths = torch.full((2, 3), 2)  # 2 keys x 3 samples, 12 ids
-    values = torch.tensor([7, 7, 9, 7, 9, 9, 200, 200, 200, 3, 3, 200])
+    values = torch.tensor([7, 7, 9, 7, 9, 9, 900, 900, 900, 3, 3, 900])
+    header, bags = 4 * 7, 6
     plain = IdWire(False).encode(lengths, values)
-    assert plain.numel() == 12 + 12 * 1 + 6 * 1  # header, uint8 ids, uint8 lengths
-    # deduplicated would be header + 2 unique counts, 2 + 2 unique ids, 6 lengths and 12
-    # one-byte indexes = 42 > 30 bytes: the plain payload is sent
-    assert IdWire(True).encode(lengths, values).numel() == plain.numel()
-    wide = values + 2**20  # int32 ids: deduplication pays (54 < 66 bytes)
-    assert IdWire(False).encode(lengths, wide).numel() == 12 + 12 * 4 + 6
-    assert IdWire(True).encode(lengths, wide).numel() == 12 + 8 + 4 * 4 + 6 + 12
-    # forced, the small ids are deduplicated too
-    assert IdWire(True, where_smaller=False).encode(lengths, values).numel() == 42
+    assert plain.numel() == header + 6 * 1 + 6 * 2 + bags  # uint8 ids, int16 ids
+    # deduplicated where smaller: key 1 (2 int16 ids + 6 one-byte indexes = 10 < 12 bytes);
+    # key 0 would take 2 + 6 = 8 > 6 bytes and is sent plain
+    assert IdWire(True).encode(lengths, values).numel() == header + 6 + 2 * 2 + bags + 6
+    # forced: both keys
+    forced = IdWire(True, where_smaller=False).encode(lengths, values)
+    assert forced.numel() == header + 2 + 2 * 2 + bags + 6 + 6
+    wide = values + 2**20  # int32 ids: both keys pay (2 x 4 + 6 < 6 x 4)
+    assert IdWire(False).encode(lengths, wide).numel() == header + 12 * 4 + bags
+    assert IdWire(True).encode(lengths, wide).numel() == header + 2 * (2 * 4 + 6) + bags
 
 
 def test_dedup_is_skipped_where_it_would_grow_the_payload():

@@ -110,11 +110,11 @@ def _measured_and_expected_bytes(topology, wire):
             continue
         keys = sum(owner[f] == peer for f in features)
         sent = 5 * 8  # the count exchange: 5 int64 per peer
-        if keys:  # header of 3 int32, one-byte lengths; ids (< 256) one byte each
-            sent += 12 + keys * batch
-            # deduplicated (forced: it saves nothing with one-byte ids): a 4-byte unique
-            # count, 3 unique ids and a one-byte index per id; else every id
-            sent += keys * (4 + 3 + batch) if wire is DEDUP else keys * batch
+        if keys:  # header of 1 + 3 int32 per key, one-byte lengths, ids (< 256) of 1 byte
+            sent += 4 * (1 + 3 * keys) + keys * batch
+            # deduplicated (forced: it saves nothing with one-byte ids): 3 unique ids and a
+            # one-byte index per id; else every id
+            sent += keys * (3 + batch) if wire is DEDUP else keys * batch
         sent += sum(batch * dim[f] * 4 for f in features if owner[f] == rank)  # pooled
         sent += sum(batch * dim[f] * 4 for f in features if owner[f] == peer)  # gradients
         expected["cross" if topology.is_cross_host(peer) else "intra"] += sent

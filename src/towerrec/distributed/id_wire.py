@@ -1,28 +1,31 @@
 """Wire format of the id payloads that input_dist and the tower transform send: the
-lengths and ids of K keys over B samples for one destination, as bytes.
+lengths and ids of K keys (features) over B samples for one destination, as bytes.
 
 ::
 
-    payload (uint8) = [ header int32 [3 (+ K)] | ids | lengths [K, B] | inverse index [n] ]
+    payload (uint8) = [ header int32 [1 + 3K] | ids of key 0 | key 1 | ... | lengths [K, B]
+                        | inverse index of key 0 | key 1 | ... ]
 
-    header   id bytes, length bytes, index bytes (0: not deduplicated),
-             then, deduplicated, the number of unique ids of each key
-    ids      deduplicated: each key's unique ids once (sorted), key after key;
-             else every occurrence, key-major, as the KeyedJaggedTensor holds them
+    header   length bytes; then per key: id bytes, index bytes (0: not deduplicated),
+             ids sent (the unique ids when deduplicated, else every occurrence)
+    ids      deduplicated key: its unique ids once (sorted); else every occurrence,
+             in the order the KeyedJaggedTensor holds them
     lengths  bag lengths, key-major
-    inverse  deduplicated only: for each occurrence, the position of its id among
-             its key's unique ids; ids[key start + inverse] restores the occurrences
+    inverse  deduplicated keys only: for each occurrence, the position of its id
+             among the key's unique ids (ids[inverse] restores the occurrences)
 
 Every integer section travels as the narrowest type that holds its largest value
-(1, 2, 4 or 8 bytes: uint8, int16, int32, int64), so ids of tables under 2^31 rows
-are int32 (or narrower), bag lengths are usually one byte, and the header says
-which types the receiver reads. With ``dedup`` a payload is deduplicated only when
-that makes it smaller (its header says which; ``where_smaller=False`` always does). Decoding restores the lengths and
-the occurrences exactly, in their order, so per-id weights (sent beside, one per
-occurrence) still follow their ids and the lookup, its pooling and its gradients
-are the same with and without deduplication.
+(1, 2, 4 or 8 bytes: uint8, int16, int32, int64), chosen per key for ids and
+indexes: ids of tables under 2^31 rows are int32 or narrower, a table of at most 256
+rows sends one byte per id, bag lengths usually take one byte. With ``dedup`` a key
+is deduplicated only where that makes its part smaller (unique ids plus a narrow
+index against every occurrence); the header says which. Decoding restores the
+lengths and the occurrences exactly, in their order, so per-id weights (sent beside,
+one per occurrence) still follow their ids, and the lookup, its pooling and its
+gradients are the same with and without deduplication.
 
-Shapes: ``lengths [K, B]`` integer, ``values [n]`` integer with ``n = lengths.sum()``.
+Shapes: ``lengths [K, B]`` integer, ``values [n]`` integer with ``n = lengths.sum()``,
+keys contiguous (key-major).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ __all__ = ["IdWire", "narrowest_itemsize"]
 
 _DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _LIMITS = ((1, 2**8 - 1), (2, 2**15 - 1), (4, 2**31 - 1))
-_HEADER = 3  # id bytes, length bytes, index bytes
 
 
 def narrowest_itemsize(largest: int) -> int:
@@ -64,50 +66,44 @@ def _read(payload: torch.Tensor, start: int, count: int, itemsize: int) -> torch
 
 @dataclass(frozen=True)
 class IdWire:
-    """How id payloads are encoded (module doc); ``dedup``: send each key's unique ids
-    once with an inverse index (``distributed.dedup_ids``), only where that makes the
-    payload smaller unless ``where_smaller`` is False (then whenever there are ids)."""
+    """How id payloads are encoded (module doc); ``dedup``: send a key's unique ids once
+    with an inverse index (``distributed.dedup_ids``), only where that makes its part
+    smaller unless ``where_smaller`` is False (then for every key with ids)."""
 
     dedup: bool = True
     where_smaller: bool = True
 
+    def _encode_key(self, v: torch.Tensor) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """One key's (header entries, ids bytes, index bytes or None)."""
+        id_size = narrowest_itemsize(_largest(v))
+        if self.dedup and v.numel() > 1:
+            unique, inverse = torch.unique(v, return_inverse=True)
+            index_size = narrowest_itemsize(unique.numel() - 1)
+            smaller = unique.numel() * id_size + v.numel() * index_size < v.numel() * id_size
+            if smaller or not self.where_smaller:
+                unique_size = narrowest_itemsize(_largest(unique))
+                return (
+                    [unique_size, index_size, unique.numel()],
+                    _as_bytes(unique, unique_size),
+                    _as_bytes(inverse, index_size),
+                )
+        return [id_size, 0, v.numel()], _as_bytes(v, id_size), None
+
     def encode(self, lengths: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """``lengths [K, B]``, ``values [n]`` (key-major) -> the payload, uint8 ``[bytes]``;
         empty when K = 0."""
-        num_keys = lengths.shape[0]
-        if num_keys == 0:
+        if lengths.shape[0] == 0:
             return torch.zeros(0, dtype=torch.uint8, device=values.device)
         length_size = narrowest_itemsize(_largest(lengths))
-        id_size = narrowest_itemsize(_largest(values))
-        plain = values.numel() * id_size
-        if self.dedup and values.numel() > 1:
-            per_key = lengths.sum(dim=1).tolist()
-            uniques, inverses = [], []
-            for v in values.split(per_key):
-                unique, inverse = torch.unique(v, return_inverse=True)
-                uniques.append(unique)
-                inverses.append(inverse)
-            counts = [u.numel() for u in uniques]
-            index_size = narrowest_itemsize(max(counts) - 1)
-            deduped = 4 * num_keys + sum(counts) * id_size + values.numel() * index_size
-            if deduped < plain or not self.where_smaller:
-                header = torch.tensor([id_size, length_size, index_size, *counts])
-                return torch.cat(
-                    [
-                        _as_bytes(header.to(values.device), 4),
-                        _as_bytes(torch.cat(uniques), id_size),
-                        _as_bytes(lengths.reshape(-1), length_size),
-                        _as_bytes(torch.cat(inverses), index_size),
-                    ]
-                )
-        header = torch.tensor([id_size, length_size, 0], device=values.device)
-        return torch.cat(
-            [
-                _as_bytes(header, 4),
-                _as_bytes(values, id_size),
-                _as_bytes(lengths.reshape(-1), length_size),
-            ]
-        )
+        header, ids, indexes = [length_size], [], []
+        for v in values.split(lengths.sum(dim=1).tolist()):
+            entries, id_bytes, index_bytes = self._encode_key(v)
+            header += entries
+            ids.append(id_bytes)
+            if index_bytes is not None:
+                indexes.append(index_bytes)
+        head = _as_bytes(torch.tensor(header, device=values.device), 4)
+        return torch.cat([head, *ids, _as_bytes(lengths.reshape(-1), length_size), *indexes])
 
     def decode(
         self, payload: torch.Tensor, num_keys: int, batch: int
@@ -117,26 +113,23 @@ class IdWire:
         if num_keys == 0:
             empty = torch.zeros(0, dtype=torch.int64, device=payload.device)
             return empty.view(0, batch), empty
-        id_size, length_size, index_size = _read(payload, 0, _HEADER, 4).tolist()
-        position = 4 * _HEADER
-        if not index_size:
-            lengths_at = payload.numel() - num_keys * batch * length_size
-            values = _read(payload, position, (lengths_at - position) // id_size, id_size)
-            lengths = _read(payload, lengths_at, num_keys * batch, length_size)
-            return lengths.view(num_keys, batch), values
-        counts = _read(payload, position, num_keys, 4)
-        position += 4 * num_keys
-        total = int(counts.sum())
-        uniques = _read(payload, position, total, id_size)
-        position += total * id_size
+        header = _read(payload, 0, 1 + 3 * num_keys, 4).tolist()
+        length_size, keys = header[0], [header[1 + 3 * k : 4 + 3 * k] for k in range(num_keys)]
+        position = 4 * len(header)
+        ids = []
+        for id_size, _, count in keys:
+            ids.append(_read(payload, position, count, id_size))
+            position += count * id_size
         lengths = _read(payload, position, num_keys * batch, length_size).view(num_keys, batch)
         position += num_keys * batch * length_size
-        per_key = lengths.sum(dim=1)
-        n = int(per_key.sum())
-        inverse = _read(payload, position, n, index_size)
-        starts = torch.cumsum(counts, 0) - counts
-        inverse = inverse + torch.repeat_interleave(starts, per_key, output_size=n)
-        return lengths, uniques[inverse]
+        values = []
+        for (_, index_size, _), key_ids, n in zip(keys, ids, lengths.sum(dim=1).tolist()):
+            if not index_size:
+                values.append(key_ids)
+                continue
+            values.append(key_ids[_read(payload, position, n, index_size)])
+            position += n * index_size
+        return lengths, torch.cat(values)
 
     def decode_all(
         self, received: torch.Tensor, sizes: Sequence[int], num_keys: int, batches: Sequence[int]
