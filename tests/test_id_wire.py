@@ -4,6 +4,7 @@ deduplication only where it is smaller, and sizes counted by hand."""
 import pytest
 import torch
 
+from towerrec.bench.id_wire import run_id_wire_benchmark
 from towerrec.config import load_config
 from towerrec.distributed.id_wire import IdWire, narrowest_itemsize
 
@@ -91,3 +92,14 @@ def test_dedup_ids_config():
     assert load_config(None, ["distributed.dedup_ids=false"]).distributed.dedup_ids is False
     with pytest.raises(ValueError, match=r"distributed.dedup_ids must be true or false"):
         load_config(None, ["distributed.dedup_ids=sometimes"])
+
+
+def test_bench_id_wire_on_the_default_data():
+    result = run_id_wire_benchmark(batch_size=64, batches=2)
+    sizes = result["bytes_per_sample"]
+    assert result["batches"] == 2 and result["features"] == 9
+    # every length and id as 8 bytes before; the default tables' ids fit 1 or 2 bytes
+    assert sizes["int64"] == 8 * (9 + result["ids_per_sample"])
+    assert sizes["narrow_dedup"] <= sizes["narrow"] < sizes["int64"] / 4
+    with pytest.raises(ValueError, match=r"--batches \(0\) must be >= 1"):
+        run_id_wire_benchmark(batches=0)

@@ -19,6 +19,7 @@ from towerrec.bench import (
     dmt,
     dmt_scale,
     embedding,
+    id_wire,
     memory,
     plan,
     quality,
@@ -47,6 +48,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "dmt-scale": dmt_scale.BENCHMARK,
     "dist": dist_train.BENCHMARK,
     "memory": memory.BENCHMARK,
+    "id-wire": id_wire.BENCHMARK,
 }
 
 
