@@ -268,7 +268,10 @@ class InputDist:
             self.router.route(sharded, wire) if sharded is not None else ([], None, [0] * world)
         )
         replicated_payload = (
-            wire.encode(replicated.lengths().view(-1, batch), replicated.values())
+            wire.encode(
+                replicated.lengths().view(len(self.replicated_features), batch),
+                replicated.values(),
+            )
             if replicated is not None
             else torch.zeros(0, dtype=torch.uint8, device=values.device)
         )
