@@ -2,8 +2,9 @@
 
 For each plan, every rank runs 5 steps on its slice of a global batch while an
 unsharded collection runs the global batch; the pooled outputs must match at
-every step and the weights and optimizer state after the last one. Every plan
-runs the default optimizer, row-wise Adagrad (column splits included: their
+every step and the weights and optimizer state after the last one, with the ids
+deduplicated on the wire (every sharding type, forced even where it saves nothing)
+and not (the mixed plans). Every plan runs the default optimizer, row-wise Adagrad (column splits included: their
 shards combine the row statistic), on both kernels; the mixed plan also runs
 SGD and Adagrad.
 """
@@ -24,6 +25,7 @@ from towerrec.config import load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.distributed.comm import Comm
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
+from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.launch import spawn_world
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
@@ -41,7 +43,11 @@ WIDE_TABLES = [
 ]
 
 
-def _golden(topology, plan, optimizer, backend, weighted, seed, tables=None):
+DEDUP = IdWire(True, where_smaller=False)  # every payload deduplicated, not only smaller ones
+PLAIN = IdWire(False)
+
+
+def _golden(topology, plan, optimizer, backend, weighted, seed, tables=None, wire=None):
     """Max abs differences (outputs, weights, states) between sharded and unsharded."""
     world, rank = topology.world_size, topology.rank
     opt = EmbeddingOptimizerConfig(kind=optimizer, lr=0.1)
@@ -50,7 +56,10 @@ def _golden(topology, plan, optimizer, backend, weighted, seed, tables=None):
     rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
     reference = EmbeddingBagCollection(tables, opt, backend=backend, seed=seed)
     sharded = ShardedEmbeddingBagCollection(
-        EmbeddingBagCollection(tables, opt, backend=backend, seed=seed), plan, Comm(topology)
+        EmbeddingBagCollection(tables, opt, backend=backend, seed=seed),
+        plan,
+        Comm(topology),
+        id_wire=wire,
     )
     out_diff = 0.0
     for step in range(STEPS):
@@ -79,16 +88,19 @@ def _golden(topology, plan, optimizer, backend, weighted, seed, tables=None):
     return out_diff, weight_diff, state_diff
 
 
-def _measured_and_expected_bytes(topology):
-    """Bytes this rank sent in one table-wise step (1 id per bag), measured and by hand."""
+def _measured_and_expected_bytes(topology, wire):
+    """Bytes this rank sent in one table-wise step (1 id per bag, 3 distinct ids per
+    feature), measured and by hand."""
     world, rank, batch = topology.world_size, topology.rank, BATCH
     plan = plan_all(ShardingType.TABLE_WISE, topology, SUM_TABLES)
     comm = Comm(topology)
-    sharded = ShardedEmbeddingBagCollection(EmbeddingBagCollection(SUM_TABLES), plan, comm)
+    sharded = ShardedEmbeddingBagCollection(
+        EmbeddingBagCollection(SUM_TABLES), plan, comm, id_wire=wire
+    )
     features = [f for t in SUM_TABLES for f in t.feature_names]
     owner = {f: plan.tables[t.name].shards[0].rank for t in SUM_TABLES for f in t.feature_names}
     dim = {f: t.embedding_dim for t in SUM_TABLES for f in t.feature_names}
-    ids = torch.arange(len(features) * batch) % 10
+    ids = torch.arange(len(features) * batch) % 3
     kjt = KeyedJaggedTensor(features, ids, torch.ones(len(features) * batch, dtype=torch.int64))
     out = sharded(kjt).values()
     out.backward(torch.ones_like(out))
@@ -96,8 +108,13 @@ def _measured_and_expected_bytes(topology):
     for peer in range(world):
         if peer == rank:
             continue
-        sent = 4 * 8  # the count exchange: 4 int64 per peer
-        sent += sum(2 * batch * 8 for f in features if owner[f] == peer)  # lengths + ids
+        keys = sum(owner[f] == peer for f in features)
+        sent = 5 * 8  # the count exchange: 5 int64 per peer
+        if keys:  # header of 1 + 3 int32 per key, one-byte lengths, ids (< 256) of 1 byte
+            sent += 4 * (1 + 3 * keys) + keys * batch
+            # deduplicated (forced: it saves nothing with one-byte ids): 3 unique ids and a
+            # one-byte index per id; else every id
+            sent += keys * (3 + batch) if wire is DEDUP else keys * batch
         sent += sum(batch * dim[f] * 4 for f in features if owner[f] == rank)  # pooled
         sent += sum(batch * dim[f] * 4 for f in features if owner[f] == peer)  # gradients
         expected["cross" if topology.is_cross_host(peer) else "intra"] += sent
@@ -139,22 +156,30 @@ def _auto_plan(topology):
 def _all_types(topology):
     """Every sharding type and the mixed plan with the default optimizer (row-wise
     Adagrad) on both kernels; the mixed plan also with SGD and Adagrad."""
-    results = {"bytes": _measured_and_expected_bytes(topology)}
+    results = {
+        f"bytes_{name}": _measured_and_expected_bytes(topology, wire)
+        for name, wire in (("default", IdWire()), ("dedup", DEDUP), ("plain", PLAIN))
+    }
     results["rowwise_stat_bytes"] = _rowwise_stat_bytes(topology)
     kinds = list(ShardingType)
     for i, kind in enumerate(kinds):
         plan = plan_all(kind, topology)
         backend = "torch" if i % 2 else "fbgemm"
-        results[kind.value] = _golden(topology, plan, "rowwise_adagrad", backend, i == 2, seed=i)
+        results[kind.value] = _golden(
+            topology, plan, "rowwise_adagrad", backend, i == 2, seed=i, wire=DEDUP
+        )
     for kind in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE):
         plan = plan_all(kind, topology, WIDE_TABLES)
         results[f"{kind.value}_fbgemm"] = _golden(
             topology, plan, "rowwise_adagrad", "fbgemm", False, 9, tables=WIDE_TABLES
         )
     mixed, wide_mixed = plan_mixed(topology), plan_mixed(topology, WIDE_TABLES)
-    results["mixed_rowwise_torch"] = _golden(topology, mixed, "rowwise_adagrad", "torch", True, 6)
+    for name, wire in (("dedup", DEDUP), ("plain", PLAIN)):
+        results[f"mixed_rowwise_torch_{name}"] = _golden(
+            topology, mixed, "rowwise_adagrad", "torch", True, 6, wire=wire
+        )
     results["mixed_rowwise_fbgemm"] = _golden(
-        topology, wide_mixed, "rowwise_adagrad", "fbgemm", False, 10, tables=WIDE_TABLES
+        topology, wide_mixed, "rowwise_adagrad", "fbgemm", False, 10, tables=WIDE_TABLES, wire=PLAIN
     )
     results["auto_plan"] = _auto_plan(topology)
     results["mixed_sgd"] = _golden(topology, mixed, "sgd", "torch", False, 7)
@@ -168,9 +193,10 @@ def test_every_sharding_type_matches_unsharded(world, hosts):
     results = spawn_world(_all_types, world, hosts)
     for rank, per_plan in enumerate(results):
         assert per_plan is not None, f"rank {rank} returned nothing"
-        measured, expected = per_plan.pop("bytes")
-        assert measured == expected, (rank, measured, expected)
-        assert (expected["cross"] > 0) == (hosts > 1)
+        for wire in ("default", "dedup", "plain"):
+            measured, expected = per_plan.pop(f"bytes_{wire}")
+            assert measured == expected, (rank, wire, measured, expected)
+            assert (expected["cross"] > 0) == (hosts > 1)
         measured, expected = per_plan.pop("rowwise_stat_bytes")
         assert measured == expected > 0, (rank, measured, expected)
         for name, (out_diff, weight_diff, state_diff) in per_plan.items():

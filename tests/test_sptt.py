@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from towerrec.config import load_config
 from towerrec.distributed.comm import CommStats
+from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import comm_stats
@@ -50,6 +51,14 @@ CASES = {
     "dot": ("dot", "rowwise_adagrad", "sgd", "column_wise", True, True, [8, 5, 7, 3]),
     "fm": ("fm", "adagrad", "adam", "table_wise", False, False, [6] * 4),
     "replicated": ("dot", "rowwise_adagrad", "adam", "data_parallel", False, False, [4] * 4),
+}
+# Ids on the wire per case: deduplicated in every payload (forced, even where it saves
+# nothing; per-id weights follow their ids), the default, and not deduplicated.
+WIRES = {
+    "identity": IdWire(True, where_smaller=False),
+    "dot": IdWire(True, where_smaller=False),
+    "fm": IdWire(),
+    "replicated": IdWire(False),
 }
 
 
@@ -151,7 +160,9 @@ def _run_case(topology, case, steps, checkpoint_dir):
     rank, world = topology.rank, topology.world_size
     mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
     dlrm, reference, model = _models(case)
-    model = parallelize_towers(model, mesh, sharding=sharding, stats=CommStats())
+    model = parallelize_towers(
+        model, mesh, sharding=sharding, stats=CommStats(), id_wire=WIRES[case]
+    )
     opt_ref, opt = _optimizer(dense_opt, reference), _optimizer(dense_opt, model)
     opt_dlrm = _optimizer(dense_opt, dlrm) if dlrm is not None else None
     lo, hi = sum(batches[:rank]), sum(batches[: rank + 1])
@@ -253,7 +264,7 @@ def test_sptt_matches_single_process(tmp_path):
     (row-wise tables, exact row-wise Adagrad, Adam; and a checkpoint round trip);
     compressing towers (dot with x sent along, per-id weights, unequal local batches,
     column-wise, SGD; fm, table-wise, Adagrad; data-parallel tables inside the host) equal
-    the single-process DMT."""
+    the single-process DMT; ids deduplicated on the wire and not (``WIRES``)."""
     results = spawn_world(_all_cases, 4, 2, str(tmp_path / "ckpt"))
     for rank, per_case in enumerate(results):
         for case, d in per_case.items():

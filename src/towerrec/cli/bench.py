@@ -20,6 +20,7 @@ from towerrec.bench import (
     dmt_scale,
     embedding,
     fsdp,
+    id_wire,
     memory,
     plan,
     predict,
@@ -57,6 +58,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "pu": pu.BENCHMARK,
     "prune-grow": prune_grow.BENCHMARK,
     "fsdp": fsdp.BENCHMARK,
+    "id-wire": id_wire.BENCHMARK,
 }
 
 

@@ -460,6 +460,8 @@ class DistributedConfig:
     # fsdp: free each layer's gathered weights after its forward (gathered again for
     # backward); false keeps them until backward: one all-gather fewer, more memory
     reshard_after_forward: bool = True
+    # ids on the wire: each key's unique ids once plus an inverse index, where smaller
+    dedup_ids: bool = True
 
     def __post_init__(self) -> None:
         _choice(str(self.sharding), tuple(t.value for t in ShardingType), "distributed.sharding")
@@ -475,6 +477,8 @@ class DistributedConfig:
         )
         object.__setattr__(self, "tower_sharding", ShardingType(self.tower_sharding))
         _choice(self.dense, ("ddp", "fsdp"), "distributed.dense")
+        if not isinstance(self.dedup_ids, bool):
+            raise ValueError(f"distributed.dedup_ids must be true or false, got {self.dedup_ids!r}")
 
 
 @dataclass(frozen=True)

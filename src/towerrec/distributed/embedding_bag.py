@@ -38,6 +38,7 @@ import torch
 
 from towerrec.distributed.column_sync import ColumnRowwiseSync
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats, Pending
+from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.input_dist import DistInput, InputDist, Router
 from towerrec.distributed.lookup import (
     ShardView,
@@ -67,6 +68,8 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
     no rank ever holds a full table (data-parallel replicas excepted).
     ``grad_scale`` multiplies the gradients that reach the embeddings
     (``parallelize`` sets 1/world so they match DDP's averaged dense gradients).
+    ``id_wire`` is the encoding of the ids on the wire (``id_wire.py``; default:
+    narrow integer types, deduplicated).
 
     A ``PooledEmbeddingCollection``, a ``FusedEmbeddingCollection`` and a
     ``PrefetchingCollection`` (``modules/interfaces.py``).
@@ -83,6 +86,7 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
         *,
         codecs: CommCodecs | None = None,
         grad_scale: float = 1.0,
+        id_wire: IdWire | None = None,
     ) -> None:
         super().__init__()
         topology = comm.topology
@@ -129,6 +133,7 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
             ebc._rows_per_feature,
             self.id_policy,
             self.device,
+            id_wire,
         )
         self._output = OutputDist(
             self._router,

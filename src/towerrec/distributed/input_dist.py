@@ -4,8 +4,10 @@ local batch.
 For a plan, every model-parallel shard of a table holds one *slot* per feature
 of the table. Rank r sends, to each rank d, a payload for d's slots::
 
-    payload to d = [ lengths of slot 0 [B] | slot 1 [B] | ... | ids of slot 0 | slot 1 | ... ]
-                   (ids shifted to the shard's local rows)
+    payload to d = the lengths [K_d, B] and ids of d's K_d slots, key-major (ids
+                   shifted to the shard's local rows), encoded by ``IdWire``
+                   (``id_wire.py``: narrow integer types, each slot's ids
+                   deduplicated with an inverse index)
 
 and rank d rebuilds one ``KeyedJaggedTensor`` of its slots over the samples of
 every source, source-major inside each key::
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from towerrec.distributed.comm import Comm, Pending
+from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.mesh import Topology
 from towerrec.modules.embedding_bag import IdPolicy, apply_id_policy, check_weighted_pooling
 from towerrec.modules.tables import TableConfig
@@ -126,9 +129,10 @@ class Router:
         return any(s.hierarchical for slots in self.slots for s in slots)
 
     def route(
-        self, features: KeyedJaggedTensor
+        self, features: KeyedJaggedTensor, wire: IdWire
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[int]]:
-        """Per destination rank: int64 payload, float weights (or None), number of ids.
+        """Per destination rank: its slots' lengths and ids encoded by ``wire`` (uint8),
+        float weights (or None), number of ids.
 
         ``features`` holds exactly ``self.features`` in order, ids already in range.
         """
@@ -153,11 +157,15 @@ class Router:
                 )
         payload_weights: list[torch.Tensor] | None
         payloads, payload_weights, num_ids = [], [] if weights is not None else None, []
-        empty = values.new_zeros(0)
         for rank in range(world):
-            parts = slot_lengths[rank] + slot_values[rank]
-            payloads.append(torch.cat(parts) if parts else empty)
-            num_ids.append(sum(x.numel() for x in slot_values[rank]))
+            ids = torch.cat(slot_values[rank]) if slot_values[rank] else values.new_zeros(0)
+            bags = (
+                torch.stack(slot_lengths[rank])
+                if slot_lengths[rank]
+                else lengths.new_zeros(0, batch)
+            )
+            payloads.append(wire.encode(bags, ids))
+            num_ids.append(ids.numel())
             if payload_weights is not None:
                 assert weights is not None  # payload_weights exist only with weights
                 ws = slot_weights[rank]
@@ -166,34 +174,32 @@ class Router:
 
     def assemble(
         self,
+        wire: IdWire,
         received: torch.Tensor,
+        sizes: Sequence[int],
         batches: Sequence[int],
-        num_ids: Sequence[int],
         weights: torch.Tensor | None,
     ) -> KeyedJaggedTensor:
-        """The local batch of this rank's slots from the payloads of every source rank."""
+        """The local batch of this rank's slots from the payloads of every source rank
+        (``sizes[r]`` bytes from rank r)."""
         features = [s.feature for s in self.slots[self.topology.rank]]
-        return assemble(features, received, batches, num_ids, weights)
+        return assemble(features, wire.decode_all(received, sizes, len(features), batches), weights)
 
 
 def assemble(
     keys: Sequence[str],
-    received: torch.Tensor,
-    batches: Sequence[int],
-    num_ids: Sequence[int],
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
     weights: torch.Tensor | None,
 ) -> KeyedJaggedTensor:
-    """One ``KeyedJaggedTensor`` of ``keys`` over the samples of every source, from the
-    payloads of the sources in order: source r sent ``[lengths of key 0 [B_r] | key 1 |
-    ... | ids of key 0 | key 1 | ...]`` (``batches[r] = B_r``, ``num_ids[r]`` ids), and
-    ``weights`` (or None) are the ids' weights in the same order."""
+    """One ``KeyedJaggedTensor`` of ``keys`` over the samples of every source, from what
+    each source sent, in source order: ``parts[r] = (lengths [K, B_r], ids [n_r])`` with
+    the ids key-major (``IdWire.decode``), and ``weights`` (or None) the ids' weights in
+    the same order."""
     k = len(keys)
-    blocks = received.split([k * b + n for b, n in zip(batches, num_ids)])
-    lengths = [block[: k * b].view(k, b) for block, b in zip(blocks, batches)]
-    values = [block[k * b :] for block, b in zip(blocks, batches)]
+    lengths = [ln for ln, _ in parts]
     merged_lengths = torch.cat(lengths, dim=1)  # [K, sum B]
-    flat_values = torch.cat(values)
-    if len(batches) > 1 and k > 1:
+    flat_values = torch.cat([v for _, v in parts])
+    if len(parts) > 1 and k > 1:
         # segments arrive (source, key)-major; the kernel wants (key, source)-major
         seg = torch.stack([ln.sum(dim=1) for ln in lengths])  # [W, K]
         index = segment_permutation(seg)
@@ -219,8 +225,10 @@ class InputDist:
         rows_per_feature: torch.Tensor,
         id_policy: IdPolicy,
         device: torch.device,
+        wire: IdWire | None = None,
     ) -> None:
         self.router, self.comm, self.device = router, comm, device
+        self.wire = wire or IdWire()
         self.tables = list(tables)
         self.feature_names, self.embedding_dims = list(feature_names), list(embedding_dims)
         self.rows_per_feature, self.id_policy = rows_per_feature, id_policy
@@ -255,13 +263,17 @@ class InputDist:
         comm, world, batch = self.comm, self.comm.world_size, features.stride()
         sharded = features.select(self.sharded_features) if self.sharded_features else None
         replicated = features.select(self.replicated_features) if self.replicated_features else None
+        wire = self.wire
         payloads, payload_weights, num_ids = (
-            self.router.route(sharded) if sharded is not None else ([], None, [0] * world)
+            self.router.route(sharded, wire) if sharded is not None else ([], None, [0] * world)
         )
         replicated_payload = (
-            torch.cat([replicated.lengths().long(), replicated.values().long()])
+            wire.encode(
+                replicated.lengths().view(len(self.replicated_features), batch),
+                replicated.values(),
+            )
             if replicated is not None
-            else values.new_zeros(0)
+            else torch.zeros(0, dtype=torch.uint8, device=values.device)
         )
         counts = torch.tensor(
             [
@@ -270,6 +282,7 @@ class InputDist:
                     payloads[r].numel() if payloads else 0,
                     num_ids[r],
                     replicated_payload.numel(),
+                    replicated.values().numel() if replicated is not None else 0,
                 ]
                 for r in range(world)
             ],
@@ -287,9 +300,8 @@ class InputDist:
                 weights = comm.all_to_all_async(
                     torch.cat(payload_weights), num_ids, received[:, 2].tolist(), "input_weights"
                 )
-        lengths = len(self.replicated_features)
         got = received[:, 3].tolist()
-        replicated_ids_of = [g - b * lengths for g, b in zip(got, batches)]
+        replicated_ids_of = received[:, 4].tolist()
         if replicated is not None:
             replicated_ids = comm.all_gather_async(replicated_payload, got, "input_replicated")
             if replicated.weights_or_none() is not None:
@@ -302,17 +314,17 @@ class InputDist:
             local = glob = None
             if ids is not None:
                 local = self.router.assemble(
+                    wire,
                     ids.wait(),
+                    received[:, 1].tolist(),
                     batches,
-                    received[:, 2].tolist(),
                     weights.wait() if weights is not None else None,
                 )
             if replicated_ids is not None:
+                keys = self.replicated_features
                 glob = assemble(
-                    self.replicated_features,
-                    replicated_ids.wait(),
-                    batches,
-                    replicated_ids_of,
+                    keys,
+                    wire.decode_all(replicated_ids.wait(), got, len(keys), batches),
                     replicated_weights.wait() if replicated_weights is not None else None,
                 )
             return DistInput(batch, batches, local, glob, divisor)

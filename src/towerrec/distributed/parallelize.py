@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats, ring_allreduce_hook
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.fsdp import DENSE_LAYOUTS, apply_fsdp, dense_mesh
+from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.mesh import Topology
 from towerrec.modules.embedding_bag import (
     EmbeddingBagCollection,
@@ -91,8 +92,10 @@ def apply_sharding(
     codecs: CommCodecs | None = None,
     stats: CommStats | None = None,
     group: dist.ProcessGroup | None = None,
+    id_wire: IdWire | None = None,
 ) -> nn.Module:
-    """Replace every ``EmbeddingBagCollection`` of ``model`` by its sharded twin (in place)."""
+    """Replace every ``EmbeddingBagCollection`` of ``model`` by its sharded twin (in place);
+    ``id_wire``: how its ids travel (``id_wire.py``)."""
     comm = Comm(topology, group, stats)
     found = [
         (n, m) for n, m in fused_embedding_modules(model) if isinstance(m, EmbeddingBagCollection)
@@ -101,7 +104,12 @@ def apply_sharding(
         raise ValueError("the model has no EmbeddingBagCollection to shard")
     for name, module in found:
         sharded = ShardedEmbeddingBagCollection(
-            module, plan, comm, codecs=codecs, grad_scale=1.0 / topology.world_size
+            module,
+            plan,
+            comm,
+            codecs=codecs,
+            grad_scale=1.0 / topology.world_size,
+            id_wire=id_wire,
         )
         if not name:
             return sharded
@@ -154,6 +162,7 @@ def parallelize(
     dense_stats: CommStats | None = None,
     dense: str = "ddp",
     reshard_after_forward: bool = True,
+    id_wire: IdWire | None = None,
 ) -> nn.Module:
     """Shard the embeddings by ``plan`` and replicate (``dense="ddp"``) or shard
     (``"fsdp"``, ``apply_fsdp`` with ``reshard_after_forward``) the dense layers (module
@@ -162,7 +171,9 @@ def parallelize(
         raise ValueError(f"dense = {dense!r} is not one of {', '.join(map(repr, DENSE_LAYOUTS))}")
     topology = topology_of(mesh)
     group = dist.new_group(backend=dist.get_backend()) if topology.world_size > 1 else None
-    model = apply_sharding(model, topology, plan, codecs=codecs, stats=CommStats(), group=group)
+    model = apply_sharding(
+        model, topology, plan, codecs=codecs, stats=CommStats(), group=group, id_wire=id_wire
+    )
     if dense == "fsdp" and topology.world_size > 1:
         return apply_fsdp(model, dense_mesh(mesh), reshard_after_forward=reshard_after_forward)
     return apply_ddp(model, topology, dense_stats)

@@ -6,7 +6,8 @@
       dense ─► bottom MLP ─► x [B, D] ─────────────────────────────────────────────┐
       sparse KJT (all features)                                                     │
         │ split by tower: tower t's features ─► peer (t, l)                         │
-        ▼ (a) peer all-to-all across hosts, rank l <-> rank l only (lengths + ids)  │
+        ▼ (a) peer all-to-all across hosts, rank l <-> rank l only (lengths + ids,  │
+        │     narrow types, deduplicated: id_wire.py)                               │
     rank (t, l): tower t's features of the peer batch P = sum_h B_{h,l}             │
         ▼ (b) host-local sharded lookup of tower t's tables (row-wise, ... inside   │
         │     host t: ShardedEmbeddingBagCollection on the host's L ranks)          │
@@ -48,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from towerrec.distributed.comm import Comm, CommCodecs, CommStats
 from towerrec.distributed.embedding_bag import ScaleGrad, ShardedEmbeddingBagCollection
 from towerrec.distributed.fsdp import apply_fsdp, dense_mesh
+from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.input_dist import assemble
 from towerrec.distributed.lookup import copy_tables
 from towerrec.distributed.mesh import Topology
@@ -120,9 +122,11 @@ class TowerParallelDMT(nn.Module):
         sparse: ShardedEmbeddingBagCollection,
         peer: Comm,
         codecs: CommCodecs,
+        wire: IdWire | None = None,
     ) -> None:
         super().__init__()
         self.topology, self.peer, self.codecs = topology, peer, codecs
+        self.wire = wire or IdWire()
         self.tower_index = topology.host
         self.partition = [list(g) for g in model.partition]
         self.embedding_dim = model.embedding_dim
@@ -166,7 +170,7 @@ class TowerParallelDMT(nn.Module):
         payloads, id_weights, num_ids = [], [], []
         for group in self.partition:
             part = features.select(group)
-            payloads.append(torch.cat([part.lengths().long(), part.values().long()]))
+            payloads.append(self.wire.encode(part.lengths().view(len(group), batch), part.values()))
             num_ids.append(part.values().numel())
             if weights is not None:
                 id_weights.append(part.weights())
@@ -201,11 +205,10 @@ class TowerParallelDMT(nn.Module):
                 flat, [batch * dim] * hosts, [b * dim for b in batches], "tower_dense", self.codecs
             )
             x_peer = _scale_grad(got.view(-1, dim), float(hosts))
+        keys = self.partition[self.tower_index]
         local = assemble(
-            self.partition[self.tower_index],
-            pending.wait(),
-            batches,
-            received[:, 2].tolist(),
+            keys,
+            self.wire.decode_all(pending.wait(), sizes, len(keys), batches),
             got_weights.wait() if got_weights is not None else None,
         )
         return local, x_peer, batches
@@ -288,6 +291,7 @@ def parallelize_towers(
     stats: CommStats | None = None,
     dense_stats: CommStats | None = None,
     dense: str = "ddp",
+    id_wire: IdWire | None = None,
 ) -> TowerParallelDMT:
     """Apply SPTT to ``model`` (identical on every rank) on the (host, local) ``mesh``.
 
@@ -295,6 +299,8 @@ def parallelize_towers(
     ``TOWER_SHARDINGS``); weights and optimizer state are copied from ``model``
     (or, when its collection is not materialized, the shards initialise themselves).
     ``dense``: the bottom, top and tower replicated (``"ddp"``) or sharded (``"fsdp"``).
+    ``codecs`` encode the tower outputs, x and their gradients on the wire, and the host
+    lookup's pooled rows; ``id_wire`` the ids of the peer and host all-to-alls.
     """
     topology = topology_of(mesh)
     check_towers(model, topology)
@@ -323,9 +329,10 @@ def parallelize_towers(
         host,
         codecs=codecs,
         grad_scale=1.0 / per_host,
+        id_wire=id_wire,
         total_embedding_parameters=ebc.num_embedding_parameters,
     )
-    parallel = TowerParallelDMT(model, topology, sparse, peer, codecs)
+    parallel = TowerParallelDMT(model, topology, sparse, peer, codecs, id_wire)
     if topology.world_size > 1 and dense == "fsdp":
         # Bottom and top sharded over every rank, the tower over its host's ranks; each
         # of them is its own FSDP root (TowerParallelDMT's forward is not one module's).

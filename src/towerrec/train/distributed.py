@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from towerrec.config import Config
 from towerrec.distributed.block_exchange import GroupExchange
 from towerrec.distributed.comm import CommCodecs, CommStats
+from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, rebuild_ddp, uniform_plan
 from towerrec.distributed.towers import TowerParallelDMT, parallelize_towers
@@ -128,6 +129,7 @@ class RunContext:
             dense_stats=self.dense_stats,
             dense=settings.dense,
             reshard_after_forward=settings.reshard_after_forward,
+            id_wire=IdWire(settings.dedup_ids),
         )
 
     def block_exchange(self, model: nn.Module) -> tuple[GroupExchange | None, list[nn.Parameter]]:
@@ -166,6 +168,7 @@ class RunContext:
             codecs=codecs,
             dense_stats=self.dense_stats,
             dense=settings.dense,
+            id_wire=IdWire(settings.dedup_ids),
         )
         if self.is_main:
             log.info(
