@@ -22,6 +22,8 @@ from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
+from towerrec.optim.dance import DanceSettings
+from towerrec.optim.pb_lbfgs import PBLBFGSSettings
 from towerrec.optim.shampoo import ShampooSettings
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
@@ -243,9 +245,20 @@ class OptimizerConfig:
     plateau_factor: float = 0.5
     plateau_patience: int = 2
     shampoo: ShampooSettings = field(default_factory=ShampooSettings)  # name = "shampoo"
+    # name = "pb_lbfgs" | "dance": methods that draw their own (growing) samples
+    # (optim/pb_lbfgs.py, optim/dance.py); the schedule's factor scales their steps
+    pb_lbfgs: PBLBFGSSettings = field(default_factory=PBLBFGSSettings)
+    dance: DanceSettings = field(default_factory=DanceSettings)
+
+    @property
+    def draws_samples(self) -> bool:
+        """Whether the dense optimizer draws its own samples (``SampledOptimizer``)."""
+        return self.name in ("pb_lbfgs", "dance")
 
     def __post_init__(self) -> None:
-        _choice(self.name, ("adam", "adagrad", "sgd", "shampoo"), "optimizer.name")
+        _choice(
+            self.name, ("adam", "adagrad", "sgd", "shampoo", "pb_lbfgs", "dance"), "optimizer.name"
+        )
         _choice(self.decay, ("none", "linear", "cosine", "plateau"), "optimizer.decay")
         if not 0 < self.plateau_factor < 1:
             raise ValueError(

@@ -146,10 +146,13 @@ def parallelize(
     *,
     codecs: CommCodecs | None = None,
     dense_stats: CommStats | None = None,
+    replicate_dense: bool = True,
 ) -> nn.Module:
     """Shard the embeddings by ``plan`` and replicate the dense layers (module doc);
-    ``dense_stats`` counts the dense gradient all-reduces' bytes."""
+    ``dense_stats`` counts the dense gradient all-reduces' bytes. ``replicate_dense =
+    False`` leaves the dense layers without DDP, for a dense optimizer that sums its
+    ranks' gradients itself (``optim/pb_lbfgs.py``, ``optim/dance.py``)."""
     topology = topology_of(mesh)
     group = dist.new_group(backend=dist.get_backend()) if topology.world_size > 1 else None
     model = apply_sharding(model, topology, plan, codecs=codecs, stats=CommStats(), group=group)
-    return apply_ddp(model, topology, dense_stats)
+    return apply_ddp(model, topology, dense_stats) if replicate_dense else model

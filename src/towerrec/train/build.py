@@ -6,6 +6,7 @@ import math
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from towerrec.config import Config, DataConfig, OptimizerConfig
@@ -15,6 +16,7 @@ from towerrec.data.loader import ColumnSource
 from towerrec.data.movielens import bundled_movielens_path, load_movielens
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.distributed.mesh import Topology
+from towerrec.distributed.sum_reduce import GroupReducer
 from towerrec.models.dcn import DCN
 from towerrec.models.dlrm import DLRM
 from towerrec.models.dmt import DMT, check_partition
@@ -23,6 +25,8 @@ from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.embedding_bag import dense_parameters
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.tables import TableConfig
+from towerrec.optim.dance import Dance
+from towerrec.optim.pb_lbfgs import ProgressiveBatchLBFGS
 from towerrec.optim.shampoo import Shampoo
 from towerrec.planner.towers import (
     FeatureStats,
@@ -220,6 +224,14 @@ def build_dense_optimizer(config: OptimizerConfig, model: nn.Module) -> torch.op
         return Shampoo(
             params, lr=config.lr, settings=config.shampoo, weight_decay=config.weight_decay
         )
+    if config.draws_samples:  # the optimizer sums its evaluations over the ranks itself
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        reducer = GroupReducer() if distributed else None
+        if config.name == "pb_lbfgs":
+            return ProgressiveBatchLBFGS(
+                params, lr=config.lr, settings=config.pb_lbfgs, reducer=reducer
+            )
+        return Dance(params, lr=config.lr, settings=config.dance, reducer=reducer)
     if config.name == "adagrad":
         return torch.optim.Adagrad(
             params, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None

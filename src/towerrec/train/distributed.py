@@ -91,6 +91,12 @@ class RunContext:
             return model
         settings = config.distributed
         if config.model.name == "dmt" and self.topology.hosts > 1:
+            if config.optimizer.draws_samples:
+                raise ValueError(
+                    f"optimizer.name = {config.optimizer.name!r} is not supported under the "
+                    "tower transform (a DMT on several hosts); use adam, adagrad, sgd or "
+                    "shampoo, or run on one host"
+                )
             return self._parallelize_towers(model, config)
         if config.plan.hosts not in (1, self.topology.hosts):
             log.warning(
@@ -118,7 +124,14 @@ class RunContext:
             log.info("plan.strategy = %s: %s", config.plan.strategy, dict(kinds))
         codecs = CommCodecs(settings.forward_codec, settings.backward_codec)  # type: ignore[arg-type]  # parsed in __post_init__
         assert self.mesh is not None  # set for every distributed run
-        return parallelize(model, self.mesh, plan, codecs=codecs, dense_stats=self.dense_stats)
+        return parallelize(
+            model,
+            self.mesh,
+            plan,
+            codecs=codecs,
+            dense_stats=self.dense_stats,
+            replicate_dense=not config.optimizer.draws_samples,
+        )
 
     def _parallelize_towers(self, model: nn.Module, config: Config) -> nn.Module:
         """A DMT on several hosts: the tower transform, tower t on host t

@@ -22,9 +22,11 @@ from tqdm import tqdm
 
 from towerrec.config import Config
 from towerrec.data.batch import Batch
+from towerrec.optim.sampled import SampledOptimizer
 from towerrec.train.build import lr_factor
 from towerrec.train.metrics import EvalMetrics
 from towerrec.train.pipeline import pipelined
+from towerrec.train.sampled import BatchSamples, sampled_train_step
 from towerrec.train.session import Session, set_up
 from towerrec.train.step import evaluate, set_learning_rates, train_step
 from towerrec.train.summary import run_summary, warn_worse_than_base_rate
@@ -139,7 +141,16 @@ def _loop(
         s.source, ctx.local_batch(cfg.batch_size), state["step"], s.device, ctx.rank, ctx.world_size
     )
     if s.config.distributed.pipeline:
+        if s.config.optimizer.draws_samples:
+            raise ValueError(
+                f"distributed.pipeline prefetches one batch per step; optimizer.name = "
+                f"{s.config.optimizer.name!r} draws its own: set distributed.pipeline = false"
+            )
         batches = pipelined(model, batches)
+    samples = None  # the stream as chunks, for an optimizer that draws its own samples
+    if isinstance(s.optimizer, SampledOptimizer):
+        params = [p for group in s.optimizer.param_groups for p in group["params"]]
+        samples = BatchSamples(model, params, batches, amp_dtype)
     last_eval: EvalMetrics | None = None
     loss_sum, loss_count = torch.zeros((), device=s.device), 0
     window_start, window_samples = time.perf_counter(), 0
@@ -159,14 +170,20 @@ def _loop(
             factor = lr_factor(s.config.optimizer, step, s.steps) * stopper.lr_scale
             set_learning_rates(model, s.optimizer, s.config, factor)
             tick = time.perf_counter()
-            batch = next(batches)
             before = ctx.comm_snapshot(model)
-            loss_sum += train_step(model, s.optimizer, batch, amp_dtype)
+            if samples is not None:
+                assert isinstance(s.optimizer, SampledOptimizer)
+                loss, rows, report = sampled_train_step(s.optimizer, samples)
+                run.log({"kind": "optimizer", "step": step, **report})
+            else:
+                batch = next(batches)
+                loss, rows = train_step(model, s.optimizer, batch, amp_dtype), batch.size
+            loss_sum += loss.to(loss_sum.device)
             ctx.count_train_bytes(model, before)
             loss_count += 1
             state["train_s"] += time.perf_counter() - tick
-            state["samples"] += batch.size * ctx.world_size
-            window_samples += batch.size * ctx.world_size
+            state["samples"] += rows * ctx.world_size
+            window_samples += rows * ctx.world_size
             bar.update(1)
 
             if step % cfg.log_every == 0 or step == s.steps:
