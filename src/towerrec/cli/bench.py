@@ -21,6 +21,7 @@ from towerrec.bench import (
     embedding,
     memory,
     plan,
+    qnewton,
     quality,
     towers,
     train,
@@ -47,6 +48,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "dmt-scale": dmt_scale.BENCHMARK,
     "dist": dist_train.BENCHMARK,
     "memory": memory.BENCHMARK,
+    "qnewton": qnewton.BENCHMARK,
 }
 
 
