@@ -3,6 +3,7 @@ settings' errors, and training runs (with PB-L-BFGS on 2 ranks too) through the
 command line."""
 
 import json
+from itertools import pairwise
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def _iterates(topology=None, iterations=12):
 def test_stages_grow_the_sample_to_the_data_set_and_report_their_work():
     points, reports, stages = _iterates()
     samples = [r["stage_samples"] for r in reports]
-    assert all(a <= b for a, b in zip(samples, samples[1:], strict=False))
+    assert all(a <= b for a, b in pairwise(samples))
     assert samples[0] == CHUNK and samples[-1] == ROWS  # 1 chunk, then all 31
     assert [s["samples"] for s in stages] == [100, 200, 400, 800, 1600][: len(stages)]
     for report in reports:  # a switch happens only once the stage's accuracy is reached
