@@ -138,7 +138,7 @@ class Dance(torch.optim.Optimizer):
         self.counters = dict.fromkeys(("grad_samples", "hvp_samples", "fresh_samples"), 0.0)
         self.stages: list[dict[str, float]] = []  # one record per finished stage
 
-    def step(self, closure=None):  # type: ignore[override]  # draws its own samples
+    def step(self, closure=None):  # draws its own samples: no closure step
         raise TypeError(
             "Dance draws its own samples: call iterate(samples) with a SampleSet "
             "(towerrec train does)"

@@ -169,7 +169,7 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         )
         self.iteration = 0
 
-    def step(self, closure=None):  # type: ignore[override]  # draws its own samples
+    def step(self, closure=None):  # draws its own samples: no closure step
         raise TypeError(
             "ProgressiveBatchLBFGS draws its own samples: call iterate(samples) with a "
             "SampleSet (towerrec train does)"
@@ -226,7 +226,7 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
 
         direction = -two_loop(grad, self._s, self._y)
         if float(torch.dot(grad, direction)) >= 0:
-            self._s.clear(), self._y.clear()
+            self._forget()
             direction = -grad
         factor = self.param_groups[0]["lr"] / self.base_lr
         alpha = factor / (1 + stats.gradient * f / norm2)
@@ -238,7 +238,7 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         except LineSearchError:
             if not self._s:
                 raise
-            self._s.clear(), self._y.clear()  # retry once along -g
+            self._forget()  # retry once along -g
             alpha, tries = self._line_search(samples, chunks, w, -grad, grad, reference, alpha)
             tries += s.max_backtracks
 
@@ -249,6 +249,10 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         samples.release(chunks[:-keep])
         self._chunks, self._overlap = overlap, keep
         return self._report(loss, n, alpha, tries, skipped)
+
+    def _forget(self) -> None:
+        self._s.clear()
+        self._y.clear()
 
     def _update_pairs(self, w: torch.Tensor, ev: ChunkEvaluation) -> bool:
         """Add the curvature pair of the last step (module doc); whether it was skipped."""
@@ -266,7 +270,7 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         self._s.append(step)
         self._y.append(y)
         if len(self._s) > self.settings.history:
-            self._s.pop(0), self._y.pop(0)
+            del self._s[0], self._y[0]
         return False
 
     def _loss(self, samples: SampleSet, chunks: Sequence[int]) -> float:
