@@ -172,3 +172,25 @@ def test_towerrec_train_logs_batch_size_step_and_skipped_pairs(tmp_path, config,
         assert r["step_length"] > 0 and r["pair_skipped"] in (0, 1)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["completed"]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_with_a_new_history(tmp_path):
+    from towerrec.train import trainer
+
+    overrides = [
+        "optimizer.name=pb_lbfgs",
+        "optimizer.warmup_steps=0",
+        "optimizer.decay=none",
+        "train.progress=false",
+        "train.batch_size=256",
+        "data.synthetic.num_dense=4",
+        "train.checkpoint_every=2",
+    ]
+    trainer.train(load_config(None, [*overrides, "train.steps=2"]), tmp_path)
+    summary = trainer.train(load_config(None, [*overrides, "train.steps=3"]), tmp_path, resume=True)
+    assert summary["completed"]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    steps = [r for r in records if r["kind"] == "optimizer"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps[1]["pairs"] == 1 and steps[2]["pairs"] == 0  # history not in the checkpoint

@@ -137,6 +137,10 @@ class Dance(torch.optim.Optimizer):
         self.cg_in_stage = 0
         self.counters = dict.fromkeys(("grad_samples", "hvp_samples", "fresh_samples"), 0.0)
         self.stages: list[dict[str, float]] = []  # one record per finished stage
+        # A state entry up front: checkpoint loaders fill existing entries (and would
+        # otherwise call step() to create some). History and sample are not saved.
+        for p in self.params:
+            self.state[p]["iterations"] = torch.zeros((), dtype=torch.int64)
 
     def step(self, closure=None):  # draws its own samples: no closure step
         raise TypeError(
@@ -195,6 +199,8 @@ class Dance(torch.optim.Optimizer):
         decrement = math.sqrt(max(float(torch.dot(v, grad - residual)), 0.0))
         set_flat_parameters(self.params, w - v / (1 + decrement))
         self.newton_in_stage += 1
+        for p in self.params:
+            self.state[p]["iterations"] += 1
         self.cg_in_stage += cg
         loss = float(loss_sum / n) + 0.5 * lam * float(torch.dot(w, w))
         return {

@@ -168,6 +168,10 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
             ("grad_samples", "loss_samples", "fresh_samples", "pairs_skipped"), 0.0
         )
         self.iteration = 0
+        # A state entry up front: checkpoint loaders fill existing entries (and would
+        # otherwise call step() to create some). History and sample are not saved.
+        for p in self.params:
+            self.state[p]["iterations"] = torch.zeros((), dtype=torch.int64)
 
     def step(self, closure=None):  # draws its own samples: no closure step
         raise TypeError(
@@ -197,6 +201,8 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         """One iteration (module doc); its report for metrics.jsonl."""
         s = self.settings
         self.iteration += 1
+        for p in self.params:
+            self.state[p]["iterations"] += 1
         fresh = samples.draw(self._size - len(self._chunks))
         chunks = self._chunks + fresh
         ev = self._evaluate(samples, chunks, grad=True)
