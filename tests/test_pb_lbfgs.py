@@ -194,3 +194,56 @@ def test_a_resumed_run_continues_with_a_new_history(tmp_path):
     steps = [r for r in records if r["kind"] == "optimizer"]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert steps[1]["pairs"] == 1 and steps[2]["pairs"] == 0  # history not in the checkpoint
+
+
+def test_the_batch_pipeline_is_refused_with_the_fix(tmp_path):
+    from towerrec.train import trainer
+
+    config = load_config(
+        None,
+        [
+            "optimizer.name=pb_lbfgs",
+            "distributed.pipeline=true",
+            "train.steps=1",
+            "train.progress=false",
+            "train.batch_size=64",
+        ],
+    )
+    with pytest.raises(ValueError, match=r"set distributed\.pipeline = false"):
+        trainer.train(config, tmp_path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_criteo_format_cache_on_2_ranks_follows_one_process(tmp_path):
+    from towerrec.data.criteo import CriteoOptions, preprocess_criteo
+    from towerrec.data.criteo_gen import generate_criteo_files
+    from towerrec.train import trainer
+
+    days = generate_criteo_files(tmp_path / "raw", files=2, rows_per_file=801, seed=3)
+    cache = tmp_path / "cache"
+    options = CriteoOptions(num_embeddings=(500,), eval_files=("day_1",))
+    preprocess_criteo(days, cache, options, progress=False)
+    overrides = [
+        "data.source=criteo",
+        f"data.path={cache}",
+        "optimizer.name=pb_lbfgs",
+        "optimizer.warmup_steps=0",
+        "optimizer.decay=none",
+        "model.embedding_dim=8",
+        "model.bottom_mlp=[16, 8]",
+        "model.top_mlp=[16, 1]",
+        "train.batch_size=128",
+        "train.steps=4",
+        "train.progress=false",
+    ]
+    sets = [x for s in overrides for x in ("--set", s)]
+    result = run_cli(
+        "train", "--nproc", "2", "--out", str(tmp_path / "two"), *sets, OMP_NUM_THREADS="1"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    one = trainer.train(load_config(None, overrides), tmp_path / "one")
+    assert two["eval_samples"] == one["eval_samples"] == 801  # uneven over 2 ranks
+    assert abs(two["auc"] - one["auc"]) < 1e-3
+    assert abs(two["logloss"] - one["logloss"]) < 1e-3

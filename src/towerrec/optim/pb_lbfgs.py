@@ -237,8 +237,6 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         factor = self.param_groups[0]["lr"] / self.base_lr
         alpha = factor / (1 + stats.gradient * f / norm2)
         reference = loss
-        if samples.moves_on_first_visit and fresh:  # the embeddings moved: F_S(w_k) again
-            reference = self._loss(samples, chunks)
         try:
             alpha, tries = self._line_search(samples, chunks, w, direction, grad, reference, alpha)
         except LineSearchError:

@@ -57,12 +57,6 @@ class SampleSet(Protocol):
         """Chunks in the whole data set (a finite sum); None for an endless stream."""
         ...
 
-    @property
-    def moves_on_first_visit(self) -> bool:
-        """Whether a chunk's first gradient evaluation also changes parameters the
-        optimizer does not own (the embedding rows, updated by their fused optimizer)."""
-        ...
-
     def draw(self, count: int) -> list[int]: ...
 
     def evaluate(self, chunks: Sequence[int], grad: bool) -> ChunkEvaluation: ...
@@ -153,10 +147,6 @@ class TensorSamples:
     @property
     def total_chunks(self) -> int:
         return -(-self.rows // self.chunk_size)
-
-    @property
-    def moves_on_first_visit(self) -> bool:
-        return False
 
     def draw(self, count: int) -> list[int]:
         ids = list(range(self._next, self._next + count))

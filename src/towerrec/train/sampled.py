@@ -4,12 +4,15 @@ optimizers that draw their own samples (``optimizer.name = "pb_lbfgs" | "dance"`
 A chunk is one global batch of ``train.batch_size`` (this rank holds its slice), drawn
 from the loader in order and kept in memory until the optimizer releases it. What
 the embeddings see: their fused optimizer updates the looked-up rows inside backward,
-so only one evaluation of a chunk runs the whole backward, its first gradient
-evaluation (the rows move once per batch drawn, as in ordinary training). Every
-other evaluation leaves the rows as they are: line-search trials are forwards under
-``no_grad``; repeated gradients (an overlap, a stage's accumulated sample) and
-Hessian-vector products are ``torch.autograd.grad`` with respect to the dense
-parameters only, which never runs the embedding backward. Dropout makes repeated
+so the whole backward runs once per chunk, at its first gradient evaluation, before
+anything else is computed on it (the rows move once per batch drawn, as in ordinary
+training; that pass's dense gradient is discarded). Every evaluation then leaves the
+rows as they are: dense gradients (a chunk's first, an overlap, a stage's
+accumulated sample) and Hessian-vector products are ``torch.autograd.grad`` with
+respect to the dense parameters only, which never runs the embedding backward, and
+line-search trials are forwards under ``no_grad``. So every loss and gradient an
+iteration compares sees the same embeddings, at the cost of one extra forward and
+backward per batch drawn. Dropout makes repeated
 evaluations of one batch disagree: use ``model.dropout = 0`` with these optimizers.
 
 The dense parameters are not replicated with DDP here: the optimizer sums each
@@ -32,7 +35,8 @@ __all__ = ["BatchSamples", "sampled_train_step"]
 
 
 class BatchSamples:
-    """The training batches as chunks (module doc); ``rows_drawn``: this rank's rows."""
+    """The training batches as chunks (module doc); ``rows_drawn``: this rank's rows;
+    ``total_chunks``: the global batches of one pass over a finite data set."""
 
     def __init__(
         self,
@@ -40,8 +44,10 @@ class BatchSamples:
         params: Sequence[torch.nn.Parameter],
         batches: Iterator[Batch],
         autocast_dtype: torch.dtype | None = None,
+        total_chunks: int | None = None,
     ) -> None:
         self.model, self.params, self.batches = model, list(params), batches
+        self._total = total_chunks
         self.autocast_dtype = autocast_dtype
         self._cache: dict[int, Batch] = {}
         self._fresh: set[int] = set()
@@ -49,12 +55,10 @@ class BatchSamples:
         self.rows_drawn = 0
 
     @property
-    def total_chunks(self) -> None:
-        return None  # the loader's stream: each pass reshuffles, chunks never repeat
-
-    @property
-    def moves_on_first_visit(self) -> bool:
-        return True
+    def total_chunks(self) -> int | None:
+        """The batches of one pass over the training rows (None: an endless stream): no
+        sample grows beyond one pass."""
+        return self._total
 
     def draw(self, count: int) -> list[int]:
         ids = list(range(self._next, self._next + count))
@@ -81,15 +85,13 @@ class BatchSamples:
                 with torch.no_grad():
                     losses.append(self._loss(batch) * batch.size)
                 continue
-            loss = self._loss(batch)
-            if chunk in self._fresh:  # the whole backward: the embedding rows move here
+            if chunk in self._fresh:  # the whole backward once: the embedding rows move
                 self._fresh.discard(chunk)
-                for p in self.params:
+                self._loss(batch).backward()
+                for p in self.params:  # the dense gradient is taken below, at the moved rows
                     p.grad = None
-                loss.backward()
-                parts = [p.grad for p in self.params]
-            else:
-                parts = list(torch.autograd.grad(loss, self.params, allow_unused=True))
+            loss = self._loss(batch)
+            parts = list(torch.autograd.grad(loss, self.params, allow_unused=True))
             flat = torch.cat(
                 [
                     (g if g is not None else torch.zeros_like(p)).reshape(-1)

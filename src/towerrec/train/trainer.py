@@ -150,7 +150,9 @@ def _loop(
     samples = None  # the stream as chunks, for an optimizer that draws its own samples
     if isinstance(s.optimizer, SampledOptimizer):
         params = [p for group in s.optimizer.param_groups for p in group["params"]]
-        samples = BatchSamples(model, params, batches, amp_dtype)
+        rows = s.source.train_rows
+        epoch = -(-rows // cfg.batch_size) if rows else None  # no sample beyond one pass
+        samples = BatchSamples(model, params, batches, amp_dtype, epoch)
     last_eval: EvalMetrics | None = None
     loss_sum, loss_count = torch.zeros((), device=s.device), 0
     window_start, window_samples = time.perf_counter(), 0
