@@ -193,7 +193,8 @@ def test_a_resumed_run_continues_with_a_new_history(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     steps = [r for r in records if r["kind"] == "optimizer"]
     assert [r["step"] for r in steps] == [1, 2, 3]
-    assert steps[1]["pairs"] == 1 and steps[2]["pairs"] == 0  # history not in the checkpoint
+    assert steps[1]["pairs"] + steps[1]["pair_skipped"] == 1  # a pair kept or skipped
+    assert steps[2]["pairs"] == steps[2]["pair_skipped"] == 0  # no history in the checkpoint
 
 
 def test_the_batch_pipeline_is_refused_with_the_fix(tmp_path):

@@ -27,7 +27,10 @@ b_c its samples, n = sum b_c, g = sum g_c / n the sample gradient, m_c = g_c / b
 ``decay = "none"`` and no warm-up). A line search that fails ``max_backtracks`` times
 is retried once along -g with an empty history; a second failure raises
 ``LineSearchError``. The overlap's gradient at w_k is already part of S_k's
-evaluation and at w_{k+1} part of S_{k+1}'s, so the pairs cost no extra gradients.
+evaluation and at w_{k+1} part of S_{k+1}'s, so the pairs cost no extra gradients,
+unless drawing fresh chunks moves other parameters (in training: the embedding
+rows); then the overlap's gradient at w_k is taken again at the current rows (|O|
+more gradient samples), so that y sees the dense step only.
 """
 
 from __future__ import annotations
@@ -212,7 +215,7 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         loss = float(ev.losses.sum() / n)
         self.counters["fresh_samples"] += float(ev.counts[len(self._chunks) :].sum())
         w = flat_parameters(self.params)
-        skipped = self._update_pairs(w, ev)
+        skipped = self._update_pairs(samples, chunks, w, ev)
         self.counters["pairs_skipped"] += float(skipped)
         stats = sample_statistics(ev, grad)
         norm2 = float(torch.dot(grad, grad))
@@ -258,13 +261,23 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         self._s.clear()
         self._y.clear()
 
-    def _update_pairs(self, w: torch.Tensor, ev: ChunkEvaluation) -> bool:
-        """Add the curvature pair of the last step (module doc); whether it was skipped."""
+    def _update_pairs(
+        self, samples: SampleSet, chunks: Sequence[int], w: torch.Tensor, ev: ChunkEvaluation
+    ) -> bool:
+        """Add the curvature pair of the last step (module doc); whether it was skipped.
+        When the samples moved other parameters (embedding rows) since the overlap's
+        gradient at w_{k-1} was taken, it is taken again, so y sees the dense step only."""
         if self._prev is None:
             return False
         assert ev.grads is not None
         w_prev, g_prev = self._prev
         k = self._overlap
+        if samples.moves_other_parameters:
+            set_flat_parameters(self.params, w_prev)
+            again = self._evaluate(samples, chunks[:k], grad=True)
+            set_flat_parameters(self.params, w)
+            assert again.grads is not None
+            g_prev = again.grads.sum(0) / again.counts.sum()
         y = ev.grads[:k].sum(0) / ev.counts[:k].sum() - g_prev
         step = w - w_prev
         if float(torch.dot(step, y)) <= self.settings.curvature_epsilon * float(

@@ -57,6 +57,13 @@ class SampleSet(Protocol):
         """Chunks in the whole data set (a finite sum); None for an endless stream."""
         ...
 
+    @property
+    def moves_other_parameters(self) -> bool:
+        """Whether drawing and evaluating fresh chunks changes parameters the optimizer
+        does not own (embedding rows moved by their fused optimizer), so that an earlier
+        evaluation at the same dense point no longer holds."""
+        ...
+
     def draw(self, count: int) -> list[int]: ...
 
     def evaluate(self, chunks: Sequence[int], grad: bool) -> ChunkEvaluation: ...
@@ -147,6 +154,10 @@ class TensorSamples:
     @property
     def total_chunks(self) -> int:
         return -(-self.rows // self.chunk_size)
+
+    @property
+    def moves_other_parameters(self) -> bool:
+        return False
 
     def draw(self, count: int) -> list[int]:
         ids = list(range(self._next, self._next + count))

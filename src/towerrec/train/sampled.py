@@ -60,6 +60,10 @@ class BatchSamples:
         sample grows beyond one pass."""
         return self._total
 
+    @property
+    def moves_other_parameters(self) -> bool:
+        return True  # the embedding rows
+
     def draw(self, count: int) -> list[int]:
         ids = list(range(self._next, self._next + count))
         for i in ids:
