@@ -82,6 +82,13 @@ class BatchSamples:
 
     def evaluate(self, chunks: Sequence[int], grad: bool) -> ChunkEvaluation:
         losses, counts, grads = [], [], []
+        # First the whole backward of every fresh chunk (the embedding rows move), then
+        # every loss and gradient, all at the same rows.
+        for chunk in [c for c in chunks if c in self._fresh] if grad else []:
+            self._fresh.discard(chunk)
+            self._loss(self._cache[chunk]).backward()
+        for p in self.params:  # that backward's dense gradients are not used
+            p.grad = None
         for chunk in chunks:
             batch = self._cache[chunk]
             counts.append(batch.size)
@@ -89,11 +96,6 @@ class BatchSamples:
                 with torch.no_grad():
                     losses.append(self._loss(batch) * batch.size)
                 continue
-            if chunk in self._fresh:  # the whole backward once: the embedding rows move
-                self._fresh.discard(chunk)
-                self._loss(batch).backward()
-                for p in self.params:  # the dense gradient is taken below, at the moved rows
-                    p.grad = None
             loss = self._loss(batch)
             parts = list(torch.autograd.grad(loss, self.params, allow_unused=True))
             flat = torch.cat(
