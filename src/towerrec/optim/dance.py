@@ -11,8 +11,9 @@ samples and the regularized empirical risk::
 One iteration (one ``iterate``) is one damped Newton step on R_n::
 
     g       = grad R_n(w)                      one evaluation of S_t (one all-reduce)
-    switch  if ||g|| <= sqrt(2 c) V_n           R_n(w) is within V_n of its minimum:
-            (stage rule)                        S_{t+1} = S_t plus fresh chunks up to
+    switch  if ||g|| <= sqrt(2 c) V_n           R_n(w) is within V_n of its minimum
+            (stage rule; or after               (or the stage is capped):
+            stage_iterations steps)             S_{t+1} = S_t plus fresh chunks up to
                                                 growth * |S_t| (capped), warm-started at w;
                                                 only the fresh chunks are evaluated
     v       ~ (grad^2 R_n(w))^(-1) g            conjugate gradient from 0, at most
@@ -24,7 +25,11 @@ One iteration (one ``iterate``) is one damped Newton step on R_n::
     w      <- w - v / (1 + delta)
 
 CG stops at a direction of non-positive curvature (a non-convex model): the
-iterate so far is used (or g itself when that is the first direction).
+iterate so far is used (or g itself when that is the first direction). A
+safeguard the paper (convex losses) does not need: a step that does not lower
+R_n on the stage's sample is halved, at most ``max_halvings`` times (one forward
+pass of the sample each), after which the point stays; ``max_halvings = 0`` takes
+the plain damped step.
 Each process evaluates its share of every chunk, so the ranks add their sums and
 take the same steps. Reported: the stage, its samples, its Newton and CG
 iterations, and the data passes so far ((gradient + Hessian-vector samples) /
@@ -62,6 +67,8 @@ class DanceSettings:
     accuracy_exponent: float = 0.5  # V_n = n^-s
     cg_iterations: int = 10
     cg_tolerance: float = 0.1
+    max_halvings: int = 10  # safeguard: step halvings while R_n rises (0: the paper's plain step)
+    stage_iterations: int = 10  # Newton steps after which a stage ends anyway (0: no cap)
 
     def __post_init__(self) -> None:
         if self.initial_chunks < 1 or self.cg_iterations < 1:
@@ -73,6 +80,11 @@ class DanceSettings:
             raise ValueError(
                 f"optimizer.dance.max_chunks = {self.max_chunks} is below initial_chunks = "
                 f"{self.initial_chunks}; raise max_chunks"
+            )
+        if self.max_halvings < 0 or self.stage_iterations < 0:
+            raise ValueError(
+                "optimizer.dance.max_halvings and stage_iterations must be >= 0 (0: off), got "
+                f"{self.max_halvings} and {self.stage_iterations}"
             )
         if not self.growth > 1:
             raise ValueError(f"optimizer.dance.growth must be > 1 (e.g. 2), got {self.growth}")
@@ -135,7 +147,9 @@ class Dance(torch.optim.Optimizer):
         self.stage = 0
         self.newton_in_stage = 0
         self.cg_in_stage = 0
-        self.counters = dict.fromkeys(("grad_samples", "hvp_samples", "fresh_samples"), 0.0)
+        self.counters = dict.fromkeys(
+            ("grad_samples", "hvp_samples", "loss_samples", "fresh_samples"), 0.0
+        )
         self.stages: list[dict[str, float]] = []  # one record per finished stage
         # A state entry up front: checkpoint loaders fill existing entries (and would
         # otherwise call step() to create some). History and sample are not saved.
@@ -175,10 +189,9 @@ class Dance(torch.optim.Optimizer):
         lam, grad = self._regularized(w, grad_sum, n)
         accuracy = float(n) ** -s.accuracy_exponent
         cap = self._cap(samples)
-        if (
-            float(grad.norm()) <= math.sqrt(2 * s.regularization) * accuracy
-            and len(self._chunks) < cap
-        ):
+        solved = float(grad.norm()) <= math.sqrt(2 * s.regularization) * accuracy
+        capped = bool(s.stage_iterations) and self.newton_in_stage >= s.stage_iterations
+        if (solved or capped) and len(self._chunks) < cap:
             self._finish_stage(n)
             fresh = samples.draw(
                 min(cap, math.ceil(len(self._chunks) * s.growth)) - len(self._chunks)
@@ -197,12 +210,12 @@ class Dance(torch.optim.Optimizer):
 
         v, residual, cg = conjugate_gradient(product, grad, s.cg_iterations, s.cg_tolerance)
         decrement = math.sqrt(max(float(torch.dot(v, grad - residual)), 0.0))
-        set_flat_parameters(self.params, w - v / (1 + decrement))
+        loss = float(loss_sum / n) + 0.5 * lam * float(torch.dot(w, w))
+        halvings = self._safeguard(samples, w, v / (1 + decrement), loss, lam)
         self.newton_in_stage += 1
         for p in self.params:
             self.state[p]["iterations"] += 1
         self.cg_in_stage += cg
-        loss = float(loss_sum / n) + 0.5 * lam * float(torch.dot(w, w))
         return {
             "loss": loss,
             "stage": self.stage,
@@ -213,8 +226,31 @@ class Dance(torch.optim.Optimizer):
             "cg_iterations": cg,
             "gradient_norm": float(grad.norm()),
             "newton_decrement": decrement,
+            "step_halvings": halvings,
             **self.counters,
         }
+
+    def _safeguard(
+        self, samples: SampleSet, w: torch.Tensor, step: torch.Tensor, loss: float, lam: float
+    ) -> int:
+        """Take ``w - step``, halved while R_n does not decrease on the stage's sample
+        (a non-convex model's indefinite Hessian; never on a convex one near its
+        minimum); after ``max_halvings`` the point stays. The halvings taken."""
+        for halvings in range(self.settings.max_halvings + 1):
+            trial = w - step
+            set_flat_parameters(self.params, trial)
+            if halvings == 0 and not self.settings.max_halvings:
+                return 0
+            ev = reduce_evaluation(self.reducer, samples.evaluate(self._chunks, grad=False))
+            self.counters["loss_samples"] += float(ev.counts.sum())
+            value = float(ev.losses.sum() / ev.counts.sum()) + 0.5 * lam * float(
+                torch.dot(trial, trial)
+            )
+            if value <= loss:
+                return halvings
+            step = step / 2
+        set_flat_parameters(self.params, w)
+        return self.settings.max_halvings + 1
 
     def _regularized(
         self, w: torch.Tensor, grad_sum: torch.Tensor, n: torch.Tensor
