@@ -18,9 +18,10 @@ Per problem and seed (the data and initial weights come from the seed):
   of F_L (or the budget ends). Reported: per-sample gradient evaluations each
   needed to first come within the tolerance of F_L, and their ratio.
 - full-data Newton-CG (``Dance`` with every chunk in its one stage, so the same
-  damped step and CG) runs ``--newton-iterations`` on R_N; its final R_N. DANCE
-  from 1 chunk runs until within the tolerance. Reported: data passes ((gradient +
-  Hessian-vector samples) / N) each needed, and their ratio.
+  damped step, safeguard and CG) runs ``--newton-iterations`` on R_N; its final R_N.
+  DANCE from 1 chunk runs until within the tolerance. Reported: data passes
+  ((gradient + Hessian-vector + safeguard forward samples) / N) each needed, and
+  their ratio.
 - Adam on mini-batches of one chunk, given full-batch L-BFGS's gradient budget:
   its final loss.
 
@@ -168,7 +169,8 @@ def _run_dance(
     trace: list[tuple[float, float]] = []
     for _ in range(iterations):
         report = optimizer.iterate(samples)
-        passes = (report["grad_samples"] + report["hvp_samples"]) / problem.rows
+        work = report["grad_samples"] + report["hvp_samples"] + report["loss_samples"]
+        passes = work / problem.rows
         trace.append((passes, problem.full_loss(l2)))
         if passes >= budget or trace[-1][1] <= target:
             break
