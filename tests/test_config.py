@@ -206,3 +206,19 @@ def test_default_toml_check_catches_drift(old, new, problem):
     text = DEFAULT_TOML.read_text()
     assert old in text
     assert any(problem in p for p in _default_toml_problems(text.replace(old, new, 1)))
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            {"train": {"prune_grow": {"mlps": ["top"], "prune_at": [0.2], "grow_at": [0.5]}}},
+            "train.prune_grow with optimizer.name = 'pb_lbfgs'",
+        ),
+        ({"loss": {"kind": "pu_bce", "class_prior": 0.3}}, "loss.kind = 'pu_bce' with optimizer"),
+        ({"distributed": {"dense": "fsdp"}}, "distributed.dense = 'fsdp' with optimizer"),
+    ],
+)
+def test_an_optimizer_drawing_its_own_samples_refuses_what_it_cannot_combine(extra, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_dict({"optimizer": {"name": "pb_lbfgs"}, **extra})

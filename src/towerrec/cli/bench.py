@@ -26,6 +26,7 @@ from towerrec.bench import (
     predict,
     prune_grow,
     pu,
+    qnewton,
     quality,
     shampoo,
     towers,
@@ -59,6 +60,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "prune-grow": prune_grow.BENCHMARK,
     "fsdp": fsdp.BENCHMARK,
     "id-wire": id_wire.BENCHMARK,
+    "qnewton": qnewton.BENCHMARK,
 }
 
 

@@ -23,6 +23,8 @@ from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
+from towerrec.optim.dance import DanceSettings
+from towerrec.optim.pb_lbfgs import PBLBFGSSettings
 from towerrec.optim.shampoo import ShampooSettings
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
@@ -247,9 +249,20 @@ class OptimizerConfig:
     plateau_factor: float = 0.5
     plateau_patience: int = 2
     shampoo: ShampooSettings = field(default_factory=ShampooSettings)  # name = "shampoo"
+    # name = "pb_lbfgs" | "dance": methods that draw their own (growing) samples
+    # (optim/pb_lbfgs.py, optim/dance.py); the schedule's factor scales their steps
+    pb_lbfgs: PBLBFGSSettings = field(default_factory=PBLBFGSSettings)
+    dance: DanceSettings = field(default_factory=DanceSettings)
+
+    @property
+    def draws_samples(self) -> bool:
+        """Whether the dense optimizer draws its own samples (``SampledOptimizer``)."""
+        return self.name in ("pb_lbfgs", "dance")
 
     def __post_init__(self) -> None:
-        _choice(self.name, ("adam", "adagrad", "sgd", "shampoo"), "optimizer.name")
+        _choice(
+            self.name, ("adam", "adagrad", "sgd", "shampoo", "pb_lbfgs", "dance"), "optimizer.name"
+        )
         _choice(self.decay, ("none", "linear", "cosine", "plateau"), "optimizer.decay")
         if not 0 < self.plateau_factor < 1:
             raise ValueError(
@@ -565,6 +578,24 @@ class Config:
                 "train.prune_grow cannot be used with optimizer.name = 'shampoo': its "
                 "preconditioner blocks do not slice along a hidden unit; use adam, adagrad or sgd"
             )
+        if self.optimizer.draws_samples:
+            name = self.optimizer.name
+            if self.train.prune_grow.enabled:
+                raise ValueError(
+                    f"train.prune_grow with optimizer.name = {name!r}: its history and samples "
+                    "are of the full-width parameters; use adam, adagrad or sgd"
+                )
+            if self.loss.kind != "bce":
+                raise ValueError(
+                    f"loss.kind = {self.loss.kind!r} with optimizer.name = {name!r}: it "
+                    "evaluates the plain log-loss on its samples; use loss.kind = 'bce' or "
+                    "another optimizer"
+                )
+            if self.distributed.dense == "fsdp":
+                raise ValueError(
+                    f"distributed.dense = 'fsdp' with optimizer.name = {name!r}: it sums its "
+                    "ranks' gradients itself on whole parameters; use distributed.dense = 'ddp'"
+                )
         pg = self.train.prune_grow
         if pg.enabled and self.train.early_stopping.patience:
             raise ValueError(

@@ -163,10 +163,13 @@ def parallelize(
     dense: str = "ddp",
     reshard_after_forward: bool = True,
     id_wire: IdWire | None = None,
+    replicate_dense: bool = True,
 ) -> nn.Module:
     """Shard the embeddings by ``plan`` and replicate (``dense="ddp"``) or shard
     (``"fsdp"``, ``apply_fsdp`` with ``reshard_after_forward``) the dense layers (module
-    doc); ``dense_stats`` counts the DDP gradient all-reduces' bytes."""
+    doc); ``dense_stats`` counts the DDP gradient all-reduces' bytes. ``replicate_dense =
+    False`` leaves the dense layers as they are, for a dense optimizer that sums its
+    ranks' gradients itself (``optim/pb_lbfgs.py``, ``optim/dance.py``)."""
     if dense not in DENSE_LAYOUTS:
         raise ValueError(f"dense = {dense!r} is not one of {', '.join(map(repr, DENSE_LAYOUTS))}")
     topology = topology_of(mesh)
@@ -174,6 +177,8 @@ def parallelize(
     model = apply_sharding(
         model, topology, plan, codecs=codecs, stats=CommStats(), group=group, id_wire=id_wire
     )
+    if not replicate_dense:
+        return model
     if dense == "fsdp" and topology.world_size > 1:
         return apply_fsdp(model, dense_mesh(mesh), reshard_after_forward=reshard_after_forward)
     return apply_ddp(model, topology, dense_stats)

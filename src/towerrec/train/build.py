@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from towerrec.config import Config, DataConfig, OptimizerConfig
@@ -17,6 +18,7 @@ from towerrec.data.movielens import bundled_movielens_path, load_movielens
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.distributed.fsdp import is_sharded
 from towerrec.distributed.mesh import Topology
+from towerrec.distributed.sum_reduce import GroupReducer
 from towerrec.models.dcn import DCN
 from towerrec.models.dlrm import DLRM
 from towerrec.models.dmt import DMT, check_partition
@@ -25,6 +27,8 @@ from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.embedding_bag import dense_parameters
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.tables import TableConfig
+from towerrec.optim.dance import Dance
+from towerrec.optim.pb_lbfgs import ProgressiveBatchLBFGS
 from towerrec.optim.shampoo import BlockExchange, Shampoo
 from towerrec.planner.towers import (
     FeatureStats,
@@ -252,6 +256,14 @@ def build_dense_optimizer(
             exchange=exchange,
             local=local,
         )
+    if config.draws_samples:  # the optimizer sums its evaluations over the ranks itself
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        reducer = GroupReducer() if distributed else None
+        if config.name == "pb_lbfgs":
+            return ProgressiveBatchLBFGS(
+                params, lr=config.lr, settings=config.pb_lbfgs, reducer=reducer
+            )
+        return Dance(params, lr=config.lr, settings=config.dance, reducer=reducer)
     if config.name == "adagrad":
         return torch.optim.Adagrad(
             params,

@@ -94,6 +94,12 @@ class RunContext:
             return model
         settings = config.distributed
         if config.model.name == "dmt" and self.topology.hosts > 1:
+            if config.optimizer.draws_samples:
+                raise ValueError(
+                    f"optimizer.name = {config.optimizer.name!r} is not supported under the "
+                    "tower transform (a DMT on several hosts); use adam, adagrad, sgd or "
+                    "shampoo, or run on one host"
+                )
             return self._parallelize_towers(model, config)
         if config.plan.hosts not in (1, self.topology.hosts):
             log.warning(
@@ -130,6 +136,7 @@ class RunContext:
             dense=settings.dense,
             reshard_after_forward=settings.reshard_after_forward,
             id_wire=IdWire(settings.dedup_ids),
+            replicate_dense=not config.optimizer.draws_samples,
         )
 
     def block_exchange(self, model: nn.Module) -> tuple[GroupExchange | None, list[nn.Parameter]]:

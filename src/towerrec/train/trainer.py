@@ -22,11 +22,13 @@ from tqdm import tqdm
 
 from towerrec.config import Config
 from towerrec.data.batch import Batch
+from towerrec.optim.sampled import SampledOptimizer
 from towerrec.train.build import lr_factor
 from towerrec.train.loss import Objective
 from towerrec.train.metrics import EvalMetrics
 from towerrec.train.pipeline import pipelined
 from towerrec.train.pu_prior import resolve_objective
+from towerrec.train.sampled import BatchSamples, sampled_train_step
 from towerrec.train.session import Session, set_up
 from towerrec.train.step import evaluate, set_learning_rates, train_step
 from towerrec.train.summary import run_summary, warn_worse_than_base_rate
@@ -146,7 +148,18 @@ def _loop(
         s.source, ctx.local_batch(cfg.batch_size), state["step"], s.device, ctx.rank, ctx.world_size
     )
     if s.config.distributed.pipeline:
+        if s.config.optimizer.draws_samples:
+            raise ValueError(
+                f"distributed.pipeline prefetches one batch per step; optimizer.name = "
+                f"{s.config.optimizer.name!r} draws its own: set distributed.pipeline = false"
+            )
         batches = pipelined(model, batches)
+    samples = None  # the stream as chunks, for an optimizer that draws its own samples
+    if isinstance(s.optimizer, SampledOptimizer):
+        params = [p for group in s.optimizer.param_groups for p in group["params"]]
+        rows = s.source.train_rows
+        epoch = -(-rows // cfg.batch_size) if rows else None  # no sample beyond one pass
+        samples = BatchSamples(model, params, batches, amp_dtype, epoch)
     last_eval: EvalMetrics | None = None
     loss_sum, loss_count = torch.zeros((), device=s.device), 0
     window_start, window_samples = time.perf_counter(), 0
@@ -168,14 +181,21 @@ def _loop(
             tick = time.perf_counter()
             if s.prune_grow is not None and s.prune_grow.before_step(step, s.optimizer):
                 ctx.rebuild_dense_replicas(model)  # the dense parameters changed shape
-            batch = next(batches)
             before = ctx.comm_snapshot(model)
-            loss_sum += train_step(model, s.optimizer, batch, amp_dtype, objective)
+            if samples is not None:
+                assert isinstance(s.optimizer, SampledOptimizer)
+                loss, rows, report = sampled_train_step(s.optimizer, samples)
+                run.log({"kind": "optimizer", "step": step, **report})
+            else:
+                batch = next(batches)
+                loss = train_step(model, s.optimizer, batch, amp_dtype, objective)
+                rows = batch.size
+            loss_sum += loss.to(loss_sum.device)
             ctx.count_train_bytes(model, before)
             loss_count += 1
             state["train_s"] += time.perf_counter() - tick
-            state["samples"] += batch.size * ctx.world_size
-            window_samples += batch.size * ctx.world_size
+            state["samples"] += rows * ctx.world_size
+            window_samples += rows * ctx.world_size
             bar.update(1)
 
             if step % cfg.log_every == 0 or step == s.steps:

@@ -1,0 +1,229 @@
+"""What the sample-choosing dense optimizers (``pb_lbfgs.py``, ``dance.py``) work on.
+
+These methods decide themselves which samples each evaluation sees (a batch that
+grows, an overlap of consecutive batches, a stage's accumulated sample), and
+evaluate the same samples several times (line-search trials, Hessian-vector
+products). They therefore do not take one batch per ``step``: they draw *chunks*
+(fixed-size groups of samples; in training one chunk is one global batch of
+``train.batch_size``) from a ``SampleSet`` and ask it for per-chunk sums::
+
+    draw(n)                       n fresh chunk ids
+    evaluate(chunks, grad)        loss sums [C], sample counts [C], gradient sums [C, P]
+    hessian(chunks)(v)            sum over the chunks' samples of H_i v, [P]
+    release(chunks)               the chunks are no longer needed
+
+All values are this process's share; an optimizer sums them over the ranks with
+one ``Reducer.all_reduce_sum`` per evaluation (in a single process: nothing), so
+every rank takes the same decisions and the same steps. P is the number of
+dense parameters, flattened in parameter order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "ChunkEvaluation",
+    "LocalReducer",
+    "Reducer",
+    "SampleSet",
+    "SampledOptimizer",
+    "TensorSamples",
+    "flat_parameters",
+    "hessian_operator",
+    "reduce_evaluation",
+    "set_flat_parameters",
+]
+
+
+@dataclass
+class ChunkEvaluation:
+    """Per-chunk sums over the samples of C chunks (this rank's or, reduced, all ranks')."""
+
+    losses: torch.Tensor  # [C] loss sums
+    counts: torch.Tensor  # [C] samples
+    grads: torch.Tensor | None  # [C, P] gradient sums; None when not asked for
+
+
+class SampleSet(Protocol):
+    """The data an optimizer draws chunks from and evaluates the model on (module doc)."""
+
+    @property
+    def total_chunks(self) -> int | None:
+        """Chunks in the whole data set (a finite sum); None for an endless stream."""
+        ...
+
+    @property
+    def moves_other_parameters(self) -> bool:
+        """Whether drawing and evaluating fresh chunks changes parameters the optimizer
+        does not own (embedding rows moved by their fused optimizer), so that an earlier
+        evaluation at the same dense point no longer holds."""
+        ...
+
+    def draw(self, count: int) -> list[int]: ...
+
+    def evaluate(self, chunks: Sequence[int], grad: bool) -> ChunkEvaluation: ...
+
+    def hessian(self, chunks: Sequence[int]) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+    def release(self, chunks: Sequence[int]) -> None: ...
+
+
+class Reducer(Protocol):
+    """Sums a tensor over the ranks of a data-parallel group (in place, returned)."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalReducer:
+    """One process: the sum over ranks is the tensor itself."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+@runtime_checkable
+class SampledOptimizer(Protocol):
+    """A dense optimizer that takes one iteration on samples it draws itself; the
+    trainer calls ``iterate`` instead of a backward and ``step``. The report is a flat
+    dict of numbers for metrics.jsonl; ``fresh_samples`` says how many samples it drew."""
+
+    def iterate(self, samples: SampleSet) -> dict[str, float]: ...
+
+
+def flat_parameters(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[P]: the parameters, flattened in order (a copy)."""
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+@torch.no_grad()
+def set_flat_parameters(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Write the [P] vector ``flat`` into ``params`` in place."""
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def reduce_evaluation(reducer: Reducer, local: ChunkEvaluation) -> ChunkEvaluation:
+    """``local`` summed over the ranks in one all-reduce."""
+    parts = [local.losses, local.counts.to(local.losses.dtype)]
+    if local.grads is not None:
+        parts.append(local.grads.reshape(-1).to(local.losses.dtype))
+    total = reducer.all_reduce_sum(torch.cat(parts))
+    c = local.losses.numel()
+    grads = None
+    if local.grads is not None:
+        grads = total[2 * c :].view_as(local.grads).to(local.grads.dtype)
+    return ChunkEvaluation(total[:c], total[c : 2 * c], grads)
+
+
+class TensorSamples:
+    """A ``SampleSet`` over in-memory tensors: ``rows`` samples in one shuffled order,
+    cut into chunks of ``chunk_size`` consecutive rows (the last chunk may be shorter).
+    Chunk id ``c`` is position ``c mod total_chunks``: chunks are drawn in order, so any
+    ``total_chunks`` consecutive ids hold every sample exactly once.
+
+    ``loss(rows)`` returns the per-sample losses [n] of the given row indices as a
+    function of ``params``. With ``rank``/``world_size``, this process owns the rows of
+    every chunk whose position in the chunk is ``rank`` modulo ``world_size``.
+    """
+
+    def __init__(
+        self,
+        loss: Callable[[torch.Tensor], torch.Tensor],
+        params: Sequence[torch.Tensor],
+        rows: int,
+        chunk_size: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if chunk_size < 1 or rows < 1:
+            raise ValueError(f"need rows >= 1 and chunk_size >= 1, got {rows} and {chunk_size}")
+        self.loss, self.params = loss, list(params)
+        self.rows, self.chunk_size = rows, chunk_size
+        self.rank, self.world_size = rank, world_size
+        self._order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+        self._next = 0
+
+    @property
+    def total_chunks(self) -> int:
+        return -(-self.rows // self.chunk_size)
+
+    @property
+    def moves_other_parameters(self) -> bool:
+        return False
+
+    def draw(self, count: int) -> list[int]:
+        ids = list(range(self._next, self._next + count))
+        self._next += count
+        return ids
+
+    def _rows(self, chunk: int) -> torch.Tensor:
+        """This rank's rows of ``chunk``."""
+        start = (chunk % self.total_chunks) * self.chunk_size
+        return self._order[start : start + self.chunk_size][self.rank :: self.world_size]
+
+    def evaluate(self, chunks: Sequence[int], grad: bool) -> ChunkEvaluation:
+        losses, counts, grads = [], [], []
+        for chunk in chunks:
+            rows = self._rows(chunk)
+            with torch.set_grad_enabled(grad):
+                total = self.loss(rows).sum()
+            losses.append(total.detach())
+            counts.append(len(rows))
+            if grad:
+                parts = torch.autograd.grad(total, self.params, allow_unused=True)
+                grads.append(_flat(parts, self.params))
+        dtype = self.params[0].dtype
+        return ChunkEvaluation(
+            torch.stack(losses).to(dtype),
+            torch.tensor(counts, dtype=dtype),
+            torch.stack(grads) if grad else None,
+        )
+
+    def hessian(self, chunks: Sequence[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+        rows = torch.cat([self._rows(c) for c in chunks])
+        return hessian_operator(lambda: self.loss(rows).sum(), self.params)
+
+    def release(self, chunks: Sequence[int]) -> None:
+        pass
+
+
+def _flat(parts: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(
+        [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(parts, params)]
+    )
+
+
+def hessian_operator(
+    total_loss: Callable[[], torch.Tensor], params: Sequence[torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``v -> H v`` of the loss sum at the current parameters (double backward): the
+    gradient's graph is built once and kept for every product."""
+    with torch.enable_grad():
+        parts = torch.autograd.grad(total_loss(), params, create_graph=True, allow_unused=True)
+    live = [(g, p) for g, p in zip(parts, params) if g is not None]
+    sizes = [p.numel() for p in params]
+    used = [g is not None for g in parts]
+
+    def product(v: torch.Tensor) -> torch.Tensor:
+        pieces = _used(list(torch.split(v, sizes)), used)
+        with torch.enable_grad():
+            dot = torch.stack([(g * x.view_as(g)).sum() for (g, _), x in zip(live, pieces)]).sum()
+            out = torch.autograd.grad(
+                dot, [p for _, p in live], retain_graph=True, allow_unused=True
+            )
+        filled: Iterator[torch.Tensor | None] = iter(out)
+        return _flat([next(filled) if u else None for u in used], params).detach()
+
+    return product
+
+
+def _used(pieces: list[torch.Tensor], used: list[bool]) -> list[torch.Tensor]:
+    return [piece for piece, u in zip(pieces, used) if u]
