@@ -22,6 +22,7 @@ from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
+from towerrec.nas.config import NASConfig
 from towerrec.optim.shampoo import ShampooSettings
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
@@ -414,6 +415,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    nas: NASConfig = field(default_factory=NASConfig)  # towerrec nas search
 
     def __post_init__(self) -> None:
         if self.train.epochs is not None and self.data.source == "synthetic":
