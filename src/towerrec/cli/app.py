@@ -1,4 +1,4 @@
-"""``towerrec`` command line: train | config | plan | data | bench | sweep | scaling.
+"""``towerrec`` command line: train | config | plan | data | bench | sweep | scaling | nas.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
 and exit with status 2; anything else is a bug and shows its traceback. A
@@ -14,7 +14,7 @@ import os
 import select
 import sys
 
-from towerrec.cli import bench, config, data, plan, scaling, train
+from towerrec.cli import bench, config, data, nas, plan, scaling, train
 
 __all__ = ["build_parser", "main"]
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (train, config, plan, bench, data, scaling):
+    for group in (train, config, plan, bench, data, scaling, nas):
         group.add_commands(sub)
     return parser
 

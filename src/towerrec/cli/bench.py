@@ -20,6 +20,7 @@ from towerrec.bench import (
     dmt_scale,
     embedding,
     memory,
+    nas,
     plan,
     quality,
     towers,
@@ -47,6 +48,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "dmt-scale": dmt_scale.BENCHMARK,
     "dist": dist_train.BENCHMARK,
     "memory": memory.BENCHMARK,
+    "nas": nas.BENCHMARK,
 }
 
 
