@@ -219,10 +219,10 @@ def test_bad_candidate_lists_are_refused(override, message):
 
 def test_candidates_wider_than_the_table_and_other_backbones_are_refused():
     config = load_config(None, [*SMALL, "nas.space=emb_dim", "nas.emb_dim.candidates=[8,32]"])
-    with pytest.raises(ValueError, match="exceed model.embedding_dim = 16"):
+    with pytest.raises(ValueError, match=r"exceed model\.embedding_dim = 16"):
         build_supernet(config, build_source(config.data).schema, torch.device("cpu"))
     config = load_config(None, [*SMALL, "model.name=dcn"])
-    with pytest.raises(ValueError, match="set model.name = 'dlrm'"):
+    with pytest.raises(ValueError, match=r"set model\.name = 'dlrm'"):
         build_supernet(config, build_source(config.data).schema, torch.device("cpu"))
     config = load_config(None, [*SMALL, "nas.space=mlp", "nas.mlp.top=[[0],[16]]"])
     with pytest.raises(ValueError, match="every candidate skips the layer"):

@@ -36,6 +36,7 @@ from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list,
 from towerrec.config import Config, load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
+from towerrec.models.dlrm import DLRM
 from towerrec.nas.search import search
 from towerrec.train.build import build_model, build_source
 from towerrec.train.trainer import train
@@ -69,9 +70,11 @@ MLP = [
 
 def _cost(config: Config, space: str) -> int:
     model = build_model(config, build_source(config.data).schema, torch.device("cpu"))
+    assert isinstance(model, DLRM)  # the search's backbone
     if space == "mlp":
-        return int(model.bottom.flops_per_sample() + model.top.flops_per_sample())  # type: ignore[operator]
-    return int(model.sparse.num_embedding_parameters)  # type: ignore[union-attr]
+        assert model.bottom is not None  # Criteo-format data has dense features
+        return model.bottom.flops_per_sample() + model.top.flops_per_sample()
+    return model.sparse.num_embedding_parameters
 
 
 def _criteo_cache(root: Path, rows: int) -> Path:

@@ -147,12 +147,13 @@ class DimSearchCollection(SearchCollection):
         id_policy: IdPolicy | str = IdPolicy.ERROR,
         seed: int = 0,
     ) -> None:
-        decisions = [Decision(f"emb_dim.{t.name}", sorted(candidates[t.name])) for t in tables]
+        self.dims = [sorted(candidates[t.name]) for t in tables]  # per table, ascending
+        decisions = [Decision(f"emb_dim.{t.name}", dims) for t, dims in zip(tables, self.dims)]
         super().__init__(tables, decisions)
-        for t, d in zip(tables, decisions):
-            if max(d.candidates) > t.embedding_dim:
+        for t, dims in zip(tables, self.dims):
+            if max(dims) > t.embedding_dim:
                 raise ValueError(
-                    f"nas.emb_dim candidates {d.candidates} of table {t.name} exceed "
+                    f"nas.emb_dim candidates {dims} of table {t.name} exceed "
                     f"model.embedding_dim = {t.embedding_dim}, the width of the table they "
                     "truncate; use candidates <= it or raise model.embedding_dim"
                 )
@@ -160,8 +161,8 @@ class DimSearchCollection(SearchCollection):
             tables, optimizer, backend=backend, device=device, id_policy=id_policy, seed=seed
         )
         self.projections = nn.ModuleDict()
-        for t, d in zip(tables, decisions):
-            for dim in d.candidates:
+        for t, dims in zip(tables, self.dims):
+            for dim in dims:
                 if dim < t.embedding_dim:
                     proj = nn.Linear(dim, t.embedding_dim, bias=False)
                     gen = torch.Generator().manual_seed(stable_seed("projection", seed, t.name))
@@ -173,34 +174,35 @@ class DimSearchCollection(SearchCollection):
     def costs(self, index: int) -> list[float]:
         """Parameters of table ``index`` at each of its candidate dims."""
         t = self._tables[index]
-        return [
-            float(dim_cost(t.num_embeddings, d, t.embedding_dim))
-            for d in self.decisions[index].candidates
-        ]
+        return [float(dim_cost(t.num_embeddings, d, t.embedding_dim)) for d in self.dims[index]]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         pooled = self._lookup(features)
         batch, outs = features.stride(), []
-        for t, decision in zip(self._tables, self.decisions):
+        for t, decision, dims in zip(self._tables, self.decisions, self.dims):
             e = pooled[t.feature_names[0]]
             g = decision.mask(batch, e.device)
-            candidates = [
-                e if d == t.embedding_dim else self.projections[f"{t.name}__{d}"](e[:, :d])
-                for d in decision.candidates
-            ]
+            candidates = [e if d == t.embedding_dim else self._project(t.name, d, e) for d in dims]
             outs.append(_mix(g, candidates))
         return KeyedTensor(self.feature_names, self.embedding_dims, torch.cat(outs, dim=1))
+
+    def _project(self, table: str, dim: int, e: torch.Tensor) -> torch.Tensor:
+        """``e[:, :dim] W`` (``e [B, D]``, ``W [dim, D]``) -> ``[B, D]``."""
+        proj = self.projections[f"{table}__{dim}"]
+        assert isinstance(proj, nn.Linear)  # the dict holds the projections only
+        return proj(e[:, :dim])
 
     def standalone_state(self, choice: Sequence[int]) -> dict[str, torch.Tensor]:
         """State of the ``CompactEmbeddingCollection`` of ``choice``, as it names it."""
         weights, state = self.inner.table_weights(), {}
-        for t, d, k in zip(self._tables, self.decisions, choice):
-            dim = d.candidates[k]
+        for t, dims, k in zip(self._tables, self.dims, choice):
+            dim = dims[k]
             state[f"inner.embedding_bags.{t.name}.weight"] = (
                 weights[t.name][:, :dim].detach().clone()
             )
             if dim < t.embedding_dim:
                 proj = self.projections[f"{t.name}__{dim}"]
+                assert isinstance(proj, nn.Linear)  # the dict holds the projections only
                 state[f"projections.{t.name}.weight"] = proj.weight.detach().clone()
         return state
 

@@ -54,14 +54,16 @@ class SearchableMLP(nn.Module):
             Decision(f"{name}[{i}]", sorted(widths, reverse=True))
             for i, widths in enumerate(candidates)
         ]
+        self.widths = [sorted(widths, reverse=True) for widths in candidates]  # per layer
         layers, reach = [], in_features  # reach: the widest input that can arrive
-        for decision in self.decisions:
-            widest = max(decision.candidates)
+        for decision, widths in zip(self.decisions, self.widths):
+            widest = widths[0]
             if widest == 0:
                 raise ValueError(f"nas.mlp {decision.name}: every candidate skips the layer")
             layers.append(nn.Linear(reach, widest))
-            reach = max(reach, widest) if 0 in decision.candidates else widest
-        self.hidden = nn.ModuleList(layers)
+            reach = max(reach, widest) if 0 in widths else widest
+        self.hidden: list[nn.Linear] = layers  # registered below, typed here
+        self._hidden = nn.ModuleList(layers)
         self.last = nn.Linear(reach, out_features)
 
     def _mix(
@@ -79,10 +81,10 @@ class SearchableMLP(nn.Module):
         x = x[:, : self.in_features]
         batch = x.shape[0]
         components: list[_Component] = [(self.in_features, x, None)]
-        for decision, layer in zip(self.decisions, self.hidden):
+        for decision, widths, layer in zip(self.decisions, self.widths, self.hidden):
             g = decision.mask(batch, x.device)
             out: list[_Component] = []
-            for k, width in enumerate(decision.candidates):
+            for k, width in enumerate(widths):
                 gate = g[:, k]
                 if width == 0:
                     out += [(w, h, gate if old is None else old * gate) for w, h, old in components]
@@ -96,21 +98,19 @@ class SearchableMLP(nn.Module):
     def choice_widths(self, choice: Sequence[int]) -> list[int]:
         """The layer sizes of the standalone MLP of ``choice`` (one index per decision),
         skipped layers left out, the last layer included."""
-        widths = [d.candidates[k] for d, k in zip(self.decisions, choice)]
-        return [w for w in widths if w] + [self.out_features]
+        picked = [widths[k] for widths, k in zip(self.widths, choice)]
+        return [w for w in picked if w] + [self.out_features]
 
     def expected_flops(self, probs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Expected forward FLOPs per sample (2 x multiply-adds) under independent
         choices with probabilities ``probs[i] [K_i]``; a one-hot gives one MLP's."""
         width_in = torch.tensor(float(self.in_features))  # E[width reaching the layer]
         flops = torch.tensor(0.0)
-        for decision, p in zip(self.decisions, probs):
-            widths = torch.tensor([float(w) for w in decision.candidates])
+        for candidates, p in zip(self.widths, probs):
+            widths = torch.tensor([float(w) for w in candidates])
             expected_out = (p * widths).sum()
             flops = flops + 2 * width_in * expected_out
-            skip = sum(
-                (p[k] for k, w in enumerate(decision.candidates) if w == 0), torch.tensor(0.0)
-            )
+            skip = sum((p[k] for k, w in enumerate(candidates) if w == 0), torch.tensor(0.0))
             width_in = expected_out + skip * width_in
         return flops + 2 * width_in * self.out_features
 
@@ -119,9 +119,7 @@ class SearchableMLP(nn.Module):
         supernet uses under ``choice``, named as ``mlp.state_dict()`` names them."""
         linears = [name for name, m in mlp.named_children() if isinstance(m, nn.Linear)]
         state, width, at = {}, self.in_features, 0
-        picked = [
-            (layer, d.candidates[k]) for d, k, layer in zip(self.decisions, choice, self.hidden)
-        ]
+        picked = [(layer, widths[k]) for widths, k, layer in zip(self.widths, choice, self.hidden)]
         for layer, out in [*((m, w) for m, w in picked if w), (self.last, self.out_features)]:
             state[f"{linears[at]}.weight"] = layer.weight[:out, :width].detach().clone()
             state[f"{linears[at]}.bias"] = layer.bias[:out].detach().clone()

@@ -10,7 +10,7 @@ a search collection. The result's ``decisions`` are the architecture choices; a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,6 +21,7 @@ from towerrec.data.batch import DataSchema
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.compact import EmbeddingKind, TableStorageConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.mlp import MLP
 from towerrec.nas.choice import Decision
 from towerrec.nas.config import SearchSpaceKind
 from towerrec.nas.embedding import (
@@ -56,7 +57,7 @@ class Supernet:
                 if isinstance(mlp, SearchableMLP):
                     total = total + mlp.expected_flops(probs[at : at + len(mlp.decisions)])
                     at += len(mlp.decisions)
-                else:
+                elif isinstance(mlp, MLP):
                     total = total + float(mlp.flops_per_sample())
             return total
         sparse = self._search_collection()
@@ -171,7 +172,7 @@ class Supernet:
         sparse.frozen = frozen
 
 
-def _check_tables(named: dict[str, object], tables: list[str], key: str) -> None:
+def _check_tables(named: Mapping[str, object], tables: list[str], key: str) -> None:
     unknown = sorted(set(named) - set(tables))
     if unknown:
         raise ValueError(
@@ -203,9 +204,6 @@ def build_supernet(config: Config, schema: DataSchema, device: torch.device) -> 
     tables = build_tables(config, schema)
     names = [t.name for t in tables]
     emb = config.embedding
-    kwargs = dict(
-        backend=emb.backend, device=device, id_policy=emb.id_policy, seed=config.train.seed
-    )
     decisions: list[Decision] = []
     if nas.space is SearchSpaceKind.MLP:
         inner = model.sparse
@@ -231,14 +229,26 @@ def build_supernet(config: Config, schema: DataSchema, device: torch.device) -> 
     elif nas.space is SearchSpaceKind.EMB_DIM:
         _check_tables(nas.emb_dim.tables, names, "nas.emb_dim.tables")
         sparse = DimSearchCollection(
-            tables, {n: nas.emb_dim.for_table(n) for n in names}, emb.optimizer_config(), **kwargs
+            tables,
+            {n: nas.emb_dim.for_table(n) for n in names},
+            emb.optimizer_config(),
+            backend=emb.backend,
+            device=device,
+            id_policy=emb.id_policy,
+            seed=config.train.seed,
         )
         model.register_module("sparse", sparse)
         decisions = sparse.decisions
     else:
         _check_tables(nas.emb_card.tables, names, "nas.emb_card.tables")
         card = CardinalitySearchCollection(
-            tables, {n: nas.emb_card.for_table(n) for n in names}, emb.optimizer_config(), **kwargs
+            tables,
+            {n: nas.emb_card.for_table(n) for n in names},
+            emb.optimizer_config(),
+            backend=emb.backend,
+            device=device,
+            id_policy=emb.id_policy,
+            seed=config.train.seed,
         )
         model.register_module("sparse", card)
         decisions = card.decisions
