@@ -83,7 +83,7 @@ def test_an_extreme_cost_weight_picks_the_cheapest_architecture(space, tmp_path)
         "nas.cost_weight=1000",
         "nas.warmup=0",
         "nas.arch_lr=0.2",
-        "train.steps=25",
+        "train.steps=15",
         "nas.samples=2",
     )
     report = search(config, tmp_path / "out", progress=False)
@@ -97,7 +97,7 @@ def test_an_extreme_cost_weight_picks_the_cheapest_architecture(space, tmp_path)
 def test_without_a_cost_weight_the_search_keeps_costlier_choices(tmp_path):
     """The control of the test above: the cost term, not the loss, made the choice."""
     config = _config(
-        "emb_dim", "nas.cost_weight=0", "nas.warmup=0", "nas.arch_lr=0.2", "train.steps=25"
+        "emb_dim", "nas.cost_weight=0", "nas.warmup=0", "nas.arch_lr=0.2", "train.steps=15"
     )
     report = search(config, tmp_path / "out", progress=False)
     supernet = build_supernet(config, build_source(config.data).schema, torch.device("cpu"))
