@@ -6,8 +6,8 @@
     space = "emb_dim"          # mlp | emb_dim | emb_card
     cost_weight = 1.0          # lambda of  loss + lambda * E[cost] / cost of the largest choice
     [nas.emb_dim]
-    candidates = [8, 16, 32, 64]
-    tables = { userId = [16, 64] }     # per-table candidates (a table of the data)
+    candidates = [4, 8, 16]
+    tables = { user = [8, 16] }        # per-table candidates (a table of the data)
     [nas.mlp]
     bottom = [[64, 32], [32, 16, 0]]    # candidate widths per hidden layer, 0 = skip it
     top = [[256, 128], [128, 64, 0]]
@@ -64,7 +64,7 @@ class MLPSpace:
 class EmbDimSpace:
     """Candidate dims of every table (at most ``model.embedding_dim``), or per table."""
 
-    candidates: tuple[int, ...] = (4, 8, 16, 32, 64)
+    candidates: tuple[int, ...] = (4, 8, 16)
     tables: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
