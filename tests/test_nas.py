@@ -185,10 +185,11 @@ def test_emb_dim_search_on_movielens_and_mlp_search_on_criteo_files(tmp_path):
     assert main(["data", "gen-criteo", "--out", str(raw), "--files", "2", "--rows", "1500"]) == 0
     assert main(["data", "criteo", str(raw / "day_0"), str(raw / "day_1"), "--out", str(cache),
                  "--validation-files", "day_1", "--num-embeddings", "300", "--no-progress"]) == 0  # fmt: skip
-    criteo = ["--config", "configs/criteo.toml", "--set", f"data.path={cache}", "--set", "train.steps=6",
+    criteo = ["--config", "configs/criteo.toml", "--set", f"data.path={cache}", "--set", "train.batch_size=256",
+              "--set", "nas.epochs=1",
               "--set", "nas.mlp.top=[[64,16],[32,0]]", "--set", "train.progress=false"]  # fmt: skip
     assert main(["nas", "search", "--space", "mlp", "--out", str(tmp_path / "cr"), *criteo]) == 0
-    assert main(["nas", "retrain", str(tmp_path / "cr" / "arch-0.toml"), "--set", "train.steps=3",
+    assert main(["nas", "retrain", str(tmp_path / "cr" / "arch-0.toml"), "--set", "train.epochs=0.5",
                  "--out", str(tmp_path / "cr-run")]) == 0  # fmt: skip
 
 
