@@ -150,7 +150,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="nas.cost_weight of the emb_dim search",
     )
     parser.add_argument(
-        "--mlp-cost-weight", type=float, default=0.3, help="nas.cost_weight of the mlp search"
+        "--mlp-cost-weight",
+        type=float,
+        default=0.0,
+        help="nas.cost_weight of the mlp search (from 0.01 up it took the cheapest MLP)",
     )
     add_overrides_argument(parser, "config override for every run (search and trainings)")
     parser.set_defaults(cost_weight=None)
