@@ -1,5 +1,5 @@
 """``towerrec`` command line: train | config | plan | data | bench | sweep | scaling |
-export | predict.
+export | predict | nas.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
 and exit with status 2; anything else is a bug and shows its traceback. A
@@ -15,7 +15,7 @@ import os
 import select
 import sys
 
-from towerrec.cli import bench, config, data, plan, scaling, serve, train
+from towerrec.cli import bench, config, data, nas, plan, scaling, serve, train
 
 __all__ = ["build_parser", "main"]
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (train, config, plan, bench, data, scaling, serve):
+    for group in (train, config, plan, bench, data, scaling, serve, nas):
         group.add_commands(sub)
     return parser
 

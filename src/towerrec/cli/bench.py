@@ -22,6 +22,7 @@ from towerrec.bench import (
     fsdp,
     id_wire,
     memory,
+    nas,
     plan,
     predict,
     prune_grow,
@@ -61,6 +62,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "fsdp": fsdp.BENCHMARK,
     "id-wire": id_wire.BENCHMARK,
     "qnewton": qnewton.BENCHMARK,
+    "nas": nas.BENCHMARK,
 }
 
 

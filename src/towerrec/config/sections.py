@@ -23,6 +23,7 @@ from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
+from towerrec.nas.config import NASConfig
 from towerrec.optim.dance import DanceSettings
 from towerrec.optim.pb_lbfgs import PBLBFGSSettings
 from towerrec.optim.shampoo import ShampooSettings
@@ -548,6 +549,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    nas: NASConfig = field(default_factory=NASConfig)  # towerrec nas search
 
     def __post_init__(self) -> None:
         if self.loss.kind == "punce" and self.model.name != "dlrm":

@@ -19,7 +19,8 @@ inner ``EmbeddingBagCollection`` (fused kernels, optimizer in backward)::
 The collection-wide ``CompactConfig`` can be overridden per table
 (``CompactConfig.tables``, ``[embedding.tables.<name>]`` in a run's config):
 kind, compression and the partition settings, e.g. ``cat_3`` as QR 8x while
-the others stay full. A table named there is stored by its own settings
+the others stay full; or ``dim``, a full table stored narrower and projected to
+the common dim as md tables are (what ``towerrec nas search --space emb_dim`` writes). A table named there is stored by its own settings
 whatever its size (``row_threshold`` picks among the others). Mixed
 dimensions are collection-wide only: a table's dim comes from the popularity
 of all tables together.
@@ -133,7 +134,15 @@ def _plans(tables: list[TableConfig], collection: CompactConfig) -> list[_Plan]:
         s = t.scale
         config = collection.for_table(t.name)
         compress = t.num_embeddings > config.row_threshold
-        if config.kind is EmbeddingKind.MD:
+        if config.dim and config.dim > t.embedding_dim:
+            raise ValueError(
+                f"embedding.tables.{t.name}.dim = {config.dim} is wider than the model's "
+                f"embedding_dim {t.embedding_dim}; a table is stored at most that wide"
+            )
+        if config.dim and config.dim < t.embedding_dim:  # narrow, projected as md is
+            part = replace(t, embedding_dim=config.dim, init_scale=s)
+            plans.append(_Plan(t, EmbeddingKind.MD, [part]))
+        elif config.kind is EmbeddingKind.MD:
             assert md_dims is not None  # md is set for the whole collection, never per table
             part = replace(t, embedding_dim=md_dims[i], init_scale=s)
             plans.append(_Plan(t, EmbeddingKind.MD, [part]))

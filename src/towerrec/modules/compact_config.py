@@ -45,8 +45,13 @@ class TableStorageConfig:
     qr_operation: Combine | None = None
     qr_partitions: int | None = None
     qr_scheme: PartitionScheme | None = None
+    # A full table stored at this narrower dim, projected to the common dim (as md does
+    # for every table); what ``towerrec nas search --space emb_dim`` writes.
+    dim: int | None = None
 
     def __post_init__(self) -> None:
+        if self.dim is not None and self.dim < 1:
+            raise ValueError(f"dim must be >= 1 (a table's stored width), got {self.dim}")
         if self.kind is not None:
             object.__setattr__(self, "kind", parse_enum(EmbeddingKind, self.kind, "kind"))
         if self.qr_operation is not None:
@@ -98,6 +103,7 @@ class CompactConfig:
     md_budget: int = 0
     md_min_dim: int = 4
     md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
+    dim: int = 0  # a full table stored at this dim and projected (per table only); 0: not
     tables: Mapping[str, TableStorageConfig] = field(default_factory=dict)  # per-table overrides
 
     def __post_init__(self) -> None:
@@ -139,9 +145,9 @@ class CompactConfig:
             kind = table.kind or self.kind
             set_fields = table.set_fields()
             unused = {
-                EmbeddingKind.FULL: [f for f in set_fields if f != "kind"],
-                EmbeddingKind.HASH: [f for f in set_fields if f in _QR_ONLY],
-            }.get(kind, [])
+                EmbeddingKind.FULL: [f for f in set_fields if f not in ("kind", "dim")],
+                EmbeddingKind.HASH: [f for f in set_fields if f in (*_QR_ONLY, "dim")],
+            }.get(kind, [f for f in set_fields if f == "dim"])
             if unused:
                 raise ValueError(
                     f"embedding.tables.{name} sets {', '.join(unused)}, which a "
@@ -161,6 +167,7 @@ class CompactConfig:
             operation=table.qr_operation or self.operation,
             num_partitions=table.qr_partitions or self.num_partitions,
             scheme=table.qr_scheme or self.scheme,
+            dim=table.dim or 0,
             row_threshold=0,  # a table named in the overrides is stored as they say
             tables={},
         )
@@ -177,4 +184,5 @@ class CompactConfig:
     def is_full(self) -> bool:
         """Every table stored whole (a plain ``EmbeddingBagCollection`` does)."""
         kinds = {self.kind} | {t.kind or self.kind for t in self.tables.values()}
-        return kinds == {EmbeddingKind.FULL}
+        narrowed = any(t.dim is not None for t in self.tables.values())
+        return kinds == {EmbeddingKind.FULL} and not narrowed

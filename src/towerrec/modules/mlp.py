@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MLP", "aligned_linear", "padding_for"]
+__all__ = ["MLP", "aligned_linear", "padded_linear", "padding_for"]
 
 ALIGN = 8
 
@@ -34,12 +34,19 @@ def padding_for(in_features: int) -> int:
 def aligned_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """``layer(x)`` for ``x`` of ``[B, in]``, or ``[B, in + padding_for(in)]`` whose
     last columns are already zero; the matmul runs on 8-aligned operands."""
-    pad = padding_for(layer.in_features)
+    return padded_linear(x, layer.weight, layer.bias)
+
+
+def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``aligned_linear`` for a weight ``[out, in]`` that need not be a layer's own (a
+    block of a supernet's weight computes exactly what a layer of that shape does)."""
+    in_features = weight.shape[1]
+    pad = padding_for(in_features)
     if pad == 0:
-        return F.linear(x, layer.weight, layer.bias)
-    if x.shape[-1] == layer.in_features:
+        return F.linear(x, weight, bias)
+    if x.shape[-1] == in_features:
         x = F.pad(x, (0, pad))
-    return F.linear(x, F.pad(layer.weight, (0, pad)), layer.bias)
+    return F.linear(x, F.pad(weight, (0, pad)), bias)
 
 
 class MLP(nn.Sequential):

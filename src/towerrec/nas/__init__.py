@@ -1,0 +1,1 @@
+"""Differentiable architecture search (DNAS) on the DLRM backbone: ``towerrec nas``."""
