@@ -10,7 +10,8 @@ A resumed run (``towerrec train --resume``) starts from that saved
 ``config.toml`` instead of the defaults; it may change only the settings in
 ``RESUME_SAFE_KEYS`` (``resume_changes`` refuses the rest).
 
-Files: ``sections.py`` (the dataclasses and what each accepts), ``files.py``
+Files: ``sections.py`` (the dataclasses and what each accepts; ``training.py`` the
+training sections, ``errors.py`` their error), ``files.py``
 (TOML, overrides, resume changes).
 """
 

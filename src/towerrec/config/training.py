@@ -1,0 +1,248 @@
+"""The config sections of how a run trains: the dense optimizer, the loop, early stopping,
+growth and pruning, and the loss. Each validates its own values (``ConfigError`` names
+the key and the fix); ``sections.py`` holds the others and the whole ``Config``."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, field
+
+from towerrec.config.errors import choice as _choice
+from towerrec.optim.dance import DanceSettings
+from towerrec.optim.pb_lbfgs import PBLBFGSSettings
+from towerrec.optim.shampoo import ShampooSettings
+
+__all__ = [
+    "EarlyStoppingConfig",
+    "LossConfig",
+    "OptimizerConfig",
+    "PruneGrowConfig",
+    "TrainConfig",
+]
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The dense optimizer and the learning-rate schedule (applied to embeddings too)."""
+
+    name: str = "adam"
+    lr: float = 2e-3
+    weight_decay: float = 0.0  # adam: decoupled (AdamW); adagrad, sgd: L2 added to the gradient
+    momentum: float = 0.9  # sgd only
+    warmup_steps: int = 100
+    decay: str = "cosine"  # none | linear | cosine | plateau, after warm-up
+    min_lr_ratio: float = 0.1  # the lowest LR factor of every decay
+    # plateau: the LR factor is multiplied by plateau_factor after plateau_patience
+    # validations in a row without improving train.early_stopping.metric
+    plateau_factor: float = 0.5
+    plateau_patience: int = 2
+    shampoo: ShampooSettings = field(default_factory=ShampooSettings)  # name = "shampoo"
+    # name = "pb_lbfgs" | "dance": methods that draw their own (growing) samples
+    # (optim/pb_lbfgs.py, optim/dance.py); the schedule's factor scales their steps
+    pb_lbfgs: PBLBFGSSettings = field(default_factory=PBLBFGSSettings)
+    dance: DanceSettings = field(default_factory=DanceSettings)
+
+    @property
+    def draws_samples(self) -> bool:
+        """Whether the dense optimizer draws its own samples (``SampledOptimizer``)."""
+        return self.name in ("pb_lbfgs", "dance")
+
+    def __post_init__(self) -> None:
+        _choice(
+            self.name, ("adam", "adagrad", "sgd", "shampoo", "pb_lbfgs", "dance"), "optimizer.name"
+        )
+        _choice(self.decay, ("none", "linear", "cosine", "plateau"), "optimizer.decay")
+        if not 0 < self.plateau_factor < 1:
+            raise ValueError(
+                f"optimizer.plateau_factor must lie in (0, 1), got {self.plateau_factor}"
+            )
+        if self.plateau_patience < 1:
+            raise ValueError(
+                f"optimizer.plateau_patience must be >= 1, got {self.plateau_patience}"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        if not self.weight_decay >= 0:
+            raise ValueError(
+                f"optimizer.weight_decay must be >= 0 (0 = none, e.g. 0.01), got {self.weight_decay}"
+            )
+        if self.warmup_steps < 0:
+            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optimizer.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass(frozen=True)
+class EarlyStoppingConfig:
+    """``train.early_stopping``: stop when the validation ``metric`` has not improved by more
+    than ``min_delta`` for ``patience`` evaluations in a row, then restore the best weights
+    (kept in ``<run>/best/``). ``patience = 0``: off. ``metric`` also drives
+    ``optimizer.decay = "plateau"``."""
+
+    metric: str = "logloss"  # logloss (lower is better) | auc (higher is better)
+    patience: int = 0
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        _choice(self.metric, ("logloss", "auc"), "train.early_stopping.metric")
+        if self.patience < 0:
+            raise ValueError(
+                f"train.early_stopping.patience must be >= 0 (0: off), got {self.patience}"
+            )
+        if not self.min_delta >= 0:
+            raise ValueError(f"train.early_stopping.min_delta must be >= 0, got {self.min_delta}")
+
+
+@dataclass(frozen=True)
+class PruneGrowConfig:
+    """``train.prune_grow``: alternate pruned and full-width phases of the hidden layers of
+    the MLPs named in ``mlps`` (``train/prune_grow.py``). Pruned phase ``i`` runs from
+    ``prune_at[i]`` to ``grow_at[i]`` (fractions of ``train.steps``, or steps with
+    ``unit = "step"``) and keeps ``keep`` of each hidden layer's units; every pruned phase
+    ends in growth, so the run ends full-size. ``mlps`` empty: off."""
+
+    mlps: tuple[str, ...] = ()  # "top" and/or "bottom"
+    keep: float = 0.5  # share of each hidden layer's units kept while pruned, in (0, 1]
+    prune_at: tuple[float, ...] = ()
+    grow_at: tuple[float, ...] = ()
+    unit: str = "fraction"  # fraction (of train.steps) | step
+
+    def __post_init__(self) -> None:
+        key = "train.prune_grow"
+        _choice(self.unit, ("fraction", "step"), f"{key}.unit")
+        for name in self.mlps:
+            _choice(name, ("top", "bottom"), f"{key}.mlps[...]")
+        if len(set(self.mlps)) != len(self.mlps):
+            raise ValueError(f"{key}.mlps = {list(self.mlps)} names an MLP twice")
+        if not 0 < self.keep <= 1:
+            raise ValueError(
+                f"{key}.keep = {self.keep} must lie in (0, 1]: the share of hidden units a "
+                "pruned phase keeps (e.g. 0.5)"
+            )
+        if not self.mlps:
+            if self.prune_at or self.grow_at:
+                raise ValueError(
+                    f"{key}.prune_at/grow_at are set but {key}.mlps is empty; name the MLPs "
+                    'to prune, e.g. mlps = ["top"]'
+                )
+            return
+        if not self.prune_at:
+            raise ValueError(f"{key}.mlps is set but prune_at is empty; e.g. prune_at = [0.1]")
+        if len(self.grow_at) != len(self.prune_at):
+            raise ValueError(
+                f"{key} has {len(self.prune_at)} prune_at and {len(self.grow_at)} grow_at: "
+                "every pruned phase must end in a growth phase so that the run ends "
+                "full-size; give one grow_at after each prune_at"
+            )
+        points = [p for pair in zip(self.prune_at, self.grow_at, strict=True) for p in pair]
+        if any(b <= a for a, b in itertools.pairwise(points)):
+            raise ValueError(
+                f"{key}: prune_at {list(self.prune_at)} and grow_at {list(self.grow_at)} must "
+                "alternate in increasing order (prune_at[0] < grow_at[0] < prune_at[1] < ...)"
+            )
+        if self.unit == "fraction" and not (points[0] > 0 and points[-1] < 1):
+            raise ValueError(
+                f"{key}: with unit = 'fraction' every boundary must lie in (0, 1) of the run "
+                f"(got {points}); the last growth needs steps after it to train the full model"
+            )
+        if self.unit == "step" and not all(p >= 1 and float(p).is_integer() for p in points):
+            raise ValueError(f"{key}: with unit = 'step' every boundary is a whole step >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.mlps)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``steps`` global batches, or ``epochs`` passes over a data set's training rows
+    (one of the two). Neither set: 2,500 steps on synthetic data, one epoch on real
+    data (``train.build.resolve_steps``)."""
+
+    steps: int | None = None
+    epochs: float | None = None
+    batch_size: int = 2048
+    eval_every: int | str = 500  # steps between validations, or "epoch"; 0: only at the end
+    eval_batch_size: int = 16384
+    log_every: int = 50
+    checkpoint_every: int = 0  # 0: only at the end of the run
+    keep_checkpoints: int = 2
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # torch intra-op threads; 0 = PyTorch's default
+    progress: bool = True
+    precision: str = "fp32"  # fp32 | bf16 (autocast of the dense part, fp32 master weights)
+    tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl (extra: tensorboard)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    prune_grow: PruneGrowConfig = field(default_factory=PruneGrowConfig)
+
+    def __post_init__(self) -> None:
+        _choice(self.precision, ("fp32", "bf16"), "train.precision")
+        if isinstance(self.eval_every, str) and self.eval_every != "epoch":
+            raise ValueError(
+                f'train.eval_every = {self.eval_every!r}: give a number of steps or "epoch"'
+            )
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(
+                f"train.steps = {self.steps} and train.epochs = {self.epochs:g} are both set; "
+                "set one of them (steps counts global batches, epochs passes over the "
+                "training rows)"
+            )
+        if self.epochs is not None and not self.epochs > 0:
+            raise ValueError(f"train.epochs must be > 0, got {self.epochs}")
+        for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {value}")
+        for key in ("eval_every", "checkpoint_every", "threads"):
+            if isinstance(getattr(self, key), int) and getattr(self, key) < 0:
+                raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+        if self.keep_checkpoints < 1:
+            raise ValueError("train.keep_checkpoints must be >= 1")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"train.device = {self.device!r}; use auto, cpu, cuda or cuda:N")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """``loss``: the training objective (``train/loss.py``; docs/pu_learning.md).
+
+    ``kind``: ``bce`` (labels at face value), ``pu_bce`` or ``punce`` (labels 0 are
+    unlabelled, not negative). ``class_prior``: for the PU kinds, the share of positives
+    among the unlabelled training examples, in (0, 1), or ``"estimate"``: estimated from
+    the training data before training (``towerrec data pu-prior``). ``punce`` adds
+    ``contrastive_weight`` times the contrastive term at ``temperature``.
+    """
+
+    kind: str = "bce"  # bce | pu_bce | punce
+    class_prior: float | str | None = None
+    contrastive_weight: float = 0.1
+    temperature: float = 0.5
+
+    def __post_init__(self) -> None:
+        _choice(self.kind, ("bce", "pu_bce", "punce"), "loss.kind")
+        prior = self.class_prior
+        if isinstance(prior, str) and prior != "estimate":
+            raise ValueError(f'loss.class_prior = {prior!r}: give a number in (0, 1) or "estimate"')
+        if isinstance(prior, int | float) and not 0 < prior < 1:
+            raise ValueError(
+                f"loss.class_prior = {prior} must lie strictly between 0 and 1 (the share of "
+                'positives among the unlabelled examples), or be "estimate"'
+            )
+        if self.kind != "bce" and prior is None:
+            raise ValueError(
+                f"loss.kind = {self.kind!r} needs loss.class_prior: the share of positives "
+                'among the unlabelled training examples (e.g. 0.3), or "estimate" to '
+                "estimate it from the training data (`towerrec data pu-prior` shows it)"
+            )
+        if self.kind == "bce" and prior is not None:
+            warnings.warn(
+                "loss.class_prior is ignored: loss.kind = 'bce' takes labels at face value "
+                "(set loss.kind = 'pu_bce' or 'punce' to use it)",
+                stacklevel=2,
+            )
+        if not self.contrastive_weight >= 0:
+            raise ValueError(f"loss.contrastive_weight must be >= 0, got {self.contrastive_weight}")
+        if not self.temperature > 0:
+            raise ValueError(f"loss.temperature must be > 0, got {self.temperature}")
