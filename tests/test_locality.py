@@ -185,3 +185,13 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     garbled.write_text("[1, 2]")
     with pytest.raises(ProfileError, match="is not a locality profile"):
         LocalityProfile.load(garbled)
+
+
+def test_the_benchmarks_fenwick_sweep_agrees():
+    from towerrec.bench.locality import fenwick_stack_distances, run_locality_benchmark
+
+    ids = np.random.default_rng(5).integers(0, 60, 800)
+    assert fenwick_stack_distances(ids).tolist() == brute_force_distances(ids.tolist())
+    result = run_locality_benchmark((500, 3000), rows=2000, reps=1, fenwick_ids=3000)
+    assert result["fenwick_reference"]["equal"] is True
+    assert [r["ids"] for r in result["stack_distances"]] == [500, 3000]

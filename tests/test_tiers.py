@@ -159,3 +159,18 @@ def test_storage_calibration_measures_the_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the scratch file is gone
     with pytest.raises(FileNotFoundError, match="--ssd-path"):
         measure_storage(tmp_path / "missing")
+
+
+def test_tier_spec_reads_the_calibrations_storage_speeds():
+    from towerrec.planner.tiers import tier_spec_for
+    from towerrec.planner.topology import topology_preset
+
+    storage = {"path": "/ssd", "ssd_read_bandwidth": 1e9, "ssd_write_bandwidth": 5e8,
+               "ssd_read_latency_s": 5e-5, "host_copy_bandwidth": 3e10}  # fmt: skip
+    cpu = tier_spec_for(topology_preset("cpu", 1, 2), storage)
+    assert (cpu.ssd_read_bandwidth, cpu.ssd_write_bandwidth) == (1e9, 5e8)
+    assert cpu.ssd_read_latency_s == 5e-5 and cpu.host_bandwidth == 3e10
+    assert cpu.device_memory == 2 * 4 * GiB and cpu.source == "measured (/ssd)"
+    gpu = tier_spec_for(topology_preset("gpu", 1, 8), storage)
+    assert gpu.host_bandwidth == 8 * 25e9  # PCIe per GPU, not the host's memory copy
+    assert gpu.ssd_miss_seconds(64) == pytest.approx(5e-5 / 32 + 4096 / 1e9 + 64 / 5e8)

@@ -22,7 +22,8 @@ evenly) under device, host and SSD capacities:
 1. everything fits in device memory: all ``device``;
 2. else alternate (a) device memory to caches by a greedy over each table's
    upper concave hull of (device bytes, seconds saved), the steepest step
-   first, a table taking all its rows becoming ``device``; (b) host memory to
+   first, a table taking all its rows becoming ``device``, then what is left to
+   the best steps that still fit; (b) host memory to
    the backed tables that save the most seconds per byte against SSD, the rest
    on SSD; until the choice repeats.
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -132,16 +133,12 @@ def tier_spec_for(topology: Topology, storage: dict[str, Any] | None = None) -> 
     )
     if storage:
         keys = ("ssd_read_bandwidth", "ssd_write_bandwidth", "ssd_read_latency_s")
-        measured = {k: float(storage[k]) for k in keys if k in storage}
+        measured: dict[str, Any] = {k: float(storage[k]) for k in keys if k in storage}
         if topology.device_kind != "gpu" and "host_copy_bandwidth" in storage:
             measured["host_bandwidth"] = float(storage["host_copy_bandwidth"])
-        spec = replace(spec, source=f"measured ({storage.get('path', 'calibration')})")
-        spec = TierSpec(**{**_fields_of(spec), **measured})
+        where = storage.get("path", "calibration")
+        spec = replace(spec, **measured, source=f"measured ({where})")
     return spec
-
-
-def _fields_of(spec: TierSpec) -> dict[str, Any]:
-    return {f.name: getattr(spec, f.name) for f in fields(spec)}
 
 
 @dataclass(frozen=True)
@@ -341,7 +338,22 @@ def _allocate_device(tables: list[_Table], backings: list[str], spec: TierSpec) 
             continue
         chosen[i] = b
         budget -= extra
-    return chosen
+    # The hull may jump past points that would still fit (to the whole table, which also
+    # ends its cold misses); spend what is left on the best such step, while one fits.
+    while True:
+        best: tuple[float, int, int, float] | None = None
+        for i, (t, backing) in enumerate(zip(tables, backings)):
+            cost = t.lookups * _miss_cost(t, backing, spec)
+            for j in range(chosen[i] + 1, len(t.sizes)):
+                extra = float(t.sizes[j] - t.sizes[chosen[i]]) * t.row_bytes
+                gain = float(t.miss_rate[chosen[i]] - t.miss_rate[j]) * cost
+                if extra <= budget and gain > 0 and (best is None or gain / extra > best[0]):
+                    best = (gain / extra, i, j, extra)
+        if best is None:
+            return chosen
+        _, i, j, extra = best
+        chosen[i] = j
+        budget -= extra
 
 
 def _assign_backing(
