@@ -105,24 +105,24 @@ def tier_table(plan: TierPlan, needed: dict[str, Any], budget_ms: float) -> str:
             f"{t.memory:>7} {t.backing or '-':>7} {t.cache_fraction:>9.4f} {t.cache_rows:>11,} "
             f"{t.hit_rate:>8.1%} {t.misses_per_step:>11,.0f} {t.seconds_per_step * 1e3:>8.3f}"
         )
-    s = plan.spec
+    spec = plan.spec
     used = ", ".join(
         f"{tier} {plan.used(tier) / GiB:.3g} of {cap / GiB:.3g} GiB"
         for tier, cap in (
-            ("device", s.device_memory),
-            ("host", s.host_memory),
-            ("ssd", s.ssd_capacity),
+            ("device", spec.device_memory),
+            ("host", spec.host_memory),
+            ("ssd", spec.ssd_capacity),
         )
     )
     lines.append(
         f"{plan.hosts} host(s), batch {plan.batch_size}: {used}; predicted "
-        f"{plan.step_seconds * 1e3:.3f} ms/step moving missed rows (speeds: {s.source})"
+        f"{plan.step_seconds * 1e3:.3f} ms/step moving missed rows (speeds: {spec.source})"
     )
+    w, s2 = needed["without_ssd"], needed["with_ssd"]
     lines.append(
-        f"hosts needed (memory; and misses within {budget_ms:g} ms/step): without SSD "
-        f"{_hosts(needed['without_ssd']['capacity'])}; {_hosts(needed['without_ssd']['hosts'])}, "
-        f"with SSD {_hosts(needed['with_ssd']['capacity'])}; "
-        f"{_hosts(needed['with_ssd']['hosts'])}"
+        f"hosts needed: without SSD {_hosts(w['capacity'])} to hold the model, "
+        f"{_hosts(w['hosts'])} to also move its misses within {budget_ms:g} ms/step; with SSD "
+        f"{_hosts(s2['capacity'])} and {_hosts(s2['hosts'])}"
     )
     return "\n".join(lines)
 
