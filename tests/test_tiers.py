@@ -128,6 +128,17 @@ def profile_file(tmp_path_factory, tables):
     return path
 
 
+def test_plan_cli_warns_of_options_it_ignores(profile_file, tmp_path, capsys, caplog):
+    out = ["--world-size", "1", "--json", "--out", str(tmp_path / "plan.json")]
+    assert main(["plan", *out, "--host-memory", "8"]) == 0  # a sharding plan
+    assert "--host-memory only apply to tier planning: add --profile" in caplog.text
+    assert "max_cost_ms" in json.loads(capsys.readouterr().out)
+    caplog.clear()
+    assert main(["plan", "--profile", str(profile_file), *out, "--suite", "4"]) == 0
+    assert "ignoring --suite" in caplog.text
+    assert json.loads(capsys.readouterr().out)["tables"][0]["name"] == "t0"
+
+
 def test_plan_cli_writes_the_config_keys(profile_file, tmp_path, capsys):
     snippet = tmp_path / "tiers.toml"
     args = ["plan", "--profile", str(profile_file), "--world-size", "1", "--json"]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from towerrec import calibration
 from towerrec.cli.common import add_config_args
-from towerrec.cli.plan_tiers import add_tier_arguments, run_tiers
+from towerrec.cli.plan_tiers import TIER_ONLY, add_tier_arguments, run_tiers
 from towerrec.config import load_config
 from towerrec.planner.report import device_table, write_bar_chart
 from towerrec.planner.stats import load_stats, save_stats, stats_from_source
@@ -49,7 +49,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--calibrate",
         action="store_true",
-        help="measure this machine's kernels and collectives first and plan with the result",
+        help="measure this machine's kernels and collectives (and the SSD at --ssd-path, host "
+        "memory copies) first and plan with the result",
     )
     parser.add_argument(
         "--calibration-out",
@@ -77,7 +78,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         log.info("calibration written to %s", args.calibration_out)
         config = replace(config, plan=replace(config.plan, calibration=str(args.calibration_out)))
     if args.profile:
+        ignored = [name for name in ("stats", "suite", "save_stats", "png", "planner")
+                   if vars(args)[name]]  # fmt: skip
+        if ignored:
+            log.warning(
+                "--profile plans memory tiers, not a sharding: ignoring %s",
+                ", ".join("--" + name.replace("_", "-") for name in ignored),
+            )
         return run_tiers(config, args)
+    tier_only = [name for name in TIER_ONLY if vars(args)[name] is not None]
+    if tier_only:
+        log.warning(
+            "%s only apply to tier planning: add --profile PROFILE (ignored now)",
+            ", ".join("--" + name.replace("_", "-") for name in tier_only),
+        )
     source = None
     if args.stats:
         stats = load_stats(args.stats)

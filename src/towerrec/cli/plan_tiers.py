@@ -27,9 +27,13 @@ from towerrec.planner.tiers import TierPlan, TierSpec, hosts_needed, plan_tiers,
 from towerrec.planner.topology import GiB
 from towerrec.train.planning import build_cost_model
 
-__all__ = ["add_tier_arguments", "run_tiers"]
+__all__ = ["TIER_ONLY", "add_tier_arguments", "run_tiers"]
 
 MiB = float(1 << 20)
+# Options that mean something only with --profile (None when not given).
+TIER_ONLY = (
+    "device_memory", "host_memory", "ssd_capacity", "ssd_io_depth", "batch_size", "write_config",
+)  # fmt: skip
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:

@@ -159,6 +159,8 @@ def profile_source(
     kept_count = dict.fromkeys(names, 0)
     lookups = dict.fromkeys(names, 0)
     distinct: dict[str, list[int]] = {n: [] for n in names}
+    # The kept ids in 4 bytes where the table's ids fit (half the memory of a sample).
+    dtypes = {f.name: np.int32 if f.num_embeddings <= 2**31 else np.int64 for f in schema.sparse}
     seen = 0
     batches: Iterator[Batch] = source.train_batches(batch_size)
     bar = tqdm(total=num_batches, desc="profile", unit="batch", disable=not progress, leave=False)
@@ -176,7 +178,7 @@ def profile_source(
                 lookups[name] += len(ids)
                 distinct[name].append(len(np.unique(ids)))
                 if kept_count[name] < max_ids:
-                    take = ids[: max_ids - kept_count[name]].astype(np.int64, copy=True)
+                    take = ids[: max_ids - kept_count[name]].astype(dtypes[name], copy=True)
                     kept[name].append(take)
                     kept_count[name] += len(take)
             seen += rows
