@@ -195,3 +195,26 @@ def test_the_benchmarks_fenwick_sweep_agrees():
     result = run_locality_benchmark((500, 3000), rows=2000, reps=1, fenwick_ids=3000)
     assert result["fenwick_reference"]["equal"] is True
     assert [r["ids"] for r in result["stack_distances"]] == [500, 3000]
+
+
+def test_cli_profiles_movielens_and_the_synthetic_stream(tmp_path, capsys):
+    from towerrec.data.movielens import bundled_movielens_path
+
+    out = tmp_path / "ml.json"
+    args = ["data", "profile", str(bundled_movielens_path()), "--out", str(out)]
+    assert main([*args, "--no-progress"]) == 0
+    assert "locality of MovieLens" in capsys.readouterr().out
+    ml = LocalityProfile.load(out)
+    assert [t.name for t in ml.tables] == ["user", "movie", "year", "genres", "tags"]
+    assert ml.samples_profiled == ml.samples_total  # the whole training split
+    user, movie = ml.table("user"), ml.table("movie")
+    # Ratings come in sessions: a cache of 10% of the users hits far more than 10% of
+    # the movies does.
+    assert user.hit_rate_at["0.1"] > movie.hit_rate_at["0.1"] + 0.2
+    # The synthetic default: an endless stream, --samples of it.
+    synthetic = tmp_path / "syn.json"
+    assert main(["data", "profile", "--samples", "2048", "--batch-size", "256",
+                 "--out", str(synthetic), "--no-progress", "--json"]) == 0  # fmt: skip
+    syn = LocalityProfile.load(synthetic)
+    assert syn.samples_profiled == syn.samples_total == 2048 and len(syn.tables) == 9
+    assert syn.table("cat_8").pooling_factor > 1  # the multi-hot table
