@@ -218,3 +218,18 @@ def test_cli_profiles_movielens_and_the_synthetic_stream(tmp_path, capsys):
     syn = LocalityProfile.load(synthetic)
     assert syn.samples_profiled == syn.samples_total == 2048 and len(syn.tables) == 9
     assert syn.table("cat_8").pooling_factor > 1  # the multi-hot table
+
+
+def test_a_cache_directory_that_refuses_the_profile_sends_it_here(tmp_path, monkeypatch, capsys):
+    days = generate_criteo_files(tmp_path / "raw", files=1, rows_per_file=300, seed=1)
+    cache = tmp_path / "cache"
+    preprocess_criteo(days, cache, CriteoOptions(num_embeddings=(50,)), progress=False)
+    (cache / PROFILE_NAME).mkdir()  # the profile's name taken: writing there fails
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["data", "profile", str(cache), "--no-progress", "--batch-size", "64"]) == 0
+    assert "cannot write into the cache directory" in capsys.readouterr().out
+    assert len(LocalityProfile.load(here / PROFILE_NAME).tables) == 26
+    assert main(["data", "profile", str(cache), "--out", str(cache / PROFILE_NAME)]) == 2
+    assert "choose another --out" in capsys.readouterr().err

@@ -27,6 +27,7 @@ from towerrec.data.loader import ColumnSource
 from towerrec.data.profile import (
     DEFAULT_MAX_IDS,
     PROFILE_NAME,
+    LocalityProfile,
     profile_source,
     report_table,
     write_plot,
@@ -42,6 +43,24 @@ def _config(target: Path | None, overrides: list[str]) -> Config:
     if target.is_dir() and not (target / "ratings.csv").is_file():
         read_manifest(target)  # a directory that is not a finished cache: say why
     return config_of(target, overrides)
+
+
+def _save(profile: LocalityProfile, out: Path | None, cache_dir: Path | None) -> Path:
+    """Write to ``out``; by default into the cache directory, or here when that is
+    read-only (said so) or there is no cache."""
+    if out is not None:
+        try:
+            return profile.save(out)
+        except OSError as e:
+            raise ValueError(
+                f"cannot write the profile to {out} ({e}); choose another --out"
+            ) from None
+    if cache_dir is not None:
+        try:
+            return profile.save(cache_dir / PROFILE_NAME)
+        except OSError as e:
+            print(f"cannot write into the cache directory ({e}); writing ./{PROFILE_NAME}")
+    return profile.save(PROFILE_NAME)
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
@@ -68,11 +87,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         description=description,
         progress=not args.no_progress,
     )
-    out = args.out
-    if out is None:
-        is_cache = data.source in ("criteo", "cache")
-        out = Path(data.path) / PROFILE_NAME if is_cache else Path(PROFILE_NAME)
-    profile.save(out)
+    out = _save(profile, args.out, Path(data.path) if data.source in ("criteo", "cache") else None)
     if args.plot:
         write_plot(profile, args.plot)
     if args.json:
