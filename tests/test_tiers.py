@@ -119,6 +119,7 @@ def test_the_host_count_with_ssd_is_smaller(tables):
     assert without["capacity"] >= 11  # (1/40 + 1/16) of the model per host: ceil(11.4)
     tight = hosts_needed(tables, rows, per_host, 512, step_budget_s=1e-5)
     assert tight["with_ssd"]["hosts"] > with_ssd["hosts"]  # bandwidth now binds
+    assert with_ssd["bound"] == "capacity" and tight["with_ssd"]["bound"] == "bandwidth"
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -457,13 +458,14 @@ def hosts_needed(
     batch_size: int,
     step_budget_s: float,
     max_hosts: int = 1 << 16,
-) -> dict[str, dict[str, int | None]]:
+) -> dict[str, dict[str, int | str | None]]:
     """Hosts a model needs, with and without the SSD tier (MTrainS): ``capacity`` the
     fewest whose memory holds it, ``hosts`` the fewest that also move its misses within
-    ``step_budget_s`` per step (None: more than ``max_hosts``)."""
+    ``step_budget_s`` per step (None: more than ``max_hosts``), ``bound`` which of the
+    two set ``hosts``."""
     if step_budget_s <= 0:
         raise ValueError(f"the step-time budget must be > 0 s, got {step_budget_s}")
-    out: dict[str, dict[str, int | None]] = {}
+    out: dict[str, dict[str, int | str | None]] = {}
     for label, host_spec in (
         ("without_ssd", replace(spec, ssd_capacity=0.0)),
         ("with_ssd", spec),
@@ -483,11 +485,12 @@ def hosts_needed(
                 max_hosts,
                 start=capacity,
             )
-        out[label] = {"capacity": capacity, "hosts": enough}
+        bound = None if enough is None else "capacity" if enough == capacity else "bandwidth"
+        out[label] = {"capacity": capacity, "hosts": enough, "bound": bound}
     return out
 
 
-def _first(ok: Any, limit: int, start: int = 1) -> int | None:
+def _first(ok: Callable[[int], bool], limit: int, start: int = 1) -> int | None:
     """The smallest h in [start, limit] with ok(h), assuming ok stays true once true."""
     hi = start
     while not ok(hi):
