@@ -12,12 +12,8 @@ from towerrec.calibration.storage import measure_storage
 from towerrec.cli import main
 from towerrec.data.locality import summarize
 from towerrec.data.profile import LocalityProfile
-from towerrec.planner.tiers import (
-    TieringError,
-    TierSpec,
-    hosts_needed,
-    plan_tiers,
-)
+from towerrec.planner.tier_spec import TierSpec
+from towerrec.planner.tiers import TieringError, hosts_needed, plan_tiers
 from towerrec.planner.topology import GiB
 
 MiB = 1 << 20
@@ -174,7 +170,7 @@ def test_storage_calibration_measures_the_folder(tmp_path):
 
 
 def test_tier_spec_reads_the_calibrations_storage_speeds():
-    from towerrec.planner.tiers import tier_spec_for
+    from towerrec.planner.tier_spec import tier_spec_for
     from towerrec.planner.topology import topology_preset
 
     storage = {"path": "/ssd", "ssd_read_bandwidth": 1e9, "ssd_write_bandwidth": 5e8,

@@ -23,7 +23,8 @@ from typing import Any
 
 from towerrec.config import Config
 from towerrec.data.profile import LocalityProfile
-from towerrec.planner.tiers import TierPlan, TierSpec, hosts_needed, plan_tiers, tier_spec_for
+from towerrec.planner.tier_spec import TierSpec, tier_spec_for
+from towerrec.planner.tiers import TierPlan, hosts_needed, plan_tiers
 from towerrec.planner.topology import GiB
 from towerrec.train.planning import build_cost_model
 

@@ -3,8 +3,8 @@ memory or SSD, with the cache fraction that minimises the predicted step time.
 
 Inputs: each table's locality (data/locality.py: the LRU hit rate of any cache
 size, lookups and distinct ids per batch, from ``towerrec data profile``), its
-row bytes, and per-host ``TierSpec`` (capacities and bandwidths: a preset, or
-measured by ``towerrec plan --calibrate``). Per table and step (one global batch)::
+row bytes, and per-host ``TierSpec`` (planner/tier_spec.py: capacities and
+bandwidths, a preset or measured by ``towerrec plan --calibrate``). Per table and step (one global batch)::
 
     device           whole table in device memory; no misses
     cached over X    C rows in device memory (C >= 2 x p99 distinct ids per batch:
@@ -21,11 +21,11 @@ evenly) under device, host and SSD capacities:
 
 1. everything fits in device memory: all ``device``;
 2. else alternate (a) device memory to caches by a greedy over each table's
-   upper concave hull of (device bytes, seconds saved), the steepest step
-   first, a table taking all its rows becoming ``device``, then what is left to
-   the best steps that still fit; (b) host memory to
-   the backed tables that save the most seconds per byte against SSD, the rest
-   on SSD; until the choice repeats.
+   upper concave hull of (device bytes, seconds saved), the steepest step first,
+   a table taking all its rows becoming ``device``, then what is left to the
+   best steps that still fit; (b) host memory to the backed tables that save
+   the most seconds per byte against SSD, the rest on SSD; until the choice
+   repeats.
 
 ``hosts_needed`` counts hosts as MTrainS does: the fewest hosts whose memory
 holds the model (capacity) and whose links move its misses within a step-time
@@ -46,100 +46,22 @@ from typing import Any
 import numpy as np
 
 from towerrec.data.locality import TableLocality
-from towerrec.planner.topology import GiB, Topology
+from towerrec.planner.tier_spec import TierSpec
+from towerrec.planner.topology import GiB
 
 __all__ = [
-    "SSD_PAGE_BYTES",
     "TableTiering",
     "TierPlan",
-    "TierSpec",
     "TieringError",
     "hosts_needed",
     "plan_tiers",
-    "tier_spec_for",
 ]
 
-SSD_PAGE_BYTES = 4096
 MAX_ROUNDS = 6
 
 
 class TieringError(ValueError):
     """A model that no choice of tiers fits; the message names the shortfall."""
-
-
-@dataclass(frozen=True)
-class TierSpec:
-    """One host's memory tiers: capacities in bytes, bandwidths in bytes/s."""
-
-    device_memory: float  # accelerator memory for embeddings, all ranks of the host
-    host_memory: float  # DDR for backing tables
-    ssd_capacity: float  # 0: no SSD tier
-    host_bandwidth: float  # rows between host memory and the device (PCIe; CPU: DDR copy)
-    ssd_read_bandwidth: float = 3e9
-    ssd_write_bandwidth: float = 2e9
-    ssd_read_latency_s: float = 100e-6  # one random 4 KiB read at queue depth 1
-    ssd_io_depth: int = 32  # random reads in flight
-    source: str = "preset"
-
-    def __post_init__(self) -> None:
-        for key in ("device_memory", "host_memory", "ssd_capacity", "ssd_read_latency_s"):
-            if not getattr(self, key) >= 0:
-                raise ValueError(f"tier spec {key} must be >= 0, got {getattr(self, key)}")
-        for key in ("host_bandwidth", "ssd_read_bandwidth", "ssd_write_bandwidth"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"tier spec {key} must be > 0 bytes/s, got {getattr(self, key)}")
-        if self.ssd_io_depth < 1:
-            raise ValueError(f"tier spec ssd_io_depth must be >= 1, got {self.ssd_io_depth}")
-
-    def host_miss_seconds(self, row_bytes: float) -> float:
-        return 2 * row_bytes / self.host_bandwidth
-
-    def ssd_miss_seconds(self, row_bytes: float) -> float:
-        return (
-            self.ssd_read_latency_s / self.ssd_io_depth
-            + max(row_bytes, SSD_PAGE_BYTES) / self.ssd_read_bandwidth
-            + row_bytes / self.ssd_write_bandwidth
-        )
-
-    def scaled(self, hosts: int) -> TierSpec:
-        """``hosts`` of these hosts as one pool (capacities and bandwidths add up)."""
-        return replace(
-            self,
-            device_memory=self.device_memory * hosts,
-            host_memory=self.host_memory * hosts,
-            ssd_capacity=self.ssd_capacity * hosts,
-            host_bandwidth=self.host_bandwidth * hosts,
-            ssd_read_bandwidth=self.ssd_read_bandwidth * hosts,
-            ssd_write_bandwidth=self.ssd_write_bandwidth * hosts,
-            ssd_io_depth=self.ssd_io_depth * hosts,
-        )
-
-
-# Host-to-device bandwidth per rank (PCIe 4 x16 at a typical efficiency) and a data
-# centre NVMe drive per host; on CPU the "device" and host tiers are both DDR.
-_PCIE_PER_RANK = 25e9
-_SSD_PRESET: dict[str, float] = {"ssd_capacity": 2048 * GiB}
-
-
-def tier_spec_for(topology: Topology, storage: dict[str, Any] | None = None) -> TierSpec:
-    """One host of ``topology`` as tiers; ``storage`` (a calibration's ``storage``
-    section) replaces the SSD's and the host copy's preset speeds with measured ones."""
-    ranks = topology.ranks_per_host
-    host_bw = _PCIE_PER_RANK * ranks if topology.device_kind == "gpu" else topology.memory_bandwidth
-    spec = TierSpec(
-        device_memory=topology.device_memory * ranks,
-        host_memory=topology.host_memory,
-        ssd_capacity=_SSD_PRESET["ssd_capacity"],
-        host_bandwidth=host_bw,
-    )
-    if storage:
-        keys = ("ssd_read_bandwidth", "ssd_write_bandwidth", "ssd_read_latency_s")
-        measured: dict[str, Any] = {k: float(storage[k]) for k in keys if k in storage}
-        if topology.device_kind != "gpu" and "host_copy_bandwidth" in storage:
-            measured["host_bandwidth"] = float(storage["host_copy_bandwidth"])
-        where = storage.get("path", "calibration")
-        spec = replace(spec, **measured, source=f"measured ({where})")
-    return spec
 
 
 @dataclass(frozen=True)
