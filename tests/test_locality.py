@@ -233,3 +233,23 @@ def test_a_cache_directory_that_refuses_the_profile_sends_it_here(tmp_path, monk
     assert len(LocalityProfile.load(here / PROFILE_NAME).tables) == 26
     assert main(["data", "profile", str(cache), "--out", str(cache / PROFILE_NAME)]) == 2
     assert "choose another --out" in capsys.readouterr().err
+
+
+def test_the_benchmarks_second_pass_check_reads_two_epochs():
+    from towerrec.bench.locality import two_epoch_streams, validate_curve
+
+    store, part = _store(500, seed=4)
+    source = ColumnSource(store, LoaderConfig(seed=1))
+    streams = two_epoch_streams(source, 64)  # 500 rows: batches run across the epoch end
+    ids, split = streams["a"]
+    assert split == 500 and len(ids) == 1000
+    first = np.concatenate([source.train_batch(i, 64).sparse.to_dict()["a"].values.numpy()
+                            for i in range(8)])[:500]  # fmt: skip
+    assert ids[:500].tolist() == first.tolist()
+    ids, split = streams["m"]
+    assert split == int(part.multi["m"][1][-1])  # the multi-hot feature's ids of one pass
+    rows = validate_curve(source, 64, fractions=(0.1,))
+    a = next(r for r in rows if r["table"] == "a")
+    assert a["predicted"] == pytest.approx(lru_hits(first.tolist(), 5) / 500)
+    both = streams["a"][0].tolist()  # a 5-row LRU warmed on pass one, scored on pass two
+    assert a["second_pass"] == pytest.approx((lru_hits(both, 5) - lru_hits(both[:500], 5)) / 500)
