@@ -133,6 +133,7 @@ def test_plan_calibrate_writes_constants_and_plans_with_them(tmp_path, monkeypat
     slow_links = {"constants": {"intra_host_bandwidth": 1e6, "cross_host_bandwidth": 1e6,
                                 "source": "calibrated in a test"}}  # fmt: skip
     monkeypatch.setattr(calibrate_module, "calibrate", lambda: slow_links)
+    monkeypatch.setattr(calibrate_module, "measure_storage", lambda path: {"path": str(path)})
     out, constants = tmp_path / "p.json", tmp_path / "c.json"
     args = ["plan", "--world-size", "2", "--json", "--out", str(out)]
     assert main([*args, "--calibrate", "--calibration-out", str(constants)]) == 0

@@ -8,6 +8,7 @@ calls ``calibrate`` and saves its JSON, ``plan.calibration`` points at it.
     kernels.py       synthetic devices, timed forward + backward + fused update;
                      the analytic cost's features and their non-negative fit
     collectives.py   gloo all-to-all between two local processes
+    storage.py       SSD bandwidths and 4 KiB read latency, host memory copies (tiers)
     constants.py     calibrate(): both measurements fitted into CostConstants
     machine.py       what machine a measurement ran on
 
@@ -30,6 +31,7 @@ from towerrec.calibration.kernels import (
     random_table,
 )
 from towerrec.calibration.machine import machine_info
+from towerrec.calibration.storage import measure_storage
 
 __all__ = [
     "FEATURES",
@@ -42,6 +44,7 @@ __all__ = [
     "make_ids",
     "measure_all_to_all",
     "measure_device",
+    "measure_storage",
     "random_device",
     "random_table",
 ]

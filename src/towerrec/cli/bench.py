@@ -21,6 +21,7 @@ from towerrec.bench import (
     embedding,
     fsdp,
     id_wire,
+    locality,
     memory,
     nas,
     plan,
@@ -61,6 +62,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "prune-grow": prune_grow.BENCHMARK,
     "fsdp": fsdp.BENCHMARK,
     "id-wire": id_wire.BENCHMARK,
+    "locality": locality.BENCHMARK,
     "qnewton": qnewton.BENCHMARK,
     "nas": nas.BENCHMARK,
 }

@@ -6,6 +6,7 @@
     towerrec data gen-criteo --out DIR --files 2 --rows 100000
     towerrec data info DIR                              manifest summary (and checksum check)
     towerrec data pu-prior DATA_OR_CONFIG               class prior of positive-unlabeled data
+    towerrec data profile DATA                          locality of each table's ids (cli/profile.py)
 
 Train on a cache with ``towerrec train --set data.source=criteo --set data.path=DIR``.
 Every converter takes a validation and a test split as whole files
@@ -24,6 +25,7 @@ import shlex
 import time
 from pathlib import Path
 
+from towerrec.cli.profile import add_profile_command
 from towerrec.cli.pu_prior import add_pu_prior_command
 from towerrec.data.cache import open_cache
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
@@ -344,3 +346,4 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     info.set_defaults(func=_cmd_info)
 
     add_pu_prior_command(data_sub)
+    add_profile_command(data_sub)

@@ -4,7 +4,8 @@ Tables come from the run config's data source (statistics measured on a few
 batches), a statistics JSON (``--stats``) or a synthetic DLRM-like suite
 (``--suite N``); the topology from the ``plan`` config section and
 ``--world-size``. ``--calibrate`` first measures this machine's kernels and
-collectives and plans with the measured constants.
+collectives (and the SSD and host memory, for tiers) and plans with the measured
+constants. ``--profile`` plans memory tiers instead (cli/plan_tiers.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from towerrec import calibration
 from towerrec.cli.common import add_config_args
+from towerrec.cli.plan_tiers import TIER_ONLY, add_tier_arguments, run_tiers
 from towerrec.config import load_config
 from towerrec.planner.report import device_table, write_bar_chart
 from towerrec.planner.stats import load_stats, save_stats, stats_from_source
@@ -47,7 +49,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--calibrate",
         action="store_true",
-        help="measure this machine's kernels and collectives first and plan with the result",
+        help="measure this machine's kernels and collectives (and the SSD at --ssd-path, host "
+        "memory copies) first and plan with the result",
     )
     parser.add_argument(
         "--calibration-out",
@@ -56,6 +59,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="where --calibrate writes the constants (plan.calibration reads them)",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON summary, not the table")
+    add_tier_arguments(parser)
     parser.set_defaults(func=_cmd_plan)
 
 
@@ -67,9 +71,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         config = replace(config, plan=replace(config.plan, planner=args.planner))
     if args.calibrate:
         report = calibration.calibrate()
+        # The SSD and host memory speeds the tier planner uses (a few seconds).
+        storage_path = args.ssd_path or Path(args.calibration_out).resolve().parent
+        report["storage"] = calibration.measure_storage(storage_path)
         Path(args.calibration_out).write_text(json.dumps(report, indent=2) + "\n")
         log.info("calibration written to %s", args.calibration_out)
         config = replace(config, plan=replace(config.plan, calibration=str(args.calibration_out)))
+    if args.profile:
+        ignored = [name for name in ("stats", "suite", "save_stats", "png", "planner")
+                   if vars(args)[name]]  # fmt: skip
+        if ignored:
+            log.warning(
+                "--profile plans memory tiers, not a sharding: ignoring %s",
+                ", ".join("--" + name.replace("_", "-") for name in ignored),
+            )
+        return run_tiers(config, args)
+    tier_only = [name for name in TIER_ONLY if vars(args)[name] is not None]
+    if tier_only:
+        log.warning(
+            "%s only apply to tier planning: add --profile PROFILE (ignored now)",
+            ", ".join("--" + name.replace("_", "-") for name in tier_only),
+        )
     source = None
     if args.stats:
         stats = load_stats(args.stats)
