@@ -217,3 +217,20 @@ def test_train_policy_from_a_cost_data_file(tmp_path, tiny):
     (tmp_path / "bad.json").write_text(json.dumps({"format": "towerrec-cost-data", "version": 7}))
     with pytest.raises(ValueError, match="version 7"):
         load_cost_data(tmp_path / "bad.json")
+
+
+@pytest.mark.slow
+def test_learned_benchmark_protocol_end_to_end():
+    from towerrec.bench.plan_learned import learned_part
+
+    r = learned_part(None, cost_devices=6, train_tasks=3, test_tasks=3, measured=1,
+                     transfer_tasks=1, train_scale=0.02)  # fmt: skip
+    assert r["protocol"]["train_tables"] + r["protocol"]["test_tables"] == 856
+    unseen = r["unseen_test_tasks"]
+    for planner in ("dreamshard", "autoshard", "lpt", "greedy_size"):
+        assert unseen["cost_model_ratio_to_best_greedy"][planner] > 0
+        assert unseen["measured_ratio_to_best_greedy"][planner] > 0
+        assert r["plan_856_on_128_s"][planner] > 0
+    for greedy in ("greedy_size", "greedy_lookup", "greedy_size_lookup", "greedy_dim"):
+        assert unseen["cost_model_ratio_to_best_greedy"][greedy] >= 1 - 1e-9
+    assert set(r["transfer"]) == {"16", "128"}

@@ -20,12 +20,15 @@ on 2, 4 or 8 devices.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from towerrec.planner.autoshard import AutoShardPlacer, train_autoshard
 from towerrec.planner.costdata import CostData
@@ -40,6 +43,7 @@ __all__ = [
     "default_weights_path",
     "learned_placer",
     "load_cost_data",
+    "one_thread",
     "split_suite",
     "train_policy",
 ]
@@ -79,6 +83,19 @@ def learned_placer(
             f"train_policy({planner!r}, cost_data_path, out_dir)"
         )
     return _placer(planner, str(path.resolve()), path.stat().st_mtime)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """One intra-op thread while a policy places shards: its networks are tiny, and extra
+    threads only spin (on a busy CPU, a matmul of a few hundred values then takes a
+    millisecond instead of microseconds). The caller's setting comes back after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def split_suite(

@@ -31,7 +31,7 @@ import numpy as np
 
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.cost import CostModel
-from towerrec.planner.learned_planners import LEARNED_PLANNERS, learned_placer
+from towerrec.planner.learned_planners import LEARNED_PLANNERS, learned_placer, one_thread
 from towerrec.planner.placement import (
     Item,
     Loads,
@@ -274,12 +274,13 @@ def _refine(items: Sequence[Item], loads: Loads, max_rounds: int, candidates: in
 
 
 def _learned(items: Sequence[Item], loads: Loads, planner: str, weights: str | None) -> None:
-    session = learned_placer(planner, weights).start(items, len(loads.cost))
+    with one_thread():
+        session = learned_placer(planner, weights).start(items, len(loads.cost))
 
-    def choose(i: int, item: Item, ok: np.ndarray) -> int:
-        return session.choose(i, item, ok, loads)
+        def choose(i: int, item: Item, ok: np.ndarray) -> int:
+            return session.choose(i, item, ok, loads)
 
-    _place_each(items, loads, session.order(items), choose)
+        _place_each(items, loads, session.order(items), choose)
 
 
 def _lpt_refined(items: Sequence[Item], widths: list[int], model: CostModel, rounds: int) -> Loads:
