@@ -298,7 +298,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--learned-scale",
         type=float,
         default=1.0,
-        help="with --learned: policy training batches x this (1.0: 60 DreamShard, 200 AutoShard)",
+        help="with --learned: policy training batches x this (1.0: 4 x 75 DreamShard, 300 AutoShard)",
     )
 
 

@@ -179,12 +179,12 @@ def _learned_part(
     start = time.perf_counter()
     dream = train_dreamshard(
         devices, seconds, tasks, seed=seed, measure=measure, batch=BATCH,
-        policy_batches=max(1, int(60 * scale)),
+        policy_batches=max(1, int(75 * scale)),
     )  # fmt: skip
     dream_s = time.perf_counter() - start
     start = time.perf_counter()
     auto = train_autoshard(
-        devices, seconds, tasks, seed=seed, batch=BATCH, policy_batches=max(1, int(200 * scale))
+        devices, seconds, tasks, seed=seed, batch=BATCH, policy_batches=max(1, int(300 * scale))
     )
     auto_s = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as tmp:

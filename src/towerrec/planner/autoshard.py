@@ -202,9 +202,9 @@ def train_autoshard(
     batch: int = 2048,
     hidden: int = 32,
     cost_steps: int = 900,
-    policy_batches: int = 120,
+    policy_batches: int = 300,
     episodes: int = 16,
-    lr: float = 1e-3,
+    lr: float = 3e-3,
     entropy_weight: float = 1e-3,
     value_weight: float = 0.5,
 ) -> PolicyWeights:

@@ -5,11 +5,13 @@
 file is given. ``train_policy`` trains one from a cost-data file and writes its
 weights; the shipped ones come from::
 
-    towerrec bench costmodel --devices 300 --save-samples cost_data.json
-    (or a `towerrec plan collect-costs` file: forward, backward and all-to-alls apart)
     python -c "from towerrec.planner.learned_planners import train_policy as t; \\
-        [t(p, 'cost_data.json', 'src/towerrec/planner/weights', seed=0) \\
+        [t(p, 'docs/results/kernel-samples.json', 'src/towerrec/planner/weights', seed=0) \\
          for p in ('dreamshard', 'autoshard')]"
+
+(``docs/results/kernel-samples.json``: 200 devices measured by ``towerrec bench
+costmodel --save-samples``; a ``towerrec plan collect-costs`` file, with forward,
+backward and all-to-alls apart, trains the same way).
 
 Training tasks are drawn from the training half of ``dlrm_like_suite(856)`` (the
 split ``split_suite`` makes, the one ``towerrec bench plan --learned`` evaluates
