@@ -144,7 +144,7 @@ def learned_part(
     cost_devices: int = 120,
     train_tasks: int = 100,
     test_tasks: int = 30,
-    measured: int = 6,
+    measured: int = 12,
     transfer_tasks: int = 4,
     train_scale: float = 1.0,
 ) -> dict:

@@ -9,15 +9,16 @@ Cost model (one device's fused kernel)::
 Policy (shards in descending single-shard estimated cost, one decision each)::
 
     step t: [encoding of shard t, t / T] ─► GRU cell ─► h_t [H]
-    device d: [its shards' encodings summed, cost_d, cost_d with shard t,
-               memory used] ─► MLP ─► a_d [H]
+    device d: [its shards' encodings summed, cost_d, cost_d with shard t]
+               (costs over the largest of the last) ─► MLP ─► a_d [H]
     logit_d = MLP([h_t, a_d]) (devices with room);  value = MLP([h_t, max_d a_d])
 
 The reward of step t is minus the growth of the estimated max device cost, over the
 task's balanced cost (sum of single-shard costs / devices): the rewards of an episode
 add up to minus its final estimated cost, and each decision sees what it added.
-Advantage actor-critic (the value head as baseline, an entropy bonus). Planning is
-greedy; like DreamShard's, the policy scores each device on its own and so runs on
+Advantage actor-critic (the value head as baseline, an entropy bonus). Memory does
+not bind in training; in planning, devices without room are masked (search.py's
+placing loop). Planning is greedy; like DreamShard's, the policy scores each device on its own and so runs on
 any number of devices.
 """
 
@@ -33,9 +34,9 @@ from torch.nn import functional as F
 
 from towerrec.planner.learned_policy import (
     NUM_FEATURES,
+    CostSamples,
     PolicyWeights,
     Shards,
-    cost_data_hash,
     features,
     item_features,
     log_relative_loss,
@@ -71,7 +72,7 @@ class MultiTableCost(nn.Module):
 
 
 class SequencePolicy(nn.Module):
-    NUM_DEVICE_FEATURES = 3
+    NUM_DEVICE_FEATURES = 2
 
     def __init__(self, hidden: int = 32) -> None:
         super().__init__()
@@ -86,7 +87,7 @@ class SequencePolicy(nn.Module):
         self, h: torch.Tensor, device_feats: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [N, D] and values [N] from the state h [N, H] and device features
-        [N, D, H + 3]."""
+        [N, D, H + 2]."""
         n, d, _ = device_feats.shape
         a = self.device_net(device_feats)
         logits = self.score(torch.cat([h.unsqueeze(1).expand(n, d, self.hidden), a], -1))
@@ -99,16 +100,13 @@ def _device_feats(
     sums: torch.Tensor,
     tables: torch.Tensor,
     shard: torch.Tensor,
-    used: torch.Tensor,
-    capacity: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device features [N, D, H + 3] and the current costs [N, D]."""
+    """Device features [N, D, H + 2] and the current costs [N, D]."""
     with torch.no_grad():
         now = cost.cost(sums) * (sums.abs().sum(-1) > 0)
         after = cost.cost(sums + shard)
         scale = after.max(dim=-1, keepdim=True).values.clamp_min(1e-9)
-        fill = used / capacity if capacity != float("inf") else torch.zeros_like(used)
-        extra = torch.stack([now / scale, after / scale, fill], dim=-1)
+        extra = torch.stack([now / scale, after / scale], dim=-1)
     return torch.cat([tables, extra], dim=-1), now
 
 
@@ -131,14 +129,13 @@ def rollout(
     hidden, steps = ce.shape[-1], len(feats)
     sums = torch.zeros(episodes, devices, hidden)
     tables = torch.zeros(episodes, devices, hidden)
-    used = torch.zeros(episodes, devices)
     h = torch.zeros(episodes, hidden)
     before = torch.zeros(episodes)
     out: dict[str, list[torch.Tensor]] = {k: [] for k in ("a", "logp", "v", "r", "ent")}
     for t in range(steps):
         x = torch.cat([pe[t].expand(episodes, hidden), torch.full((episodes, 1), t / steps)], -1)
         h = policy.cell(x, h)
-        dfeats, _ = _device_feats(cost, sums, tables, ce[t], used, float("inf"))
+        dfeats, _ = _device_feats(cost, sums, tables, ce[t])
         logits, value = policy.step(h, dfeats)
         log_probs = torch.log_softmax(logits, dim=-1)
         if generator is None:
@@ -212,8 +209,7 @@ def train_autoshard(
     on the training ``tasks`` ((tables, devices) pairs); deterministic given ``seed``."""
     if not tasks:
         raise ValueError("train_autoshard needs at least one training task")
-    if len(devices) != len(seconds) or not devices:
-        raise ValueError(f"{len(devices)} devices but {len(seconds)} measured times")
+    data = CostSamples(list(devices), list(seconds), batch=batch)
     torch.manual_seed(seed)
     rng = np.random.default_rng([seed, 7])
     generator = torch.Generator().manual_seed(seed)
@@ -246,7 +242,7 @@ def train_autoshard(
         "autoshard",
         state,
         tuple(sorted({count for _, count in tasks})),
-        cost_data_hash(devices, seconds),
+        data.digest(),
         batch,
         hidden,
         seed,
@@ -306,8 +302,6 @@ class _Session:
                 self.sums.unsqueeze(0),
                 self.tables.unsqueeze(0),
                 self.ce[index],
-                torch.tensor(loads.memory, dtype=torch.float32).unsqueeze(0),
-                float("inf"),
             )
             logits, _ = self.policy.step(self.h, dfeats)
         self.step += 1
