@@ -35,6 +35,7 @@ from torch.nn import functional as F
 from towerrec.planner.learned_policy import (
     NUM_FEATURES,
     CostSamples,
+    PlacementPolicy,
     PolicyWeights,
     Shards,
     features,
@@ -264,7 +265,7 @@ class AutoShardPlacer:
         self.weights = weights
         self.cost, self.policy = networks(weights)
 
-    def start(self, items: Sequence[Item], world: int) -> _Session:
+    def start(self, items: Sequence[Item], world: int) -> PlacementPolicy:
         return _Session(self, items, world)
 
 
