@@ -14,6 +14,9 @@ tables shaped like Meta's DLRM sharding data set):
                real EmbeddingBagCollection (forward + backward + fused update) and the
                slowest device's kernel time is reported per planner
 
+``--learned`` runs instead the learned planners' protocol (bench/plan_learned.py:
+DreamShard's train / unseen test split, transfer to more tables and devices).
+
 The cost model: ``--calibration FILE`` (from ``towerrec plan --calibrate``) on
 the ``cpu`` topology, or the default constants on ``--topology``.
 """
@@ -23,11 +26,13 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from towerrec.bench.common import Benchmark, machine_info
+from towerrec.bench.plan_learned import learned_part
 from towerrec.calibration import device_step
 from towerrec.planner.cost import CostConstants, CostModel
 from towerrec.planner.search import GREEDY_KEYS, PLANNERS, evaluate_plan, plan_tables
@@ -284,9 +289,32 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-torchrec", action="store_true", help="skip TorchRec's planner")
     parser.add_argument("--topology", default="gpu", help="topology preset without --calibration")
     parser.add_argument("--calibration", help="constants from `towerrec plan --calibrate` (cpu)")
+    parser.add_argument(
+        "--learned",
+        action="store_true",
+        help="only the learned planners' protocol: train on half the tables, test on the rest",
+    )
+    parser.add_argument(
+        "--learned-scale",
+        type=float,
+        default=1.0,
+        help="with --learned: policy training batches x this (1.0: 4 x 75 DreamShard, 300 AutoShard)",
+    )
 
 
 def _run(args: argparse.Namespace) -> dict:
+    if args.learned:
+        loadavg = Path("/proc/loadavg")
+        load = loadavg.read_text().split()[:3] if loadavg.exists() else []
+        result = learned_part(args.calibration, train_scale=args.learned_scale)
+        end = loadavg.read_text().split()[:3] if loadavg.exists() else []
+        return {
+            "benchmark": "plan --learned",
+            "machine": machine_info(),
+            "loadavg_start": load,
+            "loadavg_end": end,
+            **result,
+        }
     return run_plan_benchmark(
         tasks=args.tasks,
         torchrec_tasks=0 if args.no_torchrec else args.torchrec_tasks,

@@ -11,6 +11,8 @@
                    then refine: moves and swaps between the most and least loaded devices
     search         beam search over column / row splits of the tables on the most loaded
                    device (each candidate scored by LPT), then LPT + refine on the best
+    dreamshard     learned policies (planner/dreamshard.py, planner/autoshard.py) with
+    autoshard      their shipped weights (or ``weights``): one shard at a time, greedy
 
 Memory is a hard constraint in every planner; an infeasible task raises
 ``PlanningError`` naming the table and the shortfall. Everything here is
@@ -29,6 +31,7 @@ import numpy as np
 
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.cost import CostModel
+from towerrec.planner.learned_planners import LEARNED_PLANNERS, learned_placer, one_thread
 from towerrec.planner.placement import (
     Item,
     Loads,
@@ -49,7 +52,7 @@ GREEDY_KEYS = {
     "greedy_dim": lambda s: s.embedding_dim,
     "random": None,
 }
-PLANNERS = (*GREEDY_KEYS, "lpt", "search")
+PLANNERS = (*GREEDY_KEYS, "lpt", "search", *LEARNED_PLANNERS)
 
 
 @dataclass
@@ -270,6 +273,16 @@ def _refine(items: Sequence[Item], loads: Loads, max_rounds: int, candidates: in
         loads.add(rank, i, items[i])
 
 
+def _learned(items: Sequence[Item], loads: Loads, planner: str, weights: str | None) -> None:
+    with one_thread():
+        session = learned_placer(planner, weights).start(items, len(loads.cost))
+
+        def choose(i: int, item: Item, ok: np.ndarray) -> int:
+            return session.choose(i, item, ok, loads)
+
+        _place_each(items, loads, session.order(items), choose)
+
+
 def _lpt_refined(items: Sequence[Item], widths: list[int], model: CostModel, rounds: int) -> Loads:
     loads = Loads(model, len(widths))
     _lpt(items, loads)
@@ -434,8 +447,10 @@ def plan_tables(
     beam_width: int = 3,
     beam_depth: int = 6,
     beam_branch: int = 2,
+    weights: str | None = None,
 ) -> PlanResult:
-    """Plan ``stats`` on ``model.topology`` with one of ``PLANNERS``."""
+    """Plan ``stats`` on ``model.topology`` with one of ``PLANNERS`` (``weights``: a
+    weights file for a learned planner instead of the shipped one)."""
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
     if not stats:
@@ -453,6 +468,9 @@ def plan_tables(
         if planner in GREEDY_KEYS:
             loads = Loads(model, len(widths))
             _greedy(items, loads, planner, seed)
+        elif planner in LEARNED_PLANNERS:
+            loads = Loads(model, len(widths))
+            _learned(items, loads, planner, weights)
         else:
             loads = _lpt_refined(items, widths, model, refine_rounds)
         return items, loads

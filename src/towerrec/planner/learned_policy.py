@@ -1,0 +1,258 @@
+"""What the learned placement policies (DreamShard, AutoShard) share: shard features,
+training tasks, the weights file and its checks, the placement interface.
+
+A policy places the shards of a task one at a time (``order``, then ``choose`` for
+each with the devices that have room), the same loop the greedy planners run
+(planner/search.py), so memory and pinned tables are handled once for all.
+
+Weights file (``torch.save`` of a plain dict, loaded with ``weights_only``)::
+
+    format            "towerrec-learned-sharding"
+    version           1
+    planner           "dreamshard" | "autoshard"
+    feature_layout    the names of the shard features below, in order
+    trained_devices   the device counts of the training tasks
+    cost_data_sha256  hash of the measured devices the cost network learned from
+    batch             the samples per step the features were computed at
+    hidden            width of the networks
+    seed, state       the training seed and the networks' state dict
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from towerrec.planner.learned_cost import shard_features
+from towerrec.planner.placement import Item, Loads
+from towerrec.planner.stats import TableStats
+
+__all__ = [
+    "FEATURE_LAYOUT",
+    "FORMAT",
+    "VERSION",
+    "CostSamples",
+    "PlacementPolicy",
+    "PolicyWeights",
+    "PolicyWeightsError",
+    "Shards",
+    "cost_data_hash",
+    "features",
+    "item_features",
+    "training_tasks",
+]
+
+FORMAT = "towerrec-learned-sharding"
+VERSION = 1
+FEATURE_LAYOUT = (
+    "log_rows",
+    "cols",
+    "log_ids",
+    "log_lookup_values",
+    "log_touched_rows",
+    "log_touched_values",
+    "hot1_share",
+    "hot10_share",
+)
+NUM_FEATURES = len(FEATURE_LAYOUT)
+
+Shards = Sequence[tuple[TableStats, int, int]]  # (stats, rows, cols) on one device
+
+
+@dataclass
+class CostSamples:
+    """Measured costs a cost network learns from: devices and their kernel seconds
+    (forward + backward), optionally (forward, backward) apart, and all-to-alls
+    (output dims per rank, seconds); ``batch``: the samples per step they ran."""
+
+    devices: list[Shards]
+    seconds: list[float]
+    split: list[tuple[float, float]] = field(default_factory=list)
+    comm: list[tuple[tuple[int, ...], float]] = field(default_factory=list)
+    batch: int = 2048
+
+    def __post_init__(self) -> None:
+        if len(self.devices) != len(self.seconds) or not self.devices:
+            raise ValueError(
+                f"cost data needs one measured time per device and at least one device "
+                f"(got {len(self.devices)} devices, {len(self.seconds)} times)"
+            )
+        if any(not d for d in self.devices):
+            raise ValueError("cost data holds a device without shards")
+        if self.split and len(self.split) != len(self.devices):
+            raise ValueError("cost data: split times need one (forward, backward) per device")
+
+    def digest(self) -> str:
+        h = hashlib.sha256(cost_data_hash(self.devices, self.seconds).encode())
+        h.update(json.dumps([self.split, self.comm, self.batch]).encode())
+        return h.hexdigest()
+
+
+class PolicyWeightsError(ValueError):
+    """A weights file that this code cannot use; says why and how to get a good one."""
+
+
+def features(shards: Shards, batch: int) -> torch.Tensor:
+    """Shard features [S, F] (``FEATURE_LAYOUT``) of ``shards`` at ``batch`` samples per step."""
+    return torch.tensor(
+        [shard_features(s, rows, cols, batch) for s, rows, cols in shards], dtype=torch.float32
+    ).reshape(len(shards), NUM_FEATURES)
+
+
+def item_features(items: Sequence[Item], batch: int) -> torch.Tensor:
+    """Features [N, F] of planner items (shards of the task's tables)."""
+    shards = []
+    for it in items:
+        assert it.stats is not None  # build_items sets stats
+        shards.append((it.stats, it.rows[1] - it.rows[0], it.cols[1] - it.cols[0]))
+    return features(shards, batch)
+
+
+def cost_data_hash(devices: Sequence[Shards], seconds: Sequence[float]) -> str:
+    """sha256 of the measured devices (shapes, statistics, seconds), order included."""
+    h = hashlib.sha256()
+    for shards, t in zip(devices, seconds):
+        entry = [[s.name, s.num_embeddings, s.embedding_dim, s.pooling_factor, s.hot1_share,
+                  s.hot10_share, r, c] for s, r, c in shards]  # fmt: skip
+        h.update(json.dumps([entry, float(t)]).encode())
+    return h.hexdigest()
+
+
+def training_tasks(
+    tables: Sequence[TableStats],
+    num_tasks: int,
+    min_tables: int,
+    max_tables: int,
+    device_counts: Sequence[int],
+    seed: int,
+) -> list[tuple[list[TableStats], int]]:
+    """``num_tasks`` (tables, devices) pairs: random subsets of ``tables`` of
+    ``min..max`` tables, each on a device count drawn from ``device_counts``."""
+    if not 1 <= min_tables <= max_tables <= len(tables):
+        raise ValueError(
+            f"need 1 <= min_tables {min_tables} <= max_tables {max_tables} <= {len(tables)} tables"
+        )
+    if not device_counts or min(device_counts) < 1:
+        raise ValueError(f"device_counts must be >= 1, got {list(device_counts)}")
+    rng = np.random.default_rng([seed, 41])
+    out = []
+    for _ in range(num_tasks):
+        size = int(rng.integers(min_tables, max_tables + 1))
+        chosen = sorted(rng.choice(len(tables), size, replace=False))
+        out.append(([tables[i] for i in chosen], int(rng.choice(list(device_counts)))))
+    return out
+
+
+class PlacementPolicy(Protocol):
+    """A trained policy's view for one task: the order to place items in, and the device
+    for each (``ok``: the devices with room; ``loads``: what is placed so far)."""
+
+    def order(self, items: Sequence[Item]) -> list[int]: ...
+
+    def choose(self, index: int, item: Item, ok: np.ndarray, loads: Loads) -> int: ...
+
+
+@dataclass
+class PolicyWeights:
+    """A trained policy and its header (see the module docstring)."""
+
+    planner: str
+    state: dict[str, torch.Tensor]
+    trained_devices: tuple[int, ...]
+    cost_data_sha256: str
+    batch: int
+    hidden: int
+    seed: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "planner": self.planner,
+            "feature_layout": list(FEATURE_LAYOUT),
+            "trained_devices": list(self.trained_devices),
+            "cost_data_sha256": self.cost_data_sha256,
+            "batch": self.batch,
+            "hidden": self.hidden,
+            "seed": self.seed,
+            "extra": dict(self.extra),
+            "state": dict(self.state),
+        }
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(self.to_dict(), path)
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any], planner: str, where: str) -> PolicyWeights:
+        retrain = f"retrain it with train_policy({planner!r}, ...)"
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            raise PolicyWeightsError(f"{where} is not a {FORMAT} weights file; {retrain}")
+        if data.get("version") != VERSION:
+            raise PolicyWeightsError(
+                f"{where} has format version {data.get('version')!r}, this code reads version "
+                f"{VERSION}; {retrain}"
+            )
+        if data.get("planner") != planner:
+            raise PolicyWeightsError(
+                f"{where} holds {data.get('planner')!r} weights, not {planner!r}; pass the "
+                f"{planner} weights file or {retrain}"
+            )
+        layout = tuple(data.get("feature_layout", ()))
+        if layout != FEATURE_LAYOUT:
+            raise PolicyWeightsError(
+                f"{where} was trained on the feature layout {list(layout)}, this code computes "
+                f"{list(FEATURE_LAYOUT)}; {retrain}"
+            )
+        missing = [k for k in ("state", "trained_devices", "batch", "hidden") if k not in data]
+        if missing:
+            raise PolicyWeightsError(f"{where} lacks {missing}; {retrain}")
+        return PolicyWeights(
+            planner,
+            dict(data["state"]),
+            tuple(int(d) for d in data["trained_devices"]),
+            str(data.get("cost_data_sha256", "")),
+            int(data["batch"]),
+            int(data["hidden"]),
+            int(data.get("seed", 0)),
+            dict(data.get("extra", {})),
+        )
+
+    @staticmethod
+    def load(path: str | Path, planner: str) -> PolicyWeights:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{planner} weights file {str(path)!r} does not exist; train one with "
+                f"train_policy({planner!r}, ...)"
+            )
+        try:
+            data = torch.load(path, weights_only=True)
+        except Exception as e:  # torch raises several types for a file that is not its own
+            raise PolicyWeightsError(
+                f"{str(path)!r} is not a readable weights file ({type(e).__name__}: {e}); "
+                f"retrain it with train_policy({planner!r}, ...)"
+            ) from None
+        return PolicyWeights.from_dict(data, planner, repr(str(path)))
+
+
+def log_relative_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error of log time (relative error), for positive predictions."""
+    return torch.mean((torch.log(predicted + 1e-9) - torch.log(target)) ** 2)
+
+
+def ms(seconds: Sequence[float]) -> torch.Tensor:
+    """Seconds as milliseconds (the networks' unit), validated."""
+    if not seconds or min(seconds) <= 0 or not all(math.isfinite(s) for s in seconds):
+        raise ValueError("cost data needs at least one device, every time finite and > 0")
+    return torch.tensor(seconds, dtype=torch.float32) * 1e3
