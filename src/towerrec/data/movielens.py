@@ -262,6 +262,8 @@ def movielens_periods(path: str | Path, config: MovieLensConfig) -> ColumnPeriod
     store = load_movielens(path, config)
     parts = [p for split in ("train", "validation", "test") for p in store.splits[split]]
     rows = sum(p.rows for p in parts)
+    if config.periods <= 1:
+        return ColumnPeriods(store.schema, store.single, store.multi, parts, [0, rows])
     what = "data.movielens.periods"
     fix = "use fewer data.movielens.periods"
     if config.period_by == "count":
