@@ -102,3 +102,22 @@ def test_movielens_replay_by_calendar(tmp_path):
 def test_replay_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
         run_replay(load_config(None, SMALL + overrides), progress=False)
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_replay_uneven_periods_like_one_process(tmp_path):
+    """289 rows a period at a global batch of 64: the last batch (33 rows) splits 16/17
+    over the ranks, and the evaluation shares (144/145 rows at 24 a batch) end unevenly."""
+    overrides = [*SMALL, "data.synthetic.periods=3", "data.synthetic.period_samples=289"]
+    overrides += ["train.batch_size=64", "train.eval_batch_size=48"]
+    args = ["replay", "--nproc", "2", "--out", str(tmp_path / "two")]
+    for item in overrides:
+        args += ["--set", item]
+    assert main(args) == 0
+    two = json.loads((tmp_path / "two" / "replay.json").read_text())
+    _, one = run_replay(load_config(None, overrides), progress=False)
+    assert two["ranks"] == 2 and two["steps"] == one["steps"] == 15
+    for a, b in zip(two["results"], one["results"], strict=True):
+        assert a["rows"] == b["rows"] == 289  # every row of the period scored once
+        assert a["oracle_auc"] == b["oracle_auc"]
+        assert a["logloss"] == pytest.approx(b["logloss"], rel=1e-3)

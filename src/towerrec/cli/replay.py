@@ -8,15 +8,24 @@ from pathlib import Path
 
 from towerrec.cli.common import add_config_args
 from towerrec.config import load_config
-from towerrec.train.replay import replay
+from towerrec.distributed.launch import WorkerError, launch
+from towerrec.train.replay import check_out_dir, replay, replay_worker
 
 __all__ = ["add_commands"]
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, args.overrides)  # checked before any worker starts
     out = args.out or Path("runs") / datetime.now().strftime("replay-%Y%m%d-%H%M%S")
-    summary = replay(config, out)
+    if args.nproc > 1:
+        check_out_dir(out)
+        try:
+            results = launch(replay_worker, (args.config, args.overrides, out), nproc=args.nproc)
+        except WorkerError as e:
+            raise ValueError(f"a worker failed: {e}") from None
+        summary = results[0]
+    else:
+        summary = replay(config, out)
     mean = summary["mean"]
     line = f"mean over {len(summary['results'])} periods: AUC {mean['auc']:.4f}"
     if mean["oracle_auc"] is not None:
@@ -29,9 +38,11 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "replay",
-        help="rolling evaluation on time-ordered data: train through period t, score period "
-        "t+1 (one process)",
+        help="rolling evaluation on time-ordered data: train through period t, score period t+1",
     )
     add_config_args(parser)
     parser.add_argument("--out", type=Path, help="output directory (default: runs/replay-<time>)")
+    parser.add_argument(
+        "--nproc", type=int, default=1, help="start N local worker processes (gloo on CPU)"
+    )
     parser.set_defaults(func=_cmd_replay)

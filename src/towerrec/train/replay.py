@@ -15,15 +15,19 @@ oracle AUC of that period's teacher; the mean over periods closes the summary.
 
 The train step, learning-rate schedule (over the replay's steps) and model are
 those of ``towerrec train``: on a stationary stream (drift 0, id_turnover 0)
-replay ends with the weights a plain run of the same steps ends with. One
-process; ``towerrec train --nproc`` layouts are not wired here yet.
+replay ends with the weights a plain run of the same steps ends with.
+``--nproc N`` runs N ranks with the layouts of ``towerrec train --nproc``: each
+reads its share of every global batch; a period's last batch is split as evenly
+as it goes, and evaluation pads a rank whose share ran out.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
+import os
 import sys
 import time
 import warnings
@@ -31,11 +35,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from towerrec.config import Config, DataConfig, OptimizerConfig
+from towerrec.config import Config, DataConfig, OptimizerConfig, load_config
 from towerrec.data.cache import open_cache
 from towerrec.data.movielens import bundled_movielens_path, movielens_periods
 from towerrec.data.periods import PeriodSource, cache_periods
@@ -46,12 +52,22 @@ from towerrec.train.build import (
     lr_factor,
     resolve_device,
 )
-from towerrec.train.metrics import auc
+from towerrec.train.distributed import start_distributed
+from towerrec.train.metrics import EvalMetrics, auc
 from towerrec.train.pu_prior import resolve_objective
 from towerrec.train.step import evaluate, set_learning_rates, train_step
 from towerrec.train.towers import with_learned_partition
 
-__all__ = ["PeriodResult", "build_periods", "replay", "run_replay", "write_replay_plot"]
+__all__ = [
+    "PeriodResult",
+    "build_periods",
+    "check_out_dir",
+    "period_steps",
+    "replay",
+    "replay_worker",
+    "run_replay",
+    "write_replay_plot",
+]
 
 log = logging.getLogger("towerrec")
 
@@ -105,6 +121,11 @@ def _check(config: Config, periods: PeriodSource) -> None:
             "loss.class_prior = 'estimate' estimates from a training split; replay has none: "
             "give the prior as a number"
         )
+    if config.plan.strategy == "auto":
+        raise ValueError(
+            "plan.strategy = 'auto' measures the training stream's tables; replay has no such "
+            "stream: use plan.strategy = 'none' (distributed.sharding) or 'file'"
+        )
     if config.train.steps is not None or config.train.epochs is not None:
         warnings.warn(
             "train.steps and train.epochs are ignored by replay: it trains one pass over "
@@ -113,42 +134,80 @@ def _check(config: Config, periods: PeriodSource) -> None:
         )
 
 
-def run_replay(config: Config, progress: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+def period_steps(rows: int, global_batch: int, world_size: int) -> int:
+    """Training steps of a period of ``rows`` rows: its global batches
+    (``data/periods.py``), less a last one with fewer rows than ranks (a rank would
+    train on none; those rows, at most ``world_size - 1``, are skipped)."""
+    steps, rest = divmod(rows, global_batch)
+    return steps + (rest >= world_size)
+
+
+def run_replay(
+    config: Config, progress: bool = True, hosts: int | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
     """Train through the periods with rolling evaluation (module docstring); the trained
-    model and the summary (what ``replay`` writes as ``replay.json``)."""
+    model and the summary (what ``replay`` writes as ``replay.json``). In a distributed
+    run (``--nproc``) every rank calls it; each reads its share of every batch."""
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     periods = build_periods(config.data)
     _check(config, periods)
     cfg = config.train
-    rows = [periods.period_rows(p) for p in range(periods.num_periods)]
-    steps = sum(-(-n // cfg.batch_size) for n in rows)
-    optimizer_config = _warmup_for(config.optimizer, steps)
-    config = replace(config, optimizer=optimizer_config)
     device = resolve_device(cfg.device)
+    ctx = start_distributed(config, device, hosts)
+    world = ctx.world_size
+    local_batch = ctx.local_batch(cfg.batch_size)
+    local_eval = ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
+    rows = [periods.period_rows(p) for p in range(periods.num_periods)]
+    counts = [period_steps(n, cfg.batch_size, world) for n in rows]
+    steps = sum(counts)
+    config = replace(config, optimizer=_warmup_for(config.optimizer, steps))
     amp_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
-    model = build_model(with_learned_partition(config, periods.schema), periods.schema, device)
-    optimizer = build_dense_optimizer(config.optimizer, model)
+    model = build_model(
+        with_learned_partition(config, periods.schema),
+        periods.schema,
+        device,
+        materialize_embeddings=world == 1,
+    )
+    model = ctx.parallelize(model, config, periods)
+    exchange, local = (
+        ctx.block_exchange(model) if config.optimizer.name == "shampoo" else (None, [])
+    )
+    optimizer = build_dense_optimizer(config.optimizer, model, exchange, local)
     objective, _ = resolve_objective(config)
     objective.check_model(model)
+    # A rank out of evaluation rows forwards this one (row 0) while the others finish.
+    padding = next(iter(periods.period_batches(0, 1))) if world > 1 else None
     log.info(
-        "replay: %d periods (%s rows), %s steps at batch %d",
+        "replay: %d periods (%s rows), %s steps at batch %d on %d rank(s)",
         len(rows),
         ", ".join(f"{n:,}" for n in rows),
         f"{steps:,}",
         cfg.batch_size,
+        world,
     )
     results: list[PeriodResult] = []
     step, train_s, tick = 0, 0.0, time.perf_counter()
-    bar = tqdm(total=steps, unit="step", disable=not (progress and cfg.progress), desc="replay")
+    show = progress and cfg.progress and ctx.is_main
+    bar = tqdm(total=steps, unit="step", disable=not show, desc="replay")
     for period in range(periods.num_periods):
         if period > 0:
-            result = _score(model, periods, period, config, device, amp_dtype)
+            batches = periods.period_batches(period, local_eval, ctx.rank, world)
+            metrics = evaluate(model, batches, device, amp_dtype, ctx=ctx, padding=padding)
+            result = _result(period, metrics, periods.period_oracle(period))
             results.append(result)
             line = _progress_line(result)
             log.info("%s", line) if bar.disable else bar.write(line, file=sys.stderr)
+        if counts[period] * cfg.batch_size < rows[period] and ctx.is_main:
+            log.warning(
+                "period %d: the last %d row(s) are fewer than the %d ranks and are not trained on",
+                period,
+                rows[period] % cfg.batch_size,
+                world,
+            )
         start = time.perf_counter()
-        for batch in periods.period_batches(period, cfg.batch_size):
+        batches = periods.period_batches(period, local_batch, ctx.rank, world)
+        for batch in itertools.islice(batches, counts[period]):
             step += 1
             batch.check()
             set_learning_rates(model, optimizer, config, lr_factor(config.optimizer, step, steps))
@@ -157,6 +216,7 @@ def run_replay(config: Config, progress: bool = True) -> tuple[nn.Module, dict[s
         train_s += time.perf_counter() - start
     bar.close()
     summary = _summary(config, rows, steps, results, train_s, time.perf_counter() - tick)
+    summary["ranks"] = world
     return model, summary
 
 
@@ -172,17 +232,9 @@ def _warmup_for(optimizer: OptimizerConfig, steps: int) -> OptimizerConfig:
     return optimizer
 
 
-def _score(
-    model: nn.Module,
-    periods: PeriodSource,
-    period: int,
-    config: Config,
-    device: torch.device,
-    amp_dtype: torch.dtype | None,
+def _result(
+    period: int, metrics: EvalMetrics, oracle: tuple[np.ndarray, np.ndarray] | None
 ) -> PeriodResult:
-    batches = periods.period_batches(period, config.train.eval_batch_size)
-    metrics = evaluate(model, batches, device, autocast_dtype=amp_dtype)
-    oracle = periods.period_oracle(period)
     return PeriodResult(
         period=period,
         rows=metrics.samples,
@@ -233,16 +285,44 @@ def _summary(
     }
 
 
-def replay(config: Config, out_dir: str | Path, progress: bool = True) -> dict[str, Any]:
-    """``run_replay`` into ``out_dir``: ``replay.json`` and ``replay.png``; the summary."""
-    out = Path(out_dir)
+def check_out_dir(out: Path) -> None:
     if (out / "replay.json").exists():
         raise FileExistsError(f"{out} already holds a replay (replay.json); choose another --out")
-    _, summary = run_replay(config, progress)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "replay.json").write_text(json.dumps(_finite(summary), indent=2) + "\n")
-    write_replay_plot(summary, out / "replay.png")
+
+
+def replay(
+    config: Config, out_dir: str | Path, progress: bool = True, hosts: int | None = None
+) -> dict[str, Any]:
+    """``run_replay`` into ``out_dir``: ``replay.json`` and ``replay.png`` (written by the
+    first rank); the summary."""
+    out = Path(out_dir)
+    check_out_dir(out)
+    _, summary = run_replay(config, progress, hosts)
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "replay.json").write_text(json.dumps(_finite(summary), indent=2) + "\n")
+        write_replay_plot(summary, out / "replay.png")
     return summary
+
+
+def replay_worker(
+    config_path: Path | None, overrides: list[str], out: Path
+) -> dict[str, Any] | None:
+    """One worker of ``towerrec replay --nproc N``: the summary on rank 0, None elsewhere."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if rank == 0:
+        log.setLevel(logging.INFO)  # rank 0 speaks for the run
+    try:
+        summary = replay(load_config(config_path, overrides), out)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return summary if rank == 0 else None
 
 
 def _finite(value: Any) -> Any:
