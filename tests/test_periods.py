@@ -15,7 +15,7 @@ from towerrec.data.movielens import (
     load_movielens,
     movielens_periods,
 )
-from towerrec.data.periods import cache_periods, period_rank_batches
+from towerrec.data.periods import PeriodSource, cache_periods, period_rank_batches
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 
 SMALL = dict(num_embeddings=(50, 80, 200), pooling_factors=(1, 1, 2), num_dense=4)
@@ -190,3 +190,13 @@ def test_criteo_period_errors(day_files, tmp_path):
         cache_periods(convert([day_files[0], day_files[2], day_files[1]], tmp_path / "a"))
     with pytest.raises(ValueError, match="has no training rows"):
         cache_periods(convert(day_files, tmp_path / "b", eval_files=(day_files[2].name,)))
+
+
+def test_every_period_source_declares_the_protocol(day_files, tmp_path):
+    synthetic = SyntheticSource(SyntheticConfig(**SMALL, periods=2, period_samples=10))
+    movielens = movielens_periods(bundled_movielens_path(), MovieLensConfig(periods=2))
+    days = cache_periods(convert(day_files, tmp_path / "cache"))
+    for source in (synthetic, movielens, days):
+        assert isinstance(source, PeriodSource)
+    assert synthetic.period_oracle(1)[1].shape == (10,)
+    assert movielens.period_oracle(1) is None and days.period_oracle(0) is None
