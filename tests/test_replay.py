@@ -97,6 +97,7 @@ def test_movielens_replay_by_calendar(tmp_path):
         ([], "needs at least 2 periods.*data.synthetic.periods"),
         (["data.source=movielens"], "needs at least 2 periods.*data.movielens.periods"),
         ([*PERIODS, "optimizer.name=pb_lbfgs"], "draws its own samples"),
+        ([*PERIODS, "plan.strategy=auto"], "plan.strategy = 'auto' measures"),
     ],
 )
 def test_replay_errors(overrides, match):

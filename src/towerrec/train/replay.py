@@ -126,6 +126,11 @@ def _check(config: Config, periods: PeriodSource) -> None:
             "plan.strategy = 'auto' measures the training stream's tables; replay has no such "
             "stream: use plan.strategy = 'none' (distributed.sharding) or 'file'"
         )
+    if config.distributed.pipeline:
+        warnings.warn(
+            "distributed.pipeline is ignored by replay: its steps run one batch at a time",
+            stacklevel=3,
+        )
     if config.train.steps is not None or config.train.epochs is not None:
         warnings.warn(
             "train.steps and train.epochs are ignored by replay: it trains one pass over "
