@@ -1,4 +1,4 @@
-"""``towerrec`` command line: train | config | plan | data | bench | sweep | scaling |
+"""``towerrec`` command line: train | replay | config | plan | data | bench | sweep | scaling |
 export | predict | nas.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
@@ -15,7 +15,7 @@ import os
 import select
 import sys
 
-from towerrec.cli import bench, config, data, nas, plan, scaling, serve, train
+from towerrec.cli import bench, config, data, nas, plan, replay, scaling, serve, train
 
 __all__ = ["build_parser", "main"]
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (train, config, plan, bench, data, scaling, serve, nas):
+    for group in (train, replay, config, plan, bench, data, scaling, serve, nas):
         group.add_commands(sub)
     return parser
 

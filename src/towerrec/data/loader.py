@@ -30,7 +30,7 @@ from towerrec.data.cache import ColumnStore, SplitColumns, Verify
 from towerrec.sparse import KeyedJaggedTensor, can_pin_memory
 from towerrec.utils import parse_enum, stable_seed
 
-__all__ = ["BLOCK", "ColumnSource", "LoaderConfig"]
+__all__ = ["BLOCK", "ColumnSource", "LoaderConfig", "SplitRows"]
 
 BLOCK = 8192
 # How to convert again with a validation split, by the converter that wrote the cache.
@@ -71,7 +71,7 @@ class LoaderConfig:
             raise ValueError(f"data.loader.prefetch must be >= 1, got {self.prefetch}")
 
 
-class _Split:
+class SplitRows:
     """The parts of one split seen as one row range [0, rows)."""
 
     def __init__(self, parts: list[SplitColumns]) -> None:
@@ -147,9 +147,9 @@ class ColumnSource:
         self.store = store
         self.config = config or LoaderConfig()
         self.schema = store.schema
-        self._train = _Split(store.splits.get("train", []))
-        self._eval = _Split(store.splits.get("validation", []))
-        self._test = _Split(store.splits.get("test", []))
+        self._train = SplitRows(store.splits.get("train", []))
+        self._eval = SplitRows(store.splits.get("validation", []))
+        self._test = SplitRows(store.splits.get("test", []))
         if self._train.rows == 0:
             raise ValueError(
                 "the data has no training rows; check the input files and the split options "
@@ -250,7 +250,7 @@ class ColumnSource:
         return None
 
     def _batches_of(
-        self, split: _Split, batch_size: int, rank: int, world_size: int
+        self, split: SplitRows, batch_size: int, rank: int, world_size: int
     ) -> Iterator[Batch]:
         _check_rank(rank, world_size)
         total = split.rows

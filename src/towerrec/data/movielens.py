@@ -23,12 +23,19 @@ of the positives of the train and validation splits, drawn at random with
 ``pu_seed`` (each positive independently, so the labelled positives are a
 random sample of the positives), are relabelled 0; the test split keeps the
 true labels, so its metrics are against the truth.
+
+Periods (``towerrec replay``, ``periods`` >= 2; ``movielens_periods``): every
+rating (train, validation and test splits: together the whole file in time
+order) cut into ``periods`` slices of equal count (``period_by = "count"``) or
+of equal calendar span between the first and the last rating
+(``period_by = "calendar"``; a span without ratings is an error).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +45,15 @@ import pyarrow.csv as pa_csv
 
 from towerrec.data.batch import DataSchema, SparseFeature
 from towerrec.data.cache import ColumnStore, SplitColumns
+from towerrec.data.periods import ColumnPeriods, count_bounds
 
-__all__ = ["MovieLensConfig", "bundled_movielens_path", "hide_positives", "load_movielens"]
+__all__ = [
+    "MovieLensConfig",
+    "bundled_movielens_path",
+    "hide_positives",
+    "load_movielens",
+    "movielens_periods",
+]
 
 _YEAR = re.compile(r"\((\d{4})\)\s*$")
 _REQUIRED = {
@@ -60,8 +74,16 @@ class MovieLensConfig:
     # PU view: this share of train and validation positives relabelled 0 (test keeps truth)
     pu_hide_fraction: float = 0.0
     pu_seed: int = 0
+    periods: int = 0  # time slices for `towerrec replay`; 0 or 1: none
+    period_by: str = "count"  # count: equal numbers of ratings; calendar: equal time spans
 
     def __post_init__(self) -> None:
+        if self.periods < 0:
+            raise ValueError(f"data.movielens.periods must be >= 0, got {self.periods}")
+        if self.period_by not in ("count", "calendar"):
+            raise ValueError(
+                f"data.movielens.period_by must be 'count' or 'calendar', got {self.period_by!r}"
+            )
         if not 0 <= self.pu_hide_fraction < 1:
             raise ValueError(
                 f"data.movielens.pu_hide_fraction must lie in [0, 1) (the share of train and "
@@ -233,3 +255,37 @@ def load_movielens(path: str | Path, config: MovieLensConfig | None = None) -> C
         ),
     )
     return ColumnStore(schema, ["user", "movie", "year"], ["genres", "tags"], splits)
+
+
+def movielens_periods(path: str | Path, config: MovieLensConfig) -> ColumnPeriods:
+    """Every rating in time order as ``config.periods`` periods (module docstring)."""
+    store = load_movielens(path, config)
+    parts = [p for split in ("train", "validation", "test") for p in store.splits[split]]
+    rows = sum(p.rows for p in parts)
+    if config.periods <= 1:
+        return ColumnPeriods(store.schema, store.single, store.multi, parts, [0, rows])
+    what = "data.movielens.periods"
+    fix = "use fewer data.movielens.periods"
+    if config.period_by == "count":
+        bounds = count_bounds(rows, config.periods, what)
+    else:
+        stamps = np.sort(_read(Path(path), "ratings.csv")["timestamp"].to_numpy())
+        count_bounds(rows, config.periods, what)  # periods > rows: the same error
+        first, last = int(stamps[0]), int(stamps[-1])
+        edges = [first + (last - first) * p / config.periods for p in range(1, config.periods)]
+        bounds = [0, *np.searchsorted(stamps, edges, side="left").tolist(), rows]
+        for p in range(config.periods):
+            if bounds[p + 1] == bounds[p]:
+                lo = first + (last - first) * p / config.periods
+                hi = first + (last - first) * (p + 1) / config.periods
+                raise ValueError(
+                    f"data.movielens.period_by = 'calendar': period {p} "
+                    f"({_day(lo)} to {_day(hi)}) has no ratings; use fewer "
+                    "data.movielens.periods or period_by = 'count'"
+                )
+        fix += " or period_by = 'count'"
+    return ColumnPeriods(store.schema, store.single, store.multi, parts, bounds, what, fix)
+
+
+def _day(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d")

@@ -22,18 +22,36 @@ click rate, both fitted on the pilot sample. Samples are generated in
 fixed blocks, each from its own generator seeded by (seed, split, block): the
 stream is the same whatever the batch size, world size or resume point, and
 nothing beyond two blocks is held in memory.
+
+Periods (``towerrec replay``; ``periods`` >= 2): the training stream is cut into
+``periods`` slices of ``period_samples`` samples, period p holding stream samples
+``[p*S, (p+1)*S)``, each labelled by the teacher of its period::
+
+    teacher_p  = sqrt(1 - drift) teacher_{p-1} + sqrt(drift) fresh_p
+                 (embeddings, biases, dense weights; the pair and triple
+                 structure and the pilot-fitted scale and shift stay)
+    active ids each table uses A = floor(rows / (1 + (periods - 1) id_turnover))
+                 of its rows; per period floor(id_turnover A) Zipf ranks, drawn
+                 at random, retire their id for one never used before
+
+so drift = 0 and id_turnover = 0 give every period the same teacher and the same
+samples as the stationary stream (periods 0 or 1: that stream, bit for bit). The
+oracle AUC of a period is its own teacher's probabilities scored on its labels.
+The eval split is always period 0's teacher.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
 import torch
 
 from towerrec.data.batch import Batch, DataSchema, SparseFeature
+from towerrec.data.periods import period_rank_batches
 from towerrec.sparse import KeyedJaggedTensor
 
 __all__ = ["SyntheticConfig", "SyntheticSource"]
@@ -61,6 +79,10 @@ class SyntheticConfig:
     seed: int = 0
     stream_seed: int = 0  # another draw of training samples from the same teacher and eval set
     feature_prefix: str = "cat_"
+    periods: int = 0  # time slices for `towerrec replay`; 0 or 1: one stationary stream
+    period_samples: int = 20_000  # training samples per period
+    drift: float = 0.0  # how far the teacher moves towards a fresh one per period, [0, 1]
+    id_turnover: float = 0.0  # share of each table's active ids replaced per period, [0, 1)
 
     def __post_init__(self) -> None:
         if self.num_dense < 0:
@@ -99,6 +121,51 @@ class SyntheticConfig:
             raise ValueError(f"data.synthetic.ctr must lie in (0, 1), got {self.ctr}")
         object.__setattr__(self, "num_embeddings", tuple(self.num_embeddings))
         object.__setattr__(self, "pooling_factors", tuple(float(p) for p in self.pooling_factors))
+        self._check_periods()
+
+    def _check_periods(self) -> None:
+        if self.periods < 0:
+            raise ValueError(
+                f"data.synthetic.periods must be >= 0 (0 or 1: one stationary stream), "
+                f"got {self.periods}"
+            )
+        if self.period_samples < 1:
+            raise ValueError(
+                f"data.synthetic.period_samples must be >= 1, got {self.period_samples}"
+            )
+        if not 0 <= self.drift <= 1:
+            raise ValueError(
+                f"data.synthetic.drift must lie in [0, 1] (0: the same teacher every period, "
+                f"1: a fresh one), got {self.drift}"
+            )
+        if not 0 <= self.id_turnover < 1:
+            raise ValueError(
+                f"data.synthetic.id_turnover must lie in [0, 1) (the share of active ids "
+                f"replaced per period), got {self.id_turnover}"
+            )
+        if self.periods <= 1 and (self.drift or self.id_turnover):
+            warnings.warn(
+                "data.synthetic.drift and id_turnover act between periods and are ignored with "
+                f"periods = {self.periods}; set data.synthetic.periods >= 2",
+                stacklevel=3,
+            )
+        if self.active_ids(min(self.num_embeddings, default=1)) < 1:
+            raise ValueError(
+                f"data.synthetic.id_turnover = {self.id_turnover} over {self.periods} periods "
+                f"needs tables of at least {1 + (self.periods - 1) * self.id_turnover:.0f} rows "
+                "(each period's new ids are rows no earlier period used); lower id_turnover or "
+                "periods, or raise num_embeddings"
+            )
+
+    @property
+    def num_periods(self) -> int:
+        return max(self.periods, 1)
+
+    def active_ids(self, rows: int) -> int:
+        """How many of a table's ``rows`` ids one period uses (all without turnover)."""
+        if self.num_periods == 1 or self.id_turnover == 0:
+            return rows
+        return int(rows / (1 + (self.num_periods - 1) * self.id_turnover))
 
     @property
     def num_tables(self) -> int:
@@ -118,7 +185,8 @@ class _Teacher:
     triples: np.ndarray  # [n, 3] field indices
     triple_coef: np.ndarray  # [n]
     cdfs: list[np.ndarray] = field(default_factory=list)  # Zipf CDF per table
-    perms: list[np.ndarray] = field(default_factory=list)  # rank -> id per table
+    perms: list[np.ndarray] = field(default_factory=list)  # rank -> id per table (active ids)
+    unused: list[np.ndarray] = field(default_factory=list)  # ids no period has used yet, per table
     weights: np.ndarray = field(default_factory=lambda: np.ones(3))  # per order, pilot-fitted
     shift: float = 0.0
 
@@ -137,6 +205,7 @@ class SyntheticSource:
             ),
         )
         self._teacher = self._build_teacher()
+        self._teachers = [self._teacher]  # per period, drawn on demand
         self._block_cache = lru_cache(maxsize=4)(self._make_block)
 
     # -------------------------------------------------------------- teacher
@@ -157,10 +226,13 @@ class SyntheticSource:
             triple_coef=rng.normal(size=cfg.num_triples),
         )
         for rows in cfg.num_embeddings:
-            weights = 1.0 / np.arange(1, rows + 1, dtype=np.float64) ** cfg.zipf_alpha
+            active = cfg.active_ids(rows)
+            weights = 1.0 / np.arange(1, active + 1, dtype=np.float64) ** cfg.zipf_alpha
             cdf = np.cumsum(weights)
             teacher.cdfs.append(cdf / cdf[-1])
-            teacher.perms.append(rng.permutation(rows))
+            ids = rng.permutation(rows)
+            teacher.perms.append(ids[:active])
+            teacher.unused.append(ids[active:])
         # Fit scale and shift on a pilot sample: logit spread and click rate.
         self._teacher = teacher
         orders = self._raw_block("pilot", 0)[-1]  # [BLOCK, 3]
@@ -172,6 +244,48 @@ class SyntheticSource:
         teacher.shift = _shift_for_ctr(orders @ teacher.weights, cfg.ctr)
         return teacher
 
+    def _period_teacher(self, period: int) -> _Teacher:
+        """The teacher of training period ``period`` (module docstring)."""
+        if not 0 <= period < self.config.num_periods:
+            raise ValueError(
+                f"period {period} is not in [0, data.synthetic.periods = {self.config.num_periods})"
+            )
+        while len(self._teachers) <= period:
+            self._teachers.append(self._next_teacher(self._teachers[-1], len(self._teachers)))
+        return self._teachers[period]
+
+    def _next_teacher(self, previous: _Teacher, period: int) -> _Teacher:
+        """Period ``period``'s teacher from the one before: drifted, ids turned over."""
+        cfg = self.config
+        if cfg.drift == 0 and cfg.id_turnover == 0:
+            return previous
+        rng = np.random.default_rng([cfg.seed, 98, period])
+        keep, move = np.sqrt(1 - cfg.drift), np.sqrt(cfg.drift)
+
+        def drifted(values: np.ndarray, scale: float = 1.0) -> np.ndarray:
+            if cfg.drift == 0:
+                return values
+            return keep * values + move * scale * rng.normal(size=values.shape)
+
+        dense_scale = 1 / np.sqrt(max(cfg.num_dense, 1))
+        perms, unused = [], []
+        for perm, free in zip(previous.perms, previous.unused):
+            count = int(cfg.id_turnover * len(perm))
+            retired = rng.choice(len(perm), size=count, replace=False)
+            perm = perm.copy()
+            perm[retired] = free[:count]
+            perms.append(perm)
+            unused.append(free[count:])
+        return replace(
+            previous,
+            dense_proj=drifted(previous.dense_proj, dense_scale),
+            dense_weight=drifted(previous.dense_weight, dense_scale),
+            embeddings=[drifted(e) for e in previous.embeddings],
+            biases=[drifted(b) for b in previous.biases],
+            perms=perms,
+            unused=unused,
+        )
+
     def _block_seed(self, split: str, block: int) -> list[int]:
         """Seed of a block's generator; ``stream_seed`` changes only the training samples."""
         seed = [self.config.seed, _SPLITS[split], block]
@@ -179,11 +293,15 @@ class SyntheticSource:
             seed.append(1000 + self.config.stream_seed)
         return seed
 
-    def _raw_block(self, split: str, block: int, *, with_fields: bool = False):
+    def _raw_block(
+        self, split: str, block: int, *, with_fields: bool = False, teacher: _Teacher | None = None
+    ):
         """One block: dense, per-table (lengths, ids), and the teacher's raw score
         ``[BLOCK, 3]`` of each order (first, pairwise, higher); with ``with_fields``
-        also the teacher's field vectors ``[BLOCK, T+1, k]``."""
-        cfg, teacher = self.config, self._teacher
+        also the teacher's field vectors ``[BLOCK, T+1, k]``. ``teacher``: period 0's
+        unless given."""
+        cfg = self.config
+        teacher = self._teacher if teacher is None else teacher
         rng = np.random.default_rng(self._block_seed(split, block))
         dense = rng.standard_normal((BLOCK, cfg.num_dense), dtype=np.float32)
         fields = np.empty((BLOCK, cfg.num_tables + 1, cfg.teacher_dim))
@@ -217,9 +335,9 @@ class SyntheticSource:
         orders = np.stack([first, pairwise, higher], axis=1)
         return (dense, sparse, orders, fields) if with_fields else (dense, sparse, orders)
 
-    def _make_block(self, split: str, block: int):
-        dense, sparse, orders = self._raw_block(split, block)
-        teacher = self._teacher
+    def _make_block(self, split: str, block: int, period: int = 0):
+        teacher = self._period_teacher(period)
+        dense, sparse, orders = self._raw_block(split, block, teacher=teacher)
         logit = orders @ teacher.weights + teacher.shift
         prob = 1.0 / (1.0 + np.exp(-logit))
         rng = np.random.default_rng([*self._block_seed(split, block), 7])
@@ -241,12 +359,15 @@ class SyntheticSource:
         return strength
 
     # -------------------------------------------------------------- samples
-    def samples(self, split: str, start: int, count: int) -> tuple[Batch, np.ndarray]:
-        """Samples ``[start, start + count)`` of a split, and the teacher's probabilities."""
+    def samples(
+        self, split: str, start: int, count: int, period: int = 0
+    ) -> tuple[Batch, np.ndarray]:
+        """Samples ``[start, start + count)`` of a split, and the teacher's probabilities;
+        labelled by ``period``'s teacher (module docstring)."""
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         first, last = start // BLOCK, (start + count - 1) // BLOCK
-        blocks = [self._block_cache(split, b) for b in range(first, last + 1)]
+        blocks = [self._block_cache(split, b, period) for b in range(first, last + 1)]
         lo = start - first * BLOCK
         dense = np.concatenate([b[0] for b in blocks])[lo : lo + count]
         labels = np.concatenate([b[2] for b in blocks])[lo : lo + count]
@@ -301,6 +422,31 @@ class SyntheticSource:
         """Labels and teacher probabilities of this rank's eval samples."""
         lo, hi = _rank_range(self.config.eval_samples, rank, world_size)
         batch, probs = self.samples("eval", lo, hi - lo)
+        return batch.labels.numpy(), probs
+
+    # -------------------------------------------------------------- periods
+    @property
+    def num_periods(self) -> int:
+        return self.config.num_periods
+
+    def period_rows(self, period: int) -> int:
+        self._period_teacher(period)  # checks the period
+        return self.config.period_samples
+
+    def period_batches(
+        self, period: int, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> Iterator[Batch]:
+        """This rank's batches of ``period``, in stream order (``periods.py``)."""
+        start = period * self.period_rows(period)
+        for lo, hi in period_rank_batches(self.config.period_samples, batch_size, rank, world_size):
+            if hi > lo:
+                yield self.samples("train", start + lo, hi - lo, period)[0]
+
+    def period_oracle(self, period: int) -> tuple[np.ndarray, np.ndarray]:
+        """Labels and the period's teacher probabilities of all its samples."""
+        batch, probs = self.samples(
+            "train", period * self.period_rows(period), self.config.period_samples, period
+        )
         return batch.labels.numpy(), probs
 
 

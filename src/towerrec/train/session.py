@@ -113,6 +113,16 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
     device = resolve_device(config.train.device)
     ctx = start_distributed(config, device, hosts)
     source: DataSource = build_source(config.data)
+    periods = {
+        "synthetic": config.data.synthetic.periods,
+        "movielens": config.data.movielens.periods,
+    }
+    if periods.get(config.data.source, 0) > 1:
+        log.warning(
+            "data.%s.periods is read by `towerrec replay`; `towerrec train` trains on the "
+            "stream as one (the synthetic data's period 0)",
+            config.data.source,
+        )
     config, steps_from = resolve_run_config(config, source)
     cfg, steps = config.train, config.train.steps
     assert steps is not None  # resolved

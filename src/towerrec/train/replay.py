@@ -1,0 +1,365 @@
+"""Rolling evaluation over time-ordered data (``towerrec replay``).
+
+The data source's periods (``data/periods.py``) are trained on once, in time
+order; before each period after the first, the model trained so far is scored
+on it::
+
+    for t in 0 .. P-1:
+        t >= 1: score the model (trained through periods 0..t-1) on period t
+        train one pass over period t, batch by batch, in time order
+
+so each score is "train through period t, evaluate on period t+1" (1-based):
+the model always meets rows it has not seen, from a later time, as in
+production. Each result has AUC, log-loss, NE and, on the synthetic data, the
+oracle AUC of that period's teacher; the mean over periods closes the summary.
+
+The train step, learning-rate schedule (over the replay's steps) and model are
+those of ``towerrec train``: on a stationary stream (drift 0, id_turnover 0)
+replay ends with the weights a plain run of the same steps ends with.
+``--nproc N`` runs N ranks with the layouts of ``towerrec train --nproc``: each
+reads its share of every global batch; a period's last batch is split as evenly
+as it goes, and evaluation pads a rank whose share ran out.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from towerrec.config import Config, DataConfig, OptimizerConfig, load_config
+from towerrec.data.cache import open_cache
+from towerrec.data.movielens import bundled_movielens_path, movielens_periods
+from towerrec.data.periods import PeriodSource, cache_periods
+from towerrec.data.synthetic import SyntheticSource
+from towerrec.train.build import (
+    build_dense_optimizer,
+    build_model,
+    lr_factor,
+    resolve_device,
+)
+from towerrec.train.distributed import start_distributed
+from towerrec.train.metrics import EvalMetrics, auc
+from towerrec.train.pu_prior import resolve_objective
+from towerrec.train.step import evaluate, set_learning_rates, train_step
+from towerrec.train.towers import with_learned_partition
+
+__all__ = [
+    "PeriodResult",
+    "build_periods",
+    "check_out_dir",
+    "period_steps",
+    "replay",
+    "replay_worker",
+    "run_replay",
+    "write_replay_plot",
+]
+
+log = logging.getLogger("towerrec")
+
+_HOW = {
+    "synthetic": "set data.synthetic.periods = N (N >= 2; with drift and id_turnover to move)",
+    "movielens": "set data.movielens.periods = N (N >= 2)",
+    "criteo": "convert two or more day files into the cache (each file is a period)",
+}
+
+
+@dataclass(frozen=True)
+class PeriodResult:
+    """The model trained through periods ``0..period-1`` scored on ``period`` (0-based)."""
+
+    period: int
+    rows: int
+    auc: float
+    logloss: float
+    ne: float
+    calibration: float
+    oracle_auc: float | None = None
+
+
+def build_periods(data: DataConfig) -> PeriodSource:
+    """The periods of ``data`` (``data/periods.py``)."""
+    if data.source == "synthetic":
+        return SyntheticSource(data.synthetic)
+    if data.source == "movielens":
+        return movielens_periods(data.path or bundled_movielens_path(), data.movielens)
+    if data.source in ("criteo", "cache"):
+        return cache_periods(open_cache(data.path, verify=data.loader.verify))
+    raise ValueError(f"unknown data.source {data.source!r}")
+
+
+def _check(config: Config, periods: PeriodSource) -> None:
+    if periods.num_periods < 2:
+        how = _HOW["criteo" if config.data.source == "cache" else config.data.source]
+        raise ValueError(
+            f"towerrec replay needs at least 2 periods, data.source = {config.data.source!r} "
+            f"has {periods.num_periods}: {how}"
+        )
+    if config.optimizer.draws_samples:
+        raise ValueError(
+            f"optimizer.name = {config.optimizer.name!r} draws its own samples; replay reads "
+            "each period once in order: use adam, adagrad, sgd or shampoo"
+        )
+    if config.train.prune_grow.enabled:
+        raise ValueError("train.prune_grow is not supported by replay; disable it")
+    if config.loss.class_prior == "estimate":
+        raise ValueError(
+            "loss.class_prior = 'estimate' estimates from a training split; replay has none: "
+            "give the prior as a number"
+        )
+    if config.plan.strategy == "auto":
+        raise ValueError(
+            "plan.strategy = 'auto' measures the training stream's tables; replay has no such "
+            "stream: use plan.strategy = 'none' (distributed.sharding) or 'file'"
+        )
+    if config.distributed.pipeline:
+        warnings.warn(
+            "distributed.pipeline is ignored by replay: its steps run one batch at a time",
+            stacklevel=3,
+        )
+    if config.train.steps is not None or config.train.epochs is not None:
+        warnings.warn(
+            "train.steps and train.epochs are ignored by replay: it trains one pass over "
+            "every period",
+            stacklevel=3,
+        )
+
+
+def period_steps(rows: int, global_batch: int, world_size: int) -> int:
+    """Training steps of a period of ``rows`` rows: its global batches
+    (``data/periods.py``), less a last one with fewer rows than ranks (a rank would
+    train on none; those rows, at most ``world_size - 1``, are skipped)."""
+    steps, rest = divmod(rows, global_batch)
+    return steps + (rest >= world_size)
+
+
+def run_replay(
+    config: Config, progress: bool = True, hosts: int | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Train through the periods with rolling evaluation (module docstring); the trained
+    model and the summary (what ``replay`` writes as ``replay.json``). In a distributed
+    run (``--nproc``) every rank calls it; each reads its share of every batch."""
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    periods = build_periods(config.data)
+    _check(config, periods)
+    cfg = config.train
+    device = resolve_device(cfg.device)
+    ctx = start_distributed(config, device, hosts)
+    world = ctx.world_size
+    local_batch = ctx.local_batch(cfg.batch_size)
+    local_eval = ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
+    rows = [periods.period_rows(p) for p in range(periods.num_periods)]
+    counts = [period_steps(n, cfg.batch_size, world) for n in rows]
+    steps = sum(counts)
+    config = replace(config, optimizer=_warmup_for(config.optimizer, steps))
+    amp_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
+    model = build_model(
+        with_learned_partition(config, periods.schema),
+        periods.schema,
+        device,
+        materialize_embeddings=world == 1,
+    )
+    model = ctx.parallelize(model, config, periods)
+    exchange, local = (
+        ctx.block_exchange(model) if config.optimizer.name == "shampoo" else (None, [])
+    )
+    optimizer = build_dense_optimizer(config.optimizer, model, exchange, local)
+    objective, _ = resolve_objective(config)
+    objective.check_model(model)
+    # A rank out of evaluation rows forwards this one (row 0) while the others finish.
+    padding = next(iter(periods.period_batches(0, 1))) if world > 1 else None
+    log.info(
+        "replay: %d periods (%s rows), %s steps at batch %d on %d rank(s)",
+        len(rows),
+        ", ".join(f"{n:,}" for n in rows),
+        f"{steps:,}",
+        cfg.batch_size,
+        world,
+    )
+    results: list[PeriodResult] = []
+    step, train_s, tick = 0, 0.0, time.perf_counter()
+    show = progress and cfg.progress and ctx.is_main
+    bar = tqdm(total=steps, unit="step", disable=not show, desc="replay")
+    for period in range(periods.num_periods):
+        if period > 0:
+            batches = periods.period_batches(period, local_eval, ctx.rank, world)
+            metrics = evaluate(model, batches, device, amp_dtype, ctx=ctx, padding=padding)
+            result = _result(period, metrics, periods.period_oracle(period))
+            results.append(result)
+            line = _progress_line(result)
+            log.info("%s", line) if bar.disable else bar.write(line, file=sys.stderr)
+        if counts[period] * cfg.batch_size < rows[period] and ctx.is_main:
+            log.warning(
+                "period %d: the last %d row(s) are fewer than the %d ranks and are not trained on",
+                period,
+                rows[period] % cfg.batch_size,
+                world,
+            )
+        start = time.perf_counter()
+        batches = periods.period_batches(period, local_batch, ctx.rank, world)
+        for batch in itertools.islice(batches, counts[period]):
+            step += 1
+            batch.check()
+            set_learning_rates(model, optimizer, config, lr_factor(config.optimizer, step, steps))
+            train_step(model, optimizer, batch.to(device), amp_dtype, objective)
+            bar.update(1)
+        train_s += time.perf_counter() - start
+    bar.close()
+    summary = _summary(config, rows, steps, results, train_s, time.perf_counter() - tick)
+    summary["ranks"] = world
+    return model, summary
+
+
+def _warmup_for(optimizer: OptimizerConfig, steps: int) -> OptimizerConfig:
+    """A short replay gets a tenth of its steps as warm-up when the warm-up is the
+    default, as a ``towerrec train`` run sized by its data does."""
+    warmup = max(1, steps // 10)
+    if optimizer.warmup_steps == OptimizerConfig().warmup_steps and warmup < optimizer.warmup_steps:
+        log.info(
+            "optimizer.warmup_steps %d -> %d, a tenth of the replay", optimizer.warmup_steps, warmup
+        )
+        return replace(optimizer, warmup_steps=warmup)
+    return optimizer
+
+
+def _result(
+    period: int, metrics: EvalMetrics, oracle: tuple[np.ndarray, np.ndarray] | None
+) -> PeriodResult:
+    return PeriodResult(
+        period=period,
+        rows=metrics.samples,
+        auc=metrics.auc,
+        logloss=metrics.logloss,
+        ne=metrics.ne,
+        calibration=metrics.calibration,
+        oracle_auc=auc(oracle[1], oracle[0]) if oracle is not None else None,
+    )
+
+
+def _progress_line(r: PeriodResult) -> str:
+    line = (
+        f"period {r.period + 1} (trained through {r.period}): AUC {r.auc:.4f}, "
+        f"log-loss {r.logloss:.4f}, NE {r.ne:.4f}"
+    )
+    if r.oracle_auc is not None:
+        line += f" (oracle AUC {r.oracle_auc:.4f})"
+    return line
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(known) / len(known) if known and len(known) == len(values) else None
+
+
+def _summary(
+    config: Config,
+    rows: list[int],
+    steps: int,
+    results: list[PeriodResult],
+    train_s: float,
+    wall_s: float,
+) -> dict[str, Any]:
+    return {
+        "source": config.data.source,
+        "periods": len(rows),
+        "period_rows": rows,
+        "batch_size": config.train.batch_size,
+        "steps": steps,
+        "results": [asdict(r) for r in results],
+        "mean": {
+            key: _mean([getattr(r, key) for r in results])
+            for key in ("auc", "logloss", "ne", "oracle_auc")
+        },
+        "train_samples_per_s": sum(rows) / train_s if train_s > 0 else None,
+        "wall_s": wall_s,
+    }
+
+
+def check_out_dir(out: Path) -> None:
+    if (out / "replay.json").exists():
+        raise FileExistsError(f"{out} already holds a replay (replay.json); choose another --out")
+
+
+def replay(
+    config: Config, out_dir: str | Path, progress: bool = True, hosts: int | None = None
+) -> dict[str, Any]:
+    """``run_replay`` into ``out_dir``: ``replay.json`` and ``replay.png`` (written by the
+    first rank); the summary."""
+    out = Path(out_dir)
+    check_out_dir(out)
+    _, summary = run_replay(config, progress, hosts)
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "replay.json").write_text(json.dumps(_finite(summary), indent=2) + "\n")
+        write_replay_plot(summary, out / "replay.png")
+    return summary
+
+
+def replay_worker(
+    config_path: Path | None, overrides: list[str], out: Path
+) -> dict[str, Any] | None:
+    """One worker of ``towerrec replay --nproc N``: the summary on rank 0, None elsewhere."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if rank == 0:
+        log.setLevel(logging.INFO)  # rank 0 speaks for the run
+    try:
+        summary = replay(load_config(config_path, overrides), out)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return summary if rank == 0 else None
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with non-finite floats (an AUC of one class) as None: strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_replay_plot(summary: dict[str, Any], path: str | Path) -> None:
+    """AUC per evaluated period (and the oracle's, when known), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = summary["results"]
+    x = [r["period"] + 1 for r in results]  # 1-based, as the progress lines
+    fig, (ax_auc, ax_ne) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
+    ax_auc.plot(x, [r["auc"] for r in results], "o-", label="model")
+    if all(r["oracle_auc"] is not None for r in results):
+        ax_auc.plot(x, [r["oracle_auc"] for r in results], "s--", color="k", label="oracle")
+    ax_auc.set_ylabel("AUC on the next period")
+    ax_auc.set_title(f"replay over {summary['periods']} periods ({summary['source']})")
+    ax_auc.legend()
+    ax_ne.plot(x, [r["ne"] for r in results], "o-", color="tab:orange")
+    ax_ne.set_ylabel("NE")
+    ax_ne.set_xlabel("evaluated period (trained through the one before)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
