@@ -17,6 +17,7 @@ from pathlib import Path
 
 from towerrec import calibration
 from towerrec.cli.common import add_config_args
+from towerrec.cli.plan_learn import add_plan_commands
 from towerrec.config import load_config
 from towerrec.planner.report import device_table, write_bar_chart
 from towerrec.planner.stats import load_stats, save_stats, stats_from_source
@@ -57,6 +58,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print a JSON summary, not the table")
     parser.set_defaults(func=_cmd_plan)
+    add_plan_commands(
+        parser.add_subparsers(
+            dest="plan_command", title="learned planners' data and weights", required=False
+        )
+    )
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
