@@ -6,11 +6,13 @@ Two kinds of samples, both drawn at random from ``seed``::
               or one column shard of it split in 2 / 4 (NeuroShard's augmentation: random
               table combinations and column splits); the real EmbeddingBagCollection
               (one fused kernel per width) times forward and backward + fused update
-              separately, median of ``reps`` after one untimed run
+              separately, the fastest of ``reps`` runs after one untimed run (on a shared
+              CPU the fastest run is the least disturbed: repeated collections of the same
+              device differ by ~10% this way, by ~30% with the median)
     comm      2 gloo processes on loopback: rank r holds tables of ``dims[r]`` total
               output dims and sends each rank its share of the pooled outputs
               (all_to_all_single with uneven splits), then the gradients come back the
-              same way; seconds = both exchanges, the slower rank's median
+              same way; seconds = both exchanges, the slower rank's fastest run
 
 ``towerrec plan collect-costs`` writes the file; a few minutes on 2 cores by default.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -86,11 +87,11 @@ def _time_compute(
         if r >= 1:
             forward.append(middle - start)
             backward.append(end - middle)
-    return statistics.median(forward), statistics.median(backward)
+    return min(forward), min(backward)
 
 
 def _time_comm(topology: Topology, samples: Sequence[Sequence[int]], batch: int, reps: int):
-    """On every rank: the median seconds of each sample's forward + backward exchange."""
+    """On every rank: the fastest of ``reps`` forward + backward exchanges, per sample."""
     torch.set_num_threads(1)
     rank, world = topology.rank, topology.world_size
     out = []
@@ -106,7 +107,7 @@ def _time_comm(topology: Topology, samples: Sequence[Sequence[int]], batch: int,
             dist.all_to_all_single(send, recv, send_splits, recv_splits)  # gradients back
             if r >= 1:
                 times.append(time.perf_counter() - start)
-        out.append(statistics.median(times))
+        out.append(min(times))
     return out
 
 
@@ -119,10 +120,10 @@ def random_dims(rng: np.random.Generator, world: int) -> list[int]:
 
 
 def collect_cost_data(
-    num_devices: int = 150,
-    num_comm: int = 40,
+    num_devices: int = 400,
+    num_comm: int = 60,
     batch: int = 2048,
-    reps: int = 3,
+    reps: int = 5,
     seed: int = 0,
     backend: str = "auto",
     max_tables: int = 12,

@@ -112,7 +112,15 @@ class CostData:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Compact JSON, one sample per line (the shipped file stays small and diffable)."""
+        data = self.to_json()
+        samples = {key: data.pop(key) for key in ("compute", "comm")}
+        head = json.dumps(data, separators=(",", ":"))[:-1]
+        parts = [head]
+        for key, rows in samples.items():
+            lines = ",\n".join(json.dumps(r, separators=(",", ":")) for r in rows)
+            parts.append(f',\n"{key}":[\n{lines}\n]')
+        Path(path).write_text("".join(parts) + "}\n")
 
     @staticmethod
     def from_json(
