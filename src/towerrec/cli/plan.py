@@ -36,7 +36,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     add_config_args(parser)
     parser.add_argument("--world-size", type=int, default=4, help="number of ranks (default 4)")
-    parser.add_argument("--planner", help="override plan.planner (search, lpt, greedy_*, random)")
+    parser.add_argument(
+        "--planner", help="override plan.planner (search, lpt, greedy_*, random, neuroshard)"
+    )
     tables = parser.add_mutually_exclusive_group()
     tables.add_argument("--stats", type=Path, help="table statistics JSON instead of the data")
     tables.add_argument(

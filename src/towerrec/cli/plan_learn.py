@@ -2,7 +2,7 @@
 
 ::
 
-    towerrec plan collect-costs --out costs.json --devices 150 --seed 0
+    towerrec plan collect-costs --out costs.json --devices 400 --seed 0
         measure random multi-table devices (forward, backward + update) and
         all-to-alls on this machine: the cost-data file (planner/costdata.py)
     towerrec plan train-policy --planner neuroshard --cost-data costs.json --out DIR --seed 0
@@ -16,6 +16,8 @@ import logging
 from pathlib import Path
 
 from towerrec.calibration.cost_data import collect_cost_data
+from towerrec.planner.costdata import CostData
+from towerrec.planner.neuroshard import train_neuroshard, write_policy
 
 __all__ = ["add_plan_commands"]
 
@@ -29,13 +31,15 @@ def add_plan_commands(actions: argparse._SubParsersAction) -> None:
     )
     collect.add_argument("--out", type=Path, required=True, help="cost-data JSON to write")
     collect.add_argument(
-        "--devices", type=int, default=150, help="random devices to time (default 150)"
+        "--devices", type=int, default=400, help="random devices to time (default 400)"
     )
     collect.add_argument(
-        "--comm", type=int, default=40, help="random all-to-alls to time (default 40)"
+        "--comm", type=int, default=60, help="random all-to-alls to time (default 60)"
     )
     collect.add_argument("--batch", type=int, default=2048, help="samples per rank (2048)")
-    collect.add_argument("--reps", type=int, default=3, help="timed runs per sample (3)")
+    collect.add_argument(
+        "--reps", type=int, default=5, help="timed runs per sample, the fastest kept (5)"
+    )
     collect.add_argument("--seed", type=int, default=0, help="draws the samples (default 0)")
     collect.add_argument(
         "--backend",
@@ -44,6 +48,22 @@ def add_plan_commands(actions: argparse._SubParsersAction) -> None:
         help="embedding kernel to time (default auto: this machine's choice)",
     )
     collect.set_defaults(func=_cmd_collect)
+
+    train = actions.add_parser(
+        "train-policy", help="pre-train a learned planner's models on a cost-data file"
+    )
+    train.add_argument(
+        "--planner", required=True, choices=tuple(TRAINERS), help="which planner to train"
+    )
+    train.add_argument(
+        "--cost-data", type=Path, required=True, help="from `towerrec plan collect-costs`"
+    )
+    train.add_argument(
+        "--out", type=Path, required=True, help="directory for <planner>.pt and <planner>.json"
+    )
+    train.add_argument("--seed", type=int, default=0, help="initialisation and split (0)")
+    train.add_argument("--steps", type=int, default=1500, help="optimizer steps per model")
+    train.set_defaults(func=_cmd_train)
 
 
 def _cmd_collect(args: argparse.Namespace) -> int:
@@ -57,4 +77,27 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         f"cost data written to {args.out}: {len(data.compute)} devices, "
         f"{len(data.comm)} all-to-alls, {data.kernel} kernel"
     )
+    return 0
+
+
+def _train_neuroshard(args: argparse.Namespace) -> Path:
+    data = CostData.load(args.cost_data)
+    policy = train_neuroshard(data, seed=args.seed, steps=args.steps)
+    info = policy.info
+    log.info(
+        "neuroshard: held-out median relative error %.3f (compute), %.3f (all-to-all fit)",
+        info["compute_held_out_median_rel_error"],
+        info["comm_median_rel_error"],
+    )
+    return write_policy(policy, data, args.cost_data, args.out)
+
+
+TRAINERS = {"neuroshard": _train_neuroshard}
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    weights = TRAINERS[args.planner](args)
+    print(f"{args.planner} weights written to {weights} (and {weights.with_suffix('.json')})")
     return 0

@@ -244,7 +244,9 @@ class PlanConfig:
     ranks; ``towerrec plan`` uses ``hosts`` and ``ranks_per_host`` (0: the world
     size over ``hosts``);
     ``device_memory_gib = 0`` the ``topology`` preset's; ``calibration`` is a
-    cost-constants JSON written by ``towerrec plan --calibrate``.
+    cost-constants JSON written by ``towerrec plan --calibrate``;
+    ``neuroshard_weights`` the ``neuroshard`` planner's pre-trained cost models
+    (``towerrec plan train-policy``; empty: the weights shipped with towerrec).
     """
 
     strategy: str = "none"
@@ -257,6 +259,7 @@ class PlanConfig:
     calibration: str = ""
     stats_batches: int = 8
     stats_batch_size: int = 1024
+    neuroshard_weights: str = ""
 
     def __post_init__(self) -> None:
         from towerrec.planner.search import PLANNERS

@@ -11,6 +11,9 @@
                    then refine: moves and swaps between the most and least loaded devices
     search         beam search over column / row splits of the tables on the most loaded
                    device (each candidate scored by LPT), then LPT + refine on the best
+    neuroshard     pre-trained neural cost models (planner/neuroshard.py) and their search:
+                   beam over column splits x greedy grid over placement
+                   (planner/neuroshard_search.py); the plan is then scored by ``model``
 
 Memory is a hard constraint in every planner; an infeasible task raises
 ``PlanningError`` naming the table and the shortfall. Everything here is
@@ -20,6 +23,7 @@ same error).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +33,8 @@ import numpy as np
 
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.cost import CostModel
+from towerrec.planner.neuroshard import NeuroShardPolicy, load_policy
+from towerrec.planner.neuroshard_search import search_neuroshard
 from towerrec.planner.placement import (
     Item,
     Loads,
@@ -42,6 +48,8 @@ from towerrec.sharding import Shard, ShardingPlan, ShardingType, TablePlan
 
 __all__ = ["GREEDY_KEYS", "PLANNERS", "PlanResult", "evaluate_plan", "plan_tables"]
 
+log = logging.getLogger("towerrec")
+
 GREEDY_KEYS = {
     "greedy_size": lambda s: s.num_embeddings * s.embedding_dim,
     "greedy_lookup": lambda s: s.pooling_factor * s.embedding_dim,
@@ -49,7 +57,7 @@ GREEDY_KEYS = {
     "greedy_dim": lambda s: s.embedding_dim,
     "random": None,
 }
-PLANNERS = (*GREEDY_KEYS, "lpt", "search")
+PLANNERS = (*GREEDY_KEYS, "lpt", "search", "neuroshard")
 
 
 @dataclass
@@ -434,8 +442,10 @@ def plan_tables(
     beam_width: int = 3,
     beam_depth: int = 6,
     beam_branch: int = 2,
+    policy: NeuroShardPolicy | None = None,
 ) -> PlanResult:
-    """Plan ``stats`` on ``model.topology`` with one of ``PLANNERS``."""
+    """Plan ``stats`` on ``model.topology`` with one of ``PLANNERS``; ``policy``: the
+    neuroshard planner's cost models (``neuroshard.load_policy``; default: shipped)."""
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
     if not stats:
@@ -453,6 +463,9 @@ def plan_tables(
         if planner in GREEDY_KEYS:
             loads = Loads(model, len(widths))
             _greedy(items, loads, planner, seed)
+        elif planner == "neuroshard":  # LPT only finds the splits that pack
+            loads = Loads(model, len(widths))
+            _lpt(items, loads)
         else:
             loads = _lpt_refined(items, widths, model, refine_rounds)
         return items, loads
@@ -466,6 +479,17 @@ def plan_tables(
             split_items, split_loads = place(found)
             if split_loads.totals().max() < loads.totals().max():
                 items, loads = split_items, split_loads
+    if planner == "neuroshard":
+        policy = policy or load_policy()
+        found = search_neuroshard(
+            stats, model, policy, constraints, splits, beam_width, beam_depth, beam_branch
+        )
+        if found is None:
+            log.warning("neuroshard: no greedy grid point packs the tables; using LPT's placement")
+        else:
+            items, loads = found.items, Loads(model, found.num_widths)
+            for i, rank in enumerate(found.ranks):
+                loads.add(rank, i, items[i])
     result = _result(items, loads, model, planner, time.perf_counter() - start)
     result.cpu_seconds = time.process_time() - cpu_start
     result.plan.validate([TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in stats])

@@ -14,6 +14,7 @@ from dataclasses import replace
 from towerrec.config import Config
 from towerrec.optim.sparse import EmbeddingOptimizer
 from towerrec.planner.cost import CostConstants, CostModel
+from towerrec.planner.neuroshard import load_policy
 from towerrec.planner.search import PlanResult, plan_tables
 from towerrec.planner.stats import TableStats, stats_from_source
 from towerrec.planner.topology import topology_preset
@@ -63,7 +64,12 @@ def plan_source(
             batch_size=config.plan.stats_batch_size,
             num_batches=config.plan.stats_batches,
         )
-    return plan_tables(stats, build_cost_model(config, world_size), config.plan.planner)
+    policy = None
+    if config.plan.planner == "neuroshard":
+        policy = load_policy(config.plan.neuroshard_weights or None)
+    return plan_tables(
+        stats, build_cost_model(config, world_size), config.plan.planner, policy=policy
+    )
 
 
 def build_plan(config: Config, source, world_size: int) -> ShardingPlan | None:
