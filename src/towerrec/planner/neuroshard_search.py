@@ -177,11 +177,17 @@ class _Task:
             on.setdefault(it.group, set()).add(rank)
             ranks[i] = rank
 
-        for i, it in enumerate(self.items):
-            if it.fixed_rank is not None:
-                if memory[it.fixed_rank] + self.memory[i] > limit:
-                    return None
-                place(i, it.fixed_rank, float(device_compute(i)[it.fixed_rank]))
+        pinned = [i for i, it in enumerate(self.items) if it.fixed_rank is not None]
+        for i in pinned:  # row-wise, data-parallel and pinned shards: priced once at the end
+            rank = self.items[i].fixed_rank
+            assert rank is not None
+            if memory[rank] + self.memory[i] > limit:
+                return None
+            place(i, rank, 0.0)
+        if pinned:
+            device[:, 0], device[:, 1] = num_widths / 8, count / 8
+            compute[:] = np.where(count > 0, self.scale * head.seconds(pooled, device), 0)
+            total[:] = compute + self.comm_base + self.comm_per_dim * dims
         for i in self.order(key):
             ok = memory + self.memory[i] <= limit
             for rank in on.get(self.items[i].group, ()):
