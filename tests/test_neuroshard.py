@@ -164,3 +164,17 @@ def test_shipped_weights_load_and_name_their_data():
     assert policy.batch == record["cost_data"]["batch"]
     data = CostData.load(shipped, kernel=record["cost_data"]["kernel"])
     assert len(data.compute) == record["cost_data"]["compute_samples"]
+
+
+def test_plan_command_with_neuroshard(tmp_path, capsys):
+    from towerrec.cli.app import main
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--suite", "20", "--world-size", "4", "--planner", "neuroshard"]
+    argv += ["--set", "plan.topology=gpu"]
+    assert main([*argv, "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["planner"] == "neuroshard"
+    assert out.is_file()
+    missing = tmp_path / "none.pt"
+    assert main([*argv, "--out", str(out), "--set", f"plan.neuroshard_weights={missing}"]) == 2
+    assert "train-policy" in capsys.readouterr().err

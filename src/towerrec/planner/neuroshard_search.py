@@ -117,6 +117,10 @@ class _Task:
             self.projected + self.head.bias, lone
         )
         self.total_dims = float(self.dims.sum())
+        self.width_index = np.array([it.width for it in items], dtype=np.int64)
+        pinned = [(i, it.fixed_rank) for i, it in enumerate(items) if it.fixed_rank is not None]
+        self.pinned = np.array([i for i, _ in pinned], dtype=np.int64)
+        self.pinned_ranks = np.array([r for _, r in pinned], dtype=np.int64)
         # All-to-all seconds of a device = base + per_dim * its dims (the total is fixed).
         comm, batch = policy.comm, model.batch_size
         if world < 2:
@@ -177,14 +181,18 @@ class _Task:
             on.setdefault(it.group, set()).add(rank)
             ranks[i] = rank
 
-        pinned = [i for i, it in enumerate(self.items) if it.fixed_rank is not None]
-        for i in pinned:  # row-wise, data-parallel and pinned shards: priced once at the end
-            rank = self.items[i].fixed_rank
-            assert rank is not None
-            if memory[rank] + self.memory[i] > limit:
+        pinned, at = self.pinned, self.pinned_ranks
+        if len(pinned):  # row-wise, data-parallel and pinned shards, all at once
+            np.add.at(memory, at, self.memory[pinned])
+            if (memory > limit).any():
                 return None
-            place(i, rank, 0.0)
-        if pinned:
+            np.add.at(pooled, at, self.projected[pinned])
+            np.add.at(widths, (at, self.width_index[pinned]), 1)
+            np.add.at(count, at, 1)
+            np.add.at(dims, at, self.dims[pinned])
+            num_widths[:] = (widths > 0).sum(axis=1)
+            for i, rank in zip(pinned.tolist(), at.tolist()):
+                ranks[i] = rank  # their tables' shards are all pinned: no group to record
             device[:, 0], device[:, 1] = num_widths / 8, count / 8
             compute[:] = np.where(count > 0, self.scale * head.seconds(pooled, device), 0)
             total[:] = compute + self.comm_base + self.comm_per_dim * dims
