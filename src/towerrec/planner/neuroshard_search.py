@@ -13,8 +13,9 @@
     beam    every state's best placement names its most loaded device; its ``branch``
             costliest splittable tables are split in twice as many column shards (at
             most the world size, at least 4 columns each), each child scored by the
-            greedy at its parent's best grid point; the best ``width`` states go on for
-            up to ``depth`` rounds while the best improves; the winner gets the full grid
+            greedy grid (a child of over FULL_GRID_ITEMS shards: at its parent's best
+            grid point only, and the winner gets the full grid); the best ``width``
+            states go on for up to ``depth`` rounds while the best improves
 
 Costs come from a NeuroShardPolicy (planner/neuroshard.py): its compute networks
 run in numpy on per-device pooled encodings kept up to date as shards are added
@@ -41,6 +42,9 @@ __all__ = ["GRID", "NeuroShardResult", "search_neuroshard"]
 GRID_KEYS = ("cost", "dims", "memory")
 DIMS_CAPS = (0.0, 1.1, 1.3)  # 0: no cap
 GRID = tuple((key, cap) for key in GRID_KEYS for cap in DIMS_CAPS)
+# Candidates with at most this many shards get the whole grid; larger ones (856 tables:
+# ~900 shards) their parent's best grid point, and the winner the whole grid at the end.
+FULL_GRID_ITEMS = 256
 Splits = dict[str, tuple[ShardingType, int]]
 
 
@@ -296,9 +300,10 @@ def search_neuroshard(
                     child_task = build(child)
                 except PlanningError:
                     continue
-                found = child_task.greedy(*point)
+                points = GRID if len(child_task.items) <= FULL_GRID_ITEMS else [point]
+                found = _run_grid(child_task, points)
                 if found is not None:
-                    children.append((found[0], child, child_task, found[1], found[2], point))
+                    children.append((found[0], child, child_task, *found[1:]))
                 if tried >= beam_branch:
                     break
         if not children:
@@ -309,7 +314,7 @@ def search_neuroshard(
         else:
             break
     cost, parts, task, ranks, _, point = best
-    if parts:
+    if parts and len(task.items) > FULL_GRID_ITEMS:
         again = _run_grid(task, GRID)
         if again is not None and again[0] < cost:
             cost, ranks, _, point = again
