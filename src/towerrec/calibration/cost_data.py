@@ -145,6 +145,7 @@ def collect_cost_data(
         "flags": cpu_flags(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "kernel_backend": kernel,
+        "timing_threads": 1,  # every compute sample runs on one thread (one rank, one core)
     }
     data = CostData(machine, kernel, batch)
     threads = torch.get_num_threads()
