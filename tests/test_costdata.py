@@ -86,3 +86,12 @@ def test_collect_costs_command(tmp_path, capsys):
     assert len(CostData.load(out).compute) == 1
     assert main(["plan", "collect-costs", "--out", str(out), "--devices", "-1"]) == 2
     assert "--devices" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_collect_all_to_alls_on_two_gloo_ranks():
+    data = collect_cost_data(num_devices=0, num_comm=2, batch=16, reps=1, seed=4)
+    assert not data.compute and len(data.comm) == 2
+    for sample in data.comm:
+        assert sample.world == 2 and len(sample.dims) == 2 and sample.seconds > 0
+        assert sample.batch == 16

@@ -35,7 +35,7 @@ from towerrec.distributed.mesh import Topology
 from towerrec.modules.kernels.backend import resolve_backend
 from towerrec.planner.costdata import CommSample, ComputeSample, CostData, Shard
 
-__all__ = ["collect_cost_data", "cpu_flags", "random_split_device"]
+__all__ = ["collect_cost_data", "cpu_flags", "random_dims", "random_split_device"]
 
 log = logging.getLogger("towerrec")
 
