@@ -178,3 +178,18 @@ def test_plan_command_with_neuroshard(tmp_path, capsys):
     missing = tmp_path / "none.pt"
     assert main([*argv, "--out", str(out), "--set", f"plan.neuroshard_weights={missing}"]) == 2
     assert "train-policy" in capsys.readouterr().err
+
+
+def test_a_policy_for_another_kernel_is_named(caplog):
+    from towerrec.config import load_config
+    from towerrec.train.planning import plan_source
+
+    kernel = load_policy().info["kernel"]
+    other = "torch" if kernel == "fbgemm" else "fbgemm"
+    overrides = ["plan.planner=neuroshard", "plan.topology=gpu", f"embedding.backend={other}"]
+    stats = dlrm_like_suite(12, seed=1)
+    with caplog.at_level("WARNING", logger="towerrec"):
+        result = plan_source(load_config(None, overrides), None, 4, stats)
+    assert result.planner == "neuroshard"
+    assert f"trained on the {kernel!r} embedding kernel" in caplog.text
+    assert "collect-costs" in caplog.text

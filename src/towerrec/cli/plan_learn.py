@@ -36,7 +36,12 @@ def add_plan_commands(actions: argparse._SubParsersAction) -> None:
     collect.add_argument(
         "--comm", type=int, default=60, help="random all-to-alls to time (default 60)"
     )
-    collect.add_argument("--batch", type=int, default=2048, help="samples per rank (2048)")
+    collect.add_argument(
+        "--batch",
+        type=int,
+        default=2048,
+        help="samples a device's kernel processes, and each rank's in the all-to-all (2048)",
+    )
     collect.add_argument(
         "--reps", type=int, default=5, help="timed runs per sample, the fastest kept (5)"
     )

@@ -6,7 +6,8 @@ lives in towerrec.calibration; this module only reads, writes and checks)::
     {"format": "towerrec-cost-data", "version": 1,
      "machine": {cpu, flags, cores, torch, kernel backend, ...},
      "kernel": "torch" | "fbgemm",          the embedding kernel that was timed
-     "batch": B,                            samples per rank in every measurement
+     "batch": B,                            samples a device's kernel processes; each
+                                            rank's samples in an all-to-all
      "compute": [                           one device: a fused multi-table kernel
         {"shards": [{TableStats fields..., "rows": r, "cols": c}, ...],
          "forward_s": f, "backward_s": b}, ...],   backward_s: backward + fused update

@@ -9,6 +9,7 @@ or the same ``PlanningError``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from towerrec.config import Config
@@ -23,6 +24,8 @@ from towerrec.sharding import ShardingPlan
 __all__ = ["build_cost_model", "build_plan", "plan_source"]
 
 GiB = float(1 << 30)
+
+log = logging.getLogger("towerrec")
 
 
 def build_cost_model(config: Config, world_size: int) -> CostModel:
@@ -67,6 +70,17 @@ def plan_source(
     policy = None
     if config.plan.planner == "neuroshard":
         policy = load_policy(config.plan.neuroshard_weights or None)
+        backend = config.embedding.backend.value
+        trained = policy.info.get("kernel")
+        if backend != "auto" and trained and backend != trained:
+            log.warning(
+                "plan.neuroshard_weights were trained on the %r embedding kernel's costs but "
+                "embedding.backend is %r: collect costs with --backend %s and retrain "
+                "(towerrec plan collect-costs, towerrec plan train-policy) for a matching model",
+                trained,
+                backend,
+                backend,
+            )
     return plan_tables(
         stats, build_cost_model(config, world_size), config.plan.planner, policy=policy
     )
