@@ -193,3 +193,18 @@ def test_a_policy_for_another_kernel_is_named(caplog):
     assert result.planner == "neuroshard"
     assert f"trained on the {kernel!r} embedding kernel" in caplog.text
     assert "collect-costs" in caplog.text
+
+
+def test_pinned_tables_stay_whole_and_where_they_are_pinned(policy):
+    from towerrec.planner.placement import TableConstraint
+
+    hot = TableStats(
+        "hot", 4000, 128, pooling_factor=40, pooling_p50=40, pooling_p99=40, pooling_max=40
+    )
+    small = [TableStats(f"s{i}", 1000, 8) for i in range(6)]
+    model = CostModel(topology_preset("gpu", 1, 4), None, 512)
+    result = plan_tables(
+        [hot, *small], model, "neuroshard", {"hot": TableConstraint(rank=2)}, policy=policy
+    )
+    shards = result.plan.tables["hot"].shards
+    assert len(shards) == 1 and shards[0].rank == 2

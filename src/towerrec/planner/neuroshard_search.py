@@ -286,6 +286,8 @@ def search_neuroshard(
             hot = sorted((i for i, r in enumerate(ranks) if r == top), key=lambda i: -task.solo[i])
             tried = 0
             for i in hot:
+                if task.items[i].fixed_rank is not None:
+                    continue  # pinned (a constraint), row-wise or data-parallel: stays
                 name = task.items[i].table
                 nxt = splittable(name, parts)
                 if not nxt:
