@@ -14,6 +14,10 @@ tables shaped like Meta's DLRM sharding data set):
                real EmbeddingBagCollection (forward + backward + fused update) and the
                slowest device's kernel time is reported per planner
 
+``neuroshard`` plans with the shipped weights (or ``--neuroshard-weights``); like
+every planner, its plans are scored by the cost model below (and, in ``measured``,
+timed).
+
 ``--learned`` runs instead the learned planners' protocol (bench/plan_learned.py:
 DreamShard's train / unseen test split, transfer to more tables and devices).
 
@@ -35,6 +39,7 @@ from towerrec.bench.common import Benchmark, machine_info
 from towerrec.bench.plan_learned import learned_part
 from towerrec.calibration import device_step
 from towerrec.planner.cost import CostConstants, CostModel
+from towerrec.planner.neuroshard import load_policy
 from towerrec.planner.search import GREEDY_KEYS, PLANNERS, evaluate_plan, plan_tables
 from towerrec.planner.stats import TableStats
 from towerrec.planner.suites import dlrm_like_suite, planning_tasks
@@ -102,14 +107,14 @@ def _model(topology, calibration, hosts, local, batch, **overrides):
     return CostModel(topology_preset(topology, hosts, local, **overrides), None, batch)
 
 
-def _tasks_part(suite, model, num_tasks, torchrec_tasks, seed) -> dict:
+def _tasks_part(suite, model, num_tasks, torchrec_tasks, seed, policy) -> dict:
     tasks = planning_tasks(suite, num_tasks, 10, 60, seed=seed)
     cost: dict[str, list[float]] = {p: [] for p in PLANNERS}
     seconds: dict[str, list[float]] = {p: [] for p in PLANNERS}
     cpu_seconds: dict[str, list[float]] = {p: [] for p in PLANNERS}
     for task in tasks:
         for p in PLANNERS:
-            r = plan_tables(task, model, p, seed=seed)
+            r = plan_tables(task, model, p, seed=seed, policy=policy)
             cost[p].append(r.max_cost)
             seconds[p].append(r.seconds)
             cpu_seconds[p].append(r.cpu_seconds)
@@ -150,12 +155,12 @@ def _tasks_part(suite, model, num_tasks, torchrec_tasks, seed) -> dict:
     return out
 
 
-def _full_part(suite, model, seed) -> dict:
+def _full_part(suite, model, seed, policy) -> dict:
     topo = model.topology
     out = {"num_tables": len(suite), "devices": topo.world_size, "hosts": topo.hosts}
     out["planners"] = {}
     for p in PLANNERS:
-        r = plan_tables(suite, model, p, seed=seed)
+        r = plan_tables(suite, model, p, seed=seed, policy=policy)
         out["planners"][p] = {
             "max_cost_ms": r.max_cost * 1e3,
             "imbalance": r.imbalance,
@@ -165,7 +170,7 @@ def _full_part(suite, model, seed) -> dict:
     return out
 
 
-def _measured_part(suite, calibration, num_tasks, seed, max_rows=50_000, rounds=5) -> dict:
+def _measured_part(suite, calibration, num_tasks, seed, policy, max_rows=50_000, rounds=5) -> dict:
     """Each task's distinct device loads (identical plans share them) timed round-robin:
     ``rounds`` rounds, each running every device once (time_interleaved), so drift in
     this shared machine's speed hits every planner alike."""
@@ -189,7 +194,7 @@ def _measured_part(suite, calibration, num_tasks, seed, max_rows=50_000, rounds=
             by_name = {s.name: s for s in task}
             loads: dict[tuple, list] = {}  # a device's shards -> (shards, planners x ranks)
             for p in PLANNERS:
-                r = plan_tables(task, model, p, seed=seed)
+                r = plan_tables(task, model, p, seed=seed, policy=policy)
                 predicted[p].append(r.max_cost)
                 for rank in range(model.topology.world_size):
                     shards = [(name, sh.rows, sh.cols) for name, sh in r.plan.shards_on(rank)]
@@ -248,8 +253,10 @@ def run_plan_benchmark(
     calibration: str | None = None,
     batch_size: int = 512,
     seed: int = 0,
+    neuroshard_weights: str | None = None,
 ) -> dict:
     suite = dlrm_like_suite(856, seed=seed, batch_size=batch_size)
+    policy = load_policy(neuroshard_weights)
     small_model = _model(topology, calibration, 1, 4, batch_size, device_memory=TASK_DEVICE_MEMORY)
     result: dict[str, Any] = {
         "benchmark": "plan",
@@ -260,12 +267,23 @@ def run_plan_benchmark(
             "batch_size_per_rank": batch_size,
             "task_device_memory_gib": TASK_DEVICE_MEMORY / (1 << 30),
         },
-        "tasks": _tasks_part(suite, small_model, tasks, torchrec_tasks, seed),
+        "neuroshard_policy": {
+            "weights": neuroshard_weights or "shipped",
+            "cost_data_sha256": policy.info.get("cost_data", {}).get("sha256"),
+            "cost_data_cpu": policy.info.get("cost_data", {}).get("machine", {}).get("cpu"),
+            "kernel": policy.info.get("kernel"),
+            "compute_held_out_median_rel_error": policy.info.get(
+                "compute_held_out_median_rel_error"
+            ),
+        },
+        "tasks": _tasks_part(suite, small_model, tasks, torchrec_tasks, seed, policy),
     }
     if full:
-        result["full"] = _full_part(suite, _model(topology, calibration, 16, 8, batch_size), seed)
+        result["full"] = _full_part(
+            suite, _model(topology, calibration, 16, 8, batch_size), seed, policy
+        )
     if measured_tasks:
-        result["measured"] = _measured_part(suite, calibration, measured_tasks, seed)
+        result["measured"] = _measured_part(suite, calibration, measured_tasks, seed, policy)
     planners = result["tasks"]["planners"]
     result["targets"] = {
         "search_mean_ratio_to_best_greedy": planners["search"]["mean_ratio_to_best_greedy"],
@@ -276,6 +294,9 @@ def run_plan_benchmark(
         result["targets"]["plan_856_on_128_s"] = search["planning_s"]
         result["targets"]["plan_856_on_128_cpu_s"] = search["planning_cpu_s"]
         result["targets"]["target_s"] = 5.0
+        neuro = result["full"]["planners"]["neuroshard"]
+        result["targets"]["neuroshard_plan_856_on_128_s"] = neuro["planning_s"]
+        result["targets"]["neuroshard_plan_856_on_128_cpu_s"] = neuro["planning_cpu_s"]
     return result
 
 
@@ -300,6 +321,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="with --learned: policy training batches x this (1.0: 4 x 75 DreamShard, 300 AutoShard)",
     )
+    parser.add_argument(
+        "--neuroshard-weights",
+        help="neuroshard weights (towerrec plan train-policy); default: shipped",
+    )
 
 
 def _run(args: argparse.Namespace) -> dict:
@@ -322,6 +347,7 @@ def _run(args: argparse.Namespace) -> dict:
         full=not args.no_full,
         topology=args.topology,
         calibration=args.calibration,
+        neuroshard_weights=args.neuroshard_weights,
     )
 
 

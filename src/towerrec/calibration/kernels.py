@@ -33,6 +33,7 @@ from towerrec.sparse import KeyedJaggedTensor
 __all__ = [
     "FEATURES",
     "analytic_device_seconds",
+    "build_device",
     "device_step",
     "fit_kernel",
     "kernel_features",
@@ -62,15 +63,15 @@ def make_ids(stats: TableStats, batch: int, rows: int, rng: np.random.Generator)
     return lengths.astype(np.int64), perm[ids]
 
 
-def device_step(
+def build_device(
     shards: Sequence[tuple[TableStats, int, int]],
     batch: int,
     backend: str = "auto",
     seed: int = 0,
     device: str = "cpu",
-):
-    """A function running one forward + backward + fused update of a device holding
-    ``shards`` = (stats, rows, cols), on a fixed batch of ``batch`` samples."""
+) -> tuple[EmbeddingBagCollection, KeyedJaggedTensor]:
+    """The real EmbeddingBagCollection of a device holding ``shards`` = (stats, rows,
+    cols) (one fused kernel per width) and a fixed batch of ``batch`` samples for it."""
     rng = np.random.default_rng(seed)
     tables, values, lengths = [], [], []
     for i, (stats, rows, cols) in enumerate(shards):
@@ -86,7 +87,19 @@ def device_step(
         torch.from_numpy(np.concatenate(values)),
         torch.from_numpy(np.concatenate(lengths)),
     )
-    features = features.select(ebc.feature_names).to(device)
+    return ebc, features.select(ebc.feature_names).to(device)
+
+
+def device_step(
+    shards: Sequence[tuple[TableStats, int, int]],
+    batch: int,
+    backend: str = "auto",
+    seed: int = 0,
+    device: str = "cpu",
+):
+    """A function running one forward + backward + fused update of a device holding
+    ``shards`` = (stats, rows, cols), on a fixed batch of ``batch`` samples."""
+    ebc, features = build_device(shards, batch, backend, seed, device)
     cuda = torch.device(device).type == "cuda"
 
     def step(_: int = 0) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from towerrec import calibration
 from towerrec.cli.common import add_config_args
+from towerrec.cli.plan_learn import add_plan_commands
 from towerrec.cli.plan_tiers import TIER_ONLY, add_tier_arguments, run_tiers
 from towerrec.config import load_config
 from towerrec.planner.report import device_table, write_bar_chart
@@ -39,7 +40,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--world-size", type=int, default=4, help="number of ranks (default 4)")
     parser.add_argument(
         "--planner",
-        help="override plan.planner (search, lpt, greedy_*, random, dreamshard, autoshard)",
+        help="override plan.planner (search, lpt, greedy_*, random, neuroshard, dreamshard, "
+        "autoshard)",
     )
     tables = parser.add_mutually_exclusive_group()
     tables.add_argument("--stats", type=Path, help="table statistics JSON instead of the data")
@@ -64,6 +66,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON summary, not the table")
     add_tier_arguments(parser)
     parser.set_defaults(func=_cmd_plan)
+    add_plan_commands(
+        parser.add_subparsers(
+            dest="plan_command", title="learned planners' data and weights", required=False
+        )
+    )
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

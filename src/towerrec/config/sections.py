@@ -244,7 +244,10 @@ class PlanConfig:
     ranks; ``towerrec plan`` uses ``hosts`` and ``ranks_per_host`` (0: the world
     size over ``hosts``);
     ``device_memory_gib = 0`` the ``topology`` preset's; ``calibration`` is a
-    cost-constants JSON written by ``towerrec plan --calibrate``.
+    cost-constants JSON written by ``towerrec plan --calibrate``;
+    ``weights`` a learned planner's weights (``neuroshard``, ``dreamshard``,
+    ``autoshard``; from ``towerrec plan train-policy``; empty: the weights shipped
+    with towerrec).
     """
 
     strategy: str = "none"
@@ -257,6 +260,7 @@ class PlanConfig:
     calibration: str = ""
     stats_batches: int = 8
     stats_batch_size: int = 1024
+    weights: str = ""
 
     def __post_init__(self) -> None:
         from towerrec.planner.search import PLANNERS

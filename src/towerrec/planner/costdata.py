@@ -6,7 +6,8 @@ lives in towerrec.calibration; this module only reads, writes and checks)::
     {"format": "towerrec-cost-data", "version": 1,
      "machine": {cpu, flags, cores, torch, kernel backend, ...},
      "kernel": "torch" | "fbgemm",          the embedding kernel that was timed
-     "batch": B,                            samples per rank in every measurement
+     "batch": B,                            samples a device's kernel processes; each
+                                            rank's samples in an all-to-all
      "compute": [                           one device: a fused multi-table kernel
         {"shards": [{TableStats fields..., "rows": r, "cols": c}, ...],
          "forward_s": f, "backward_s": b}, ...],   backward_s: backward + fused update
@@ -112,7 +113,15 @@ class CostData:
         }
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Compact JSON, one sample per line (the shipped file stays small and diffable)."""
+        data = self.to_json()
+        samples = {key: data.pop(key) for key in ("compute", "comm")}
+        head = json.dumps(data, separators=(",", ":"))[:-1]
+        parts = [head]
+        for key, rows in samples.items():
+            lines = ",\n".join(json.dumps(r, separators=(",", ":")) for r in rows)
+            parts.append(f',\n"{key}":[\n{lines}\n]')
+        Path(path).write_text("".join(parts) + "}\n")
 
     @staticmethod
     def from_json(

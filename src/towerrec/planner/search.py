@@ -11,6 +11,9 @@
                    then refine: moves and swaps between the most and least loaded devices
     search         beam search over column / row splits of the tables on the most loaded
                    device (each candidate scored by LPT), then LPT + refine on the best
+    neuroshard     pre-trained neural cost models (planner/neuroshard.py) and their search:
+                   beam over column splits x greedy grid over placement
+                   (planner/neuroshard_search.py); the plan is then scored by ``model``
     dreamshard     learned policies (planner/dreamshard.py, planner/autoshard.py) with
     autoshard      their shipped weights (or ``weights``): one shard at a time, greedy
 
@@ -22,6 +25,7 @@ same error).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +36,8 @@ import numpy as np
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.cost import CostModel
 from towerrec.planner.learned_planners import LEARNED_PLANNERS, learned_placer, one_thread
+from towerrec.planner.neuroshard import NeuroShardPolicy, load_policy
+from towerrec.planner.neuroshard_search import search_neuroshard
 from towerrec.planner.placement import (
     Item,
     Loads,
@@ -45,6 +51,8 @@ from towerrec.sharding import Shard, ShardingPlan, ShardingType, TablePlan
 
 __all__ = ["GREEDY_KEYS", "PLANNERS", "PlanResult", "evaluate_plan", "plan_tables"]
 
+log = logging.getLogger("towerrec")
+
 GREEDY_KEYS = {
     "greedy_size": lambda s: s.num_embeddings * s.embedding_dim,
     "greedy_lookup": lambda s: s.pooling_factor * s.embedding_dim,
@@ -52,7 +60,7 @@ GREEDY_KEYS = {
     "greedy_dim": lambda s: s.embedding_dim,
     "random": None,
 }
-PLANNERS = (*GREEDY_KEYS, "lpt", "search", *LEARNED_PLANNERS)
+PLANNERS = (*GREEDY_KEYS, "lpt", "search", "neuroshard", *LEARNED_PLANNERS)
 
 
 @dataclass
@@ -448,9 +456,11 @@ def plan_tables(
     beam_depth: int = 6,
     beam_branch: int = 2,
     weights: str | None = None,
+    policy: NeuroShardPolicy | None = None,
 ) -> PlanResult:
-    """Plan ``stats`` on ``model.topology`` with one of ``PLANNERS`` (``weights``: a
-    weights file for a learned planner instead of the shipped one)."""
+    """Plan ``stats`` on ``model.topology`` with one of ``PLANNERS``. ``weights``: a
+    weights file for a learned planner instead of the shipped one; ``policy``: the
+    neuroshard planner's cost models already loaded (``neuroshard.load_policy``)."""
     if planner not in PLANNERS:
         raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
     if not stats:
@@ -471,6 +481,9 @@ def plan_tables(
         elif planner in LEARNED_PLANNERS:
             loads = Loads(model, len(widths))
             _learned(items, loads, planner, weights)
+        elif planner == "neuroshard":  # LPT only finds the splits that pack
+            loads = Loads(model, len(widths))
+            _lpt(items, loads)
         else:
             loads = _lpt_refined(items, widths, model, refine_rounds)
         return items, loads
@@ -484,6 +497,17 @@ def plan_tables(
             split_items, split_loads = place(found)
             if split_loads.totals().max() < loads.totals().max():
                 items, loads = split_items, split_loads
+    if planner == "neuroshard":
+        policy = policy or load_policy(weights)
+        found = search_neuroshard(
+            stats, model, policy, constraints, splits, beam_width, beam_depth, beam_branch
+        )
+        if found is None:
+            log.warning("neuroshard: no greedy grid point packs the tables; using LPT's placement")
+        else:
+            items, loads = found.items, Loads(model, found.num_widths)
+            for i, rank in enumerate(found.ranks):
+                loads.add(rank, i, items[i])
     result = _result(items, loads, model, planner, time.perf_counter() - start)
     result.cpu_seconds = time.process_time() - cpu_start
     result.plan.validate([TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in stats])

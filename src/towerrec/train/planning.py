@@ -9,11 +9,13 @@ or the same ``PlanningError``.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from towerrec.config import Config
 from towerrec.optim.sparse import EmbeddingOptimizer
 from towerrec.planner.cost import CostConstants, CostModel
+from towerrec.planner.neuroshard import load_policy
 from towerrec.planner.search import PlanResult, plan_tables
 from towerrec.planner.stats import TableStats, stats_from_source
 from towerrec.planner.topology import topology_preset
@@ -22,6 +24,8 @@ from towerrec.sharding import ShardingPlan
 __all__ = ["build_cost_model", "build_plan", "plan_source"]
 
 GiB = float(1 << 30)
+
+log = logging.getLogger("towerrec")
 
 
 def build_cost_model(config: Config, world_size: int) -> CostModel:
@@ -63,7 +67,27 @@ def plan_source(
             batch_size=config.plan.stats_batch_size,
             num_batches=config.plan.stats_batches,
         )
-    return plan_tables(stats, build_cost_model(config, world_size), config.plan.planner)
+    policy = None
+    if config.plan.planner == "neuroshard":
+        policy = load_policy(config.plan.weights or None)
+        backend = config.embedding.backend.value
+        trained = policy.info.get("kernel")
+        if backend != "auto" and trained and backend != trained:
+            log.warning(
+                "plan.weights were trained on the %r embedding kernel's costs but "
+                "embedding.backend is %r: collect costs with --backend %s and retrain "
+                "(towerrec plan collect-costs, towerrec plan train-policy) for a matching model",
+                trained,
+                backend,
+                backend,
+            )
+    return plan_tables(
+        stats,
+        build_cost_model(config, world_size),
+        config.plan.planner,
+        weights=config.plan.weights or None,
+        policy=policy,
+    )
 
 
 def build_plan(config: Config, source, world_size: int) -> ShardingPlan | None:
