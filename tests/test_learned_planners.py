@@ -177,7 +177,9 @@ def test_bad_weight_files_are_refused(tmp_path, tiny):
     (tmp_path / "junk.pt").write_text("not a torch file")
     with pytest.raises(PolicyWeightsError, match="not a readable weights file"):
         PolicyWeights.load(tmp_path / "junk.pt", "dreamshard")
-    with pytest.raises(FileNotFoundError, match="train one with train_policy"):
+    with pytest.raises(
+        FileNotFoundError, match="train one with `towerrec plan train-policy --planner dreamshard"
+    ):
         learned_placer("dreamshard", tmp_path / "missing.pt")
     with pytest.raises(ValueError, match="unknown learned planner 'neuro'"):
         learned_placer("neuro")

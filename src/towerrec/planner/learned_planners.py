@@ -82,7 +82,7 @@ def learned_placer(
     if not path.is_file():
         raise FileNotFoundError(
             f"{planner} weights file {str(path)!r} does not exist; train one with "
-            f"train_policy({planner!r}, cost_data_path, out_dir)"
+            f"`towerrec plan train-policy --planner {planner} --cost-data COSTS --out DIR`"
         )
     return _placer(planner, str(path.resolve()), path.stat().st_mtime)
 

@@ -195,7 +195,10 @@ class PolicyWeights:
 
     @staticmethod
     def from_dict(data: Mapping[str, Any], planner: str, where: str) -> PolicyWeights:
-        retrain = f"retrain it with train_policy({planner!r}, ...)"
+        retrain = (
+            f"retrain it with `towerrec plan train-policy --planner {planner} --cost-data COSTS "
+            "--out DIR`"
+        )
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
             raise PolicyWeightsError(f"{where} is not a {FORMAT} weights file; {retrain}")
         if data.get("version") != VERSION:
@@ -234,14 +237,15 @@ class PolicyWeights:
         if not path.is_file():
             raise FileNotFoundError(
                 f"{planner} weights file {str(path)!r} does not exist; train one with "
-                f"train_policy({planner!r}, ...)"
+                f"`towerrec plan train-policy --planner {planner} --cost-data COSTS --out DIR`"
             )
         try:
             data = torch.load(path, weights_only=True)
         except Exception as e:  # torch raises several types for a file that is not its own
             raise PolicyWeightsError(
                 f"{str(path)!r} is not a readable weights file ({type(e).__name__}: {e}); "
-                f"retrain it with train_policy({planner!r}, ...)"
+                f"retrain it with `towerrec plan train-policy --planner {planner} --cost-data COSTS "
+                "--out DIR`"
             ) from None
         return PolicyWeights.from_dict(data, planner, repr(str(path)))
 
