@@ -260,6 +260,19 @@ def test_pinned_table_that_does_not_fit_is_named():
         plan_tables(tables, model, "lpt", constraints={"a": TableConstraint(rank=5)})
 
 
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_a_pinned_table_stays_whole_on_its_rank(planner):
+    # The costliest table by far: the search's beam would split it to balance the load.
+    hot = TableStats(
+        "hot", 4000, 128, pooling_factor=40, pooling_p50=40, pooling_p99=40, pooling_max=40
+    )
+    small = [TableStats(f"s{i}", 1000, 8) for i in range(6)]
+    model = CostModel(Topology(hosts=1, ranks_per_host=4), batch_size=512)
+    pins = {"hot": TableConstraint(rank=2)}
+    shards = plan_tables([hot, *small], model, planner, pins).plan.tables["hot"].shards
+    assert [s.rank for s in shards] == [2]
+
+
 def test_planning_is_deterministic():
     suite = dlrm_like_suite(60, seed=4)
     model = CostModel(Topology(hosts=2, ranks_per_host=4), batch_size=256)

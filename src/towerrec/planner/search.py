@@ -345,9 +345,12 @@ def _beam_search(
             tried = 0
             for i in hot:
                 name = items[i].table
-                allowed = constraints.get(name, TableConstraint()).sharding_types
+                constraint = constraints.get(name, TableConstraint())
+                if constraint.rank is not None:
+                    continue  # pinned: stays whole where it is pinned
                 if items[i].sharding not in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
                     continue  # row-wise or data-parallel already
+                allowed = constraint.sharding_types
                 for option in _split_options(by_name[name], splits.get(name), world, allowed):
                     child = {**splits, name: option}
                     key = tuple(sorted((k, v[0].value, v[1]) for k, v in child.items()))
