@@ -143,6 +143,7 @@ class EmbeddingConfig:
     backing: Backing = Backing.HOST  # cached: host (array in host memory) | ssd (row file)
     backing_path: str = ""  # ssd: directory of the tables' row files
     cache_min_rows: int = 0  # cached: only tables with more rows are cached
+    prefetch: bool = True  # cached: read the next batch's misses while this step computes
     # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*, dim, memory,
     # cache_*, backing*; unset: the above.
     tables: dict[str, TableStorageConfig] = field(default_factory=dict)

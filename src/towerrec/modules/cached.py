@@ -28,9 +28,11 @@ in the inner collection at full size, as in a plain ``EmbeddingBagCollection``.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Self
 
@@ -63,6 +65,7 @@ class CacheStats:
         self.lookups = 0
         self.hits = 0
         self.written_back = 0
+        self.prefetched = 0  # missing rows that came from a prefetch
 
     @property
     def hit_rate(self) -> float:
@@ -98,11 +101,43 @@ class TableCache:
         self.uses = torch.zeros(cache_rows, dtype=torch.int64)
         self.clock = 0
         self.stats = CacheStats()
+        self._pending: dict[int, _Prefetch] = {}
+
+    # --------------------------------------------------------------- prefetch
+    def prefetch(self, key: int, ids: torch.Tensor, executor: ThreadPoolExecutor) -> None:
+        """Start reading the rows of ``ids`` that are not cached now, in the background;
+        the lookup that passes ``key`` to ``slots`` takes them."""
+        unique = torch.unique(ids)
+        missing = unique[self.slot_of[unique] < 0]
+        self._pending[key] = _Prefetch(missing, executor.submit(self.store.read, missing))
+
+    def _take_prefetched(
+        self, key: int | None, missing: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(mask over missing, their records)`` of the rows prefetched under ``key`` that
+        no write-back touched since (a written row's prefetched copy is stale)."""
+        pending = self._pending.pop(key, None) if key is not None else None
+        if pending is None:
+            return None
+        records = pending.records.result()
+        usable = pending.ids
+        if pending.written:
+            usable = usable[~torch.isin(usable, torch.cat(pending.written))]
+        found = torch.isin(missing, usable)
+        if not bool(found.any()):
+            return None
+        at = torch.searchsorted(pending.ids, missing[found])  # both sorted (unique)
+        return found, records.index_select(0, at)
+
+    def _written(self, ids: torch.Tensor) -> None:
+        for pending in self._pending.values():
+            pending.written.append(ids)
 
     # ----------------------------------------------------------------- lookup
     @torch.no_grad()
-    def slots(self, ids: torch.Tensor, training: bool) -> torch.Tensor:
-        """The slots of ``ids`` (any shape, CPU int64), fetching the rows that miss."""
+    def slots(self, ids: torch.Tensor, training: bool, key: int | None = None) -> torch.Tensor:
+        """The slots of ``ids`` (any shape, CPU int64), fetching the rows that miss (those
+        prefetched under ``key`` from the prefetch)."""
         unique, inverse = torch.unique(ids, return_inverse=True)
         if unique.numel() > self.cache_rows:
             need = unique.numel() / self.table.num_embeddings
@@ -118,8 +153,11 @@ class TableCache:
         if missing.numel():
             victims = self._victims(missing.numel(), slot[~miss])
             self._evict(victims)
-            self._fill(victims, missing)
+            records = self._read(missing, key)
+            self._fill(victims, missing, records)
             slot[miss] = victims
+        elif key is not None:
+            self._pending.pop(key, None)
         self.clock += 1
         self.last_used[slot] = self.clock
         self.uses[slot] += 1
@@ -150,17 +188,30 @@ class TableCache:
             parts.append(state.unsqueeze(1) if state.dim() == 1 else state)
         return torch.cat(parts, dim=1).cpu()
 
+    def _read(self, missing: torch.Tensor, key: int | None) -> torch.Tensor:
+        """Records of the ``missing`` rows: prefetched ones, the others read now."""
+        prefetched = self._take_prefetched(key, missing)
+        if prefetched is None:
+            return self.store.read(missing)
+        found, records = prefetched
+        self.stats.prefetched += int(found.sum())
+        out = torch.empty(missing.numel(), self.store.layout.record_width)
+        out[found] = records
+        if not bool(found.all()):
+            out[~found] = self.store.read(missing[~found])
+        return out
+
     def _evict(self, slots: torch.Tensor) -> None:
         ids = self.id_of[slots]
         write = (ids >= 0) & self.dirty[slots]
         if bool(write.any()):
+            self._written(ids[write])
             self.store.write(ids[write], self._gather(slots[write]))
             self.stats.written_back += int(write.sum())
         occupied = ids >= 0
         self.slot_of[ids[occupied]] = -1
 
-    def _fill(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
-        records = self.store.read(ids)
+    def _fill(self, slots: torch.Tensor, ids: torch.Tensor, records: torch.Tensor) -> None:
         weight, states = self._weight(), self._states()
         at = slots.to(weight.device)
         records = records.to(weight.device)
@@ -180,6 +231,7 @@ class TableCache:
         """Write every dirty row back to the store (rows stay cached, now clean)."""
         slots = torch.nonzero(self.dirty & (self.id_of >= 0)).flatten()
         if slots.numel():
+            self._written(self.id_of[slots])
             self.store.write(self.id_of[slots], self._gather(slots))
             self.stats.written_back += slots.numel()
         self.dirty.zero_()
@@ -187,11 +239,24 @@ class TableCache:
 
     def invalidate(self) -> None:
         """Forget every cached row without writing it back (the store was rewritten)."""
+        for pending in self._pending.values():
+            pending.records.result()  # no read left running over the rewritten store
+        self._pending.clear()
         self.slot_of.fill_(-1)
         self.id_of.fill_(-1)
         self.dirty.zero_()
         self.last_used.zero_()
         self.uses.zero_()
+
+
+@dataclass
+class _Prefetch:
+    """Rows read ahead for one lookup: sorted ``ids``, their records to come, and the
+    ids written back since the read began."""
+
+    ids: torch.Tensor
+    records: Future[torch.Tensor]
+    written: list[torch.Tensor] = field(default_factory=list)
 
 
 def cached_tables(
@@ -239,6 +304,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         self.tables = list(tables)
         self.seed = seed
         self.id_policy = parse_enum(IdPolicy, id_policy, "embedding id_policy")
+        self._inner: EmbeddingBagCollection
         tiers, default = dict(tiers or {}), default or TierConfig()
         self.cache_rows = cached_tables(self.tables, tiers, default)
         inner_tables = [
@@ -247,9 +313,10 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         ]
         # A plain attribute, not a submodule: this collection is the fused one that
         # checkpoints and the trainer find (``fused_embedding_modules``).
-        self._inner = EmbeddingBagCollection(
+        inner = EmbeddingBagCollection(
             inner_tables, optimizer, backend=backend, device=device, seed=seed
         )
+        object.__setattr__(self, "_inner", inner)  # bypasses Module's submodule registration
         self.optimizer = self._inner.optimizer
         self.feature_names = self._inner.feature_names
         self.embedding_dims = self._inner.embedding_dims
@@ -282,6 +349,9 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
             for t in self.tables
             if t.name in self.caches
         }
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._keys = itertools.count()
+        self._next_key: int | None = None
         self.reset_parameters()
 
     # ------------------------------------------------------------ interface
@@ -379,6 +449,27 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
     def forward_start(self, features: KeyedJaggedTensor) -> Ready:
         return Ready(self(features))
 
+    def prefetch(self, features: KeyedJaggedTensor) -> int:
+        """Start reading a later batch's missing rows in a background thread (the
+        ``PrefetchingCollection`` of ``train/pipeline.py``); returns its key."""
+        key = next(self._keys)
+        if not self.caches:
+            return key
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="towerrec-prefetch")
+        if features.keys() != self.feature_names:
+            features = features.select(self.feature_names)
+        values = apply_id_policy(
+            features, self._rows_per_feature.to(features.values().device), self.id_policy
+        )
+        for name, cache in self.caches.items():
+            cache.prefetch(key, self._table_ids(name, features, values)[0], self._prefetcher)
+        return key
+
+    def use_prefetched(self, key: int) -> None:
+        """The next forward's batch is the one prefetched under ``key``."""
+        self._next_key = key
+
     def _table_ids(
         self, name: str, features: KeyedJaggedTensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -401,10 +492,11 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         if not self.caches:
             return values
         training = torch.is_grad_enabled()
+        key, self._next_key = self._next_key, None
         out = values.clone()
         for name, cache in self.caches.items():
             ids, spans = self._table_ids(name, features, values)
-            slots = cache.slots(ids, training).to(values.device, values.dtype)
+            slots = cache.slots(ids, training, key).to(values.device, values.dtype)
             start = 0
             for lo, hi in spans:
                 out[lo:hi] = slots[start : start + hi - lo]
