@@ -30,6 +30,7 @@ from towerrec.bench import (
     qnewton,
     quality,
     shampoo,
+    tiers,
     towers,
     train,
     zoo,
@@ -63,6 +64,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "id-wire": id_wire.BENCHMARK,
     "qnewton": qnewton.BENCHMARK,
     "nas": nas.BENCHMARK,
+    "tiers": tiers.BENCHMARK,
 }
 
 
