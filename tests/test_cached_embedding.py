@@ -320,3 +320,28 @@ def test_cli_trains_cached(tmp_path, extra):
     result = run_cli(*args)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "run" / "summary.json").exists()
+
+
+def test_sharded_runs_refuse_cached_tables():
+    config = load_config(None, ["embedding.memory=cached", "embedding.cache_fraction=0.5"])
+    from towerrec.data.synthetic import SyntheticSource
+
+    schema = SyntheticSource(config.data.synthetic).schema
+    with pytest.raises(ValueError, match="runs in one process for now"):
+        build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
+
+
+def test_bench_tiers_reports_each_variant():
+    from towerrec.cli.bench import BENCHMARKS
+
+    parser = __import__("argparse").ArgumentParser()
+    BENCHMARKS["tiers"].add_arguments(parser)
+    args = parser.parse_args(
+        ["--gib", "0.06", "--batch-size", "128", "--steps", "3", "--warmup", "2", "--dim", "8"]
+    )
+    result = BENCHMARKS["tiers"].run(args)
+    assert set(result["results"]) == {"device", "host", "ssd"}
+    for variant in ("host", "ssd"):
+        stats = result["results"][variant]
+        assert stats["cached_tables"] > 0 and 0 <= stats["hit_rate"] <= 1
+    assert set(result["ratios"]) == {"host/device", "ssd/device"}

@@ -29,12 +29,14 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from towerrec.bench.common import Benchmark, comma_list, machine_info, peak_rss_mb, set_threads
 from towerrec.config import load_config
+from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.criteo_gen import CARDINALITIES
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.modules.cached import CachedEmbeddingBagCollection
@@ -98,15 +100,22 @@ def _drop_page_cache(model: torch.nn.Module) -> None:
                         os.close(fd)
 
 
-def _run_variant(args: argparse.Namespace, rows: list[int], variant: str, batches, path: Path):
+def _run_variant(
+    args: argparse.Namespace,
+    rows: list[int],
+    variant: str,
+    batches: list[Batch],
+    schema: DataSchema,
+    path: Path,
+) -> dict:
     config = load_config(None, _overrides(args, rows, variant, path))
     start = time.perf_counter()
-    model = build_model(config, SyntheticSource(config.data.synthetic).schema, torch.device("cpu"))
+    model = build_model(config, schema, torch.device("cpu"))
     optimizer = build_dense_optimizer(config.optimizer, model)
     build_s = time.perf_counter() - start
     if args.cold:
         _drop_page_cache(model)
-    stream = iter(batches)
+    stream: Iterator[Batch] = iter(batches)
     if variant in ("host", "ssd"):
         stream = pipelined(model, stream)  # read the next batch's misses ahead
     caches = [
@@ -165,12 +174,13 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
     batches = [
         source.samples("train", i * args.batch_size, args.batch_size)[0] for i in range(total)
     ]
+    schema = source.schema
     del source
     path = Path(args.path) if args.path else Path(tempfile.mkdtemp(prefix="towerrec-tiers-"))
     results: dict[str, dict] = {}
     try:
         for variant in variants:
-            results[variant] = _run_variant(args, rows, variant, batches, path / variant)
+            results[variant] = _run_variant(args, rows, variant, batches, schema, path / variant)
             shutil.rmtree(path / variant, ignore_errors=True)
     finally:
         if not args.path:
