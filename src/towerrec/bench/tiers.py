@@ -146,8 +146,6 @@ def _run_variant(
             cached_tables=sum(len(c.caches) for c in caches),
             cache_rows=sum(cache.cache_rows for c in caches for cache in c.caches.values()),
         )
-    del model, optimizer
-    gc.collect()
     return out
 
 
@@ -184,6 +182,7 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
             for variant in variants:
                 out = _run_variant(args, rows, variant, batches, schema, path / variant)
                 runs[variant].append(out)
+                gc.collect()  # the variant's tables (a cache holds cycles back to its collection)
                 shutil.rmtree(path / variant, ignore_errors=True)
     finally:
         if not args.path:
