@@ -79,6 +79,15 @@ RESUME_SAFE_KEYS = (
     "distributed.dense",  # DCP checkpoints load under ddp and fsdp alike
     "distributed.reshard_after_forward",
     "distributed.dedup_ids",  # the wire format of ids; the same rows arrive
+    # where the tables' rows live: checkpoints hold full tables, training is bit-identical
+    "embedding.memory",
+    "embedding.cache_*",
+    "embedding.backing",
+    "embedding.backing_path",
+    "embedding.prefetch",
+    "embedding.tables.*.memory",
+    "embedding.tables.*.cache_*",
+    "embedding.tables.*.backing*",
     "plan.*",
 )
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from towerrec.memory import register_parent_only
 from towerrec.modules.cached_config import Backing, TierConfig
 
 __all__ = [
@@ -140,11 +141,16 @@ class BackingStore(ABC):
 
 
 class HostStore(BackingStore):
-    """A full-size array in host memory."""
+    """A full-size array in host memory (forked loader workers drop its pages)."""
 
     def __init__(self, layout: RowLayout) -> None:
         super().__init__(layout)
         self._records = torch.zeros(layout.num_embeddings, layout.record_width)
+        register_parent_only(self)
+
+    def memory_ranges(self) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of the rows (``towerrec.memory``)."""
+        return [(self._records.data_ptr(), self._records.nbytes)]
 
     @property
     def records(self) -> torch.Tensor:
