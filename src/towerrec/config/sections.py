@@ -23,6 +23,7 @@ from towerrec.data.synthetic import SyntheticConfig
 from towerrec.models.dcn import DCNConfig
 from towerrec.models.dmt import DMTConfig
 from towerrec.models.wukong import WukongConfig
+from towerrec.modules.cached_config import Backing, CachePolicy, Memory, TierConfig
 from towerrec.modules.compact import (
     Combine,
     CompactConfig,
@@ -78,6 +79,15 @@ RESUME_SAFE_KEYS = (
     "distributed.dense",  # DCP checkpoints load under ddp and fsdp alike
     "distributed.reshard_after_forward",
     "distributed.dedup_ids",  # the wire format of ids; the same rows arrive
+    # where the tables' rows live: checkpoints hold full tables, training is bit-identical
+    "embedding.memory",
+    "embedding.cache_*",
+    "embedding.backing",
+    "embedding.backing_path",
+    "embedding.prefetch",
+    "embedding.tables.*.memory",
+    "embedding.tables.*.cache_*",
+    "embedding.tables.*.backing*",
     "plan.*",
 )
 
@@ -135,7 +145,16 @@ class EmbeddingConfig:
     # Of the rows a batch touches: rowwise_adagrad (decoupled or l2), adam (decoupled).
     weight_decay: float = 0.0
     weight_decay_mode: WeightDecayMode = WeightDecayMode.DECOUPLED
-    # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*; unset: the above.
+    # Memory tier (modules/cached.py): device | cached (a cache over a backing store).
+    memory: Memory = Memory.DEVICE
+    cache_fraction: float = 0.05  # cached: share of a table's rows in the fast tier
+    cache_policy: CachePolicy = CachePolicy.LRU  # cached: lru | lfu
+    backing: Backing = Backing.HOST  # cached: host (array in host memory) | ssd (row file)
+    backing_path: str = ""  # ssd: directory of the tables' row files
+    cache_min_rows: int = 0  # cached: only tables with more rows are cached
+    prefetch: bool = True  # cached: read the next batch's misses while this step computes
+    # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*, dim, memory,
+    # cache_*, backing*; unset: the above.
     tables: dict[str, TableStorageConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -145,6 +164,7 @@ class EmbeddingConfig:
             raise ValueError(f"embedding.eps must be > 0, got {self.eps}")
         _choice(self.init, ("uniform", "normal"), "embedding.init")
         self.compact()
+        self.table_tiers()
         if self.counter_halflife < 0:
             raise ValueError(
                 f"embedding.counter_halflife must be >= 0, got {self.counter_halflife}"
@@ -172,6 +192,40 @@ class EmbeddingConfig:
             weight_decay=self.weight_decay,
             weight_decay_mode=self.weight_decay_mode,
         )
+
+    def tier_config(self) -> TierConfig:
+        """The collection-wide memory tier (``[embedding.tables.<t>]`` may override it)."""
+        return TierConfig(
+            memory=self.memory,
+            cache_fraction=self.cache_fraction,
+            cache_policy=self.cache_policy,
+            backing=self.backing,
+            backing_path=self.backing_path,
+            min_rows=self.cache_min_rows,
+        )
+
+    def table_tiers(self) -> dict[str, TierConfig]:
+        """The memory tier of each table named in ``tables`` (the others: ``tier_config``);
+        refuses a cached table that is not stored in full."""
+        base = self.tier_config()
+        tiers = {name: table.tiers(base) for name, table in self.tables.items()}
+        if base.is_cached and self.kind is not EmbeddingKind.FULL:
+            raise ValueError(
+                f"embedding.memory = 'cached' caches full tables, but embedding.kind = "
+                f"{self.kind.value!r}; set embedding.kind = 'full', or cache single tables "
+                "under [embedding.tables.<table>] memory = 'cached'"
+            )
+        for name, tier in tiers.items():
+            table = self.tables[name]
+            kind = table.kind or self.kind
+            if tier.is_cached and (kind is not EmbeddingKind.FULL or table.dim is not None):
+                raise ValueError(
+                    f"embedding.tables.{name}: memory = 'cached' caches a full table, but it is "
+                    f"stored as kind = {kind.value!r}"
+                    + (f" with dim = {table.dim}" if table.dim is not None else "")
+                    + "; set memory = 'device' or store it in full"
+                )
+        return tiers
 
     def compact(self) -> CompactConfig:
         return CompactConfig(

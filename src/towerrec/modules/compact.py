@@ -39,12 +39,16 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from towerrec.modules.cached import CachedEmbeddingBagCollection, cached_tables
+from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.compact_config import (
     Combine,
     CompactConfig,
@@ -395,9 +399,12 @@ def build_embedding_collection(
     optimizer: EmbeddingOptimizerConfig | None = None,
     *,
     materialize: bool = True,
+    tiers: Mapping[str, TierConfig] | None = None,
+    default_tier: TierConfig | None = None,
     **kwargs: Any,
-) -> EmbeddingBagCollection | CompactEmbeddingCollection:
-    """A plain ``EmbeddingBagCollection`` for full tables, else the compact collection.
+) -> EmbeddingBagCollection | CompactEmbeddingCollection | CachedEmbeddingBagCollection:
+    """A plain ``EmbeddingBagCollection`` for full tables, the cached collection when some
+    run cached (``tiers`` per table, else ``default_tier``), else the compact collection.
 
     ``materialize=False`` leaves full tables unallocated (their shards initialise
     themselves when sharded); compact collections are always built whole: their
@@ -405,6 +412,27 @@ def build_embedding_collection(
     and their tables are small by design.
     """
     config.check_table_names(tables)
+    tiers, default_tier = dict(tiers or {}), default_tier or TierConfig()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cached = cached_tables(tables, tiers, default_tier)
+    if not cached:  # a cached collection warns itself
+        for w in caught:
+            warnings.warn(w.message, stacklevel=2)
+    if cached and not config.is_full:
+        raise ValueError(
+            f"tables {sorted(cached)} run cached (memory = 'cached'), which needs every "
+            "table stored in full; set embedding.kind = 'full' or memory = 'device'"
+        )
+    if cached and not materialize:
+        raise ValueError(
+            f"tables {sorted(cached)} run cached (memory = 'cached'), which runs in one "
+            "process for now; train them in one process or set embedding.memory = 'device'"
+        )
+    if cached:
+        return CachedEmbeddingBagCollection(
+            tables, optimizer, tiers=tiers, default=default_tier, **kwargs
+        )
     if config.is_full:
         return EmbeddingBagCollection(tables, optimizer, materialize=materialize, **kwargs)
     return CompactEmbeddingCollection(tables, config, optimizer, **kwargs)

@@ -9,10 +9,12 @@ map overrides the settings of single tables (``TableStorageConfig``)::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 
+from towerrec.modules.cached_config import Backing, CachePolicy, Memory, TierConfig
 from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.tables import TableConfig
 from towerrec.utils import parse_enum
@@ -48,6 +50,12 @@ class TableStorageConfig:
     # A full table stored at this narrower dim, projected to the common dim (as md does
     # for every table); what ``towerrec nas search --space emb_dim`` writes.
     dim: int | None = None
+    # The table's memory tier (``modules/cached_config.py``); kind = 'full' tables only.
+    memory: Memory | None = None
+    cache_fraction: float | None = None
+    cache_policy: CachePolicy | None = None
+    backing: Backing | None = None
+    backing_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.dim is not None and self.dim < 1:
@@ -61,6 +69,17 @@ class TableStorageConfig:
         if self.qr_scheme is not None:
             object.__setattr__(
                 self, "qr_scheme", parse_enum(PartitionScheme, self.qr_scheme, "qr_scheme")
+            )
+        for name, cls in (("memory", Memory), ("cache_policy", CachePolicy), ("backing", Backing)):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_enum(cls, value, name))
+        if self.cache_fraction is not None and not (
+            math.isfinite(self.cache_fraction) and self.cache_fraction > 0
+        ):
+            raise ValueError(
+                f"cache_fraction must be > 0 (the share of the table's rows kept in the fast "
+                f"tier, e.g. 0.05), got {self.cache_fraction}"
             )
         if self.kind is EmbeddingKind.MD:
             raise ValueError(
@@ -78,6 +97,21 @@ class TableStorageConfig:
 
     def set_fields(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def tiers(self, base: TierConfig) -> TierConfig:
+        """This table's memory tier: its settings over the collection's ``base``."""
+        return TierConfig(
+            memory=self.memory or base.memory,
+            cache_fraction=self.cache_fraction or base.cache_fraction,
+            cache_policy=self.cache_policy or base.cache_policy,
+            backing=self.backing or base.backing,
+            backing_path=self.backing_path if self.backing_path is not None else base.backing_path,
+            # a table named with its own memory tier takes it whatever its size
+            min_rows=0 if self.memory is not None else base.min_rows,
+        )
+
+
+_TIER_FIELDS = ("memory", "cache_fraction", "cache_policy", "backing", "backing_path")
 
 
 _QR_ONLY = ("qr_operation", "qr_partitions", "qr_scheme")
@@ -143,7 +177,7 @@ class CompactConfig:
             )
         for name, table in self.tables.items():
             kind = table.kind or self.kind
-            set_fields = table.set_fields()
+            set_fields = [f for f in table.set_fields() if f not in _TIER_FIELDS]
             unused = {
                 EmbeddingKind.FULL: [f for f in set_fields if f not in ("kind", "dim")],
                 EmbeddingKind.HASH: [f for f in set_fields if f in (*_QR_ONLY, "dim")],

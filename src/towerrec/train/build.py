@@ -109,6 +109,8 @@ def build_model(
         id_policy=emb.id_policy,
         seed=config.train.seed,
         materialize=materialize_embeddings,
+        tiers=emb.table_tiers(),
+        default_tier=emb.tier_config(),
     )
     if config.model.name == "dmt":
         return _build_dmt(config, schema, sparse, device)

@@ -18,10 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from towerrec.config import Config
 from towerrec.data.batch import Batch
+from towerrec.modules.cached import CachedEmbeddingBagCollection
+from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.optim.sampled import SampledOptimizer
 from towerrec.train.build import lr_factor
 from towerrec.train.loss import Objective
@@ -154,6 +157,8 @@ def _loop(
                 f"{s.config.optimizer.name!r} draws its own: set distributed.pipeline = false"
             )
         batches = pipelined(model, batches)
+    elif _prefetches_rows(s.config, model):
+        batches = pipelined(model, batches)  # cached tables read the next batch's rows
     samples = None  # the stream as chunks, for an optimizer that draws its own samples
     if isinstance(s.optimizer, SampledOptimizer):
         params = [p for group in s.optimizer.param_groups for p in group["params"]]
@@ -268,3 +273,12 @@ def _restore_best(session: Session) -> dict[str, Any]:
         stopper.best_value,
     )
     return stopper.best_metrics
+
+
+def _prefetches_rows(config: Config, model: nn.Module) -> bool:
+    """Whether cached tables read each next batch's missing rows ahead (``embedding.prefetch``)."""
+    if not config.embedding.prefetch or config.optimizer.draws_samples:
+        return False
+    return any(
+        isinstance(m, CachedEmbeddingBagCollection) for _, m in fused_embedding_modules(model)
+    )

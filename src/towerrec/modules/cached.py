@@ -1,0 +1,414 @@
+"""Embedding tables larger than memory: a cache of rows in front of the fused kernel.
+
+A cached table keeps all its rows, with their optimizer state, in a backing store
+(host memory or an SSD file, ``tier_store.py``); the fused kernel holds only a slot
+table of ``cache_rows`` rows and runs unchanged on it::
+
+    ids of table t ─► apply id policy ─► TableCache.slots(ids)
+                                           hit:  id -> slot map
+                                           miss: victim slots (LRU / LFU, not used by
+                                                 this batch) written back if dirty,
+                                                 the missing rows read from the store
+    slots ─► inner EmbeddingBagCollection (slot tables; fused kernel, optimizer in
+             backward updates the slots' weights and state in place)
+
+A row's weight and optimizer state move between store and slot as exact float32
+copies, and the kernel's arithmetic on a row does not depend on where the row sits,
+so training through the cache equals training with the table in memory bit for bit.
+Rows a training lookup touched are dirty: eviction and ``flush`` write them back.
+
+Checkpoints see the full tables: ``state_dict`` and ``optimizer_state_dict`` flush and
+then name the store's rows under the same keys and shapes as an
+``EmbeddingBagCollection``, so a checkpoint loads into either; loading writes the
+store and empties the cache.
+
+Tables whose tier is ``device`` (or whose cache would hold every row: a warning) sit
+in the inner collection at full size, as in a plain ``EmbeddingBagCollection``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
+from typing import Any, Self
+
+import torch
+
+from towerrec.modules.cached_config import TierConfig
+from towerrec.modules.embedding_bag import (
+    EmbeddingBagCollection,
+    IdPolicy,
+    apply_id_policy,
+    check_weighted_pooling,
+)
+from towerrec.modules.interfaces import FusedEmbeddingCollection, Ready
+from towerrec.modules.kernels import Backend
+from towerrec.modules.table_cache import CacheStats, TableCache
+from towerrec.modules.tables import TableConfig, fill_table_block
+from towerrec.modules.tier_store import RowLayout, build_store
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
+from towerrec.utils import parse_enum
+
+__all__ = ["CachedEmbeddingBagCollection", "cached_tables"]
+
+
+def cached_tables(
+    tables: Sequence[TableConfig], tiers: Mapping[str, TierConfig], default: TierConfig
+) -> dict[str, int]:
+    """``{table: cache_rows}`` of the tables that run cached; a table whose cache would
+    hold all its rows stays in device memory, with a warning."""
+    out = {}
+    for table in tables:
+        tier = tiers.get(table.name, default)
+        if not tier.caches(table.num_embeddings):
+            continue
+        rows = tier.cache_rows(table.num_embeddings)
+        if rows >= table.num_embeddings:
+            warnings.warn(
+                f"table {table.name!r}: a cache of {tier.cache_fraction:g} of its "
+                f"{table.num_embeddings} rows holds the whole table; it is kept in device "
+                "memory (memory = 'device')",
+                stacklevel=3,
+            )
+            continue
+        out[table.name] = rows
+    return out
+
+
+class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
+    """An ``EmbeddingBagCollection`` whose cached tables live in backing stores (module doc).
+
+    ``tiers`` maps table names to their tier; the others take ``default``.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        optimizer: EmbeddingOptimizerConfig | None = None,
+        *,
+        tiers: Mapping[str, TierConfig] | None = None,
+        default: TierConfig | None = None,
+        backend: Backend | str = Backend.AUTO,
+        device: torch.device | str | None = None,
+        id_policy: IdPolicy | str = IdPolicy.ERROR,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.tables = list(tables)
+        self.seed = seed
+        self.id_policy = parse_enum(IdPolicy, id_policy, "embedding id_policy")
+        self._inner: EmbeddingBagCollection
+        tiers, default = dict(tiers or {}), default or TierConfig()
+        self.cache_rows = cached_tables(self.tables, tiers, default)
+        inner_tables = [
+            replace(t, num_embeddings=self.cache_rows[t.name]) if t.name in self.cache_rows else t
+            for t in self.tables
+        ]
+        # A plain attribute, not a submodule: this collection is the fused one that
+        # checkpoints and the trainer find (``fused_embedding_modules``).
+        inner = EmbeddingBagCollection(
+            inner_tables, optimizer, backend=backend, device=device, seed=seed
+        )
+        object.__setattr__(self, "_inner", inner)  # bypasses Module's submodule registration
+        self.optimizer = self._inner.optimizer
+        self.feature_names = self._inner.feature_names
+        self.embedding_dims = self._inner.embedding_dims
+        per_feature = {f: t.num_embeddings for t in self.tables for f in t.feature_names}
+        self._rows_per_feature = torch.tensor(
+            [per_feature[f] for f in self.feature_names], dtype=torch.int64
+        )
+        self.caches: dict[str, TableCache] = {}
+        for table in self.tables:
+            if table.name not in self.cache_rows:
+                continue
+            state_shapes = self.optimizer.kind.state_shapes(1, table.embedding_dim)
+            layout = RowLayout(
+                table.name,
+                table.num_embeddings,
+                table.embedding_dim,
+                tuple((n, s[1] if len(s) > 1 else 1) for n, s in state_shapes.items() if s),
+            )
+            self.caches[table.name] = TableCache(
+                table,
+                self.cache_rows[table.name],
+                tiers.get(table.name, default).cache_policy,
+                build_store(layout, tiers.get(table.name, default)),
+                weight=partial(self._slot_weight, table.name),
+                states=partial(self._slot_states, table.name),
+            )
+        index = {f: i for i, f in enumerate(self.feature_names)}
+        self._cached_features = {
+            t.name: [index[f] for f in t.feature_names]
+            for t in self.tables
+            if t.name in self.caches
+        }
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._keys = itertools.count()
+        self._next_key: int | None = None
+        self.reset_parameters()
+
+    # ------------------------------------------------------------ interface
+    @property
+    def backend(self) -> Backend:
+        return self._inner.backend
+
+    @property
+    def device(self) -> torch.device:
+        return self._inner.device
+
+    @property
+    def num_embedding_parameters(self) -> int:
+        return sum(t.num_parameters for t in self.tables)
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._inner.set_learning_rate(lr)
+
+    def describe(self) -> list[dict[str, Any]]:
+        out = super().describe()
+        for row in out:
+            cache = self.caches.get(row["table"])
+            if cache is not None:
+                row["memory"] = f"cached {cache.cache_rows} rows, {type(cache.store).__name__}"
+        return out
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        return {name: cache.stats for name, cache in self.caches.items()}
+
+    def _slot_weight(self, table: str) -> torch.Tensor:
+        return self._inner.table_weights()[table]
+
+    def _slot_states(self, table: str) -> dict[str, torch.Tensor]:
+        prefix = f"embedding_bags.{table}."
+        return {
+            k[len(prefix) :]: v
+            for k, v in self._inner.optimizer_state_dict().items()
+            if k.startswith(prefix)
+        }
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Deterministic init from ``seed`` (the same rows as an ``EmbeddingBagCollection``)."""
+        self._inner.reset_parameters()
+        for table in self.tables:
+            cache = self.caches.get(table.name)
+            if cache is None:
+                continue
+
+            def fill(out: torch.Tensor, lo: int, hi: int, table: TableConfig = table) -> None:
+                fill_table_block(out, table, self.seed, rows=(lo, hi))
+
+            cache.store.initialize(fill)
+            cache.invalidate()
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Write every dirty cached row back to its store."""
+        for cache in self.caches.values():
+            cache.flush()
+
+    # -------------------------------------------------------------- forward
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if features.keys() != self.feature_names:
+            features = features.select(self.feature_names)
+        check_weighted_pooling(features, self.tables)
+        values = apply_id_policy(
+            features, self._rows_per_feature.to(features.values().device), self.id_policy
+        )
+        batch = features.stride()
+        if not torch.is_grad_enabled() and batch > 1 and not self._fits(features, values):
+            # A lookup that trains nothing (evaluation) may be split by samples until
+            # each part's rows fit the caches; a training batch must fit whole.
+            half = batch // 2
+            parts = [
+                self(_sample_slice(features, values, a, b)) for a, b in ((0, half), (half, batch))
+            ]
+            return KeyedTensor(
+                self.feature_names,
+                self.embedding_dims,
+                torch.cat([p.values() for p in parts]),
+            )
+        values = self._to_slots(features, values)
+        slotted = KeyedJaggedTensor(
+            features.keys(),
+            values,
+            features.lengths(),
+            features.weights_or_none(),
+            offsets=features.offsets(),
+            validate=False,
+        )
+        pooled: KeyedTensor = self._inner(slotted)
+        return pooled
+
+    def forward_start(self, features: KeyedJaggedTensor) -> Ready:
+        return Ready(self(features))
+
+    def prefetch(self, features: KeyedJaggedTensor) -> int:
+        """Start reading a later batch's missing rows in a background thread (the
+        ``PrefetchingCollection`` of ``train/pipeline.py``); returns its key."""
+        key = next(self._keys)
+        if not self.caches:
+            return key
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="towerrec-prefetch")
+        if features.keys() != self.feature_names:
+            features = features.select(self.feature_names)
+        values = apply_id_policy(
+            features, self._rows_per_feature.to(features.values().device), self.id_policy
+        )
+        for name, cache in self.caches.items():
+            cache.prefetch(key, self._table_ids(name, features, values)[0], self._prefetcher)
+        return key
+
+    def use_prefetched(self, key: int) -> None:
+        """The next forward's batch is the one prefetched under ``key``."""
+        self._next_key = key
+
+    def _table_ids(
+        self, name: str, features: KeyedJaggedTensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The ids of cached table ``name`` in ``values`` (CPU int64) and their spans."""
+        batch, offsets = features.stride(), features.offsets()
+        spans = [
+            (int(offsets[f * batch]), int(offsets[(f + 1) * batch]))
+            for f in self._cached_features[name]
+        ]
+        return torch.cat([values[lo:hi] for lo, hi in spans]).long().cpu(), spans
+
+    def _fits(self, features: KeyedJaggedTensor, values: torch.Tensor) -> bool:
+        return all(
+            self._table_ids(name, features, values)[0].unique().numel() <= cache.cache_rows
+            for name, cache in self.caches.items()
+        )
+
+    def _to_slots(self, features: KeyedJaggedTensor, values: torch.Tensor) -> torch.Tensor:
+        """``values`` with each cached table's ids replaced by their cache slots."""
+        if not self.caches:
+            return values
+        training = torch.is_grad_enabled()
+        key, self._next_key = self._next_key, None
+        out = values.clone()
+        for name, cache in self.caches.items():
+            ids, spans = self._table_ids(name, features, values)
+            slots = cache.slots(ids, training, key).to(values.device, values.dtype)
+            start = 0
+            for lo, hi in spans:
+                out[lo:hi] = slots[start : start + hi - lo]
+                start += hi - lo
+        return out
+
+    # ------------------------------------------------------- checkpoints
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """``{table: weight[rows, dim]}`` of every table, cached ones from their stores
+        (after a flush); in-place writes to a cached table's view reach only the store."""
+        self.flush()
+        weights = self._inner.table_weights()
+        for name, cache in self.caches.items():
+            weights[name] = cache.store.weight()
+        return {t.name: weights[t.name] for t in self.tables}
+
+    def optimizer_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        self.flush()
+        state = self._inner.optimizer_state_dict(prefix)
+        for name, cache in self.caches.items():
+            for key, value in cache.store.states().items():
+                state[f"{prefix}embedding_bags.{name}.{key}"] = value
+        return state
+
+    @torch.no_grad()
+    def load_optimizer_state_dict(self, state: dict[str, torch.Tensor], prefix: str = "") -> None:
+        expected = self.optimizer_state_dict(prefix)  # flushes: slots and stores agree
+        missing = sorted(set(expected) - set(state))
+        extra = sorted(set(state) - set(expected))
+        if missing or extra:
+            raise ValueError(
+                f"embedding optimizer state does not match the model: missing {missing[:5]}, "
+                f"unexpected {extra[:5]}; was it saved from a model with other tables or "
+                "another optimizer?"
+            )
+        for key, target in expected.items():  # views: the stores' rows, the kernels' state
+            _copy_checked(target, state[key], key)
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        for cache in self.caches.values():
+            cache.invalidate()
+
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, weight in self.table_weights().items():
+            destination[f"{prefix}embedding_bags.{name}.weight"] = weight
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        ours = f"{prefix}embedding_bags."
+        others = {k: v for k, v in state_dict.items() if not k.startswith(ours)}
+        super()._load_from_state_dict(
+            others, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        own = set()
+        with torch.no_grad():
+            for name, weight in self.table_weights().items():  # flushes first
+                key = f"{ours}{name}.weight"
+                own.add(key)
+                if key not in state_dict:
+                    missing_keys.append(key)
+                    continue
+                try:
+                    _copy_checked(weight, state_dict[key], key)
+                except ValueError as e:
+                    error_msgs.append(str(e))
+        unexpected_keys.extend(k for k in state_dict if k.startswith(ours) and k not in own)
+        self._invalidate()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        self.flush()
+        self._inner._apply(fn, recurse)  # the slot tables move; maps and stores stay
+        return super()._apply(fn, recurse)  # type: ignore[no-untyped-call,no-any-return]  # torch leaves Module._apply untyped
+
+    def extra_repr(self) -> str:
+        cached = ", ".join(f"{n}: {c.cache_rows} slots" for n, c in self.caches.items())
+        return f"{self._inner.extra_repr()}, cached=[{cached}]"
+
+
+def _sample_slice(
+    features: KeyedJaggedTensor, values: torch.Tensor, start: int, end: int
+) -> KeyedJaggedTensor:
+    """Samples ``start:end`` of ``features`` (with ``values`` for its ids)."""
+    batch, offsets = features.stride(), features.offsets()
+    keys = features.keys()
+    lengths = features.lengths().view(len(keys), batch)[:, start:end].reshape(-1)
+    spans = [
+        (int(offsets[f * batch + start]), int(offsets[f * batch + end])) for f in range(len(keys))
+    ]
+    weights = features.weights_or_none()
+    return KeyedJaggedTensor(
+        keys,
+        torch.cat([values[lo:hi] for lo, hi in spans]),
+        lengths,
+        None if weights is None else torch.cat([weights[lo:hi] for lo, hi in spans]),
+        validate=False,
+    )
+
+
+def _copy_checked(target: torch.Tensor, source: torch.Tensor, key: str) -> None:
+    if tuple(source.shape) != tuple(target.shape):
+        raise ValueError(
+            f"size mismatch for {key}: checkpoint has {tuple(source.shape)}, model has "
+            f"{tuple(target.shape)}"
+        )
+    target.copy_(source)

@@ -1,0 +1,227 @@
+"""The cache of one table (``modules/cached.py``): its id -> slot map, the eviction
+policy's usage counts, dirty bits, write-back to and reads from the backing store, and
+rows read ahead for a later lookup.
+
+A row's record (weight, then each per-row optimizer state, ``tier_store.RowLayout``)
+moves between store and slot as an exact float32 copy. Victims are slots the current
+lookup does not use: empty ones first, then the least recently used (``lru``) or the
+least often used since fetched (``lfu``, ties by recency). A prefetched row that was
+written back after its read began is read again (its copy would be stale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from towerrec.modules.cached_config import CachePolicy
+from towerrec.modules.tables import TableConfig
+from towerrec.modules.tier_store import BackingStore
+
+__all__ = ["CacheStats", "TableCache"]
+
+_PROTECTED = torch.iinfo(torch.int64).max
+
+
+class CacheStats:
+    """Lookups of unique rows, and how many of them were in the cache."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        self.hits = 0
+        self.written_back = 0
+        self.prefetched = 0  # missing rows that came from a prefetch
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class TableCache:
+    """The id -> slot map of one cached table, its usage for the policy and dirty bits.
+
+    ``weight`` and ``states`` give the slot table's current views inside the kernel
+    (``[C, D]``, ``{name: [C] or [C, w]}``; asked for each time: a device move
+    rebuilds the kernels).
+    """
+
+    def __init__(
+        self,
+        table: TableConfig,
+        cache_rows: int,
+        policy: CachePolicy,
+        store: BackingStore,
+        weight: Callable[[], torch.Tensor],
+        states: Callable[[], dict[str, torch.Tensor]],
+    ) -> None:
+        self.table = table
+        self.cache_rows = cache_rows
+        self.policy = policy
+        self.store = store
+        self._weight, self._states = weight, states
+        self.slot_of = torch.full((table.num_embeddings,), -1, dtype=torch.int32)
+        self.id_of = torch.full((cache_rows,), -1, dtype=torch.int64)
+        self.dirty = torch.zeros(cache_rows, dtype=torch.bool)
+        self.last_used = torch.zeros(cache_rows, dtype=torch.int64)
+        self.uses = torch.zeros(cache_rows, dtype=torch.int64)
+        self.clock = 0
+        self.stats = CacheStats()
+        self._pending: dict[int, _Prefetch] = {}
+
+    # --------------------------------------------------------------- prefetch
+    def prefetch(self, key: int, ids: torch.Tensor, executor: ThreadPoolExecutor) -> None:
+        """Start reading the rows of ``ids`` that are not cached now, in the background;
+        the lookup that passes ``key`` to ``slots`` takes them."""
+        unique = torch.unique(ids)
+        missing = unique[self.slot_of[unique] < 0]
+        self._pending[key] = _Prefetch(missing, executor.submit(self.store.read, missing))
+
+    def _take_prefetched(
+        self, key: int | None, missing: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(mask over missing, their records)`` of the rows prefetched under ``key`` that
+        no write-back touched since (a written row's prefetched copy is stale)."""
+        pending = self._pending.pop(key, None) if key is not None else None
+        if pending is None:
+            return None
+        records = pending.records.result()
+        usable = pending.ids
+        if pending.written:
+            usable = usable[~torch.isin(usable, torch.cat(pending.written))]
+        found = torch.isin(missing, usable)
+        if not bool(found.any()):
+            return None
+        at = torch.searchsorted(pending.ids, missing[found])  # both sorted (unique)
+        return found, records.index_select(0, at)
+
+    def _written(self, ids: torch.Tensor) -> None:
+        for pending in self._pending.values():
+            pending.written.append(ids)
+
+    # ----------------------------------------------------------------- lookup
+    @torch.no_grad()
+    def slots(self, ids: torch.Tensor, training: bool, key: int | None = None) -> torch.Tensor:
+        """The slots of ``ids`` (any shape, CPU int64), fetching the rows that miss (those
+        prefetched under ``key`` from the prefetch)."""
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        if unique.numel() > self.cache_rows:
+            need = unique.numel() / self.table.num_embeddings
+            raise ValueError(
+                f"a batch touches {unique.numel()} distinct rows of table {self.table.name!r}, "
+                f"more than its cache of {self.cache_rows} slots holds; set "
+                f"embedding.cache_fraction (or [embedding.tables.{self.table.name}] "
+                f"cache_fraction) to at least {need:.4g}, or use smaller batches"
+            )
+        slot = self.slot_of[unique].long()
+        miss = slot < 0
+        missing = unique[miss]
+        if missing.numel():
+            victims = self._victims(missing.numel(), slot[~miss])
+            self._evict(victims)
+            records = self._read(missing, key)
+            self._fill(victims, missing, records)
+            slot[miss] = victims
+        elif key is not None:
+            self._pending.pop(key, None)
+        self.clock += 1
+        self.last_used[slot] = self.clock
+        self.uses[slot] += 1
+        if training:
+            self.dirty[slot] = True
+        self.stats.lookups += unique.numel()
+        self.stats.hits += unique.numel() - missing.numel()
+        return slot[inverse]
+
+    def _victims(self, count: int, keep: torch.Tensor) -> torch.Tensor:
+        """``count`` slots to reuse: empty ones first, then by the policy, never ``keep``."""
+        if self.policy is CachePolicy.LFU:
+            key = (self.uses << 32) + self.last_used
+        else:
+            key = self.last_used.clone()
+        key[self.id_of < 0] = -1
+        key[keep] = _PROTECTED
+        return torch.topk(key, count, largest=False, sorted=False).indices
+
+    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Records ``[n, W]`` (store layout) of the rows in ``slots``."""
+        weight, states = self._weight(), self._states()
+        device = weight.device
+        at = slots.to(device)
+        parts = [weight.index_select(0, at)]
+        for name, _ in self.store.layout.states:
+            state = states[name].index_select(0, at)
+            parts.append(state.unsqueeze(1) if state.dim() == 1 else state)
+        return torch.cat(parts, dim=1).cpu()
+
+    def _read(self, missing: torch.Tensor, key: int | None) -> torch.Tensor:
+        """Records of the ``missing`` rows: prefetched ones, the others read now."""
+        prefetched = self._take_prefetched(key, missing)
+        if prefetched is None:
+            return self.store.read(missing)
+        found, records = prefetched
+        self.stats.prefetched += int(found.sum())
+        out = torch.empty(missing.numel(), self.store.layout.record_width)
+        out[found] = records
+        if not bool(found.all()):
+            out[~found] = self.store.read(missing[~found])
+        return out
+
+    def _evict(self, slots: torch.Tensor) -> None:
+        ids = self.id_of[slots]
+        write = (ids >= 0) & self.dirty[slots]
+        if bool(write.any()):
+            self._written(ids[write])
+            self.store.write(ids[write], self._gather(slots[write]))
+            self.stats.written_back += int(write.sum())
+        occupied = ids >= 0
+        self.slot_of[ids[occupied]] = -1
+
+    def _fill(self, slots: torch.Tensor, ids: torch.Tensor, records: torch.Tensor) -> None:
+        weight, states = self._weight(), self._states()
+        at = slots.to(weight.device)
+        records = records.to(weight.device)
+        dim = self.store.layout.embedding_dim
+        weight.index_copy_(0, at, records[:, :dim])
+        for name, (col, width) in self.store.layout.state_columns().items():
+            value = records[:, col] if width == 1 else records[:, col : col + width]
+            states[name].index_copy_(0, at, value)
+        self.slot_of[ids] = slots.to(torch.int32)
+        self.id_of[slots] = ids
+        self.dirty[slots] = False
+        self.uses[slots] = 0
+
+    # ------------------------------------------------------------ write-back
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Write every dirty row back to the store (rows stay cached, now clean)."""
+        slots = torch.nonzero(self.dirty & (self.id_of >= 0)).flatten()
+        if slots.numel():
+            self._written(self.id_of[slots])
+            self.store.write(self.id_of[slots], self._gather(slots))
+            self.stats.written_back += slots.numel()
+        self.dirty.zero_()
+        self.store.flush()
+
+    def invalidate(self) -> None:
+        """Forget every cached row without writing it back (the store was rewritten)."""
+        for pending in self._pending.values():
+            pending.records.result()  # no read left running over the rewritten store
+        self._pending.clear()
+        self.slot_of.fill_(-1)
+        self.id_of.fill_(-1)
+        self.dirty.zero_()
+        self.last_used.zero_()
+        self.uses.zero_()
+
+
+@dataclass
+class _Prefetch:
+    """Rows read ahead for one lookup: sorted ``ids``, their records to come, and the
+    ids written back since the read began."""
+
+    ids: torch.Tensor
+    records: Future[torch.Tensor]
+    written: list[torch.Tensor] = field(default_factory=list)

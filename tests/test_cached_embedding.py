@@ -1,0 +1,351 @@
+"""Cached tables (``memory = 'cached'``): training through the cache equals training with
+the tables in memory bit for bit; checkpoints hold full tables; stores refuse what they
+were not written for."""
+
+import struct
+import warnings
+
+import pytest
+import torch
+from conftest import needs_fbgemm, run_cli
+
+from towerrec.config import ConfigError, load_config
+from towerrec.modules.cached import CachedEmbeddingBagCollection
+from towerrec.modules.cached_config import TierConfig
+from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.tables import TableConfig
+from towerrec.modules.tier_store import HEADER_BYTES, StoreError
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.sparse import KeyedJaggedTensor
+from towerrec.train import trainer
+from towerrec.train.build import build_model
+
+TABLES = [
+    TableConfig("a", 1000, 8, ("f0", "f1")),  # two features share it
+    TableConfig("b", 500, 8),
+    TableConfig("c", 40, 16),  # stays in device memory
+]
+ROWS = {"f0": 1000, "f1": 1000, "b": 500, "c": 40}
+BATCH = 16
+
+
+def batches(steps, seed=0, batch=BATCH):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        lengths = torch.randint(0, 4, (len(ROWS) * batch,), generator=gen)
+        per_key = lengths.view(len(ROWS), batch).sum(1).tolist()
+        values = torch.cat(
+            [torch.randint(0, r, (n,), generator=gen) for r, n in zip(ROWS.values(), per_key)]
+        )
+        yield KeyedJaggedTensor(list(ROWS), values, lengths)
+
+
+def train_step(collection, features):
+    pooled = collection(features).values()
+    # A loss that gives every bag its own gradient.
+    (pooled * torch.arange(pooled.numel()).view_as(pooled).sin()).sum().backward()
+    return pooled.detach()
+
+
+def cached(tmp_path, backing="host", policy="lru", optimizer=None, backend="torch", **kw):
+    tier = TierConfig("cached", 0.1, policy, backing, str(tmp_path / "store"))
+    return CachedEmbeddingBagCollection(
+        TABLES,
+        optimizer,
+        tiers={"b": TierConfig("cached", 0.2, policy, backing, str(tmp_path / "store")), **kw},
+        default=tier,
+        backend=backend,
+        seed=3,
+    )
+
+
+def assert_same_tables(reference, collection):
+    ref_w, got_w = reference.table_weights(), collection.table_weights()
+    assert ref_w.keys() == got_w.keys()
+    for name in ref_w:
+        assert got_w[name].shape == ref_w[name].shape
+        assert torch.equal(ref_w[name], got_w[name]), name
+    ref_s, got_s = reference.optimizer_state_dict(), collection.optimizer_state_dict()
+    assert ref_s.keys() == got_s.keys()
+    for key in ref_s:
+        assert torch.equal(ref_s[key], got_s[key]), key
+
+
+@pytest.mark.parametrize("backing", ["host", "ssd"])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("fbgemm", marks=needs_fbgemm)])
+def test_cached_training_equals_device_bit_for_bit(tmp_path, backing, policy, backend):
+    reference = EmbeddingBagCollection(TABLES, backend=backend, seed=3)
+    collection = cached(tmp_path, backing, policy, backend=backend, c=TierConfig())
+    assert set(collection.caches) == {"a", "b"}  # 100 and 100 slots; c in device memory
+    misses = {name: 0 for name in collection.caches}
+    for step, features in enumerate(batches(50)):
+        expected, got = train_step(reference, features), train_step(collection, features)
+        assert torch.equal(expected, got), step
+        for name, stats in collection.cache_stats().items():
+            assert stats.lookups - stats.hits > misses[name], f"no miss in {name} at {step}"
+            misses[name] = stats.lookups - stats.hits
+    assert all(s.written_back > 0 for s in collection.cache_stats().values())
+    assert_same_tables(reference, collection)
+    # evaluation (no autograd) after training: the same pooled values
+    with torch.no_grad():
+        for features in batches(3, seed=9):
+            assert torch.equal(reference(features).values(), collection(features).values())
+
+
+def test_prefetched_rows_equal_synchronous_fetch(tmp_path):
+    """Through the training pipeline (the next batch's misses read in the background),
+    with an evaluation between steps that evicts rows trained since the read began."""
+    from towerrec.data.batch import Batch
+    from towerrec.train.pipeline import pipelined
+
+    reference = EmbeddingBagCollection(TABLES, backend="torch", seed=3)
+    collection = cached(tmp_path, "ssd", c=TierConfig())
+    model = torch.nn.Sequential(collection)  # pipelined finds the collection inside a model
+    stream = (Batch(torch.zeros(BATCH, 1), f, torch.zeros(BATCH)) for f in batches(40))
+    for step, batch in enumerate(pipelined(model, stream)):
+        assert torch.equal(
+            train_step(reference, batch.sparse), train_step(collection, batch.sparse)
+        )
+        if step % 3 == 0:
+            with torch.no_grad():
+                (features,) = batches(1, seed=100 + step, batch=64)
+                assert torch.equal(reference(features).values(), collection(features).values())
+    assert all(s.prefetched > 0 for s in collection.cache_stats().values())
+    assert_same_tables(reference, collection)
+
+
+@pytest.mark.parametrize("kind", ["adagrad", "adam", "cf_sgd", "sgd"])
+def test_cached_optimizer_state_moves_with_the_rows(tmp_path, kind):
+    optimizer = EmbeddingOptimizerConfig(kind=kind, lr=0.1)
+    reference = EmbeddingBagCollection(TABLES, optimizer, backend="torch", seed=3)
+    collection = cached(tmp_path, "ssd", optimizer=optimizer, c=TierConfig())
+    for features in batches(30):
+        assert torch.equal(train_step(reference, features), train_step(collection, features))
+    assert_same_tables(reference, collection)
+
+
+def test_state_dict_is_the_full_table_and_loads_either_way(tmp_path):
+    """A cached collection's checkpoint loads into a device one and back; training
+    continues exactly."""
+    reference = EmbeddingBagCollection(TABLES, backend="torch", seed=3)
+    collection = cached(tmp_path, "ssd", c=TierConfig())
+    for features in batches(10):
+        train_step(reference, features), train_step(collection, features)
+    saved = {k: v.clone() for k, v in collection.state_dict().items()}
+    saved_opt = {k: v.clone() for k, v in collection.optimizer_state_dict().items()}
+    assert {k: v.shape for k, v in saved.items()} == {
+        k: v.shape for k, v in reference.state_dict().items()
+    }
+    into_device = EmbeddingBagCollection(TABLES, backend="torch", seed=0)
+    into_device.load_state_dict(saved)
+    into_device.load_optimizer_state_dict(saved_opt)
+    assert_same_tables(reference, into_device)
+    into_cached = cached(tmp_path / "other", "host", policy="lfu", c=TierConfig())
+    into_cached.load_state_dict(reference.state_dict())
+    into_cached.load_optimizer_state_dict(reference.optimizer_state_dict())
+    for features in batches(10, seed=1):
+        expected = train_step(reference, features)
+        assert torch.equal(expected, train_step(into_cached, features))
+        assert torch.equal(expected, train_step(into_device, features))
+    assert_same_tables(reference, into_cached)
+
+
+RESUME = [
+    "data.synthetic.num_embeddings=[3000, 30, 2000]",
+    "data.synthetic.pooling_factors=[1, 2, 1]",
+    "data.synthetic.eval_samples=2048",
+    "train.batch_size=64",
+    "train.eval_every=0",
+    "train.log_every=5",
+    "train.progress=false",
+    "optimizer.warmup_steps=4",
+    "embedding.backend=torch",
+    "train.steps=16",
+]
+
+
+def test_cached_run_resumes_exactly_and_equals_the_device_run(tmp_path):
+    """`memory = 'cached'` (SSD, 10% cache) stopped at step 6, resumed in device memory to
+    step 11 and cached again to 16 ends with the same checkpoint as an uninterrupted run
+    with every table in memory."""
+    from test_trainer import final_state
+
+    device = load_config(None, RESUME)
+    cached_run = load_config(
+        None,
+        [
+            *RESUME,
+            "embedding.memory=cached",
+            "embedding.cache_fraction=0.1",
+            "embedding.cache_min_rows=100",
+            "embedding.backing=ssd",
+            f"embedding.backing_path={tmp_path / 'store'}",
+        ],
+    )
+    full = trainer.train(device, tmp_path / "full")
+    trainer.train(cached_run, tmp_path / "split", stop_after=6)
+    # the layout may change on resume: a checkpoint holds full tables either way
+    trainer.train(device, tmp_path / "split", resume=True, stop_after=11)
+    resumed = trainer.train(cached_run, tmp_path / "split", resume=True)
+    assert resumed["completed"] and resumed["steps"] == 16
+    a, b = final_state(tmp_path / "full", device), final_state(tmp_path / "split", device)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["auc"] == full["auc"]
+
+
+# ------------------------------------------------------------------ errors
+def test_batch_larger_than_the_cache_names_table_and_fraction(tmp_path):
+    collection = cached(
+        tmp_path, c=TierConfig(), a=TierConfig("cached", 0.5), b=TierConfig("cached", 0.01)
+    )
+    (features,) = batches(1, batch=64)
+    with pytest.raises(
+        ValueError, match=r"table 'b'.*5 slots.*cache_fraction\) to at least 0\.\d+"
+    ):
+        train_step(collection, features)
+    with torch.no_grad():  # evaluation splits the batch until it fits
+        reference = EmbeddingBagCollection(TABLES, backend="torch", seed=3)
+        assert torch.equal(reference(features).values(), collection(features).values())
+
+
+def test_store_for_another_shape_or_optimizer_is_refused(tmp_path):
+    cached(tmp_path, "ssd", c=TierConfig())
+    other = [TableConfig("a", 999, 8, ("f0", "f1")), *TABLES[1:]]
+    tier = TierConfig("cached", 0.1, "lru", "ssd", str(tmp_path / "store"))
+    with pytest.raises(StoreError, match=r"a\.tstore was written for table 'a' of 1000 rows"):
+        CachedEmbeddingBagCollection(other, default=tier, tiers={"c": TierConfig()})
+    adam = EmbeddingOptimizerConfig(kind="adam")
+    with pytest.raises(StoreError, match=r"momentum1\[1\]\), not .*momentum1\[8\], momentum2"):
+        CachedEmbeddingBagCollection(TABLES, adam, default=tier, tiers={"c": TierConfig()})
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda raw: b"XXXXXXXX" + raw[8:], "not a towerrec backing store"),
+        (lambda raw: raw[:20] + bytes([raw[20] ^ 1]) + raw[21:], "checksum mismatch"),
+        (lambda raw: raw[:8] + struct.pack("<I", 7) + raw[12:], "format version 7"),
+    ],
+    ids=["magic", "checksum", "version"],
+)
+def test_damaged_header_is_refused(tmp_path, damage, match):
+    cached(tmp_path, "ssd", c=TierConfig())
+    path = tmp_path / "store" / "a.tstore"
+    raw = path.read_bytes()
+    path.write_bytes(damage(raw[:HEADER_BYTES]) + raw[HEADER_BYTES:])
+    with pytest.raises(StoreError, match=match):
+        cached(tmp_path, "ssd", c=TierConfig())
+
+
+def test_read_only_backing_path_is_refused(tmp_path):
+    store = tmp_path / "store"
+    store.mkdir()
+    store.chmod(0o555)
+    try:
+        with pytest.raises(StoreError, match=r"store is read-only.*writable directory"):
+            cached(tmp_path, "ssd", c=TierConfig())
+    finally:
+        store.chmod(0o755)
+    cached(tmp_path, "ssd", c=TierConfig())
+    (store / "b.tstore").chmod(0o444)
+    with pytest.raises(StoreError, match=r"b\.tstore is read-only"):
+        cached(tmp_path, "ssd", c=TierConfig())
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["embedding.memory=disk"], "embedding.memory = 'disk' is not one of"),
+        (["embedding.cache_fraction=0"], "cache_fraction must be > 0"),
+        (["embedding.cache_policy=fifo"], "embedding.cache_policy = 'fifo' is not one of"),
+        (["embedding.memory=cached", "embedding.backing=ssd"], "needs embedding.backing_path"),
+        (["embedding.memory=cached", "embedding.kind=hash"], "caches full tables"),
+        (
+            ["embedding.tables.cat_0.memory=cached", "embedding.tables.cat_0.kind=qr"],
+            "cat_0: memory = 'cached' caches a full table",
+        ),
+        (["embedding.tables.cat_0.cache_fraction=-1"], "cache_fraction must be > 0"),
+        (["embedding.cache_min_rows=-1"], "cache_min_rows must be >= 0"),
+    ],
+)
+def test_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_cache_as_large_as_the_table_warns_and_stays_in_device_memory():
+    config = load_config(
+        None,
+        ["embedding.tables.cat_1.memory=cached", "embedding.tables.cat_1.cache_fraction=1.5"],
+    )
+    from towerrec.data.synthetic import SyntheticSource
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build_model(config, SyntheticSource(config.data.synthetic).schema, "cpu")
+    assert any(
+        "holds the whole table; it is kept in device memory" in str(w.message) for w in caught
+    )
+    assert isinstance(model.sparse, EmbeddingBagCollection)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [
+            "data.synthetic.num_embeddings=[30000,100,20000,50,500,200,100,200,40000]",
+            "embedding.backing=ssd",
+        ],
+        ["--config", "configs/movielens.toml", "embedding.cache_fraction=0.3"],
+    ],
+    ids=["synthetic", "movielens"],
+)
+def test_cli_trains_cached(tmp_path, extra):
+    args = ["train", "--out", str(tmp_path / "run")]
+    if extra[0] == "--config":
+        args += extra[:2]
+        extra = extra[2:]
+    sets = [
+        *extra,
+        "embedding.memory=cached",
+        "embedding.cache_min_rows=1000",
+        f"embedding.backing_path={tmp_path / 'store'}",
+        "train.steps=12",
+        "train.eval_every=0",
+        "train.progress=false",
+    ]
+    for s in sets:
+        args += ["--set", s]
+    result = run_cli(*args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "run" / "summary.json").exists()
+
+
+def test_sharded_runs_refuse_cached_tables():
+    config = load_config(None, ["embedding.memory=cached", "embedding.cache_fraction=0.5"])
+    from towerrec.data.synthetic import SyntheticSource
+
+    schema = SyntheticSource(config.data.synthetic).schema
+    with pytest.raises(ValueError, match="runs in one process for now"):
+        build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
+
+
+@pytest.mark.slow
+def test_bench_tiers_reports_each_variant():
+    from towerrec.cli.bench import BENCHMARKS
+
+    parser = __import__("argparse").ArgumentParser()
+    BENCHMARKS["tiers"].add_arguments(parser)
+    args = parser.parse_args(
+        ["--gib", "0.06", "--batch-size", "128", "--steps", "3", "--warmup", "2", "--dim", "8"]
+    )
+    result = BENCHMARKS["tiers"].run(args)
+    assert set(result["results"]) == {"device", "host", "ssd"}
+    for variant in ("host", "ssd"):
+        stats = result["results"][variant]
+        assert stats["cached_tables"] > 0 and 0 <= stats["hit_rate"] <= 1
+    assert set(result["ratios"]) == {"host/device", "ssd/device"}
