@@ -31,6 +31,7 @@ from towerrec.bench import (
     qnewton,
     quality,
     shampoo,
+    temporal,
     towers,
     train,
     zoo,
@@ -65,6 +66,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "locality": locality.BENCHMARK,
     "qnewton": qnewton.BENCHMARK,
     "nas": nas.BENCHMARK,
+    "temporal": temporal.BENCHMARK,
 }
 
 
