@@ -1,5 +1,7 @@
 """``train.temporal``: batch, incremental and fgd updates in ``towerrec replay``."""
 
+import json
+
 import pytest
 import torch
 
@@ -170,3 +172,21 @@ def test_replay_cli_with_batch_updates(tmp_path, capsys):
         args += ["--set", item]
     assert main(args) == 0
     assert "mean over 3 periods" in capsys.readouterr().out
+
+
+def test_bench_temporal_compares_the_strategies(capsys):
+    small = [
+        o for o in SMALL if not o.startswith(("data.synthetic.period", "data.synthetic.drift"))
+    ]
+    small = [o for o in small if "turnover" not in o]
+    args = ["bench", "temporal", "--seeds", "1", "--periods", "3", "--period-samples", "600"]
+    for item in small:
+        args += ["--set", item]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    for stream in ("drifting", "stationary"):
+        means = result[stream]["mean_logloss"]
+        assert set(means) == {"batch", "incremental", "fgd"}
+        runs = result[stream]["runs"]
+        assert runs["batch"][0]["steps"] == (1 + 2 + 3) * 3 and runs["incremental"][0]["steps"] == 9
+        assert result[stream]["fgd_relative"]["vs_batch"] == means["fgd"] / means["batch"] - 1
