@@ -190,3 +190,10 @@ def test_bench_temporal_compares_the_strategies(capsys):
         runs = result[stream]["runs"]
         assert runs["batch"][0]["steps"] == (1 + 2 + 3) * 3 and runs["incremental"][0]["steps"] == 9
         assert result[stream]["fgd_relative"]["vs_batch"] == means["fgd"] / means["batch"] - 1
+
+
+def test_fgd_with_nproc_is_refused_before_workers_start(tmp_path, capsys):
+    args = ["replay", "--nproc", "2", "--out", str(tmp_path / "r")]
+    assert main([*args, "--set", "train.temporal.strategy=fgd"]) == 2
+    assert "runs on one process: drop --nproc" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

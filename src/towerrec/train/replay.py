@@ -13,6 +13,11 @@ the model always meets rows it has not seen, from a later time, as in
 production. Each result has AUC, log-loss, NE and, on the synthetic data, the
 oracle AUC of that period's teacher; the mean over periods closes the summary.
 
+What each period trains on, and how, is ``train.temporal.strategy``
+(``train/temporal.py``): ``incremental`` (the loop above), ``batch`` (one pass over
+periods ``0..t``, or the last ``window``, at period t) or ``fgd`` (period t, dense
+steps on a meta-learned forecast of the next period's gradient).
+
 The train step, learning-rate schedule (over the replay's steps) and model are
 those of ``towerrec train``: on a stationary stream (drift 0, id_turnover 0)
 replay ends with the weights a plain run of the same steps ends with.

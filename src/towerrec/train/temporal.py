@@ -116,7 +116,9 @@ class FutureGradient:
         if len(self._means) == 2:
             self.drift = [new - old for old, new in zip(*self._means, strict=True)]
 
-    def _grads(self, model: nn.Module, batch: Batch, dtype: torch.dtype | None, obj: Objective):
+    def _grads(
+        self, model: nn.Module, batch: Batch, dtype: torch.dtype | None, obj: Objective
+    ) -> list[torch.Tensor]:
         """Dense gradients of ``batch``'s loss; ``autograd.grad`` on the dense parameters
         only, so the embeddings' fused update in backward does not run."""
         with autocast(batch.dense.device, dtype):
