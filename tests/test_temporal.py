@@ -197,3 +197,12 @@ def test_fgd_with_nproc_is_refused_before_workers_start(tmp_path, capsys):
     assert main([*args, "--set", "train.temporal.strategy=fgd"]) == 2
     assert "runs on one process: drop --nproc" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_towerrec_train_warns_that_it_ignores_train_temporal(tmp_path):
+    stationary = [
+        o for o in SMALL if "drift" not in o and "turnover" not in o and "period" not in o
+    ]
+    config = load_config(None, [*stationary, "train.steps=1", "train.temporal.strategy=batch"])
+    with pytest.warns(UserWarning, match="towerrec train ignores it"):
+        trainer.train(config, tmp_path / "t")
