@@ -31,6 +31,7 @@ from towerrec.bench import (
     qnewton,
     quality,
     shampoo,
+    temporal,
     tiers,
     towers,
     train,
@@ -67,6 +68,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "qnewton": qnewton.BENCHMARK,
     "nas": nas.BENCHMARK,
     "tiers": tiers.BENCHMARK,
+    "temporal": temporal.BENCHMARK,
 }
 
 

@@ -17,6 +17,11 @@ __all__ = ["add_commands"]
 def _cmd_replay(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)  # checked before any worker starts
     out = args.out or Path("runs") / datetime.now().strftime("replay-%Y%m%d-%H%M%S")
+    if args.nproc > 1 and config.train.temporal.strategy == "fgd":
+        raise ValueError(
+            "train.temporal.strategy = 'fgd' runs on one process: drop --nproc, or use "
+            "strategy 'incremental' or 'batch'"
+        )
     if args.nproc > 1:
         check_out_dir(out)
         try:

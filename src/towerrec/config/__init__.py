@@ -35,6 +35,7 @@ from towerrec.config.sections import (
     OptimizerConfig,
     PlanConfig,
     PruneGrowConfig,
+    TemporalConfig,
     TrainConfig,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "OptimizerConfig",
     "PlanConfig",
     "PruneGrowConfig",
+    "TemporalConfig",
     "TrainConfig",
     "config_from_dict",
     "config_to_dict",

@@ -15,6 +15,7 @@ from towerrec.config.training import (
     LossConfig,
     OptimizerConfig,
     PruneGrowConfig,
+    TemporalConfig,
     TrainConfig,
 )
 from towerrec.data.loader import LoaderConfig
@@ -51,6 +52,7 @@ __all__ = [
     "OptimizerConfig",
     "PlanConfig",
     "PruneGrowConfig",
+    "TemporalConfig",
     "TrainConfig",
 ]
 

@@ -18,6 +18,7 @@ __all__ = [
     "LossConfig",
     "OptimizerConfig",
     "PruneGrowConfig",
+    "TemporalConfig",
     "TrainConfig",
 ]
 
@@ -155,6 +156,51 @@ class PruneGrowConfig:
 
 
 @dataclass(frozen=True)
+class TemporalConfig:
+    """``train.temporal``: how ``towerrec replay`` trains through time-ordered periods
+    (``train/temporal.py``, docs/temporal.md).
+
+    ``strategy``: ``incremental`` (one pass over each new period, from the previous
+    model), ``batch`` (at period t, one pass over periods ``t-window+1 .. t``; ``window``
+    0 keeps them all, so the work grows with t) or ``fgd`` (future gradient descent: each
+    dense gradient is replaced by a forecast of the next period's, from a small generator
+    meta-learned on the last two periods). ``fgd_meta_batches``: look-ahead batches of the
+    generator's meta-update at the start of each period; ``fgd_meta_lr``: its step;
+    ``fgd_max_coef``: the bound on its coefficients; ``fgd_generator = false`` gives the
+    generator zero output (fgd then trains as incremental)."""
+
+    strategy: str = "incremental"  # incremental | batch | fgd
+    window: int = 0  # periods a batch update trains on; 0 = all seen so far
+    fgd_meta_batches: int = 8
+    fgd_meta_lr: float = 0.1
+    fgd_max_coef: float = 2.0
+    fgd_generator: bool = True
+
+    def __post_init__(self) -> None:
+        key = "train.temporal"
+        _choice(self.strategy, ("incremental", "batch", "fgd"), f"{key}.strategy")
+        if self.window < 0:
+            raise ValueError(
+                f"{key}.window = {self.window} must be >= 0: the number of latest periods a "
+                "batch update trains on (0 = all seen so far)"
+            )
+        if self.window and self.strategy != "batch":
+            raise ValueError(
+                f"{key}.window = {self.window} applies to strategy = 'batch' only (strategy is "
+                f"{self.strategy!r}); set strategy = 'batch' or drop the window"
+            )
+        if self.fgd_meta_batches < 0:
+            raise ValueError(f"{key}.fgd_meta_batches must be >= 0, got {self.fgd_meta_batches}")
+        if not self.fgd_meta_lr >= 0:
+            raise ValueError(f"{key}.fgd_meta_lr must be >= 0, got {self.fgd_meta_lr}")
+        if not self.fgd_max_coef > 0:
+            raise ValueError(
+                f"{key}.fgd_max_coef must be > 0 (the bound on the generator's coefficients, "
+                f"e.g. 2.0), got {self.fgd_max_coef}"
+            )
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """``steps`` global batches, or ``epochs`` passes over a data set's training rows
     (one of the two). Neither set: 2,500 steps on synthetic data, one epoch on real
@@ -176,6 +222,7 @@ class TrainConfig:
     tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl (extra: tensorboard)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     prune_grow: PruneGrowConfig = field(default_factory=PruneGrowConfig)
+    temporal: TemporalConfig = field(default_factory=TemporalConfig)
 
     def __post_init__(self) -> None:
         _choice(self.precision, ("fp32", "bf16"), "train.precision")

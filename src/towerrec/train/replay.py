@@ -13,6 +13,11 @@ the model always meets rows it has not seen, from a later time, as in
 production. Each result has AUC, log-loss, NE and, on the synthetic data, the
 oracle AUC of that period's teacher; the mean over periods closes the summary.
 
+What each period trains on, and how, is ``train.temporal.strategy``
+(``train/temporal.py``): ``incremental`` (the loop above), ``batch`` (one pass over
+periods ``0..t``, or the last ``window``, at period t) or ``fgd`` (period t, dense
+steps on a meta-learned forecast of the next period's gradient).
+
 The train step, learning-rate schedule (over the replay's steps) and model are
 those of ``towerrec train``: on a stationary stream (drift 0, id_turnover 0)
 replay ends with the weights a plain run of the same steps ends with.
@@ -56,6 +61,7 @@ from towerrec.train.distributed import start_distributed
 from towerrec.train.metrics import EvalMetrics, auc
 from towerrec.train.pu_prior import resolve_objective
 from towerrec.train.step import evaluate, set_learning_rates, train_step
+from towerrec.train.temporal import FutureGradient, training_periods
 from towerrec.train.towers import with_learned_partition
 
 __all__ = [
@@ -126,6 +132,11 @@ def _check(config: Config, periods: PeriodSource) -> None:
             "plan.strategy = 'auto' measures the training stream's tables; replay has no such "
             "stream: use plan.strategy = 'none' (distributed.sharding) or 'file'"
         )
+    if config.train.temporal.strategy == "fgd" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "train.temporal.strategy = 'fgd' runs on one process: drop --nproc, or use "
+            "strategy 'incremental' or 'batch'"
+        )
     if config.distributed.pipeline:
         warnings.warn(
             "distributed.pipeline is ignored by replay: its steps run one batch at a time",
@@ -165,7 +176,8 @@ def run_replay(
     local_eval = ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
     rows = [periods.period_rows(p) for p in range(periods.num_periods)]
     counts = [period_steps(n, cfg.batch_size, world) for n in rows]
-    steps = sum(counts)
+    trains = [training_periods(cfg.temporal, p) for p in range(len(rows))]
+    steps = sum(counts[q] for plan in trains for q in plan)
     config = replace(config, optimizer=_warmup_for(config.optimizer, steps))
     amp_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
     model = build_model(
@@ -181,15 +193,17 @@ def run_replay(
     optimizer = build_dense_optimizer(config.optimizer, model, exchange, local)
     objective, _ = resolve_objective(config)
     objective.check_model(model)
+    fgd = FutureGradient(optimizer, cfg.temporal) if cfg.temporal.strategy == "fgd" else None
     # A rank out of evaluation rows forwards this one (row 0) while the others finish.
     padding = next(iter(periods.period_batches(0, 1))) if world > 1 else None
     log.info(
-        "replay: %d periods (%s rows), %s steps at batch %d on %d rank(s)",
+        "replay: %d periods (%s rows), %s steps at batch %d on %d rank(s), %s updates",
         len(rows),
         ", ".join(f"{n:,}" for n in rows),
         f"{steps:,}",
         cfg.batch_size,
         world,
+        cfg.temporal.strategy,
     )
     results: list[PeriodResult] = []
     step, train_s, tick = 0, 0.0, time.perf_counter()
@@ -211,17 +225,42 @@ def run_replay(
                 world,
             )
         start = time.perf_counter()
-        batches = periods.period_batches(period, local_batch, ctx.rank, world)
-        for batch in itertools.islice(batches, counts[period]):
-            step += 1
-            batch.check()
-            set_learning_rates(model, optimizer, config, lr_factor(config.optimizer, step, steps))
-            train_step(model, optimizer, batch.to(device), amp_dtype, objective)
-            bar.update(1)
+        if fgd is not None and period > 0:
+            fgd.meta_update(
+                model,
+                periods.period_batches(period - 1, local_batch),
+                periods.period_batches(period, local_batch),
+                optimizer.param_groups[0]["lr"],
+                device,
+                amp_dtype,
+                objective,
+            )
+        for trained in trains[period]:
+            batches = periods.period_batches(trained, local_batch, ctx.rank, world)
+            for batch in itertools.islice(batches, counts[trained]):
+                step += 1
+                batch.check()
+                factor = lr_factor(config.optimizer, step, steps)
+                set_learning_rates(model, optimizer, config, factor)
+                if fgd is not None:
+                    fgd.step(model, optimizer, batch.to(device), amp_dtype, objective)
+                else:
+                    train_step(model, optimizer, batch.to(device), amp_dtype, objective)
+                bar.update(1)
+        if fgd is not None:
+            fgd.end_period()
         train_s += time.perf_counter() - start
     bar.close()
-    summary = _summary(config, rows, steps, results, train_s, time.perf_counter() - tick)
+    trained_rows = sum(rows[q] for plan in trains for q in plan)
+    summary = _summary(
+        config, rows, steps, results, trained_rows / train_s if train_s > 0 else None, tick
+    )
     summary["ranks"] = world
+    summary["strategy"] = cfg.temporal.strategy
+    summary["window"] = cfg.temporal.window
+    summary["trained_periods"] = trains
+    if fgd is not None:
+        summary["fgd_coefficients"] = {"a": fgd.a, "b": fgd.b}
     return model, summary
 
 
@@ -271,8 +310,8 @@ def _summary(
     rows: list[int],
     steps: int,
     results: list[PeriodResult],
-    train_s: float,
-    wall_s: float,
+    samples_per_s: float | None,
+    tick: float,
 ) -> dict[str, Any]:
     return {
         "source": config.data.source,
@@ -285,8 +324,8 @@ def _summary(
             key: _mean([getattr(r, key) for r in results])
             for key in ("auc", "logloss", "ne", "oracle_auc")
         },
-        "train_samples_per_s": sum(rows) / train_s if train_s > 0 else None,
-        "wall_s": wall_s,
+        "train_samples_per_s": samples_per_s,
+        "wall_s": time.perf_counter() - tick,
     }
 
 

@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from towerrec.config import Config
+from towerrec.config import Config, TemporalConfig
 from towerrec.data.batch import Batch
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import fused_embedding_modules
@@ -87,6 +88,11 @@ def train(
     ends the run (with a checkpoint) after that step, as a stop signal does. ``hosts``:
     how many hosts a distributed run's ranks stand for (``None``: as its environment says).
     """
+    if config.train.temporal != TemporalConfig():
+        warnings.warn(
+            "train.temporal is used by towerrec replay only; towerrec train ignores it",
+            stacklevel=2,
+        )
     session = set_up(config, out_dir, resume, hosts)
     cfg = session.config.train
     local_eval_batch = session.ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
