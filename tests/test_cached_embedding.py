@@ -2,6 +2,7 @@
 the tables in memory bit for bit; checkpoints hold full tables; stores refuse what they
 were not written for."""
 
+import errno
 import struct
 import warnings
 
@@ -253,6 +254,31 @@ def test_read_only_backing_path_is_refused(tmp_path):
     (store / "b.tstore").chmod(0o444)
     with pytest.raises(StoreError, match=r"b\.tstore is read-only"):
         cached(tmp_path, "ssd", c=TierConfig())
+
+
+def test_a_disk_without_room_for_the_table_is_refused_before_training(tmp_path, monkeypatch):
+    from towerrec.modules import tier_store
+
+    real = tier_store.shutil.disk_usage
+    monkeypatch.setattr(
+        tier_store.shutil, "disk_usage", lambda p: real(p)._replace(free=HEADER_BYTES + 100)
+    )
+    with pytest.raises(
+        StoreError, match=r"a\.tstore needs 39\.16 KiB but its disk has 4\.098 KiB free"
+    ):
+        cached(tmp_path, "ssd", c=TierConfig())
+    assert not list((tmp_path / "store").iterdir())  # nothing half-made left behind
+    monkeypatch.setattr(tier_store.shutil, "disk_usage", real)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tier_store.os, "posix_fallocate", full)
+    with pytest.raises(
+        StoreError, match=r"a\.tstore needs 39\.16 KiB .* embedding\.backing_path to a disk"
+    ):
+        cached(tmp_path, "ssd", c=TierConfig())
+    assert not list((tmp_path / "store").iterdir())
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,10 @@ never trusted across runs; the check guards against two runs sharing a path.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import stat
 import struct
 import zlib
@@ -182,15 +184,7 @@ class SsdStore(BackingStore):
                     f"{size} its header describes (a truncated file?); delete it to start over"
                 )
         else:
-            try:
-                with open(self.path, "wb") as f:
-                    f.write(encode_header(layout))
-                    f.truncate(size)
-            except OSError as e:
-                raise StoreError(
-                    f"cannot create backing store {self.path}: {e.strerror}; set "
-                    "embedding.backing_path to a writable directory"
-                ) from None
+            _create(self.path, encode_header(layout), size)
         self._map = np.memmap(
             self.path,
             dtype=np.float32,
@@ -206,6 +200,45 @@ class SsdStore(BackingStore):
 
     def flush(self) -> None:
         self._map.flush()
+
+
+def _create(path: Path, header: bytes, size: int) -> None:
+    """A new store file of ``size`` bytes, its blocks reserved on disk now: a memory-mapped
+    write to a block the disk cannot provide would kill the process (SIGBUS) mid-step, so a
+    disk without room for the whole table is refused here, before training starts."""
+    free = shutil.disk_usage(path.parent).free
+    short = (
+        f"backing store {path} needs {_bytes(size)} but its disk has {_bytes(free)} free; "
+        "free space, or set embedding.backing_path to a disk "
+        "with room (the run's checkpoints are not touched)"
+    )
+    if size > free:
+        raise StoreError(short)
+    try:
+        with open(path, "wb") as f:
+            f.write(header)
+            try:
+                os.posix_fallocate(f.fileno(), 0, size)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise
+                f.truncate(size)  # a file system without fallocate: sparse, as before
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise StoreError(short) from None
+        raise StoreError(
+            f"cannot create backing store {path}: {e.strerror}; set "
+            "embedding.backing_path to a writable directory"
+        ) from None
+
+
+def _bytes(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.4g} {unit}"
+        n /= 1024
+    return f"{n:.4g} TiB"
 
 
 def encode_header(layout: RowLayout) -> bytes:
