@@ -3,12 +3,16 @@ the tables in memory bit for bit; checkpoints hold full tables; stores refuse wh
 were not written for."""
 
 import errno
+import os
+import signal
 import struct
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
-from conftest import needs_fbgemm, run_cli
+from conftest import ROOT, needs_fbgemm, run_cli
 
 from towerrec.config import ConfigError, load_config
 from towerrec.modules.cached import CachedEmbeddingBagCollection
@@ -191,6 +195,74 @@ def test_cached_run_resumes_exactly_and_equals_the_device_run(tmp_path):
     resumed = trainer.train(cached_run, tmp_path / "split", resume=True)
     assert resumed["completed"] and resumed["steps"] == 16
     a, b = final_state(tmp_path / "full", device), final_state(tmp_path / "split", device)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["auc"] == full["auc"]
+
+
+KILLED_IN_WRITE_BACK = """
+import os, signal, sys, traceback
+from pathlib import Path
+from towerrec.config import load_config
+from towerrec.modules.tier_store import SsdStore
+from towerrec.train import trainer
+
+run, where, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+real_write = SsdStore.write
+
+def write(self, rows, records):
+    done = [p for p in (run / "checkpoint").glob("step_*") if not p.name.endswith(".partial")]
+    caller = traceback.extract_stack(limit=2)[0].name  # _evict (in a step) or flush
+    if done and caller == where:
+        half = len(rows) // 2  # half of this write-back lands, then the kill
+        real_write(self, rows[:half], records[:half])
+        self.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_write(self, rows, records)
+
+SsdStore.write = write
+trainer.train(load_config(None, overrides), run)
+"""
+
+
+@pytest.mark.parametrize(
+    "where, partial",
+    [("_evict", []), ("flush", ["step_00000010.partial"])],
+    ids=["evicting-in-a-step", "flushing-for-the-next-checkpoint"],
+)
+def test_a_run_killed_during_write_back_resumes_with_nothing_lost(tmp_path, where, partial):
+    """SIGKILL in the middle of a write-back to the SSD store after the step-5 checkpoint
+    (an eviction inside a step, or the flush that starts the step-10 checkpoint): the
+    resume from step 5 ends with the weights and optimizer state of an uninterrupted
+    run with every table in memory."""
+    from test_trainer import final_state
+
+    device = [*RESUME, "train.checkpoint_every=5"]
+    cached_run = [
+        *device,
+        "embedding.memory=cached",
+        "embedding.cache_fraction=0.04",  # 120 and 80 slots: evictions from step 2 on
+        "embedding.cache_min_rows=100",
+        "embedding.backing=ssd",
+        f"embedding.backing_path={tmp_path / 'store'}",
+    ]
+    run = tmp_path / "killed"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_WRITE_BACK, str(run), where, *cached_run],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    found = sorted(p.name for p in (run / "checkpoint").glob("step_*"))
+    assert found == ["step_00000005", *partial]
+    resumed = trainer.train(load_config(None, cached_run), run, resume=True)
+    assert resumed["completed"] and resumed["steps"] == 16
+    full = trainer.train(load_config(None, device), tmp_path / "full")
+    config = load_config(None, device)
+    a, b = final_state(tmp_path / "full", config), final_state(run, config)
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
