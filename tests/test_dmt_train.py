@@ -13,7 +13,11 @@ from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dmt import DMT
 from towerrec.planner.towers import cross_tower_mass, random_partition
 from towerrec.train.build import build_model
-from towerrec.train.towers import learn_interaction_strength, resolve_partition
+from towerrec.train.towers import (
+    learn_feature_representations,
+    learn_interaction_strength,
+    resolve_partition,
+)
 from towerrec.train.trainer import train
 
 REPO = Path(__file__).parent.parent
@@ -99,6 +103,47 @@ def test_train_dmt_auto_partition(tmp_path):
     assert summary["flops_per_sample"] > 0
     saved = (tmp_path / "run" / "config.toml").read_text()
     assert 'name = "dmt"' in saved and "[model.dmt]" in saved
+
+
+def test_embedding_partition_is_learned_and_deterministic():
+    config = quick("model.dmt.partition=embedding", "model.dmt.pilot_steps=10")
+    schema = SyntheticSource(config.data.synthetic).schema
+    vectors = learn_feature_representations(config, 10, attribution_samples=1024)
+    assert vectors.shape == (4, 16 * 16)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0)
+    groups = resolve_partition(config, schema)
+    assert sorted(n for g in groups for n in g) == schema.sparse_names
+    assert sorted(len(g) for g in groups) == [2, 2]  # count balance, tolerance 0
+    assert resolve_partition(config, schema) == groups
+    with pytest.raises(ValueError, match="'embedding' is learned by a pilot run"):
+        from towerrec.train.build import partition_groups
+
+        partition_groups(config, schema)
+
+
+def test_cli_train_dmt_embedding_partition(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "towerrec.cli",
+            "train",
+            "--config",
+            str(QUICK),
+            *("--set", "model.name=dmt", "--set", "model.dmt.partition=embedding"),
+            *("--set", "model.dmt.pilot_steps=10", "--set", "train.steps=10"),
+            *("--set", "train.eval_every=0", "--set", "train.progress=false"),
+            *("--out", str(tmp_path / "run")),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 10
+    assert "embedding clusters" in run.stderr + run.stdout
 
 
 def test_cli_train_dmt_and_bad_partition(tmp_path):
