@@ -242,3 +242,36 @@ def test_bench_towers_reports_every_strategy():
     assert summary["auc_flat_minus_partitioner"] == pytest.approx(
         runs["flat_dlrm"]["auc"] - runs["dmt_partitioner"]["auc"]
     )
+
+
+def test_bench_towers_compares_partitioners_over_seeds():
+    from towerrec.bench.towers import PARTITIONERS, compare_partitioners
+
+    result = compare_partitioners(
+        seeds=2,
+        steps=3,
+        pilot_steps=3,
+        overrides=(
+            "data.synthetic.eval_samples=2048",
+            "train.batch_size=128",
+            "train.eval_batch_size=2048",
+        ),
+    )
+    runs = result["runs"]
+    assert [(r["seed"], r["partitioner"]) for r in runs] == [
+        (s, p) for s in range(2) for p in PARTITIONERS
+    ]
+    for name in PARTITIONERS:
+        aucs = [r["auc"] for r in runs if r["partitioner"] == name]
+        assert result["summary"][name]["auc"]["mean"] == pytest.approx(np.mean(aucs))
+        assert result["summary"][name]["auc"]["std"] == pytest.approx(np.std(aucs, ddof=1))
+    features = [f"cat_{i}" for i in range(9)]
+    for run in runs:
+        assert sorted(n for g in run["groups"] for n in g) == features
+        assert 0 < run["auc"] < 1 and run["logloss"] > 0
+    # each seed's random partition is that seed's; cost-only is the same every seed
+    assert runs[2]["groups"] != runs[6]["groups"] and runs[3]["groups"] == runs[7]["groups"]
+    diffs = [runs[4 * s + 1]["auc"] - runs[4 * s]["auc"] for s in range(2)]
+    assert result["auc_embedding_minus_interaction"]["mean"] == pytest.approx(np.mean(diffs))
+    with pytest.raises(ValueError, match="--seeds must be >= 2"):
+        compare_partitioners(seeds=1)
