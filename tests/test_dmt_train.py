@@ -275,3 +275,15 @@ def test_bench_towers_compares_partitioners_over_seeds():
     assert result["auc_embedding_minus_interaction"]["mean"] == pytest.approx(np.mean(diffs))
     with pytest.raises(ValueError, match="--seeds must be >= 2"):
         compare_partitioners(seeds=1)
+
+
+def test_bench_towers_config_needs_seeds():
+    import argparse
+
+    from towerrec.bench.towers import BENCHMARK
+
+    parser = argparse.ArgumentParser()
+    BENCHMARK.add_arguments(parser)
+    args = parser.parse_args(["--config", str(REPO / "configs" / "movielens.toml")])
+    with pytest.raises(ValueError, match="add --seeds N"):
+        BENCHMARK.run(args)

@@ -226,6 +226,7 @@ def compare_partitioners(
     pilot_steps: int = 200,
     threads: int = 0,
     overrides: tuple[str, ...] = (),
+    config_path: str | None = None,
 ) -> dict:
     """DMT trained under each of ``PARTITIONERS`` for ``train.seed`` in ``range(seeds)``
     (module doc); std is the sample std over seeds, ``ddof = 1``."""
@@ -234,7 +235,7 @@ def compare_partitioners(
     if threads:
         torch.set_num_threads(threads)
     base = load_config(
-        None,
+        Path(config_path) if config_path else None,
         [
             f"train.steps={steps}",
             "train.eval_every=0",
@@ -292,6 +293,7 @@ def compare_partitioners(
         "mode": "seeds",
         "machine": machine_info(),
         "data": str(base.data.source),
+        "config": config_path,
         "seeds": seeds,
         "steps": steps,
         "batch_size": base.train.batch_size,
@@ -322,11 +324,21 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="compare the interaction, embedding, random and cost-only partitions over this "
         "many train.seed values (mean and std); --steps, --num-towers, --pilot-steps, "
-        "--threads and --set apply",
+        "--threads, --config and --set apply",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="with --seeds: a config file to start from (e.g. "
+        "configs/movielens.toml); default: the built-in synthetic config",
     )
 
 
 def _run(args: argparse.Namespace) -> dict:
+    if args.config and not args.seeds:
+        raise ValueError(
+            "--config applies to the comparison over seeds only: add --seeds N (e.g. --seeds 5)"
+        )
     if args.seeds:
         return compare_partitioners(
             seeds=args.seeds,
@@ -335,6 +347,7 @@ def _run(args: argparse.Namespace) -> dict:
             pilot_steps=args.pilot_steps,
             threads=args.threads,
             overrides=tuple(args.overrides),
+            config_path=args.config,
         )
     return run_towers_benchmark(
         steps=args.steps,
