@@ -13,7 +13,11 @@ from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dmt import DMT
 from towerrec.planner.towers import cross_tower_mass, random_partition
 from towerrec.train.build import build_model
-from towerrec.train.towers import learn_interaction_strength, resolve_partition
+from towerrec.train.towers import (
+    learn_feature_representations,
+    learn_interaction_strength,
+    resolve_partition,
+)
 from towerrec.train.trainer import train
 
 REPO = Path(__file__).parent.parent
@@ -99,6 +103,47 @@ def test_train_dmt_auto_partition(tmp_path):
     assert summary["flops_per_sample"] > 0
     saved = (tmp_path / "run" / "config.toml").read_text()
     assert 'name = "dmt"' in saved and "[model.dmt]" in saved
+
+
+def test_embedding_partition_is_learned_and_deterministic():
+    config = quick("model.dmt.partition=embedding", "model.dmt.pilot_steps=10")
+    schema = SyntheticSource(config.data.synthetic).schema
+    vectors = learn_feature_representations(config, 10, attribution_samples=1024)
+    assert vectors.shape == (4, 16 * 16)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0)
+    groups = resolve_partition(config, schema)
+    assert sorted(n for g in groups for n in g) == schema.sparse_names
+    assert sorted(len(g) for g in groups) == [2, 2]  # count balance, tolerance 0
+    assert resolve_partition(config, schema) == groups
+    with pytest.raises(ValueError, match="'embedding' is learned by a pilot run"):
+        from towerrec.train.build import partition_groups
+
+        partition_groups(config, schema)
+
+
+def test_cli_train_dmt_embedding_partition(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "towerrec.cli",
+            "train",
+            "--config",
+            str(QUICK),
+            *("--set", "model.name=dmt", "--set", "model.dmt.partition=embedding"),
+            *("--set", "model.dmt.pilot_steps=10", "--set", "train.steps=10"),
+            *("--set", "train.eval_every=0", "--set", "train.progress=false"),
+            *("--out", str(tmp_path / "run")),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 10
+    assert "embedding clusters" in run.stderr + run.stdout
 
 
 def test_cli_train_dmt_and_bad_partition(tmp_path):
@@ -197,3 +242,48 @@ def test_bench_towers_reports_every_strategy():
     assert summary["auc_flat_minus_partitioner"] == pytest.approx(
         runs["flat_dlrm"]["auc"] - runs["dmt_partitioner"]["auc"]
     )
+
+
+def test_bench_towers_compares_partitioners_over_seeds():
+    from towerrec.bench.towers import PARTITIONERS, compare_partitioners
+
+    result = compare_partitioners(
+        seeds=2,
+        steps=3,
+        pilot_steps=3,
+        overrides=(
+            "data.synthetic.eval_samples=2048",
+            "train.batch_size=128",
+            "train.eval_batch_size=2048",
+        ),
+    )
+    runs = result["runs"]
+    assert [(r["seed"], r["partitioner"]) for r in runs] == [
+        (s, p) for s in range(2) for p in PARTITIONERS
+    ]
+    for name in PARTITIONERS:
+        aucs = [r["auc"] for r in runs if r["partitioner"] == name]
+        assert result["summary"][name]["auc"]["mean"] == pytest.approx(np.mean(aucs))
+        assert result["summary"][name]["auc"]["std"] == pytest.approx(np.std(aucs, ddof=1))
+    features = [f"cat_{i}" for i in range(9)]
+    for run in runs:
+        assert sorted(n for g in run["groups"] for n in g) == features
+        assert 0 < run["auc"] < 1 and run["logloss"] > 0
+    # each seed's random partition is that seed's; cost-only is the same every seed
+    assert runs[2]["groups"] != runs[6]["groups"] and runs[3]["groups"] == runs[7]["groups"]
+    diffs = [runs[4 * s + 1]["auc"] - runs[4 * s]["auc"] for s in range(2)]
+    assert result["auc_embedding_minus_interaction"]["mean"] == pytest.approx(np.mean(diffs))
+    with pytest.raises(ValueError, match="--seeds must be >= 2"):
+        compare_partitioners(seeds=1)
+
+
+def test_bench_towers_config_needs_seeds():
+    import argparse
+
+    from towerrec.bench.towers import BENCHMARK
+
+    parser = argparse.ArgumentParser()
+    BENCHMARK.add_arguments(parser)
+    args = parser.parse_args(["--config", str(REPO / "configs" / "movielens.toml")])
+    with pytest.raises(ValueError, match="add --seeds N"):
+        BENCHMARK.run(args)

@@ -5,6 +5,7 @@ import pytest
 
 from towerrec.planner.towers import (
     FeatureStats,
+    cluster_features,
     contiguous_partition,
     cost_partition,
     cross_tower_mass,
@@ -129,3 +130,65 @@ def test_errors_name_the_fix():
         partition_features(names(3), np.full((3, 3), np.nan), np.ones(3), 2)
     with pytest.raises(ValueError, match="non-negative numbers, one per feature"):
         partition_features(names(3), s, -np.ones(3), 2)
+
+
+def planted_vectors(sizes, seed, dim=8, noise=0.3):
+    """Feature vectors around one random centre per cluster, shuffled; the cluster labels."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(len(sizes), dim)) * 3
+    label = rng.permutation(np.repeat(np.arange(len(sizes)), sizes))
+    return centres[label] + rng.normal(size=(len(label), dim)) * noise, label
+
+
+def planted_groups(label):
+    return {
+        frozenset(n for n, lab in zip(names(len(label)), label) if lab == t) for t in set(label)
+    }
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cluster_features_puts_planted_clusters_together(seed):
+    x, label = planted_vectors([4, 4, 4], seed)
+    result = cluster_features(names(12), x, np.ones(12), 3, tolerance=0.0, seed=seed)
+    assert {frozenset(g) for g in result.groups} == planted_groups(label)
+    assert result.tower_costs == [4.0, 4.0, 4.0]
+    # uneven clusters fit once the cap allows the biggest: (1 + 0.25) * 4 = 5 features
+    x, label = planted_vectors([5, 4, 3], seed + 10)
+    result = cluster_features(names(12), x, np.ones(12), 3, tolerance=0.25, seed=seed)
+    assert {frozenset(g) for g in result.groups} == planted_groups(label)
+    # a rescaled, shifted copy is the same clustering (rows are centred, then directions)
+    again = cluster_features(names(12), 5 * x + 2, np.ones(12), 3, tolerance=0.25, seed=seed)
+    assert {frozenset(g) for g in again.groups} == planted_groups(label)
+
+
+def test_cluster_features_respects_the_cost_cap_and_is_deterministic():
+    rng = np.random.default_rng(3)
+    x, label = planted_vectors([6, 3, 3], 3)
+    costs = rng.uniform(0.5, 2.0, 12)
+    lpt_max = max(
+        evaluate_partition(
+            np.zeros((12, 12)), costs, names(12), cost_partition(names(12), costs, 3)
+        ).tower_costs
+    )
+    for tol in (0.0, 0.1, 0.3):
+        result = cluster_features(names(12), x, costs, 3, tolerance=tol, seed=1)
+        assert max(result.tower_costs) <= (1 + tol) * lpt_max + 1e-9
+        assert all(result.groups) and sorted(n for g in result.groups for n in g) == sorted(
+            names(12)
+        )
+        # the six-feature cluster weighs more than the cap: it cannot stay whole
+        assert {frozenset(g) for g in result.groups} != planted_groups(label)
+        assert cluster_features(names(12), x, costs, 3, tolerance=tol, seed=1) == result
+    loose = cluster_features(names(12), x, costs, 3, tolerance=10.0, seed=1)
+    assert {frozenset(g) for g in loose.groups} == planted_groups(label)
+
+
+def test_cluster_features_errors_name_the_fix():
+    with pytest.raises(ValueError, match=r"must be \[F, D\] with F = 3 .* got \[2, 4\]"):
+        cluster_features(names(3), np.zeros((2, 4)), np.ones(3), 2)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        cluster_features(names(3), np.full((3, 4), np.nan), np.ones(3), 2)
+    with pytest.raises(ValueError, match="cannot split 3 features into 4 non-empty towers"):
+        cluster_features(names(3), np.zeros((3, 4)), np.ones(3), 4)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        cluster_features(names(3), np.zeros((3, 4)), np.ones(3), 2, restarts=0)

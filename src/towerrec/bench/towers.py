@@ -10,6 +10,13 @@ the share of the pair-interaction mass cut between towers (learned: the pilot
 model's attribution; planted: the teacher's true pair strength), the towers'
 cost imbalance, and the floats per sample the towers send back next to what
 the flat model's pooled embeddings are.
+
+``--seeds N`` instead compares the four partitioners over N seeds
+(``compare_partitioners``): for each ``train.seed``, one pilot DLRM run gives
+the interaction strength and the feature embeddings; DMT is trained under the
+interaction-strength partition (``auto``), the embedding clusters
+(``embedding``), a random partition of that seed and the cost-only one; eval
+AUC and log-loss are reported per run and as mean and std per partitioner.
 """
 
 from __future__ import annotations
@@ -34,18 +41,27 @@ from towerrec.config import Config, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dmt import TowerKind
 from towerrec.planner.towers import (
+    cluster_features,
     cost_partition,
+    cross_tower_mass,
     evaluate_partition,
     feature_costs,
     partition_features,
     random_partition,
 )
-from towerrec.train.build import build_dense_optimizer, build_model, feature_stats
+from towerrec.train.build import (
+    build_dense_optimizer,
+    build_model,
+    build_source,
+    feature_stats,
+)
 from towerrec.train.step import train_step
-from towerrec.train.towers import learn_interaction_strength
+from towerrec.train.towers import learn_interaction_strength, learn_pilot_signals
 from towerrec.train.trainer import train
 
-__all__ = ["BENCHMARK", "run_towers_benchmark", "step_time_ratios"]
+__all__ = ["BENCHMARK", "compare_partitioners", "run_towers_benchmark", "step_time_ratios"]
+
+PARTITIONERS = ("interaction", "embedding", "random", "cost_only")
 
 
 def _with_partition(config: Config, groups: list[list[str]]) -> Config:
@@ -198,6 +214,98 @@ def run_towers_benchmark(
     }
 
 
+def _mean_std(values: list[float]) -> dict:
+    return {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1))}
+
+
+def compare_partitioners(
+    *,
+    seeds: int = 5,
+    steps: int = 400,
+    num_towers: int = 2,
+    pilot_steps: int = 200,
+    threads: int = 0,
+    overrides: tuple[str, ...] = (),
+    config_path: str | None = None,
+) -> dict:
+    """DMT trained under each of ``PARTITIONERS`` for ``train.seed`` in ``range(seeds)``
+    (module doc); std is the sample std over seeds, ``ddof = 1``."""
+    if seeds < 2:
+        raise ValueError(f"--seeds must be >= 2 for a spread over seeds, got {seeds}")
+    if threads:
+        torch.set_num_threads(threads)
+    base = load_config(
+        Path(config_path) if config_path else None,
+        [
+            f"train.steps={steps}",
+            "train.eval_every=0",
+            "train.progress=false",
+            f"train.threads={threads}",
+            "model.name=dmt",
+            f"model.dmt.num_towers={num_towers}",
+            *overrides,
+        ],
+    )
+    synthetic = base.data.source == "synthetic"
+    source = SyntheticSource(base.data.synthetic) if synthetic else None
+    schema = source.schema if source is not None else build_source(base.data).schema
+    runs: list[dict] = []
+    for seed in range(seeds):
+        config = dataclasses.replace(base, train=dataclasses.replace(base.train, seed=seed))
+        names = schema.sparse_names
+        dmt = config.model.dmt
+        costs = feature_costs(feature_stats(config, schema), dmt.memory_weight, dmt.count_weight)
+        strength, vectors = learn_pilot_signals(config, pilot_steps)
+        tolerance = dmt.balance_tolerance
+        partitions = {
+            "interaction": partition_features(
+                names, strength, costs, num_towers, tolerance=tolerance, seed=seed
+            ).groups,
+            "embedding": cluster_features(
+                names, vectors, costs, num_towers, tolerance=tolerance, seed=seed
+            ).groups,
+            "random": random_partition(names, num_towers, seed=seed),
+            "cost_only": cost_partition(names, costs, num_towers),
+        }
+        for name, groups in partitions.items():
+            run = {"seed": seed, "partitioner": name, "groups": groups}
+            run |= _train(_with_partition(config, groups))
+            run["learned_cross_mass"] = cross_tower_mass(strength, names, groups)
+            if source is not None:
+                planted = source.planted_pair_strength()
+                run["planted_cross_mass"] = cross_tower_mass(planted, names, groups)
+            runs.append(run)
+    summary: dict[str, dict] = {}
+    for name in PARTITIONERS:
+        mine = [r for r in runs if r["partitioner"] == name]
+        summary[name] = {
+            "auc": _mean_std([r["auc"] for r in mine]),
+            "logloss": _mean_std([r["logloss"] for r in mine]),
+        }
+        if synthetic:
+            summary[name]["planted_cross_mass"] = _mean_std([r["planted_cross_mass"] for r in mine])
+    by_seed = {(r["seed"], r["partitioner"]): r for r in runs}
+    paired = [
+        by_seed[(s, "embedding")]["auc"] - by_seed[(s, "interaction")]["auc"] for s in range(seeds)
+    ]
+    return {
+        "benchmark": "towers",
+        "mode": "seeds",
+        "machine": machine_info(),
+        "data": str(base.data.source),
+        "config": config_path,
+        "seeds": seeds,
+        "steps": steps,
+        "batch_size": base.train.batch_size,
+        "pilot_steps": pilot_steps,
+        "num_towers": num_towers,
+        "tower": str(base.model.dmt.tower),
+        "summary": summary,
+        "auc_embedding_minus_interaction": _mean_std(paired),
+        "runs": runs,
+    }
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=2500, help="training steps per run")
     parser.add_argument("--num-towers", type=int, default=2)
@@ -210,9 +318,37 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--throughput-only", action="store_true", help="only the side-by-side step timing"
     )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=0,
+        help="compare the interaction, embedding, random and cost-only partitions over this "
+        "many train.seed values (mean and std); --steps, --num-towers, --pilot-steps, "
+        "--threads, --config and --set apply",
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="with --seeds: a config file to start from (e.g. "
+        "configs/movielens.toml); default: the built-in synthetic config",
+    )
 
 
 def _run(args: argparse.Namespace) -> dict:
+    if args.config and not args.seeds:
+        raise ValueError(
+            "--config applies to the comparison over seeds only: add --seeds N (e.g. --seeds 5)"
+        )
+    if args.seeds:
+        return compare_partitioners(
+            seeds=args.seeds,
+            steps=args.steps,
+            num_towers=args.num_towers,
+            pilot_steps=args.pilot_steps,
+            threads=args.threads,
+            overrides=tuple(args.overrides),
+            config_path=args.config,
+        )
     return run_towers_benchmark(
         steps=args.steps,
         num_towers=args.num_towers,

@@ -70,7 +70,7 @@ __all__ = [
     "check_partition",
 ]
 
-PARTITION_STRATEGIES = ("auto", "random", "cost", "contiguous")
+PARTITION_STRATEGIES = ("auto", "embedding", "random", "cost", "contiguous")
 
 
 class TowerKind(StrEnum):
@@ -84,7 +84,8 @@ class DMTConfig:
     """``model.dmt``: towers, partition and tower modules of the DMT model.
 
     ``partition`` is a strategy (``auto``: the tower partitioner on interaction
-    strengths learned by a short DLRM run of ``pilot_steps``; ``random``;
+    strengths learned by a short DLRM run of ``pilot_steps``; ``embedding``: balanced
+    clusters of the features' embeddings learned by the same pilot run; ``random``;
     ``cost``: balance the towers' cost only; ``contiguous``: features in order)
     or an explicit list of feature-name groups, one per tower.
     """

@@ -16,6 +16,14 @@ mutually weakly-interacting seeds, greedy growths in random orders), each
 refined by steepest-ascent single moves and pairwise swaps between towers
 (Kernighan-Lin style) that keep every tower non-empty and under the cap.
 
+``cluster_features`` is the embedding-based alternative (the DMT paper's
+tower partitioner builds towers from learned embeddings): one vector per
+feature (``train.towers.learn_feature_representations``: the covariance of
+its pooled embedding in a pilot run), a balanced k-means under the same cap
+-- Lloyd iterations whose assignment step fills towers nearest-first within
+the cap, from several k-means++ starts, then single moves and swaps that
+lower the within-tower squared distance -- the least inertia wins.
+
 Costs are pluggable: any ``[F]`` array; ``feature_costs`` is the default,
 an equal mix of per-sample lookup bytes (pooling factor x dim) and table
 memory, each normalised to sum 1.
@@ -32,6 +40,7 @@ import numpy as np
 __all__ = [
     "FeatureStats",
     "TowerPartition",
+    "cluster_features",
     "contiguous_partition",
     "cost_partition",
     "cross_tower_mass",
@@ -296,3 +305,155 @@ def partition_features(
         if best_key is None or key < best_key:
             best, best_key = assign, key
     return evaluate_partition(strength, costs, names, _groups(names, best, num_towers))
+
+
+def _unit_rows(representations: np.ndarray, num_features: int) -> np.ndarray:
+    x = np.asarray(representations, dtype=np.float64)
+    if x.ndim != 2 or x.shape[0] != num_features or x.shape[1] < 1:
+        raise ValueError(
+            f"the representations must be [F, D] with F = {num_features} (one row per feature), "
+            f"got {list(x.shape)}"
+        )
+    if not np.isfinite(x).all():
+        raise ValueError("the representations have NaN or infinite entries; check the pilot run")
+    x = x - x.mean(0)  # what the features share says nothing about which belong together
+    norm = np.linalg.norm(x, axis=1, keepdims=True)
+    return np.where(norm > 0, x / np.where(norm > 0, norm, 1.0), 0.0)
+
+
+def _inertia(x: np.ndarray, assign: np.ndarray, n: int) -> float:
+    total = 0.0
+    for t in range(n):
+        members = x[assign == t]
+        if len(members):
+            total += float(((members - members.mean(0)) ** 2).sum())
+    return total
+
+
+def _kmeans_pp(x: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """k-means++ seeding: each next centre drawn with probability ~ squared distance."""
+    centres = [int(rng.integers(len(x)))]
+    while len(centres) < n:
+        d2 = ((x[:, None, :] - x[centres][None, :, :]) ** 2).sum(-1).min(1)
+        total = d2.sum()
+        p = d2 / total if total > 0 else np.full(len(x), 1.0 / len(x))
+        centres.append(int(rng.choice(len(x), p=p)))
+    return x[centres].copy()
+
+
+def _capped_assign(
+    x: np.ndarray, centres: np.ndarray, costs: np.ndarray, cap: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Every tower first gets its nearest free feature, then (feature, tower) pairs are taken
+    nearest first, each feature to the nearest tower it fits in (the lightest if none)."""
+    n = len(centres)
+    d2 = ((x[:, None, :] - centres[None, :, :]) ** 2).sum(-1)  # [F, n]
+    assign = np.full(len(x), -1, dtype=np.int64)
+    load = np.zeros(n)
+    for t in rng.permutation(n):
+        free = np.where(assign < 0)[0]
+        f = free[np.argmin(d2[free, t])]
+        assign[f], load[t] = t, load[t] + costs[f]
+    for flat in np.argsort(d2, axis=None, kind="stable"):
+        f, t = divmod(int(flat), n)
+        if assign[f] < 0 and load[t] + costs[f] <= cap:
+            assign[f], load[t] = t, load[t] + costs[f]
+    for f in np.where(assign < 0)[0]:
+        t = int(np.argmin(load))
+        assign[f], load[t] = t, load[t] + costs[f]
+    return assign
+
+
+def _refine_inertia(
+    x: np.ndarray, costs: np.ndarray, assign: np.ndarray, n: int, cap: float
+) -> np.ndarray:
+    """First-improvement single moves and swaps that lower the inertia, keep every tower
+    non-empty and no tower over the cap (a start already over it only gets lighter)."""
+    assign = assign.copy()
+    best = _inertia(x, assign, n)
+    eps = 1e-12 * max(best, 1e-300)
+    improved = True
+    while improved:
+        improved = False
+        load = np.array([costs[assign == t].sum() for t in range(n)])
+        count = np.bincount(assign, minlength=n)
+        candidates: list[tuple[int, ...]] = [
+            (f, t) for f in range(len(x)) for t in range(n) if t != assign[f]
+        ]
+        candidates += [
+            (f, g, -1)
+            for f in range(len(x))
+            for g in range(f + 1, len(x))
+            if assign[f] != assign[g]
+        ]
+        for cand in candidates:
+            trial = assign.copy()
+            if len(cand) == 2:
+                f, t = cand
+                if count[assign[f]] == 1 or load[t] + costs[f] > cap:
+                    continue
+                trial[f] = t
+            else:
+                f, g = cand[0], cand[1]
+                tf, tg = assign[f], assign[g]
+                if load[tg] - costs[g] + costs[f] > max(cap, load[tg]) or load[tf] - costs[
+                    f
+                ] + costs[g] > max(cap, load[tf]):
+                    continue
+                trial[f], trial[g] = tg, tf
+            value = _inertia(x, trial, n)
+            if value < best - eps:
+                assign, best, improved = trial, value, True
+                break
+    return assign
+
+
+def cluster_features(
+    names: Sequence[str],
+    representations: np.ndarray,
+    costs: np.ndarray,
+    num_towers: int,
+    *,
+    tolerance: float = 0.25,
+    restarts: int = 8,
+    iterations: int = 20,
+    seed: int = 0,
+) -> TowerPartition:
+    """Groups of ``names`` whose representation rows (``[F, D]``, one learned vector per
+    feature; centred, then compared by direction) lie close together: a balanced k-means
+    under ``partition_features``' cost cap (module doc), deterministic given ``seed``.
+
+    The partition's ``intra_mass`` is measured on the features' affinity ``max(cos, 0)``
+    (the share of it kept inside towers), as ``partition_features`` measures its strength."""
+    costs = np.asarray(costs, dtype=np.float64)
+    _check(names, num_towers, costs)
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if restarts < 1 or iterations < 1:
+        raise ValueError(f"restarts ({restarts}) and iterations ({iterations}) must be >= 1")
+    x = _unit_rows(representations, len(names))
+    lpt = _lpt(costs, num_towers)
+    cap = (1 + tolerance) * max(costs @ np.eye(num_towers)[lpt]) + 1e-12
+    rng = np.random.default_rng(seed)
+    starts = [lpt]
+    for _ in range(restarts):
+        centres = _kmeans_pp(x, num_towers, rng)
+        assign = _capped_assign(x, centres, costs, cap, rng)
+        for _ in range(iterations):
+            centres = np.stack([x[assign == t].mean(0) for t in range(num_towers)])
+            new = _capped_assign(x, centres, costs, cap, rng)
+            if (new == assign).all():
+                break
+            assign = new
+        starts.append(assign)
+    best, best_key = lpt, None
+    for start in starts:
+        assign = _refine_inertia(x, costs, start, num_towers, cap)
+        load = costs @ np.eye(num_towers)[assign]
+        if load.max() > cap or (np.bincount(assign, minlength=num_towers) == 0).any():
+            continue  # a start that could not be brought under the cap
+        key = (_inertia(x, assign, num_towers), load.max())
+        if best_key is None or key < best_key:
+            best, best_key = assign, key
+    affinity = np.triu(np.clip(x @ x.T, 0.0, None), 1)
+    return evaluate_partition(affinity, costs, names, _groups(names, best, num_towers))

@@ -157,17 +157,17 @@ def check_towers_fit_hosts(config: Config, topology: Topology) -> None:
 
 def partition_groups(config: Config, schema: DataSchema) -> list[list[str]]:
     """The feature groups of ``model.dmt.partition`` when no pilot run is needed: the
-    explicit groups, or ``contiguous``, ``random``, ``cost``. ``auto`` is learned by a
-    pilot run (``towers.resolve_partition``) before the model is built."""
+    explicit groups, or ``contiguous``, ``random``, ``cost``. ``auto`` and ``embedding``
+    are learned by a pilot run (``towers.resolve_partition``) before the model is built."""
     dmt = config.model.dmt
     names = schema.sparse_names
     if not isinstance(dmt.partition, str):
         groups = [list(g) for g in dmt.partition]
         check_partition(groups, names)
         return groups
-    if dmt.partition == "auto":
+    if dmt.partition in ("auto", "embedding"):
         raise ValueError(
-            "model.dmt.partition = 'auto' is learned by a pilot run before the model is "
+            f"model.dmt.partition = {dmt.partition!r} is learned by a pilot run before the model is "
             "built: resolve it with towerrec.train.towers.with_learned_partition(config, "
             "schema) first (towerrec train does), or name the partition"
         )
