@@ -423,13 +423,17 @@ def test_cli_trains_cached(tmp_path, extra):
     assert (tmp_path / "run" / "summary.json").exists()
 
 
-def test_sharded_runs_refuse_cached_tables():
+def test_sharded_runs_build_lazy_tables_that_remember_their_tiers():
+    # Distributed runs build without tables; the shards are cached on their ranks
+    # (tests/test_sharded_cached.py).
     config = load_config(None, ["embedding.memory=cached", "embedding.cache_fraction=0.5"])
     from towerrec.data.synthetic import SyntheticSource
 
     schema = SyntheticSource(config.data.synthetic).schema
-    with pytest.raises(ValueError, match="runs in one process for now"):
-        build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
+    model = build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
+    sparse = model.sparse
+    assert isinstance(sparse, EmbeddingBagCollection) and not sparse.is_materialized
+    assert sparse.tiers is not None and sparse.tiers[1].is_cached
 
 
 @pytest.mark.slow

@@ -41,14 +41,17 @@ from towerrec.distributed.comm import Comm, CommCodecs, CommStats, Pending
 from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.input_dist import DistInput, InputDist, Router
 from towerrec.distributed.lookup import (
+    Local,
     ShardView,
     build_local,
     build_replica,
+    cached_shard_tables,
     replica_views,
     shard_views,
 )
 from towerrec.distributed.output_dist import OutputDist, ScaleGrad
 from towerrec.distributed.state import load_tensor, state_tensors
+from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.interfaces import FusedEmbeddingCollection
 from towerrec.sharding import ShardingPlan, strategy_for
@@ -75,7 +78,7 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
     ``PrefetchingCollection`` (``modules/interfaces.py``).
     """
 
-    _local: EmbeddingBagCollection | None
+    _local: Local | None
     _replica: EmbeddingBagCollection | None
 
     def __init__(
@@ -97,6 +100,7 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
                 "world (or run with --nproc/--hosts matching the plan)"
             )
         plan.validate(ebc.tables)
+        cached_shard_tables(ebc, ebc.tables, plan)  # refuses what cannot be cached
         self.comm = comm
         self.codecs = codecs or CommCodecs()
         self.grad_scale = grad_scale
@@ -121,7 +125,7 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
         object.__setattr__(self, "_replica", replica)
         split = ColumnRowwiseSync.split_tables(plan, sharded_tables, self.optimizer.kind)
         self._rowwise = ColumnRowwiseSync(comm, plan, split, self.device) if split else None
-        if self._rowwise is not None and local is not None:
+        if self._rowwise is not None and isinstance(local, EmbeddingBagCollection):
             local.defer_rowwise({t.name for t in split}, self._rowwise)
         self._input = InputDist(
             self._router,
@@ -179,6 +183,7 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
             )
         for key in expected:
             load_tensor(self, key, state[key], prefix)
+        self._loaded()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         destination.update(state_tensors(self, "weight", prefix))
@@ -197,6 +202,12 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
             except ValueError as e:
                 error_msgs.append(str(e))
         unexpected_keys.extend(k for k in state_dict if k.startswith(ours) and k not in own)
+        self._loaded()
+
+    def _loaded(self) -> None:
+        """Cached shards were loaded into their stores: their caches hold stale rows."""
+        if isinstance(self._local, CachedEmbeddingBagCollection):
+            self._local.invalidate()
 
     # ------------------------------------------------------------- forward
     def input_dist(self, features: KeyedJaggedTensor) -> Pending:

@@ -11,22 +11,31 @@
 A shard is filled from the full collection when it holds its tables, else from
 the tables' seeded init one block at a time (``fill_table_block``), so no rank
 ever holds a full table (replicas excepted).
+
+Cached tables (``ebc.tiers``, ``modules/cached.py``): this rank's shards are one
+``CachedEmbeddingBagCollection`` whose cached shard tables keep their rows in a
+backing store of the shard's own (``<table>.shard<k>.tstore``), initialised as
+the block of the full table; table-wise and row-wise shards only.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from towerrec.distributed.input_dist import Slot
+from towerrec.modules.cached import CachedEmbeddingBagCollection, TableBlock, cached_tables
+from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import TableConfig, fill_table_block
-from towerrec.sharding import Shard, ShardingPlan, strategy_for
+from towerrec.sharding import Shard, ShardingPlan, ShardingType, strategy_for
 
 __all__ = [
+    "CACHED_SHARDINGS",
     "ShardView",
     "build_local",
     "build_replica",
@@ -44,6 +53,34 @@ class ShardView:
     shard: Shard
     weight: torch.Tensor  # [rows, cols]
     state: dict[str, torch.Tensor]  # canonical name -> [rows] or [rows, cols]
+
+
+# Sharding types whose shards a rank can cache: whole row ranges of a table.
+CACHED_SHARDINGS = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+
+Local = EmbeddingBagCollection | CachedEmbeddingBagCollection
+
+
+def cached_shard_tables(
+    ebc: EmbeddingBagCollection, tables: Sequence[TableConfig], plan: ShardingPlan
+) -> set[str]:
+    """The tables of ``ebc`` whose shards run cached; an error names a cached table
+    that ``plan`` shards in a way that cannot be cached, and the types that can."""
+    if ebc.tiers is None:
+        return set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # decided on the full tables; the shards warn
+        cached = set(cached_tables(tables, *ebc.tiers))
+    for name in sorted(cached):
+        kind = plan.tables[name].sharding
+        if kind not in CACHED_SHARDINGS:
+            supported = ", ".join(repr(k.value) for k in CACHED_SHARDINGS)
+            raise ValueError(
+                f"table {name!r} runs cached (memory = 'cached') but the plan shards it "
+                f"{kind.value!r}; cached tables can be sharded {supported}: plan it one of "
+                "those ways, or keep it in device memory (memory = 'device')"
+            )
+    return cached
 
 
 def copy_tables(
@@ -94,9 +131,11 @@ def build_local(
     plan: ShardingPlan,
     slots: Sequence[Slot],
     rank: int,
-) -> EmbeddingBagCollection | None:
+) -> Local | None:
     """This rank's shards of the model-parallel ``tables`` as one collection (None when it
-    stores none), filled from ``ebc`` or from the tables' init."""
+    stores none), filled from ``ebc`` or from the tables' init; a cached collection
+    when some of them run cached (module doc)."""
+    cached = cached_shard_tables(ebc, tables, plan)
     mine = {s.table: s for s in slots}
     shard_tables = []
     for table in tables:
@@ -123,6 +162,8 @@ def build_local(
         )
     if not shard_tables:
         return None
+    if cached:
+        return _cached_local(ebc, tables, shard_tables, cached, plan, rank)
     local = EmbeddingBagCollection(
         shard_tables,
         ebc.optimizer,
@@ -156,10 +197,44 @@ def build_local(
     return local
 
 
-def shard_views(
-    local: EmbeddingBagCollection | None, plan: ShardingPlan, rank: int
-) -> Iterator[ShardView]:
-    """The shards of ``local`` (this rank's shard collection) as ``ShardView``s."""
+def _cached_local(
+    ebc: EmbeddingBagCollection,
+    tables: Sequence[TableConfig],
+    shard_tables: Sequence[TableConfig],
+    cached: set[str],
+    plan: ShardingPlan,
+    rank: int,
+) -> CachedEmbeddingBagCollection:
+    """This rank's shards with the ``cached`` tables' shards in backing stores; every
+    shard initialised as the block of its table (``ebc`` holds no tables)."""
+    assert ebc.tiers is not None and not ebc.is_materialized  # distributed runs' build
+    tiers, default = ebc.tiers
+    by_name = {t.name: t for t in tables}
+    blocks, shard_tiers = {}, {}
+    for table in shard_tables:
+        shards = plan.tables[table.name].shards
+        k, shard = next((k, s) for k, s in enumerate(shards) if s.rank == rank)
+        blocks[table.name] = TableBlock(
+            by_name[table.name], shard.rows, shard.cols, f"{table.name}.shard{k}"
+        )
+        if table.name in cached:  # cached as its table is, whatever the shard's size
+            shard_tiers[table.name] = replace(tiers.get(table.name, default), min_rows=0)
+    return CachedEmbeddingBagCollection(
+        shard_tables,
+        ebc.optimizer,
+        tiers=shard_tiers,
+        default=TierConfig(),
+        backend=ebc.backend,
+        device=ebc.device,
+        id_policy=IdPolicy.ERROR,
+        seed=ebc.seed,
+        blocks=blocks,
+    )
+
+
+def shard_views(local: Local | None, plan: ShardingPlan, rank: int) -> Iterator[ShardView]:
+    """The shards of ``local`` (this rank's shard collection) as ``ShardView``s; a cached
+    collection's are its stores' rows (flushed first)."""
     if local is None:
         return
     states = local.optimizer_state_dict()

@@ -13,6 +13,10 @@ full (unsharded) shape; its optimizer state under ``embedding_bags.<table>.<name
   load it is broadcast to every column shard of the table;
 - the kernels' step (Adam's ``step``, a scalar, the same on every rank): a plain
   tensor, as a data-parallel table's.
+
+Cached shards (``lookup.py``) are flushed to their stores by ``shard_views``; their
+blocks are contiguous copies of the stores' rows, and loading writes the stores
+(the sharded collection then empties the caches).
 """
 
 from __future__ import annotations
@@ -102,7 +106,9 @@ def state_tensors(sebc, kind: str, prefix: str = "") -> dict[str, object]:
             rowwise = len(shape) == 1
             local = []
             if view is not None and (not rowwise or view.shard.cols[0] == 0):
-                local = [view.weight if name == "weight" else view.state[name]]
+                # A cached shard's rows are strided views of its store's records: a
+                # ShardedTensor takes a contiguous copy (``load_tensor`` writes it back).
+                local = [(view.weight if name == "weight" else view.state[name]).contiguous()]
             like = local[0] if local else torch.empty(0, device=sebc.device)
             out[key + name] = sharded_tensor(
                 _blocks(sebc, plan.shards, rowwise), shape, local, like

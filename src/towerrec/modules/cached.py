@@ -24,6 +24,10 @@ store and empties the cache.
 
 Tables whose tier is ``device`` (or whose cache would hold every row: a warning) sit
 in the inner collection at full size, as in a plain ``EmbeddingBagCollection``.
+
+A sharded collection (``distributed/lookup.py``) holds its rank's shards in one of
+these: each shard table is a ``TableBlock`` of its full table, initialised as that
+block and stored in a file of its own (``<table>.shard<k>.tstore``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import itertools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Self
 
@@ -54,7 +58,17 @@ from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum
 
-__all__ = ["CachedEmbeddingBagCollection", "cached_tables"]
+__all__ = ["CachedEmbeddingBagCollection", "TableBlock", "cached_tables"]
+
+
+@dataclass(frozen=True)
+class TableBlock:
+    """Rows ``rows`` x columns ``cols`` of ``table``: what a shard table holds."""
+
+    table: TableConfig
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    store_name: str
 
 
 def cached_tables(
@@ -97,10 +111,12 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         device: torch.device | str | None = None,
         id_policy: IdPolicy | str = IdPolicy.ERROR,
         seed: int = 0,
+        blocks: Mapping[str, TableBlock] | None = None,
     ) -> None:
         super().__init__()
         self.tables = list(tables)
         self.seed = seed
+        self.blocks = dict(blocks or {})
         self.id_policy = parse_enum(IdPolicy, id_policy, "embedding id_policy")
         self._inner: EmbeddingBagCollection
         tiers, default = dict(tiers or {}), default or TierConfig()
@@ -137,7 +153,11 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
                 table,
                 self.cache_rows[table.name],
                 tiers.get(table.name, default).cache_policy,
-                build_store(layout, tiers.get(table.name, default)),
+                build_store(
+                    layout,
+                    tiers.get(table.name, default),
+                    self.blocks[table.name].store_name if table.name in self.blocks else None,
+                ),
                 weight=partial(self._slot_weight, table.name),
                 states=partial(self._slot_states, table.name),
             )
@@ -192,15 +212,26 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Deterministic init from ``seed`` (the same rows as an ``EmbeddingBagCollection``)."""
+        """Deterministic init from ``seed`` (the same rows as an ``EmbeddingBagCollection``;
+        a block's, those of its full table)."""
         self._inner.reset_parameters()
+        weights = self._inner.table_weights()
         for table in self.tables:
-            cache = self.caches.get(table.name)
+            cache, block = self.caches.get(table.name), self.blocks.get(table.name)
             if cache is None:
+                if block is not None:
+                    fill_table_block(
+                        weights[table.name], block.table, self.seed, block.rows, block.cols
+                    )
                 continue
 
             def fill(out: torch.Tensor, lo: int, hi: int, table: TableConfig = table) -> None:
-                fill_table_block(out, table, self.seed, rows=(lo, hi))
+                block = self.blocks.get(table.name)
+                if block is None:
+                    fill_table_block(out, table, self.seed, rows=(lo, hi))
+                else:
+                    r0 = block.rows[0]
+                    fill_table_block(out, block.table, self.seed, (r0 + lo, r0 + hi), block.cols)
 
             cache.store.initialize(fill)
             cache.invalidate()
@@ -332,6 +363,11 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
             )
         for key, target in expected.items():  # views: the stores' rows, the kernels' state
             _copy_checked(target, state[key], key)
+        self._invalidate()
+
+    def invalidate(self) -> None:
+        """Empty the caches (after the stores were written from outside, e.g. a sharded
+        checkpoint's load into the views of ``table_weights``)."""
         self._invalidate()
 
     def _invalidate(self) -> None:

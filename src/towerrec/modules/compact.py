@@ -407,7 +407,7 @@ def build_embedding_collection(
     run cached (``tiers`` per table, else ``default_tier``), else the compact collection.
 
     ``materialize=False`` leaves full tables unallocated (their shards initialise
-    themselves when sharded); compact collections are always built whole: their
+    themselves when sharded; cached tables' shards are cached on their ranks); compact collections are always built whole: their
     init is not a per-block function of the logical tables (mult factors, projections)
     and their tables are small by design.
     """
@@ -424,11 +424,10 @@ def build_embedding_collection(
             f"tables {sorted(cached)} run cached (memory = 'cached'), which needs every "
             "table stored in full; set embedding.kind = 'full' or memory = 'device'"
         )
-    if cached and not materialize:
-        raise ValueError(
-            f"tables {sorted(cached)} run cached (memory = 'cached'), which runs in one "
-            "process for now; train them in one process or set embedding.memory = 'device'"
-        )
+    if cached and not materialize:  # sharded: each rank caches its own shards
+        lazy = EmbeddingBagCollection(tables, optimizer, materialize=False, **kwargs)
+        lazy.tiers = (tiers, default_tier)
+        return lazy
     if cached:
         return CachedEmbeddingBagCollection(
             tables, optimizer, tiers=tiers, default=default_tier, **kwargs

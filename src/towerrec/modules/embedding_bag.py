@@ -32,6 +32,7 @@ from typing import Any, Self
 import torch
 from torch import nn
 
+from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.interfaces import FusedEmbeddingCollection, Ready
 from towerrec.modules.kernels import (
     Backend,
@@ -115,7 +116,14 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
     """Pooled embedding lookups for many tables with a fused optimizer (module doc).
 
     A ``PooledEmbeddingCollection`` and a ``FusedEmbeddingCollection``
-    (``modules/interfaces.py``)."""
+    (``modules/interfaces.py``).
+
+    ``tiers``: the memory tiers (per table, default) its tables take when a sharded
+    collection stores their shards (``distributed/lookup.py``); set by
+    ``build_embedding_collection`` on an unmaterialized collection with cached tables.
+    """
+
+    tiers: tuple[dict[str, TierConfig], TierConfig] | None = None
 
     def __init__(
         self,

@@ -311,8 +311,9 @@ def _check_writable(path: Path) -> None:
             )
 
 
-def build_store(layout: RowLayout, tier: TierConfig) -> BackingStore:
-    """The backing store ``tier`` asks for (one file per table: ``<path>/<table>.tstore``)."""
+def build_store(layout: RowLayout, tier: TierConfig, name: str | None = None) -> BackingStore:
+    """The backing store ``tier`` asks for (one file per table: ``<path>/<name>.tstore``,
+    ``name`` defaulting to the table's; a shard's store names its shard)."""
     if tier.backing is Backing.HOST:
         return HostStore(layout)
-    return SsdStore(layout, Path(tier.backing_path) / f"{layout.table}{SUFFIX}")
+    return SsdStore(layout, Path(tier.backing_path) / f"{name or layout.table}{SUFFIX}")

@@ -1,0 +1,187 @@
+"""Cached tables in sharded runs: each rank caches its own shards.
+
+Two gloo ranks whose cached shards evict rows every step train exactly as the same
+shards held in memory, and as one process with the full tables in memory (to the
+golden tests' tolerance: the ranks sum gradients in another order); a checkpoint
+of the cached shards resumes exactly. Column splits are refused by name.
+"""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from dist_cases import gather_tables, local_slice, make_batch
+
+from towerrec.distributed.comm import Comm
+from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
+from towerrec.distributed.launch import spawn_world
+from towerrec.distributed.mesh import Topology
+from towerrec.modules.cached import CachedEmbeddingBagCollection
+from towerrec.modules.cached_config import TierConfig
+from towerrec.modules.compact import CompactConfig, build_embedding_collection
+from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.tables import TableConfig
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.sharding import ShardingPlan, ShardingType, plan_table
+
+# "big" and "pair" run cached (more than MIN_ROWS rows), "small" stays in device memory.
+TABLES = [
+    TableConfig("big", 500, 8),
+    TableConfig("pair", 1000, 8, feature_names=("p1", "p2"), pooling="mean"),
+    TableConfig("small", 37, 4),
+]
+FEATURES = [f for t in TABLES for f in t.feature_names]
+ROWS = {f: t.num_embeddings for t in TABLES for f in t.feature_names}
+MIN_ROWS = 100
+SEED = 5
+BATCH = 4  # samples per rank and step
+
+
+def _tier(path) -> TierConfig:
+    # A tenth of a shard's rows: enough for the most ids a step can bring a shard
+    # (24 of big, 48 of pair), so few that rows are evicted (and written back to the
+    # SSD file) every step once the cache is full.
+    return TierConfig(
+        "cached", cache_fraction=0.1, backing="ssd", backing_path=str(path), min_rows=MIN_ROWS
+    )
+
+
+def _plan(kind: ShardingType, world: int) -> ShardingPlan:
+    plans = {}
+    for i, table in enumerate(TABLES):
+        ranks = [i % world] if kind is ShardingType.TABLE_WISE else list(range(world))
+        plans[table.name] = plan_table(table, kind, ranks)
+    return ShardingPlan(world, 1, plans)
+
+
+def _sharded(topology, kind, store, seed=SEED):
+    """A sharded collection as distributed runs build it (``materialize=False``);
+    cached when ``store`` (a directory) is given."""
+    lazy = build_embedding_collection(
+        TABLES,
+        CompactConfig(),
+        EmbeddingOptimizerConfig(),
+        materialize=False,
+        tiers={},
+        default_tier=_tier(store) if store is not None else TierConfig(),
+        backend="torch",
+        seed=seed,
+    )
+    return ShardedEmbeddingBagCollection(lazy, _plan(kind, topology.world_size), Comm(topology))
+
+
+def _train(sharded, topology, steps) -> None:
+    world, rank = topology.world_size, topology.rank
+    for step in steps:
+        batch = make_batch(step, BATCH * world, features=FEATURES, rows=ROWS)
+        out = sharded(local_slice(batch, rank, world)).values()
+        grad = torch.randn(
+            BATCH * world, out.shape[1], generator=torch.Generator().manual_seed(step)
+        )
+        out.backward(grad[rank * BATCH : (rank + 1) * BATCH])
+
+
+def _equal(a: dict, b: dict) -> list[str]:
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def _golden(topology, tmp_path):
+    """Per sharding type: tables and state of the cached run, differences from the
+    in-memory sharded run, and the cached shards' write-backs during training."""
+    out = {}
+    for kind in (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+        cached = _sharded(topology, kind, tmp_path / kind.value)
+        local = cached._local
+        assert local is None or isinstance(local, CachedEmbeddingBagCollection)
+        memory = _sharded(topology, kind, None)
+        _train(cached, topology, range(6))
+        _train(memory, topology, range(6))
+        written = {n: s.written_back for n, s in (local.cache_stats() if local else {}).items()}
+        weights, states = gather_tables(cached)
+        ref_weights, ref_states = gather_tables(memory)
+        bad = _equal(weights, ref_weights) + _equal(states, ref_states)
+        out[kind.value] = (weights, states, bad, written)
+    return out
+
+
+def _reference() -> tuple[dict, dict]:
+    """The same 6 steps in one process with the full tables in memory."""
+    world = 2
+    ebc = EmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(), backend="torch", seed=SEED)
+    for step in range(6):
+        batch = make_batch(step, BATCH * world, features=FEATURES, rows=ROWS)
+        out = ebc(batch).values()
+        out.backward(
+            torch.randn(BATCH * world, out.shape[1], generator=torch.Generator().manual_seed(step))
+        )
+    return ebc.table_weights(), ebc.optimizer_state_dict()
+
+
+@pytest.mark.multiprocess
+def test_cached_shards_train_like_tables_in_memory(tmp_path):
+    results = spawn_world(_golden, 2, 1, tmp_path)
+    ref_weights, ref_states = _reference()
+    for rank, per_kind in enumerate(results):
+        for kind, (weights, states, bad, written) in per_kind.items():
+            assert bad == [], (rank, kind, bad)  # bit for bit the in-memory shards
+            for name, w in ref_weights.items():
+                torch.testing.assert_close(weights[name], w, rtol=0, atol=1e-5, msg=name)
+            for key, s in ref_states.items():
+                torch.testing.assert_close(states[key], s, rtol=0, atol=1e-5, msg=key)
+            assert set(written) <= {"big", "pair"}
+            if kind != "table_wise" or rank == 0:  # table-wise: rank 0 holds big
+                assert written.get("big", 0) > 0, (rank, kind, written)  # evicted dirty rows
+    assert {f.name for f in tmp_path.glob("row_wise/*.tstore")} == {
+        "big.shard0.tstore",
+        "big.shard1.tstore",
+        "pair.shard0.tstore",
+        "pair.shard1.tstore",
+    }
+
+
+def _resume(topology, tmp_path):
+    """Tables after 6 steps uninterrupted, and after 3, a checkpoint, a fresh collection
+    (another seed, another store) loading it, and 3 more."""
+    kind = ShardingType.ROW_WISE
+    finals = []
+    for resume in (False, True):
+        sharded = _sharded(topology, kind, tmp_path / f"run{int(resume)}")
+        _train(sharded, topology, range(3))
+        if resume:
+            state = {"model": sharded.state_dict(), "opt": sharded.optimizer_state_dict()}
+            dcp.save(state, checkpoint_id=tmp_path / "checkpoint")
+            _train(sharded, topology, range(3, 4))  # moves past the checkpoint: must not leak
+            sharded = _sharded(topology, kind, tmp_path / "fresh", seed=SEED + 1)
+            _train(sharded, topology, range(1))  # a cache holding rows the load replaces
+            state = {"model": sharded.state_dict(), "opt": sharded.optimizer_state_dict()}
+            dcp.load(state, checkpoint_id=tmp_path / "checkpoint")
+            sharded.load_state_dict(state["model"])
+            sharded.load_optimizer_state_dict(state["opt"])
+        _train(sharded, topology, range(3, 6))
+        finals.append(gather_tables(sharded))
+    return finals
+
+
+@pytest.mark.multiprocess
+def test_cached_shards_resume_from_a_checkpoint_exactly(tmp_path):
+    for rank, (uninterrupted, resumed) in enumerate(spawn_world(_resume, 2, 1, tmp_path)):
+        for expected, got in zip(uninterrupted, resumed):
+            assert set(expected) == set(got)
+            for key, value in expected.items():
+                assert torch.equal(got[key], value), (rank, key)
+
+
+@pytest.mark.parametrize("kind", ["column_wise", "data_parallel"])
+def test_cached_tables_refuse_other_sharding_types(tmp_path, kind):
+    topology = Topology(world_size=1, hosts=1, rank=0)
+    plans = {t.name: plan_table(t, ShardingType(kind), [0]) for t in TABLES}
+    lazy = build_embedding_collection(
+        TABLES,
+        CompactConfig(),
+        materialize=False,
+        default_tier=_tier(tmp_path),
+        backend="torch",
+    )
+    with pytest.raises(
+        ValueError, match=f"table 'big' runs cached .* shards it '{kind}'.*row_wise"
+    ):
+        ShardedEmbeddingBagCollection(lazy, ShardingPlan(1, 1, plans), Comm(topology))
