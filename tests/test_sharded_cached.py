@@ -6,9 +6,12 @@ golden tests' tolerance: the ranks sum gradients in another order); a checkpoint
 of the cached shards resumes exactly. Column splits are refused by name.
 """
 
+import json
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import run_cli
 from dist_cases import gather_tables, local_slice, make_batch
 
 from towerrec.distributed.comm import Comm
@@ -185,3 +188,36 @@ def test_cached_tables_refuse_other_sharding_types(tmp_path, kind):
         ValueError, match=f"table 'big' runs cached .* shards it '{kind}'.*row_wise"
     ):
         ShardedEmbeddingBagCollection(lazy, ShardingPlan(1, 1, plans), Comm(topology))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_cli_two_ranks_cached_equal_two_ranks_in_memory(tmp_path):
+    """``towerrec train --nproc 2`` with SSD-cached tables (the default plan, table-wise)
+    ends with the validation AUC of the same run with every table in memory."""
+    common = [
+        "data.synthetic.num_embeddings=[30000,100,20000,50,500,200,100,200,40000]",
+        "train.steps=8",
+        "train.eval_every=0",
+        "train.progress=false",
+    ]
+    cached = [
+        "embedding.memory=cached",
+        "embedding.cache_min_rows=1000",
+        "embedding.backing=ssd",
+        f"embedding.backing_path={tmp_path / 'store'}",
+    ]
+    aucs = []
+    for name, sets in (("memory", common), ("cached", common + cached)):
+        args = ["train", "--nproc", "2", "--out", str(tmp_path / name)]
+        for s in sets:
+            args += ["--set", s]
+        result = run_cli(*args)
+        assert result.returncode == 0, result.stderr[-2000:]
+        aucs.append(json.loads((tmp_path / name / "summary.json").read_text())["auc"])
+    assert aucs[0] == aucs[1]
+    assert sorted(f.name for f in (tmp_path / "store").iterdir()) == [
+        "cat_0.shard0.tstore",
+        "cat_2.shard0.tstore",
+        "cat_8.shard0.tstore",
+    ]
