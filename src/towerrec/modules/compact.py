@@ -407,9 +407,10 @@ def build_embedding_collection(
     run cached (``tiers`` per table, else ``default_tier``), else the compact collection.
 
     ``materialize=False`` leaves full tables unallocated (their shards initialise
-    themselves when sharded; cached tables' shards are cached on their ranks); compact collections are always built whole: their
-    init is not a per-block function of the logical tables (mult factors, projections)
-    and their tables are small by design.
+    themselves when sharded; cached tables' shards are cached on their ranks, the
+    collection keeps the tiers for them: ``EmbeddingBagCollection.tiers``); compact
+    collections are always built whole: their init is not a per-block function of the
+    logical tables (mult factors, projections) and their tables are small by design.
     """
     config.check_table_names(tables)
     tiers, default_tier = dict(tiers or {}), default_tier or TierConfig()
