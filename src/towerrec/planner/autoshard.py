@@ -253,8 +253,8 @@ def train_autoshard(
 
 def networks(weights: PolicyWeights) -> tuple[MultiTableCost, SequencePolicy]:
     cost, policy = MultiTableCost(weights.hidden), SequencePolicy(weights.hidden)
-    cost.load_state_dict({k[5:]: v for k, v in weights.state.items() if k.startswith("cost.")})
-    policy.load_state_dict({k[7:]: v for k, v in weights.state.items() if k.startswith("policy.")})
+    cost.load_state_dict(weights.part("cost."))
+    policy.load_state_dict(weights.part("policy."))
     return cost.eval(), policy.eval()
 
 

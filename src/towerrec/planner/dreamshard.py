@@ -358,12 +358,8 @@ def networks(weights: PolicyWeights) -> tuple[CostNetwork, PolicyNetwork]:
     """The cost and policy networks of ``weights`` (eval mode)."""
     cost = CostNetwork(weights.hidden, bool(weights.extra.get("comm", False)))
     policy = PolicyNetwork(weights.hidden)
-    cost.load_state_dict(
-        {k[5:]: v for k, v in weights.state.items() if k.startswith("cost.")}, strict=True
-    )
-    policy.load_state_dict(
-        {k[7:]: v for k, v in weights.state.items() if k.startswith("policy.")}, strict=True
-    )
+    cost.load_state_dict(weights.part("cost."))
+    policy.load_state_dict(weights.part("policy."))
     return cost.eval(), policy.eval()
 
 

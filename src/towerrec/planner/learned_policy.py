@@ -173,6 +173,11 @@ class PolicyWeights:
     seed: int
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def part(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The state of one network: the entries under ``prefix`` ("cost.", "policy."),
+        without it."""
+        return {k[len(prefix) :]: v for k, v in self.state.items() if k.startswith(prefix)}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
