@@ -44,6 +44,9 @@ class DataSchema:
 class Batch:
     """``dense[B, F]`` float32, ``sparse`` with B samples per key, ``labels[B]`` float32.
 
+    ``teacher_logits[B]`` float32, where present, is an external teacher's logit for each
+    sample (distillation data); None for plain data.
+
     ``validate=True`` (the default) checks shapes, dtypes and that the dense
     features are finite, naming the first bad sample; loaders that produced the
     tensors themselves may skip it.
@@ -52,6 +55,7 @@ class Batch:
     dense: torch.Tensor
     sparse: KeyedJaggedTensor
     labels: torch.Tensor
+    teacher_logits: torch.Tensor | None = None
     validate: bool = field(default=True, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,12 +95,29 @@ class Batch:
             raise ValueError(
                 f"label of sample {bad} is {labels[bad].item()}; labels must lie in [0, 1]"
             )
+        teacher = self.teacher_logits
+        if teacher is not None:
+            if teacher.shape != labels.shape or not teacher.is_floating_point():
+                raise ValueError(
+                    f"teacher logits must be a float tensor [{batch}], got {teacher.dtype} "
+                    f"{tuple(teacher.shape)}"
+                )
+            finite = torch.isfinite(teacher)
+            if not bool(finite.all()):
+                bad = int((~finite).nonzero()[0])
+                raise ValueError(
+                    f"teacher logit of sample {bad} is {teacher[bad].item()}; teacher logits "
+                    "must be finite (re-run the augmentation for this data)"
+                )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
             self.dense.to(device, non_blocking=non_blocking),
             self.sparse.to(device, non_blocking=non_blocking),
             self.labels.to(device, non_blocking=non_blocking),
+            None
+            if self.teacher_logits is None
+            else self.teacher_logits.to(device, non_blocking=non_blocking),
             validate=False,
         )
 
@@ -108,5 +129,6 @@ class Batch:
             self.dense.pin_memory(),
             self.sparse.pin_memory(),
             self.labels.pin_memory(),
+            None if self.teacher_logits is None else self.teacher_logits.pin_memory(),
             validate=False,
         )
