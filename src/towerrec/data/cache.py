@@ -50,10 +50,14 @@ __all__ = [
     "PartWriter",
     "SplitColumns",
     "Verify",
+    "fsync_path",
+    "map_column",
     "open_cache",
+    "open_part",
     "read_manifest",
     "schema_from_manifest",
     "schema_to_manifest",
+    "verify_part",
     "write_manifest",
 ]
 
@@ -203,9 +207,19 @@ class PartWriter:
             totals[name] = totals.get(name, 0) + int(lengths.sum())
         self.rows[split] = self.rows.get(split, 0) + n
 
-    def finish(self, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Close the files, write ``part.json`` and make the part final; returns its entry."""
+    def append_column(self, split: str, column: str, array: np.ndarray) -> None:
+        """Rows of a column beyond the standard ones (e.g. ``example_id`` int64), written
+        as ``<split>.<column>.bin`` in the array's dtype; the caller keeps it row-aligned."""
+        self._write(f"{split}.{column}", array)
+
+    def finish(self, extra: dict[str, Any] | None = None, fsync: bool = False) -> dict[str, Any]:
+        """Close the files, write ``part.json`` and make the part final; returns its entry.
+        ``fsync``: the files and the directory reach the disk before the rename, so a
+        machine crash cannot leave a final part with missing data."""
         for f in self._files.values():
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
             f.close()
         entry = {
             "name": self.final.name,
@@ -215,8 +229,13 @@ class PartWriter:
             **(extra or {}),
         }
         (self.path / "part.json").write_text(json.dumps(entry, indent=1))
+        if fsync:
+            fsync_path(self.path / "part.json")
+            fsync_path(self.path)
         shutil.rmtree(self.final, ignore_errors=True)
         self.path.rename(self.final)
+        if fsync:
+            fsync_path(self.final.parent)
         return entry
 
     def abort(self) -> None:
@@ -236,11 +255,25 @@ def read_part_entry(cache_dir: Path, name: str) -> dict[str, Any] | None:
         return None
 
 
-def write_manifest(cache_dir: Path, manifest: dict[str, Any]) -> Path:
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entries to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(cache_dir: Path, manifest: dict[str, Any], fsync: bool = False) -> Path:
+    """Replace ``manifest.json`` atomically (temp file + rename; ``fsync``: durably)."""
     path = Path(cache_dir) / "manifest.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION, **manifest}, indent=1))
+    if fsync:
+        fsync_path(tmp)
     os.replace(tmp, path)
+    if fsync:
+        fsync_path(path.parent)
     return path
 
 
@@ -359,21 +392,49 @@ def open_cache(cache_dir: str | Path, verify: Verify | str | bool = Verify.ONCE)
     _verify_checksums(cache_dir, manifest, verify)
     splits: dict[str, list[SplitColumns]] = {}
     for part in manifest["parts"]:
-        folder = cache_dir / "parts" / part["name"]
-        for split, n in part["rows"].items():
-            prefix = folder / split
-            columns = SplitColumns(
-                rows=n,
-                labels=_map(Path(f"{prefix}.labels.bin"), np.float32, (n,), cache_dir),
-                dense=_map(
-                    Path(f"{prefix}.dense.bin"), np.float32, (n, schema.num_dense), cache_dir
-                ),
-                sparse=_map(Path(f"{prefix}.sparse.bin"), np.int32, (n, len(single)), cache_dir),
-            )
-            for name in multi:
-                total = part["multi_values"][split][name]
-                lengths = _map(Path(f"{prefix}.{name}.lengths.bin"), np.int32, (n,), cache_dir)
-                values = _map(Path(f"{prefix}.{name}.values.bin"), np.int32, (total,), cache_dir)
-                columns.multi[name] = (values, _offsets(lengths))
+        for split, columns in open_part(cache_dir, part, schema.num_dense, single, multi).items():
             splits.setdefault(split, []).append(columns)
     return ColumnStore(schema, single, multi, splits, manifest)
+
+
+def open_part(
+    cache_dir: Path, part: dict[str, Any], num_dense: int, single: list[str], multi: list[str]
+) -> dict[str, SplitColumns]:
+    """Memory-map one part of a cache (its manifest ``entry``): split -> columns."""
+    folder = Path(cache_dir) / "parts" / part["name"]
+    splits = {}
+    for split, n in part["rows"].items():
+        prefix = folder / split
+        columns = SplitColumns(
+            rows=n,
+            labels=_map(Path(f"{prefix}.labels.bin"), np.float32, (n,), cache_dir),
+            dense=_map(Path(f"{prefix}.dense.bin"), np.float32, (n, num_dense), cache_dir),
+            sparse=_map(Path(f"{prefix}.sparse.bin"), np.int32, (n, len(single)), cache_dir),
+        )
+        for name in multi:
+            total = part["multi_values"][split][name]
+            lengths = _map(Path(f"{prefix}.{name}.lengths.bin"), np.int32, (n,), cache_dir)
+            values = _map(Path(f"{prefix}.{name}.values.bin"), np.int32, (total,), cache_dir)
+            columns.multi[name] = (values, _offsets(lengths))
+        splits[split] = columns
+    return splits
+
+
+def map_column(
+    cache_dir: Path, part: str, split: str, column: str, dtype: Any, rows: int
+) -> np.ndarray:
+    """Memory-map an extra per-row column of a part (``PartWriter.append_column``)."""
+    path = Path(cache_dir) / "parts" / part / f"{split}.{column}.bin"
+    return _map(path, dtype, (rows,), Path(cache_dir))
+
+
+def verify_part(cache_dir: Path, part: dict[str, Any]) -> None:
+    """Hash one part's files against its manifest entry; a ``CacheError`` on a mismatch."""
+    folder = Path(cache_dir) / "parts" / part["name"]
+    for name, digest in part["files"].items():
+        path = folder / name
+        if not path.is_file() or sha256_file(path) != digest:
+            raise CacheError(
+                f"file {path} does not match its checksum in {cache_dir}/manifest.json: the "
+                "data is corrupt; write it again"
+            )
