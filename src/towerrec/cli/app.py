@@ -15,7 +15,7 @@ import os
 import select
 import sys
 
-from towerrec.cli import bench, config, data, nas, plan, replay, scaling, serve, train
+from towerrec.cli import bench, config, data, distill, nas, plan, replay, scaling, serve, train
 
 __all__ = ["build_parser", "main"]
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (train, replay, config, plan, bench, data, scaling, serve, nas):
+    for group in (train, replay, config, plan, bench, data, scaling, serve, nas, distill):
         group.add_commands(sub)
     return parser
 

@@ -7,6 +7,8 @@
     towerrec data info DIR                              manifest summary (and checksum check)
     towerrec data pu-prior DATA_OR_CONFIG               class prior of positive-unlabeled data
     towerrec data profile DATA                          locality of each table's ids (cli/profile.py)
+    towerrec data periods OUT_DIR --config FILE         a config's periods, with example ids
+                                                        (cli/distill.py)
 
 Train on a cache with ``towerrec train --set data.source=criteo --set data.path=DIR``.
 Every converter takes a validation and a test split as whole files
@@ -25,6 +27,7 @@ import shlex
 import time
 from pathlib import Path
 
+from towerrec.cli.distill import add_periods_command
 from towerrec.cli.profile import add_profile_command
 from towerrec.cli.pu_prior import add_pu_prior_command
 from towerrec.data.cache import open_cache
@@ -347,3 +350,4 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     add_pu_prior_command(data_sub)
     add_profile_command(data_sub)
+    add_periods_command(data_sub)

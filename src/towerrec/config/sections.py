@@ -18,6 +18,7 @@ from towerrec.config.training import (
     TemporalConfig,
     TrainConfig,
 )
+from towerrec.data.augmented import AugmentedConfig
 from towerrec.data.loader import LoaderConfig
 from towerrec.data.movielens import MovieLensConfig
 from towerrec.data.synthetic import SyntheticConfig
@@ -97,16 +98,26 @@ RESUME_SAFE_KEYS = (
 @dataclass(frozen=True)
 class DataConfig:
     """``source``: synthetic (built in), movielens (``path``: its directory, empty for the
-    bundled one), criteo or cache (``path``: a cache written by ``towerrec data``)."""
+    bundled one), criteo or cache (``path``: a cache written by ``towerrec data``),
+    augmented (periods with teacher logits written by ``towerrec distill serve``;
+    ``augmented.dir``; ``towerrec replay`` only)."""
 
     source: str = "synthetic"
     path: str = ""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     movielens: MovieLensConfig = field(default_factory=MovieLensConfig)
     loader: LoaderConfig = field(default_factory=LoaderConfig)
+    augmented: AugmentedConfig = field(default_factory=AugmentedConfig)
 
     def __post_init__(self) -> None:
-        _choice(self.source, ("synthetic", "movielens", "criteo", "cache"), "data.source")
+        _choice(
+            self.source, ("synthetic", "movielens", "criteo", "cache", "augmented"), "data.source"
+        )
+        if self.source == "augmented" and not self.augmented.dir:
+            raise ValueError(
+                "data.source = 'augmented' needs data.augmented.dir, a student's directory "
+                "under the --out of `towerrec distill serve` (--set data.augmented.dir=OUT/NAME)"
+            )
         if self.source == "synthetic" and self.path:
             warnings.warn(
                 f"data.path = {self.path!r} is ignored: data.source is 'synthetic' "

@@ -73,6 +73,11 @@ def build_source(config: DataConfig):
     if config.source in ("criteo", "cache"):
         store = open_cache(config.path, verify=config.loader.verify)
         return ColumnSource(store, config.loader, require_eval=True)
+    if config.source == "augmented":
+        raise ValueError(
+            "data.source = 'augmented' is a stream of periods with teacher logits: train on "
+            "it with `towerrec replay`, which reads periods in order"
+        )
     raise ValueError(f"unknown data.source {config.source!r}")
 
 

@@ -47,6 +47,7 @@ from torch import nn
 from tqdm import tqdm
 
 from towerrec.config import Config, DataConfig, OptimizerConfig, load_config
+from towerrec.data.augmented import AugmentedPeriods
 from towerrec.data.cache import open_cache
 from towerrec.data.movielens import bundled_movielens_path, movielens_periods
 from towerrec.data.periods import PeriodSource, cache_periods
@@ -81,6 +82,7 @@ _HOW = {
     "synthetic": "set data.synthetic.periods = N (N >= 2; with drift and id_turnover to move)",
     "movielens": "set data.movielens.periods = N (N >= 2)",
     "criteo": "convert two or more day files into the cache (each file is a period)",
+    "augmented": "write two or more periods (towerrec data periods) and augment them",
 }
 
 
@@ -105,6 +107,9 @@ def build_periods(data: DataConfig) -> PeriodSource:
         return movielens_periods(data.path or bundled_movielens_path(), data.movielens)
     if data.source in ("criteo", "cache"):
         return cache_periods(open_cache(data.path, verify=data.loader.verify))
+    if data.source == "augmented":
+        augmented = data.augmented
+        return AugmentedPeriods(augmented.dir, augmented.wait_s, augmented.poll_s)
     raise ValueError(f"unknown data.source {data.source!r}")
 
 
