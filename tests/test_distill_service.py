@@ -1,0 +1,320 @@
+"""The augmentation service (``towerrec distill serve``), its period files and
+``AugmentedPeriods``: each unique example scored once, nothing lost or duplicated by a
+kill, trainers reading as shards land, and clear errors for bad input.
+
+Two students read windows of one synthetic stream: ``a`` periods 0-2, ``b`` periods 1-3,
+so stream periods 1 and 2 (600 rows) are shared, 1200 examples are unique in all.
+"""
+
+import functools
+import json
+import multiprocessing
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from towerrec.cli import main
+from towerrec.config import load_config
+from towerrec.data.augmented import (
+    TEACHER_LOGIT,
+    AugmentedConfig,
+    AugmentedPeriods,
+    AugmentedTimeout,
+)
+from towerrec.data.cache import PartWriter, read_manifest, write_manifest
+from towerrec.data.loader import SplitRows
+from towerrec.data.period_files import SPLIT, open_period, read_stream, write_periods
+from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
+from towerrec.serve.artefact import ArtefactError, load_artefact
+from towerrec.serve.augment import COUNTERS, CRASH_ENV, AugmentService
+from towerrec.serve.export import export_run
+from towerrec.train import trainer
+
+ROWS = 300  # per period
+TABLES = [60, 30, 90, 40]
+POOLING = [1, 2, 1, 3]
+UNIQUE = 4 * ROWS
+STREAM = [
+    f"data.synthetic.num_embeddings={TABLES}",
+    f"data.synthetic.pooling_factors={POOLING}",
+    "data.synthetic.eval_samples=500",
+]
+
+
+def stream(**changes):
+    config = dict(num_embeddings=tuple(TABLES), pooling_factors=tuple(POOLING), periods=4,
+                  period_samples=ROWS, seed=3, eval_samples=500)  # fmt: skip
+    config.update(changes)
+    return SyntheticSource(SyntheticConfig(**config))
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    root = tmp_path_factory.mktemp("teacher")
+    overrides = [
+        *STREAM, "train.batch_size=128", "train.steps=4", "train.eval_every=0",
+        "train.progress=false", "optimizer.warmup_steps=1", "model.embedding_dim=8",
+        "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]",
+    ]  # fmt: skip
+    trainer.train(load_config(None, overrides), root / "run")
+    export_run(root / "run", root / "export")
+    return root / "export"
+
+
+@pytest.fixture(scope="module")
+def students(tmp_path_factory):
+    root = tmp_path_factory.mktemp("students")
+    write_periods(stream(), root / "a", range(0, 3))
+    write_periods(stream(), root / "b", range(1, 4))
+    return root / "a", root / "b"
+
+
+@functools.cache
+def loaded(teacher_dir):
+    return load_artefact(teacher_dir)
+
+
+def direct_logits(teacher_dir, student, period):
+    """The teacher run directly on all of one student period, in one batch."""
+    data = read_stream(student)
+    part = open_period(data, period)
+    batch = SplitRows([part.columns]).gather(np.arange(part.columns.rows), data.single, data.multi)
+    kjt = batch.sparse
+    return loaded(teacher_dir).logits(batch.dense, kjt.keys(), kjt.values(), kjt.lengths())
+
+
+def count_teacher_rows(service):
+    """Wrap the service's teacher so that every row it scores is counted."""
+    calls = {"rows": 0}
+    logits = service.teacher.logits
+
+    def counted(dense, *args, **kwargs):
+        calls["rows"] += dense.shape[0]
+        return logits(dense, *args, **kwargs)
+
+    service.teacher.logits = counted
+    return calls
+
+
+def check_complete(out, teacher_dir, students):
+    """Every period of every student is in its manifest once, as a final shard, with the
+    teacher's logits; no temp directories are left; the counters add up."""
+    for student in students:
+        aug = out / student.name
+        manifest = read_manifest(aug)
+        assert [p["period"] for p in manifest["parts"]] == [0, 1, 2]
+        assert sorted(d.name for d in (aug / "parts").iterdir()) == [
+            "period-00000", "period-00001", "period-00002",
+        ]  # fmt: skip
+        reader = AugmentedPeriods(aug, timeout_s=0)
+        for period in range(3):
+            shard = reader.shard(period)
+            expected = direct_logits(teacher_dir, student, period)
+            torch.testing.assert_close(torch.from_numpy(np.array(shard.teacher_logits)), expected)
+            assert np.array_equal(shard.example_ids, open_period(read_stream(student), period)
+                                  .example_ids)  # fmt: skip
+    counters = json.loads((out / COUNTERS).read_text())
+    assert counters["teacher_calls"] == UNIQUE == counters["unique_examples"]
+    assert counters["rows"] == 6 * ROWS
+    assert counters["duplicates"] == 6 * ROWS - UNIQUE
+    assert counters["shards_written"] == 6
+    return counters
+
+
+def test_period_files_carry_the_streams_rows_and_ids(students):
+    a, b = students
+    source = stream()
+    for student, first in ((a, 0), (b, 1)):
+        data = read_stream(student)
+        assert data.num_periods == 3 and data.period_rows == [ROWS] * 3
+        assert data.complete() == [0, 1, 2]
+        for period in range(3):
+            part = open_period(data, period)
+            want = next(source.period_batches(first + period, 10_000))
+            assert np.array_equal(part.columns.labels, want.labels.numpy())
+            assert np.array_equal(part.columns.dense, want.dense.numpy())
+            ids = np.arange(ROWS, dtype=np.int64) + (first + period) * ROWS
+            assert np.array_equal(part.example_ids, ids)  # the row's place in the stream
+
+
+def test_the_teacher_scores_each_unique_example_once(teacher, students, tmp_path):
+    service = AugmentService(teacher, list(students), tmp_path / "out", batch_size=128)
+    scored = count_teacher_rows(service)
+    service.run(once=True)
+    assert scored["rows"] == UNIQUE  # counted at the teacher itself
+    counters = check_complete(tmp_path / "out", teacher, students)
+    assert counters["students"]["a"]["teacher_calls"] == 3 * ROWS
+    assert counters["students"]["b"]["teacher_calls"] == ROWS  # only its last period is new
+    # a restart recomputes nothing and writes nothing
+    again = AugmentService(teacher, list(students), tmp_path / "out")
+    rescored = count_teacher_rows(again)
+    assert again.run(once=True) == counters
+    assert rescored["rows"] == 0
+
+
+def _serve(teacher, students, out, crash, once=True):
+    torch.set_num_threads(1)
+    if crash:
+        os.environ[CRASH_ENV] = crash
+    AugmentService(teacher, list(students), out, batch_size=128).run(once=once, poll_s=0.05)
+
+
+def _fork(target, *args):
+    process = multiprocessing.get_context("fork").Process(target=target, args=args)
+    process.start()
+    return process
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("crash", "scored_before"),
+    [("a:1:memo", 2 * ROWS), ("a:1:write", 2 * ROWS), ("b:0:shard", 3 * ROWS)],
+)
+def test_a_killed_service_restarts_without_losing_or_duplicating(
+    teacher, students, tmp_path, crash, scored_before
+):
+    out = tmp_path / "out"
+    child = _fork(_serve, teacher, students, out, crash)
+    child.join(120)
+    assert child.exitcode == -9  # SIGKILL at the hook
+    student, period, _ = crash.split(":")
+    listed = [p["period"] for p in read_manifest(out / student)["parts"]]
+    assert listed == list(range(int(period)))  # the killed period is not listed
+    service = AugmentService(teacher, list(students), out, batch_size=128)
+    scored = count_teacher_rows(service)
+    service.run(once=True)
+    assert scored["rows"] == UNIQUE - scored_before  # the memo kept what was scored
+    check_complete(out, teacher, students)
+
+
+@pytest.mark.multiprocess
+def test_a_trainer_reads_every_period_while_the_service_writes(teacher, tmp_path):
+    student, out = tmp_path / "c", tmp_path / "out"
+
+    def produce():
+        write_periods(stream(), student, on_period=lambda p: time.sleep(0.2))
+
+    producer = _fork(produce)
+    service = _fork(_serve, teacher, [student], out, None, False)  # follows until done
+    reader = AugmentedPeriods(out / "c", timeout_s=120, poll_s=0.05)  # before anything lands
+    source = stream()
+    for period in range(reader.num_periods):
+        got = list(reader.period_batches(period, 128))
+        want = list(source.period_batches(period, 128))
+        assert [b.size for b in got] == [b.size for b in want]
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.labels, w.labels) and torch.equal(g.dense, w.dense)
+        logits = torch.cat([b.teacher_logits for b in got])
+        torch.testing.assert_close(logits, direct_logits(teacher, student, period))
+    producer.join(60)
+    service.join(60)
+    assert producer.exitcode == 0 and service.exitcode == 0
+
+
+def test_a_teacher_of_other_features_is_refused(teacher, tmp_path):
+    write_periods(stream(num_embeddings=(60, 30, 90, 41)), tmp_path / "s", range(0, 1))
+    service = AugmentService(teacher, [tmp_path / "s"], tmp_path / "out")
+    with pytest.raises(ArtefactError, match="feature 'cat_3': the teacher's table has 40 rows"):
+        service.run(once=True)
+    write_periods(stream(num_dense=3), tmp_path / "d", range(0, 1))
+    service = AugmentService(teacher, [tmp_path / "d"], tmp_path / "out2")
+    with pytest.raises(ArtefactError, match="dense width: the teacher reads 13, the student"):
+        service.run(once=True)
+    assert not (tmp_path / "out" / "s" / "parts").exists()  # nothing written
+
+
+def _rewrite_shard(aug, period, logits):
+    """Write period ``period``'s shard again with ``logits`` (None: no logit column), its
+    checksums correct: what a faulty writer would leave."""
+    manifest = read_manifest(aug)
+    shard = AugmentedPeriods(aug, timeout_s=0).shard(period)
+    columns = shard.rows.parts[0]
+    writer = PartWriter(aug, manifest["parts"][period]["name"], columns.dense.shape[1],
+                        list(columns.multi))  # fmt: skip
+    multi = {n: (np.asarray(v), np.diff(o).astype(np.int32)) for n, (v, o) in columns.multi.items()}
+    writer.append(SPLIT, np.asarray(columns.labels), np.asarray(columns.dense),
+                  np.asarray(columns.sparse), multi)  # fmt: skip
+    writer.append_column(SPLIT, "example_id", np.asarray(shard.example_ids))
+    if logits is not None:
+        writer.append_column(SPLIT, TEACHER_LOGIT, logits)
+    entry = writer.finish({"period": period})
+    manifest["parts"][period] = entry
+    write_manifest(aug, {k: v for k, v in manifest.items() if k not in ("format", "version")})
+
+
+def test_a_shard_with_a_missing_or_non_finite_logit_is_refused(teacher, students, tmp_path):
+    out = tmp_path / "out"
+    AugmentService(teacher, [students[0]], out).run(once=True)
+    aug = out / "a"
+    logits = np.array(AugmentedPeriods(aug, timeout_s=0).shard(1).teacher_logits)
+    logits[7] = np.nan
+    _rewrite_shard(aug, 1, logits)
+    reader = AugmentedPeriods(aug, timeout_s=0)
+    assert len(list(reader.period_batches(0, 128))) == 3  # period 0 is fine
+    with pytest.raises(ValueError, match=r"period-00001 \(period 1\): the teacher logit of row 7"):
+        list(reader.period_batches(1, 128))
+    _rewrite_shard(aug, 2, None)
+    with pytest.raises(ValueError, match=r"period-00002 \(period 2\) has no teacher-logit column"):
+        list(AugmentedPeriods(aug, timeout_s=0).period_batches(2, 128))
+
+
+def test_periods_out_of_order_are_refused(teacher, students, tmp_path):
+    student = tmp_path / "a"
+    shutil.copytree(students[0], student)
+    manifest = read_manifest(student)
+    body = {k: v for k, v in manifest.items() if k not in ("format", "version")}
+    # period 1 listed, period 0 not (a gap, or period 0 arriving after period 1)
+    write_manifest(student, {**body, "parts": body["parts"][1:]})
+    service = AugmentService(teacher, [student], tmp_path / "out")
+    with pytest.raises(ValueError, match="lists period 1 where period 0 belongs"):
+        service.run(once=True)
+    # a period rewritten after it was augmented
+    write_manifest(student, body)
+    AugmentService(teacher, [student], tmp_path / "out").run(once=True)
+    shutil.rmtree(student)
+    write_periods(stream(seed=4), student, range(0, 3))
+    with pytest.raises(ValueError, match=r"period 0 of .* changed after it was augmented"):
+        AugmentService(teacher, [student], tmp_path / "out").run(once=True)
+
+
+def test_a_period_that_does_not_land_times_out_naming_the_service(teacher, students, tmp_path):
+    student = tmp_path / "a"
+    shutil.copytree(students[0], student)
+    manifest = read_manifest(student)
+    body = {k: v for k, v in manifest.items() if k not in ("format", "version")}
+    write_manifest(student, {**body, "parts": body["parts"][:2]})  # period 2 not yet there
+    AugmentService(teacher, [student], tmp_path / "out").run(once=True)
+    reader = AugmentedPeriods(tmp_path / "out" / "a", timeout_s=0.3, poll_s=0.05)
+    assert reader.num_periods == 3 and len(list(reader.period_batches(1, 128))) == 3
+    with pytest.raises(AugmentedTimeout, match=r"period 2 of .* has not landed after 0\.3 s.*"
+                       r"towerrec distill serve"):  # fmt: skip
+        list(reader.period_batches(2, 128))
+    with pytest.raises(AugmentedTimeout, match="its manifest"):
+        AugmentedPeriods(tmp_path / "nothing", timeout_s=0)
+
+
+def test_config_and_command_line(teacher, tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"needs data\.augmented\.dir"):
+        load_config(None, ["data.source=augmented"])
+    with pytest.raises(ValueError, match="wait_s must be >= 0"):
+        AugmentedConfig(dir="x", wait_s=-1)
+    config = load_config(
+        None, ["data.source=augmented", f"data.augmented.dir={tmp_path}", "data.augmented.wait_s=5"]
+    )
+    assert config.data.augmented == AugmentedConfig(dir=str(tmp_path), wait_s=5.0)
+    sets = [
+        "--set", "data.synthetic.periods=3", "--set", "data.synthetic.period_samples=100",
+        *[arg for s in STREAM for arg in ("--set", s)],
+    ]  # fmt: skip
+    assert main(["data", "periods", str(tmp_path / "s"), *sets, "--periods", "1:3"]) == 0
+    assert read_stream(tmp_path / "s").period_rows == [100, 100]
+    serve = ["distill", "serve", "--teacher", str(teacher), "--watch", str(tmp_path / "s")]
+    assert main([*serve, "--out", str(tmp_path / "out"), "--once"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["teacher_calls"] == 200 and printed["shards_written"] == 2
+    assert main(["data", "periods", str(tmp_path / "s"), *sets]) == 2  # not a fresh dir
+    assert "already holds period files" in capsys.readouterr().err
