@@ -178,12 +178,14 @@ class Memo:
     ) -> None:
         """Persist (temp, fsync, rename) and remember one period's new ids."""
         final = self.path / f"{student}.{period}.npz"
-        tmp = self.path / f".{student}.{period}.tmp.npz"
-        np.savez(
-            tmp, ids=ids, logits=logits, teacher_calls=counts.teacher_calls,
-            duplicates=counts.duplicates, rows=counts.rows,
-        )  # fmt: skip
-        fsync_path(tmp)
+        tmp = final.with_name(final.name + ".tmp")  # not *.npz: a leftover is never loaded
+        with open(tmp, "wb") as f:
+            np.savez(
+                f, ids=ids, logits=logits, teacher_calls=counts.teacher_calls,
+                duplicates=counts.duplicates, rows=counts.rows,
+            )  # fmt: skip
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, final)
         fsync_path(self.path)
         self._merge(ids, logits)
