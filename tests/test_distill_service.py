@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,6 +35,7 @@ from towerrec.serve.augment import COUNTERS, CRASH_ENV, AugmentService
 from towerrec.serve.export import export_run
 from towerrec.train import trainer
 
+CONFIGS = Path(__file__).parent.parent / "configs"
 ROWS = 300  # per period
 TABLES = [60, 30, 90, 40]
 POOLING = [1, 2, 1, 3]
@@ -318,3 +320,33 @@ def test_config_and_command_line(teacher, tmp_path, capsys):
     assert printed["teacher_calls"] == 200 and printed["shards_written"] == 2
     assert main(["data", "periods", str(tmp_path / "s"), *sets]) == 2  # not a fresh dir
     assert "already holds period files" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_replay_trains_on_an_augmented_movielens_stream(tmp_path, capsys):
+    """A MovieLens teacher's export augments a MovieLens student stream, end to end
+    through the command line, and ``towerrec replay`` trains through it."""
+    ml = ["--config", str(CONFIGS / "movielens.toml"), "--set", "train.progress=false"]
+    run, export = tmp_path / "fm", tmp_path / "fm-export"
+    short = ["--set", "train.steps=10", "--set", "train.eval_every=0"]
+    assert main(["train", *ml, *short, "--out", str(run)]) == 0
+    assert main(["export", str(run), "--out", str(export)]) == 0
+    periods = ["--set", "data.movielens.periods=3"]
+    assert main(["data", "periods", str(tmp_path / "ml"), *ml, *periods]) == 0
+    out = tmp_path / "aug"
+    assert main(["distill", "serve", "--teacher", str(export), "--watch", str(tmp_path / "ml"),
+                 "--out", str(out), "--once"]) == 0  # fmt: skip
+    rows = read_stream(tmp_path / "ml").period_rows
+    counters = json.loads((out / COUNTERS).read_text())
+    assert counters["teacher_calls"] == sum(rows) and counters["shards_written"] == 3
+    reader = AugmentedPeriods(out / "ml", timeout_s=0)
+    batch = next(reader.period_batches(2, 512))
+    kjt = batch.sparse
+    expected = loaded(export).logits(batch.dense, kjt.keys(), kjt.values(), kjt.lengths())
+    torch.testing.assert_close(batch.teacher_logits, expected)
+    augmented = ["--set", "data.source=augmented", "--set", f"data.augmented.dir={out / 'ml'}"]
+    assert main(["replay", *ml, *augmented, "--out", str(tmp_path / "replay")]) == 0
+    summary = json.loads((tmp_path / "replay" / "replay.json").read_text())
+    assert summary["period_rows"] == rows
+    assert [r["period"] for r in summary["results"]] == [1, 2]
+    assert all(0.5 < r["auc"] < 1 for r in summary["results"])
