@@ -13,6 +13,7 @@ import argparse
 import json
 
 from towerrec.bench import (
+    augment,
     costmodel,
     data,
     dist_train,
@@ -69,6 +70,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "nas": nas.BENCHMARK,
     "tiers": tiers.BENCHMARK,
     "temporal": temporal.BENCHMARK,
+    "augment": augment.BENCHMARK,
 }
 
 
