@@ -29,6 +29,7 @@ from towerrec.data.augmented import (
 from towerrec.data.cache import PartWriter, read_manifest, write_manifest
 from towerrec.data.loader import SplitRows
 from towerrec.data.period_files import SPLIT, open_period, read_stream, write_periods
+from towerrec.data.periods import PeriodSource
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.serve.artefact import ArtefactError, load_artefact
 from towerrec.serve.augment import COUNTERS, CRASH_ENV, AugmentService
@@ -291,6 +292,7 @@ def test_a_period_that_does_not_land_times_out_naming_the_service(teacher, stude
     write_manifest(student, {**body, "parts": body["parts"][:2]})  # period 2 not yet there
     AugmentService(teacher, [student], tmp_path / "out").run(once=True)
     reader = AugmentedPeriods(tmp_path / "out" / "a", timeout_s=0.3, poll_s=0.05)
+    assert isinstance(reader, PeriodSource)
     assert reader.num_periods == 3 and len(list(reader.period_batches(1, 128))) == 3
     with pytest.raises(AugmentedTimeout, match=r"period 2 of .* has not landed after 0\.3 s.*"
                        r"towerrec distill serve"):  # fmt: skip

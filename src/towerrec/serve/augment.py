@@ -83,6 +83,7 @@ MEMO = "memo"
 # period; STAGE is memo (memo file written), write (shard files written, not renamed) or
 # shard (shard renamed, not yet in the manifest).
 CRASH_ENV = "TOWERREC_AUGMENT_CRASH"
+WAITING_LOG_S = 30.0  # a progress line at most this often while waiting for periods
 
 
 def _crash_point(student: str, period: int, stage: str) -> None:
@@ -229,6 +230,11 @@ class AugmentService:
         self.students: list[Student] = []
         for path in map(Path, watch):
             name = path.resolve().name
+            if name == MEMO:
+                raise ValueError(
+                    f"a watched directory is named {name!r}, which OUT/{MEMO} (the memo) "
+                    "takes; rename the student's directory"
+                )
             if name in {s.name for s in self.students}:
                 raise ValueError(
                     f"two watched directories are named {name!r}; each student's augmented "
@@ -402,6 +408,15 @@ class AugmentService:
         write_manifest(student.out, student.manifest, fsync=True)
         student.done_checksums[data.period] = data.checksum
 
+    def progress(self) -> str:
+        """``student done/declared`` for each student (``?`` before its manifest)."""
+        parts = []
+        for student in self.students:
+            m = student.manifest
+            total = "?" if m is None else m["stream"]["num_periods"]
+            parts.append(f"{student.name} {student.done}/{total}")
+        return ", ".join(parts)
+
     # ------------------------------------------------------------------ counters
     def counters(self) -> dict[str, Any]:
         """Totals and per student, from the memo files and the augmented manifests."""
@@ -433,11 +448,15 @@ class AugmentService:
     def run(self, once: bool = False, poll_s: float = 1.0) -> dict[str, Any]:
         """Augment until every student's declared periods are done (``once``: what is
         there now); returns the counters."""
+        said = time.monotonic()
         while True:
             written = self.step()
             if once or self.finished():
                 break
             if not written:
+                if time.monotonic() - said >= WAITING_LOG_S:
+                    log.info("waiting for periods: %s", self.progress())
+                    said = time.monotonic()
                 time.sleep(poll_s)
         counters = self.write_counters()
         log.info(
