@@ -352,3 +352,18 @@ def test_replay_trains_on_an_augmented_movielens_stream(tmp_path, capsys):
     assert summary["period_rows"] == rows
     assert [r["period"] for r in summary["results"]] == [1, 2]
     assert all(0.5 < r["auc"] < 1 for r in summary["results"])
+
+
+def test_an_output_of_another_teacher_or_without_its_memo_is_refused(teacher, students, tmp_path):
+    out = tmp_path / "out"
+    AugmentService(teacher, [students[0]], out).run(once=True)
+    manifest = read_manifest(out / "a")
+    body = {k: v for k, v in manifest.items() if k not in ("format", "version")}
+    other = {**body, "teacher": {"path": "/elsewhere", "program_sha256": "0" * 64}}
+    write_manifest(out / "a", other)
+    with pytest.raises(ValueError, match="augmented by another teacher"):
+        AugmentService(teacher, [students[0]], out)
+    write_manifest(out / "a", body)
+    shutil.rmtree(out / "memo")
+    with pytest.raises(ValueError, match=r"lists periods \[0, 1, 2\] whose memo files are missing"):
+        AugmentService(teacher, [students[0]], out)

@@ -253,9 +253,17 @@ class AugmentService:
                         "would mix two teachers' logits: give a fresh --out directory"
                     )
                 for entry in student.manifest["parts"]:
-                    student.done_checksums[int(entry["period"])] = entry["student_files"]
+                    student.done_checksums[int(entry["period"])] = entry.get("student_files", "")
             self.students.append(student)
         self.memo = Memo(self.out / MEMO)
+        for student in self.students:
+            lost = [p for p in range(student.done) if (student.name, p) not in self.memo.counts]
+            if lost:
+                raise CacheError(
+                    f"{student.out} lists periods {lost} whose memo files are missing from "
+                    f"{self.memo.path}: the output directory is damaged; give a fresh --out "
+                    "directory"
+                )
         self.write_counters()
 
     # ------------------------------------------------------------------ one pass
