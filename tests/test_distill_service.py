@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -367,3 +368,29 @@ def test_an_output_of_another_teacher_or_without_its_memo_is_refused(teacher, st
     shutil.rmtree(out / "memo")
     with pytest.raises(ValueError, match=r"lists periods \[0, 1, 2\] whose memo files are missing"):
         AugmentService(teacher, [students[0]], out)
+
+
+@pytest.mark.multiprocess
+def test_a_following_service_killed_from_outside_resumes(teacher, students, tmp_path):
+    """The service follows a producer that pauses after period 1; it is SIGKILLed from
+    outside while it waits, the producer finishes, and a restart completes the rest."""
+    student, out = tmp_path / "a", tmp_path / "out"
+    go_on = multiprocessing.get_context("fork").Event()
+
+    def produce():
+        write_periods(stream(), student, range(0, 3), on_period=lambda p: p == 1 and go_on.wait())
+
+    producer = _fork(produce)
+    service = _fork(_serve, teacher, [student, students[1]], out, None, False)
+    deadline = time.monotonic() + 120
+    while not (out / "a" / "manifest.json").is_file() or len(read_manifest(out / "a")["parts"]) < 2:
+        assert time.monotonic() < deadline and service.is_alive()
+        time.sleep(0.05)
+    os.kill(service.pid, signal.SIGKILL)
+    service.join(60)
+    assert service.exitcode == -signal.SIGKILL
+    go_on.set()
+    producer.join(60)
+    assert producer.exitcode == 0
+    AugmentService(teacher, [student, students[1]], out).run(once=True)
+    check_complete(out, teacher, [student, students[1]])
