@@ -36,6 +36,7 @@ from towerrec.serve.artefact import ArtefactError, load_artefact
 from towerrec.serve.augment import COUNTERS, CRASH_ENV, AugmentService
 from towerrec.serve.export import export_run
 from towerrec.train import trainer
+from towerrec.train.build import build_source
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 ROWS = 300  # per period
@@ -311,6 +312,10 @@ def test_config_and_command_line(teacher, tmp_path, capsys):
         None, ["data.source=augmented", f"data.augmented.dir={tmp_path}", "data.augmented.wait_s=5"]
     )
     assert config.data.augmented == AugmentedConfig(dir=str(tmp_path), wait_s=5.0)
+    with pytest.raises(ValueError, match="train on it with `towerrec replay`"):
+        build_source(config.data)
+    with pytest.raises(ValueError, match=r"periods 2:9 is not a window of the source's 4"):
+        write_periods(stream(), tmp_path / "w", range(2, 9))
     sets = [
         "--set", "data.synthetic.periods=3", "--set", "data.synthetic.period_samples=100",
         *[arg for s in STREAM for arg in ("--set", s)],
