@@ -31,6 +31,7 @@ from towerrec.bench import (
     qnewton,
     quality,
     shampoo,
+    streaming,
     temporal,
     tiers,
     towers,
@@ -69,6 +70,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "nas": nas.BENCHMARK,
     "tiers": tiers.BENCHMARK,
     "temporal": temporal.BENCHMARK,
+    "streaming": streaming.BENCHMARK,
 }
 
 
