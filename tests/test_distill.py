@@ -44,7 +44,13 @@ SMALL = [
     "optimizer.warmup_steps=2",
 ]
 AUX = ["distill.weight=0.5", "distill.head=auxiliary", "distill.label_scale=1.5"]
-AUX_ADAPTER = [*AUX, "distill.grad_scale=0.5", "distill.adapter=true", "distill.adapter_lr=0.01"]
+AUX_ADAPTER = [
+    *AUX,
+    "distill.grad_scale=0.5",
+    "distill.adapter=true",
+    "distill.adapter_lr=0.01",
+    "distill.adapter_features=true",
+]
 
 
 CPU = torch.device("cpu")
@@ -130,7 +136,7 @@ def test_adapter_learns_from_labels_and_its_target_is_a_stop_gradient():
     adapter_grads = [p.grad.clone() for p in heads.adapter.parameters()]
     model.zero_grad()
     only_labels = F.binary_cross_entropy_with_logits(
-        heads.adapter(batch.teacher_logits), batch.labels
+        heads.adapter(batch.teacher_logits, batch.dense), batch.labels
     )
     only_labels.backward()
     for got, expected in zip(adapter_grads, heads.adapter.parameters(), strict=True):
@@ -264,8 +270,8 @@ def test_domains_share_part_of_their_teacher():
 
     b0, b1 = probs(0, 0.7), probs(1, 0.7)
     assert b0.sparse.keys()[-1] == "domain"
-    assert set(b0.sparse["domain"].values().tolist()) == {0}
-    assert set(b1.sparse["domain"].values().tolist()) == {1}
+    assert set(b0.sparse["domain"].values.tolist()) == {0}
+    assert set(b1.sparse["domain"].values.tolist()) == {1}
     assert not torch.equal(b0.dense, b1.dense)  # each domain draws its own samples
     # domain 1's teacher scored on domain 0's samples: correlated with domain 0's, more
     # so the larger the shared part

@@ -125,6 +125,10 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight", type=float, default=1.0, help="distill.weight w")
     parser.add_argument("--label-scale", type=float, default=1.0, help="alpha")
     parser.add_argument("--grad-scale", type=float, default=1.0, help="beta")
+    parser.add_argument("--adapter-lr", type=float, default=0.01)
+    parser.add_argument(
+        "--adapter-features", action="store_true", help="the adapter reads the dense features"
+    )
     parser.add_argument("--variants", type=comma_list, default=VARIANTS, help="comma-separated")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument(
@@ -199,7 +203,15 @@ def _variant(name: str, args: argparse.Namespace) -> tuple[list[str], int]:
         "shared": ([w, "distill.head=shared", f"distill.label_scale={args.label_scale}"], 1),
         "auxiliary": (aux, 1),
         "stale": (aux, 1 + args.stale),
-        "stale_adapter": ([*aux, "distill.adapter=true"], 1 + args.stale),
+        "stale_adapter": (
+            [
+                *aux,
+                "distill.adapter=true",
+                f"distill.adapter_lr={args.adapter_lr}",
+                f"distill.adapter_features={str(args.adapter_features).lower()}",
+            ],
+            1 + args.stale,
+        ),
     }[name]
 
 

@@ -385,8 +385,8 @@ class DistillConfig:
     ``label_scale`` (alpha): the teacher's logit is multiplied by it before the sigmoid that
     makes the soft label. ``grad_scale`` (beta): the auxiliary head's gradient into the
     shared backbone is multiplied by it. ``adapter``: a small MLP (``adapter_width``) on the
-    teacher's logit trained on the labels at ``adapter_lr``, its output the distillation
-    target (through a stop-gradient).
+    teacher's logit (and the dense features, ``adapter_features``) trained on the labels
+    at ``adapter_lr``, its output the distillation target (through a stop-gradient).
     """
 
     weight: float = 0.0
@@ -396,6 +396,7 @@ class DistillConfig:
     adapter: bool = False
     adapter_width: int = 16
     adapter_lr: float = 1e-3
+    adapter_features: bool = False  # the adapter reads the dense features besides the logit
 
     def __post_init__(self) -> None:
         _choice(self.head, ("shared", "auxiliary"), "distill.head")

@@ -102,7 +102,7 @@ def build_model(
     sharding then allocates and initialises only each rank's shards.
     """
     model = _build_model(config, schema, device, materialize_embeddings=materialize_embeddings)
-    return attach_distill_heads(model, config, device)
+    return attach_distill_heads(model, config, schema, device)
 
 
 def _build_model(

@@ -13,8 +13,9 @@ The batches carry the teacher's logit ``z_T [B]`` (``Batch.teacher_logits``, wri
        (an MLP shaped as the top MLP) over the representation h (the DLRM's top MLP
        input), G_beta the identity forward whose backward multiplies by beta, so the
        distillation gradient reaching the shared backbone is beta times its own
-    t  no adapter: z_T; adapter: stop_gradient(a), a = z_T + MLP([z_T]) the student
-       adapter (``distill.adapter_width`` hidden units, last layer zero at start, so it
+    t  no adapter: z_T; adapter: stop_gradient(a), a = z_T + MLP([z_T, x]) the student
+       adapter (``distill.adapter_width`` hidden units; x the dense features with
+       ``distill.adapter_features``, else nothing; last layer zero at start, so it
        begins as the identity), trained on the fresh labels at ``distill.adapter_lr``
 
 ``alpha`` (``label_scale``) scales the teacher's logit before the sigmoid: > 1 sharpens
@@ -80,18 +81,24 @@ def grad_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 class _Adapter(nn.Module):
-    """``a = z + MLP([z])``: the teacher's logit ``[B]`` corrected; the identity at start."""
+    """``a = z + MLP([z, x])``: the teacher's logit ``z [B]`` corrected, from it and (with
+    ``num_dense`` > 0) the dense features ``x [B, F_d]``; the identity at start."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, num_dense: int = 0) -> None:
         super().__init__()
-        self.mlp = MLP(1, [width, 1], final_activation=False)
+        self.num_dense = num_dense
+        self.mlp = MLP(1 + num_dense, [width, 1], final_activation=False)
         last = self.mlp[-1]
         assert isinstance(last, nn.Linear)
         nn.init.zeros_(last.weight)
         nn.init.zeros_(last.bias)
 
-    def forward(self, teacher: torch.Tensor) -> torch.Tensor:
-        return teacher + self.mlp(teacher.unsqueeze(1)).squeeze(1)
+    def forward(self, teacher: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
+        parts = [teacher.unsqueeze(1)]
+        if self.num_dense:
+            assert dense is not None and dense.shape[1] == self.num_dense
+            parts.append(dense.float())
+        return teacher + self.mlp(torch.cat(parts, dim=1)).squeeze(1)
 
 
 class DistillHeads(nn.Module):
@@ -105,7 +112,9 @@ class DistillHeads(nn.Module):
         self.adapter_lr = adapter_lr
 
 
-def attach_distill_heads(model: nn.Module, config: Config, device: torch.device) -> nn.Module:
+def attach_distill_heads(
+    model: nn.Module, config: Config, schema: DataSchema, device: torch.device
+) -> nn.Module:
     """``model`` with the heads ``config.distill`` asks for as its ``distill_heads``
     (none when distillation is off or needs none); drawn from their own generator."""
     distill = config.distill
@@ -126,7 +135,8 @@ def attach_distill_heads(model: nn.Module, config: Config, device: torch.device)
             assert isinstance(top, MLP)  # the DLRM's top MLP
             sizes = [m.out_features for m in top if isinstance(m, nn.Linear)]
             aux = MLP(top.in_features, sizes, final_activation=False)
-        adapter = _Adapter(distill.adapter_width) if distill.adapter else None
+        num_dense = schema.num_dense if distill.adapter_features else 0
+        adapter = _Adapter(distill.adapter_width, num_dense) if distill.adapter else None
     model.add_module(HEADS, DistillHeads(aux, adapter, distill.adapter_lr).to(device))
     return model
 
@@ -222,7 +232,7 @@ class Distillation:
         target = teacher.float()
         if self.config.adapter:
             assert heads is not None and heads.adapter is not None  # check_model
-            adapter_logit = heads.adapter(target)
+            adapter_logit = heads.adapter(target, batch.dense)
             target = adapter_logit.detach()  # the stop-gradient
         soft_label = torch.sigmoid(self.config.label_scale * target)
         if auxiliary:
