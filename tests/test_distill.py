@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from towerrec.cli.app import main
 from towerrec.config import ConfigError, config_to_toml, load_config
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.distributed.launch import launch
@@ -284,3 +285,20 @@ def test_domains_share_part_of_their_teacher():
     own = own @ teacher.weights + teacher.shift
     corr = np.corrcoef(other, own)[0, 1]
     assert 0.2 < corr < 0.95
+
+
+@pytest.mark.slow
+def test_bench_streaming_runs_every_variant(capsys):
+    args = ["bench", "streaming", "--seeds", "1", "--domains", "2", "--periods", "2"]
+    args += ["--warmup", "2", "--stale", "1", "--period-samples", "600", "--skip-temporal"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result["students"]["mean_ne"]) == {
+        "none",
+        "shared",
+        "auxiliary",
+        "stale",
+        "stale_adapter",
+    }
+    assert result["students"]["runs_per_variant"] == 2
+    assert np.isfinite(result["fm_mean_ne"])

@@ -118,7 +118,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--domain-shared", type=float, default=0.7)
     parser.add_argument("--periods", type=int, default=6, help="periods the students replay")
     parser.add_argument("--warmup", type=int, default=4, help="FM-only periods before them")
-    parser.add_argument("--period-samples", type=int, default=4000, help="per domain")
+    parser.add_argument("--period-samples", type=int, default=8000, help="per domain")
+    parser.add_argument(
+        "--num-embeddings",
+        type=comma_list,
+        default=("60", "30", "100", "20", "80", "40", "30", "40", "80"),
+        help="rows of each synthetic table (comma-separated)",
+    )
+    parser.add_argument("--lr", type=float, default=0.005, help="dense learning rate")
     parser.add_argument("--drift", type=float, default=0.2)
     parser.add_argument("--id-turnover", type=float, default=0.02)
     parser.add_argument("--stale", type=int, default=3, help="k: the stale teacher's age")
@@ -158,6 +165,8 @@ def _data(args: argparse.Namespace, seed: int) -> list[str]:
         f"data.synthetic.drift={args.drift}",
         f"data.synthetic.id_turnover={args.id_turnover}",
         f"data.synthetic.seed={seed}",
+        f"data.synthetic.num_embeddings=[{', '.join(args.num_embeddings)}]",
+        f"optimizer.lr={args.lr}",
         f"train.seed={seed}",
         f"train.batch_size={args.batch_size}",
         f"train.threads={args.threads}",
@@ -288,6 +297,8 @@ def _run(args: argparse.Namespace) -> dict:
                 f"data.synthetic.domains={args.domains}",
                 f"data.synthetic.domain_shared={args.domain_shared}",
                 f"train.batch_size={args.batch_size}",
+                f"data.synthetic.num_embeddings=[{', '.join(args.num_embeddings)}]",
+                f"optimizer.lr={args.lr}",
                 *args.student,
                 *args.overrides,
             ],
