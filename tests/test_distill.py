@@ -78,7 +78,8 @@ def test_weight_zero_trains_bit_for_bit_as_without_distillation():
     plain = load_config(None, SMALL)
     model, expected = run_replay(plain, progress=False)
     # w = 0 with other keys set, on batches that carry a teacher's logits
-    off = load_config(None, [*SMALL, "distill.head=shared", "distill.label_scale=3"])
+    with pytest.warns(UserWarning, match="distill.head, distill.label_scale ignored"):
+        off = load_config(None, [*SMALL, "distill.head=shared", "distill.label_scale=3"])
     off_model, got = run_replay(off, progress=False, periods=with_teacher(off))
     assert got["results"] == expected["results"]
     assert distill_heads(off_model) is None

@@ -132,7 +132,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight", type=float, default=1.0, help="distill.weight w")
     parser.add_argument("--label-scale", type=float, default=1.0, help="alpha")
     parser.add_argument("--grad-scale", type=float, default=1.0, help="beta")
-    parser.add_argument("--adapter-lr", type=float, default=0.01)
+    parser.add_argument("--adapter-lr", type=float, default=0.05)
     parser.add_argument(
         "--adapter-features", action="store_true", help="the adapter reads the dense features"
     )

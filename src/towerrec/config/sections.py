@@ -424,6 +424,17 @@ class DistillConfig:
                 "distill.adapter = true with distill.weight = 0: the adapter's output is the "
                 "distillation target, and no loss would use it; set distill.weight > 0"
             )
+        changed = [
+            key
+            for key in ("head", "label_scale", "grad_scale", "adapter_width", "adapter_lr")
+            if getattr(self, key) != getattr(DistillConfig, key)
+        ]
+        if self.weight == 0 and changed:
+            warnings.warn(
+                f"distill.{', distill.'.join(changed)} ignored: distill.weight = 0 turns "
+                "distillation off (set distill.weight > 0 to use them)",
+                stacklevel=2,
+            )
         if self.head == "shared" and self.grad_scale != 1.0:
             raise ValueError(
                 f"distill.grad_scale = {self.grad_scale} acts on the auxiliary head's "

@@ -143,7 +143,7 @@ def attach_distill_heads(
 
 def distill_heads(model: nn.Module) -> DistillHeads | None:
     """The model's ``DistillHeads``, if it has them."""
-    heads = model._modules.get(HEADS)
+    heads = dict(model.named_children()).get(HEADS)
     assert heads is None or isinstance(heads, DistillHeads)
     return heads
 
@@ -151,7 +151,7 @@ def distill_heads(model: nn.Module) -> DistillHeads | None:
 def detach_distill_heads(model: nn.Module) -> nn.Module:
     """``model`` without its distillation heads: the serving model alone (export)."""
     if distill_heads(model) is not None:
-        del model._modules[HEADS]
+        delattr(model, HEADS)
     return model
 
 
