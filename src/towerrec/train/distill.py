@@ -233,7 +233,7 @@ class Distillation:
         if self.config.adapter:
             assert heads is not None and heads.adapter is not None  # check_model
             adapter_logit = heads.adapter(target, batch.dense)
-            target = adapter_logit.detach()  # the stop-gradient
+            target = adapter_logit.detach().float()  # the stop-gradient
         soft_label = torch.sigmoid(self.config.label_scale * target)
         if auxiliary:
             assert heads is not None and heads.aux is not None  # check_model
@@ -249,7 +249,8 @@ class Distillation:
         distill = F.binary_cross_entropy_with_logits(terms.distill_logit.float(), terms.soft_label)
         total = total + self.config.weight * distill
         if terms.adapter_logit is not None:
-            total = total + F.binary_cross_entropy_with_logits(terms.adapter_logit, labels)
+            adapter = terms.adapter_logit.float()
+            total = total + F.binary_cross_entropy_with_logits(adapter, labels)
         return total
 
 
