@@ -32,6 +32,7 @@ from towerrec.bench import (
     qnewton,
     quality,
     shampoo,
+    streaming,
     temporal,
     tiers,
     towers,
@@ -71,6 +72,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "tiers": tiers.BENCHMARK,
     "temporal": temporal.BENCHMARK,
     "augment": augment.BENCHMARK,
+    "streaming": streaming.BENCHMARK,
 }
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DistillConfig",
     "DistributedConfig",
     "EarlyStoppingConfig",
     "EmbeddingConfig",
@@ -385,6 +386,79 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """``distill``: external distillation from a foundation model's logits carried by the
+    batches (``Batch.teacher_logits``; ``train/distill.py``, docs/exfm.md "Students").
+
+    ``weight`` (w): the distillation loss's weight, 0 = off (then every other key is
+    ignored, unless ``adapter``). ``head``: ``shared`` (the distillation loss on the serving
+    logit) or ``auxiliary`` (on a separate head over the same representation; DLRM).
+    ``label_scale`` (alpha): the teacher's logit is multiplied by it before the sigmoid that
+    makes the soft label. ``grad_scale`` (beta): the auxiliary head's gradient into the
+    shared backbone is multiplied by it. ``adapter``: a small MLP (``adapter_width``) on the
+    teacher's logit (and the dense features, ``adapter_features``) trained on the labels
+    at ``adapter_lr``, its output the distillation target (through a stop-gradient).
+    """
+
+    weight: float = 0.0
+    head: str = "auxiliary"  # shared | auxiliary
+    label_scale: float = 1.0
+    grad_scale: float = 1.0
+    adapter: bool = False
+    adapter_width: int = 16
+    adapter_lr: float = 1e-3
+    adapter_features: bool = False  # the adapter reads the dense features besides the logit
+
+    def __post_init__(self) -> None:
+        _choice(self.head, ("shared", "auxiliary"), "distill.head")
+        if not (self.weight >= 0 and self.weight < float("inf")):
+            raise ValueError(
+                f"distill.weight = {self.weight} must be a finite number >= 0 (0: no "
+                "distillation loss)"
+            )
+        if not self.label_scale > 0:
+            raise ValueError(
+                f"distill.label_scale = {self.label_scale} must be > 0 (1: the teacher's "
+                "probability as it is)"
+            )
+        if not self.grad_scale >= 0:
+            raise ValueError(
+                f"distill.grad_scale = {self.grad_scale} must be >= 0 (1: the auxiliary "
+                "head's full gradient reaches the backbone, 0: none)"
+            )
+        if self.adapter_width < 1:
+            raise ValueError(f"distill.adapter_width must be >= 1, got {self.adapter_width}")
+        if not self.adapter_lr > 0:
+            raise ValueError(f"distill.adapter_lr must be > 0, got {self.adapter_lr}")
+        if self.adapter and self.weight == 0:
+            raise ValueError(
+                "distill.adapter = true with distill.weight = 0: the adapter's output is the "
+                "distillation target, and no loss would use it; set distill.weight > 0"
+            )
+        changed = [
+            key
+            for key in ("head", "label_scale", "grad_scale", "adapter_width", "adapter_lr")
+            if getattr(self, key) != getattr(DistillConfig, key)
+        ]
+        if self.weight == 0 and changed:
+            warnings.warn(
+                f"distill.{', distill.'.join(changed)} ignored: distill.weight = 0 turns "
+                "distillation off (set distill.weight > 0 to use them)",
+                stacklevel=2,
+            )
+        if self.head == "shared" and self.grad_scale != 1.0:
+            raise ValueError(
+                f"distill.grad_scale = {self.grad_scale} acts on the auxiliary head's "
+                "gradient, but distill.head = 'shared'; set distill.head = 'auxiliary' or "
+                "leave grad_scale at 1"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.weight > 0
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -395,8 +469,21 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     nas: NASConfig = field(default_factory=NASConfig)  # towerrec nas search
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
+        distill = self.distill
+        if distill.enabled and distill.head == "auxiliary" and self.model.name != "dlrm":
+            raise ValueError(
+                f"distill.head = 'auxiliary' needs a model with a representation; model.name "
+                f"= {self.model.name!r} has none (the DLRM's is its top MLP's input): set "
+                "model.name = 'dlrm' or distill.head = 'shared'"
+            )
+        if distill.enabled and self.optimizer.draws_samples:
+            raise ValueError(
+                f"distill.weight > 0 with optimizer.name = {self.optimizer.name!r}: it "
+                "evaluates the plain log-loss on its samples; use adam, adagrad or sgd"
+            )
         if self.loss.kind == "punce" and self.model.name != "dlrm":
             raise ValueError(
                 f"loss.kind = 'punce' needs a model with a representation; model.name = "

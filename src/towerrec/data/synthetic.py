@@ -38,6 +38,17 @@ so drift = 0 and id_turnover = 0 give every period the same teacher and the same
 samples as the stationary stream (periods 0 or 1: that stream, bit for bit). The
 oracle AUC of a period is its own teacher's probabilities scored on its labels.
 The eval split is always period 0's teacher.
+
+Domains (``domains`` K >= 2; docs/exfm.md): a family of K streams whose teachers share a
+part and differ in the rest. The stream of domain d (``domain``) is labelled by::
+
+    teacher_{p,d} = sqrt(shared) teacher_p + sqrt(1 - shared) own_d
+                    (embeddings, biases, dense weights; own_d drawn once per domain,
+                    the pair and triple structure and the scale and shift shared)
+
+draws its own samples (ids from the same active rows), and carries one more sparse
+feature, ``domain`` (K rows, id d), so a model trained on the union of the domains'
+streams can tell them apart. ``domains = 1`` (the default): the stream above, bit for bit.
 """
 
 from __future__ import annotations
@@ -83,6 +94,9 @@ class SyntheticConfig:
     period_samples: int = 20_000  # training samples per period
     drift: float = 0.0  # how far the teacher moves towards a fresh one per period, [0, 1]
     id_turnover: float = 0.0  # share of each table's active ids replaced per period, [0, 1)
+    domains: int = 1  # streams of one family (docs/exfm.md); 1: the single stream
+    domain: int = 0  # which of the family's streams this one is, [0, domains)
+    domain_shared: float = 0.5  # share of the teacher's variance the domains have in common
 
     def __post_init__(self) -> None:
         if self.num_dense < 0:
@@ -122,6 +136,16 @@ class SyntheticConfig:
         object.__setattr__(self, "num_embeddings", tuple(self.num_embeddings))
         object.__setattr__(self, "pooling_factors", tuple(float(p) for p in self.pooling_factors))
         self._check_periods()
+        if self.domains < 1 or not 0 <= self.domain < self.domains:
+            raise ValueError(
+                f"data.synthetic.domain = {self.domain} must lie in [0, data.synthetic.domains "
+                f"= {self.domains}) and domains must be >= 1"
+            )
+        if not 0 <= self.domain_shared <= 1:
+            raise ValueError(
+                f"data.synthetic.domain_shared = {self.domain_shared} must lie in [0, 1] (1: "
+                "every domain has the same teacher, 0: unrelated teachers)"
+            )
 
     def _check_periods(self) -> None:
         if self.periods < 0:
@@ -202,10 +226,13 @@ class SyntheticSource:
             sparse=tuple(
                 SparseFeature(f"{cfg.feature_prefix}{t}", rows, cfg.pooling(t))
                 for t, rows in enumerate(cfg.num_embeddings)
-            ),
+            )
+            + ((SparseFeature("domain", cfg.domains, 1.0),) if cfg.domains > 1 else ()),
         )
         self._teacher = self._build_teacher()
         self._teachers = [self._teacher]  # per period, drawn on demand
+        self._own = self._domain_part() if cfg.domains > 1 else None
+        self._domain_teachers: dict[int, _Teacher] = {}
         self._block_cache = lru_cache(maxsize=4)(self._make_block)
 
     # -------------------------------------------------------------- teacher
@@ -254,6 +281,37 @@ class SyntheticSource:
             self._teachers.append(self._next_teacher(self._teachers[-1], len(self._teachers)))
         return self._teachers[period]
 
+    def _domain_part(self) -> _Teacher:
+        """Domain ``domain``'s own part of its teacher (module docstring)."""
+        cfg = self.config
+        rng = np.random.default_rng([cfg.seed, 97, cfg.domain])
+        dense_scale = 1 / np.sqrt(max(cfg.num_dense, 1))
+        return replace(
+            self._teacher,
+            dense_proj=rng.normal(size=self._teacher.dense_proj.shape) * dense_scale,
+            dense_weight=rng.normal(size=self._teacher.dense_weight.shape) * dense_scale,
+            embeddings=[rng.normal(size=e.shape) for e in self._teacher.embeddings],
+            biases=[rng.normal(size=b.shape) for b in self._teacher.biases],
+        )
+
+    def _stream_teacher(self, period: int) -> _Teacher:
+        """The teacher that labels this stream's ``period``: the period's, mixed with the
+        domain's own part when there are several domains."""
+        shared = self._period_teacher(period)
+        own = self._own
+        if own is None:
+            return shared
+        if period not in self._domain_teachers:
+            a, b = np.sqrt(self.config.domain_shared), np.sqrt(1 - self.config.domain_shared)
+            self._domain_teachers[period] = replace(
+                shared,
+                dense_proj=a * shared.dense_proj + b * own.dense_proj,
+                dense_weight=a * shared.dense_weight + b * own.dense_weight,
+                embeddings=[a * s + b * o for s, o in zip(shared.embeddings, own.embeddings)],
+                biases=[a * s + b * o for s, o in zip(shared.biases, own.biases)],
+            )
+        return self._domain_teachers[period]
+
     def _next_teacher(self, previous: _Teacher, period: int) -> _Teacher:
         """Period ``period``'s teacher from the one before: drifted, ids turned over."""
         cfg = self.config
@@ -291,6 +349,8 @@ class SyntheticSource:
         seed = [self.config.seed, _SPLITS[split], block]
         if split == "train" and self.config.stream_seed:
             seed.append(1000 + self.config.stream_seed)
+        if self.config.domains > 1 and split != "pilot":  # each domain its own samples
+            seed.append(3000 + self.config.domain)
         return seed
 
     def _raw_block(
@@ -336,7 +396,7 @@ class SyntheticSource:
         return (dense, sparse, orders, fields) if with_fields else (dense, sparse, orders)
 
     def _make_block(self, split: str, block: int, period: int = 0):
-        teacher = self._period_teacher(period)
+        teacher = self._stream_teacher(period)
         dense, sparse, orders = self._raw_block(split, block, teacher=teacher)
         logit = orders @ teacher.weights + teacher.shift
         prob = 1.0 / (1.0 + np.exp(-logit))
@@ -379,6 +439,9 @@ class SyntheticSource:
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             lengths_all.append(lengths[lo : lo + count])
             values_all.append(ids[offsets[lo] : offsets[lo + count]])
+        if self.config.domains > 1:  # the domain feature: one id, the stream's domain
+            lengths_all.append(np.ones(count, dtype=np.int64))
+            values_all.append(np.full(count, self.config.domain, dtype=np.int64))
         sparse = KeyedJaggedTensor(
             self.schema.sparse_names,
             torch.from_numpy(np.concatenate(values_all)),

@@ -51,6 +51,7 @@ from towerrec.serve.artefact import (
 from towerrec.sparse import KeyedTensor
 from towerrec.train.build import build_dense_optimizer, build_model, build_source
 from towerrec.train.checkpoint import CheckpointManager, capture_rng
+from towerrec.train.distill import detach_distill_heads
 from towerrec.train.towers import with_learned_partition
 
 __all__ = [
@@ -187,6 +188,7 @@ def export_run(
     if (out / MANIFEST).exists():
         raise FileExistsError(f"{out} already holds an artefact; choose another --out")
     config, schema, model, step = load_run_model(run)
+    detach_distill_heads(model)  # the serving head only: distillation heads stay behind
     sparse = model.sparse
     if not isinstance(sparse, EmbeddingBagCollection):
         raise ValueError(

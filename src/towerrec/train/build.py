@@ -37,6 +37,7 @@ from towerrec.planner.towers import (
     feature_costs,
     random_partition,
 )
+from towerrec.train.distill import attach_distill_heads, split_adapter_group
 
 __all__ = [
     "build_dense_optimizer",
@@ -99,11 +100,19 @@ def build_tables(config: Config, schema: DataSchema) -> list[TableConfig]:
 def build_model(
     config: Config, schema: DataSchema, device: torch.device, *, materialize_embeddings: bool = True
 ) -> nn.Module:
-    """The single-device model; dense weights seeded by ``train.seed``.
+    """The single-device model; dense weights seeded by ``train.seed``; with the
+    distillation heads that ``[distill]`` asks for (``distill.py``).
 
     ``materialize_embeddings=False`` (distributed runs) leaves full tables unallocated:
     sharding then allocates and initialises only each rank's shards.
     """
+    model = _build_model(config, schema, device, materialize_embeddings=materialize_embeddings)
+    return attach_distill_heads(model, config, schema, device)
+
+
+def _build_model(
+    config: Config, schema: DataSchema, device: torch.device, *, materialize_embeddings: bool = True
+) -> nn.Module:
     emb = config.embedding
     sparse = build_embedding_collection(
         build_tables(config, schema),
@@ -224,6 +233,17 @@ def build_dense_optimizer(
     """The dense parameters' optimizer. Shampoo with an ``exchange`` deals its blocks over
     the exchange's ranks (``optim/shampoo.py``); ``local``: parameters replicated over
     fewer ranks, whose blocks every rank computes itself."""
+    optimizer = _dense_optimizer(config, model, exchange, local)
+    split_adapter_group(optimizer, model)  # the distillation adapter's own learning rate
+    return optimizer
+
+
+def _dense_optimizer(
+    config: OptimizerConfig,
+    model: nn.Module,
+    exchange: BlockExchange | None = None,
+    local: Iterable[torch.Tensor] = (),
+) -> torch.optim.Optimizer:
     params = [p for _, p in dense_parameters(model) if p.requires_grad]
     sharded = sum(is_sharded(p) for p in params)  # distributed.dense = "fsdp"
     # Sharded and whole parameters together (a DMT's tower on a host of one rank) cannot

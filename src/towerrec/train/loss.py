@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,7 @@ __all__ = [
     "BCE",
     "LossKind",
     "Objective",
+    "TrainObjective",
     "build_objective",
     "pu_bce",
     "pu_targets",
@@ -168,6 +170,19 @@ class Objective:
         assert representation is not None  # forward captured it
         contrastive = punce_contrastive(representation, labels, self.prior, self.temperature)
         return pointwise + self.contrastive_weight * contrastive
+
+
+class TrainObjective(Protocol):
+    """What a train step needs of its objective: ``Objective``, or ``Distillation``
+    (``distill.py``), which adds terms on the batch's teacher logits."""
+
+    def check_model(self, model: nn.Module) -> None: ...
+
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, Any]:
+        """``logits [B]`` and what ``loss`` needs besides them."""
+        ...
+
+    def loss(self, logits: torch.Tensor, extra: Any, labels: torch.Tensor) -> torch.Tensor: ...
 
 
 BCE = Objective()  # the default: every label at face value

@@ -58,6 +58,7 @@ from towerrec.train.build import (
     lr_factor,
     resolve_device,
 )
+from towerrec.train.distill import with_distillation
 from towerrec.train.distributed import start_distributed
 from towerrec.train.metrics import EvalMetrics, auc
 from towerrec.train.pu_prior import resolve_objective
@@ -164,14 +165,19 @@ def period_steps(rows: int, global_batch: int, world_size: int) -> int:
 
 
 def run_replay(
-    config: Config, progress: bool = True, hosts: int | None = None
+    config: Config,
+    progress: bool = True,
+    hosts: int | None = None,
+    periods: PeriodSource | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train through the periods with rolling evaluation (module docstring); the trained
     model and the summary (what ``replay`` writes as ``replay.json``). In a distributed
-    run (``--nproc``) every rank calls it; each reads its share of every batch."""
+    run (``--nproc``) every rank calls it; each reads its share of every batch.
+    ``periods``: the data, instead of ``config.data``'s (e.g. ``distill.TeacherPeriods``,
+    whose batches carry a teacher's logits)."""
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
-    periods = build_periods(config.data)
+    periods = build_periods(config.data) if periods is None else periods
     _check(config, periods)
     cfg = config.train
     device = resolve_device(cfg.device)
@@ -196,7 +202,8 @@ def run_replay(
         ctx.block_exchange(model) if config.optimizer.name == "shampoo" else (None, [])
     )
     optimizer = build_dense_optimizer(config.optimizer, model, exchange, local)
-    objective, _ = resolve_objective(config)
+    base, _ = resolve_objective(config)
+    objective = with_distillation(base, config.distill)
     objective.check_model(model)
     fgd = FutureGradient(optimizer, cfg.temporal) if cfg.temporal.strategy == "fgd" else None
     # A rank out of evaluation rows forwards this one (row 0) while the others finish.

@@ -19,7 +19,7 @@ from towerrec.config import Config
 from towerrec.data.batch import Batch
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.train.distributed import RunContext
-from towerrec.train.loss import BCE, Objective
+from towerrec.train.loss import BCE, TrainObjective
 from towerrec.train.metrics import EvalMetrics, compute_metrics
 
 __all__ = ["autocast", "evaluate", "set_learning_rates", "train_step"]
@@ -36,12 +36,12 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     batch: Batch,
     autocast_dtype: torch.dtype | None = None,
-    objective: Objective | None = None,
+    objective: TrainObjective | None = None,
 ) -> torch.Tensor:
     objective = objective or BCE
     with autocast(batch.dense.device, autocast_dtype):
-        logits, representation = objective.forward(model, batch)
-    loss = objective.loss(logits, representation, batch.labels)
+        logits, extra = objective.forward(model, batch)
+    loss = objective.loss(logits, extra, batch.labels)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # embedding rows are updated here, inside backward
     optimizer.step()
@@ -96,7 +96,7 @@ def evaluate(
 def set_learning_rates(
     model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, factor: float
 ) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = config.optimizer.lr * factor
+    for group in optimizer.param_groups:  # a group with its own base_lr: the adapter's
+        group["lr"] = group.get("base_lr", config.optimizer.lr) * factor
     for _, module in fused_embedding_modules(model):
         module.set_learning_rate(config.embedding.lr * factor)

@@ -38,7 +38,7 @@ from torch import nn
 
 from towerrec.config import TemporalConfig
 from towerrec.data.batch import Batch
-from towerrec.train.loss import Objective
+from towerrec.train.loss import TrainObjective
 from towerrec.train.step import autocast
 
 __all__ = ["FutureGradient", "training_periods"]
@@ -88,7 +88,7 @@ class FutureGradient:
         optimizer: torch.optim.Optimizer,
         batch: Batch,
         autocast_dtype: torch.dtype | None,
-        objective: Objective,
+        objective: TrainObjective,
     ) -> torch.Tensor:
         with autocast(batch.dense.device, autocast_dtype):
             logits, representation = objective.forward(model, batch)
@@ -117,7 +117,7 @@ class FutureGradient:
             self.drift = [new - old for old, new in zip(*self._means, strict=True)]
 
     def _grads(
-        self, model: nn.Module, batch: Batch, dtype: torch.dtype | None, obj: Objective
+        self, model: nn.Module, batch: Batch, dtype: torch.dtype | None, obj: TrainObjective
     ) -> list[torch.Tensor]:
         """Dense gradients of ``batch``'s loss; ``autograd.grad`` on the dense parameters
         only, so the embeddings' fused update in backward does not run."""
@@ -135,7 +135,7 @@ class FutureGradient:
         lr: float,
         device: torch.device,
         autocast_dtype: torch.dtype | None,
-        objective: Objective,
+        objective: TrainObjective,
     ) -> int:
         """Meta-train the coefficients on batch pairs of a past and the following period
         (module docstring); the model's weights are restored exactly. The pairs used."""

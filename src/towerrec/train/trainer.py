@@ -28,7 +28,8 @@ from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.optim.sampled import SampledOptimizer
 from towerrec.train.build import lr_factor
-from towerrec.train.loss import Objective
+from towerrec.train.distill import with_distillation
+from towerrec.train.loss import TrainObjective
 from towerrec.train.metrics import EvalMetrics
 from towerrec.train.pipeline import pipelined
 from towerrec.train.pu_prior import resolve_objective
@@ -112,7 +113,8 @@ def train(
             padding=padding,
         )
 
-    objective, prior_estimate = resolve_objective(session.config)
+    base, prior_estimate = resolve_objective(session.config)
+    objective = with_distillation(base, session.config.distill)
     objective.check_model(session.model)
     step, last_eval = _loop(session, validate, amp_dtype, stop_after, objective)
     stopper, run = session.stopper, session.run
@@ -147,7 +149,7 @@ def _loop(
     validate: Any,
     amp_dtype: torch.dtype | None,
     stop_after: int | None,
-    objective: Objective,
+    objective: TrainObjective,
 ) -> tuple[int, EvalMetrics | None]:
     """Train from the session's step to ``train.steps`` (or an early or requested stop);
     the last step and its last validation."""

@@ -1,0 +1,304 @@
+"""External distillation of a student from a foundation model's logits (ExFM; docs/exfm.md).
+
+The batches carry the teacher's logit ``z_T [B]`` (``Batch.teacher_logits``, written by
+``towerrec distill serve`` or, in tests and benchmarks, by ``TeacherPeriods``). With
+``distill.weight = w > 0`` the student's loss is::
+
+    L = BCE(s, y)                                  the serving head on the labels
+        + w * BCE(d, sigmoid(alpha * t))           distillation on a soft label
+        + BCE(a, y)                                the adapter on the labels (with adapter)
+
+    s  the serving logit (the model's output; the only one evaluation and export see)
+    d  head = "shared": s itself; head = "auxiliary": aux(G_beta(h)), a separate head
+       (an MLP shaped as the top MLP) over the representation h (the DLRM's top MLP
+       input), G_beta the identity forward whose backward multiplies by beta, so the
+       distillation gradient reaching the shared backbone is beta times its own
+    t  no adapter: z_T; adapter: stop_gradient(a), a = z_T + MLP([z_T, x]) the student
+       adapter (``distill.adapter_width`` hidden units; x the dense features with
+       ``distill.adapter_features``, else nothing; last layer zero at start, so it
+       begins as the identity), trained on the fresh labels at ``distill.adapter_lr``
+
+``alpha`` (``label_scale``) scales the teacher's logit before the sigmoid: > 1 sharpens
+the soft label, < 1 softens it. The auxiliary head and adapter are ``DistillHeads``, a
+submodule of the model (``distill_heads``): checkpoints hold them, data parallelism
+replicates them like any dense layer, the model's forward never calls them, and export
+drops them (``detach_distill_heads``). They are drawn from their own generator, so the
+student's own initial weights are those of a run without distillation; w = 0 builds no
+heads and trains bit for bit as without distillation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from towerrec.config import Config, DistillConfig
+from towerrec.data.batch import Batch, DataSchema
+from towerrec.data.periods import PeriodSource
+from towerrec.models.interfaces import RepresentationModel
+from towerrec.modules.mlp import MLP
+from towerrec.train.loss import LossKind, Objective
+
+__all__ = [
+    "HEADS",
+    "DistillHeads",
+    "DistillTerms",
+    "Distillation",
+    "TeacherPeriods",
+    "attach_distill_heads",
+    "detach_distill_heads",
+    "distill_heads",
+    "split_adapter_group",
+    "with_distillation",
+]
+
+HEADS = "distill_heads"  # the submodule's name in the model
+_SEED_OFFSET = 7919  # the heads' own generator: train.seed + this
+
+
+class _GradScale(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def grad_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x``, with the gradient flowing back through it multiplied by ``scale``."""
+    return x if scale == 1.0 else _GradScale.apply(x, scale)
+
+
+class _Adapter(nn.Module):
+    """``a = z + MLP([z, x])``: the teacher's logit ``z [B]`` corrected, from it and (with
+    ``num_dense`` > 0) the dense features ``x [B, F_d]``; the identity at start."""
+
+    def __init__(self, width: int, num_dense: int = 0) -> None:
+        super().__init__()
+        self.num_dense = num_dense
+        self.mlp = MLP(1 + num_dense, [width, 1], final_activation=False)
+        last = self.mlp[-1]
+        assert isinstance(last, nn.Linear)
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
+
+    def forward(self, teacher: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
+        parts = [teacher.unsqueeze(1)]
+        if self.num_dense:
+            assert dense is not None and dense.shape[1] == self.num_dense
+            parts.append(dense.float())
+        return teacher + self.mlp(torch.cat(parts, dim=1)).squeeze(1)
+
+
+class DistillHeads(nn.Module):
+    """The auxiliary head (``aux``, over the representation) and the adapter, either may
+    be None; dense parameters of the model (module docstring)."""
+
+    def __init__(self, aux: MLP | None, adapter: _Adapter | None, adapter_lr: float) -> None:
+        super().__init__()
+        self.aux = aux
+        self.adapter = adapter
+        self.adapter_lr = adapter_lr
+
+
+def attach_distill_heads(
+    model: nn.Module, config: Config, schema: DataSchema, device: torch.device
+) -> nn.Module:
+    """``model`` with the heads ``config.distill`` asks for as its ``distill_heads``
+    (none when distillation is off or needs none); drawn from their own generator."""
+    distill = config.distill
+    auxiliary = distill.enabled and distill.head == "auxiliary"
+    if not (auxiliary or distill.adapter):
+        return model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.train.seed + _SEED_OFFSET)
+        aux = None
+        if auxiliary:
+            if not isinstance(model, RepresentationModel):
+                raise ValueError(
+                    f"distill.head = 'auxiliary' needs a model with a representation, but "
+                    f"{type(model).__name__} has none; use model.name = 'dlrm' or "
+                    "distill.head = 'shared'"
+                )
+            top = model.representation_module
+            assert isinstance(top, MLP)  # the DLRM's top MLP
+            sizes = [m.out_features for m in top if isinstance(m, nn.Linear)]
+            aux = MLP(top.in_features, sizes, final_activation=False)
+        num_dense = schema.num_dense if distill.adapter_features else 0
+        adapter = _Adapter(distill.adapter_width, num_dense) if distill.adapter else None
+    model.add_module(HEADS, DistillHeads(aux, adapter, distill.adapter_lr).to(device))
+    return model
+
+
+def distill_heads(model: nn.Module) -> DistillHeads | None:
+    """The model's ``DistillHeads``, if it has them."""
+    heads = dict(model.named_children()).get(HEADS)
+    assert heads is None or isinstance(heads, DistillHeads)
+    return heads
+
+
+def detach_distill_heads(model: nn.Module) -> nn.Module:
+    """``model`` without its distillation heads: the serving model alone (export)."""
+    if distill_heads(model) is not None:
+        delattr(model, HEADS)
+    return model
+
+
+def split_adapter_group(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Move the adapter's parameters into a param group of their own at
+    ``distill.adapter_lr`` (its ``base_lr``, which ``set_learning_rates`` scales); called
+    by ``build_dense_optimizer`` before any step."""
+    heads = distill_heads(model)
+    if heads is None or heads.adapter is None:
+        return
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.Adagrad | torch.optim.SGD):
+        raise ValueError(
+            f"distill.adapter trains at its own learning rate in a parameter group of its "
+            f"own, which {type(optimizer).__name__} does not take; use optimizer.name = "
+            "adam, adagrad or sgd"
+        )
+    lr = heads.adapter_lr
+    mine = {id(p) for p in heads.adapter.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in mine]
+    optimizer.add_param_group({"params": list(heads.adapter.parameters()), "lr": lr, "base_lr": lr})
+
+
+@dataclass
+class DistillTerms:
+    """What ``Distillation.forward`` hands its ``loss``: the base objective's
+    representation, the distillation logit ``d [B]``, the soft label ``[B]`` and the
+    adapter's logit ``a [B]`` (None without adapter)."""
+
+    representation: torch.Tensor | None
+    distill_logit: torch.Tensor
+    soft_label: torch.Tensor
+    adapter_logit: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """``base``'s loss plus the distillation terms of ``config`` (module docstring); the
+    same interface as ``Objective``."""
+
+    base: Objective
+    config: DistillConfig
+
+    def check_model(self, model: nn.Module) -> None:
+        self.base.check_model(model)
+        heads = distill_heads(model)
+        if self.config.head == "auxiliary" and (heads is None or heads.aux is None):
+            raise ValueError(
+                "distill.head = 'auxiliary' but the model has no auxiliary head: build it "
+                "with build_model from a config whose [distill] asks for it"
+            )
+        if self.config.adapter and (heads is None or heads.adapter is None):
+            raise ValueError("distill.adapter = true but the model has no adapter")
+
+    def forward(self, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, DistillTerms]:
+        teacher = batch.teacher_logits
+        if teacher is None:
+            raise ValueError(
+                f"distill.weight = {self.config.weight} needs the teacher's logits in every "
+                "batch, but this batch has none: train on data augmented by `towerrec distill "
+                'serve` (data.source = "augmented"), or set distill.weight = 0'
+            )
+        auxiliary = self.config.head == "auxiliary"
+        captured: list[torch.Tensor] = []
+        hook = None
+        if auxiliary or self.base.kind is LossKind.PUNCE:
+            assert isinstance(model, RepresentationModel)  # check_model / Config
+            hook = model.representation_module.register_forward_pre_hook(
+                lambda _module, args: captured.append(args[0])
+            )
+        try:
+            logits = model(batch.dense, batch.sparse)
+        finally:
+            if hook is not None:
+                hook.remove()
+        heads = distill_heads(model)
+        adapter_logit = None
+        target = teacher.float()
+        if self.config.adapter:
+            assert heads is not None and heads.adapter is not None  # check_model
+            adapter_logit = heads.adapter(target, batch.dense)
+            target = adapter_logit.detach().float()  # the stop-gradient
+        soft_label = torch.sigmoid(self.config.label_scale * target)
+        if auxiliary:
+            assert heads is not None and heads.aux is not None  # check_model
+            shared = grad_scale(captured[0], self.config.grad_scale)
+            distill_logit = heads.aux(shared).squeeze(1)
+        else:
+            distill_logit = logits
+        representation = captured[0] if self.base.kind is LossKind.PUNCE else None
+        return logits, DistillTerms(representation, distill_logit, soft_label, adapter_logit)
+
+    def loss(self, logits: torch.Tensor, terms: DistillTerms, labels: torch.Tensor) -> torch.Tensor:
+        total = self.base.loss(logits, terms.representation, labels)
+        distill = F.binary_cross_entropy_with_logits(terms.distill_logit.float(), terms.soft_label)
+        total = total + self.config.weight * distill
+        if terms.adapter_logit is not None:
+            adapter = terms.adapter_logit.float()
+            total = total + F.binary_cross_entropy_with_logits(adapter, labels)
+        return total
+
+
+def with_distillation(objective: Objective, config: DistillConfig) -> Objective | Distillation:
+    """``objective`` itself when distillation is off (w = 0), else its ``Distillation``."""
+    return Distillation(objective, config) if config.enabled else objective
+
+
+class TeacherPeriods:
+    """A ``PeriodSource`` whose batches carry a teacher's logits: ``teacher(period)``
+    (a model, e.g. one trained some periods before) scores every batch of ``period``
+    in eval mode. The in-process stand-in for the augmentation service."""
+
+    def __init__(
+        self,
+        source: PeriodSource,
+        teacher: Callable[[int], nn.Module],
+        device: torch.device | None = None,
+    ) -> None:
+        self.source = source
+        self.teacher = teacher
+        self.device = device or torch.device("cpu")
+
+    @property
+    def schema(self) -> DataSchema:
+        return self.source.schema
+
+    @property
+    def num_periods(self) -> int:
+        return self.source.num_periods
+
+    def period_rows(self, period: int) -> int:
+        return self.source.period_rows(period)
+
+    @torch.no_grad()
+    def period_batches(
+        self, period: int, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> Iterator[Batch]:
+        model = self.teacher(period)
+        was_training = model.training
+        model.eval()
+        try:
+            for batch in self.source.period_batches(period, batch_size, rank, world_size):
+                on = batch.to(self.device)
+                logits = model(on.dense, on.sparse).float().cpu()
+                yield replace(batch, teacher_logits=logits, validate=False)
+        finally:
+            model.train(was_training)
+
+    def period_oracle(self, period: int) -> tuple[np.ndarray, np.ndarray] | None:
+        return self.source.period_oracle(period)
