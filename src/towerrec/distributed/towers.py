@@ -20,7 +20,8 @@
 Bottom MLP, interaction and top run data-parallel over the whole world (DDP);
 only tower t's module and tables exist on host t. With ``tower_dense`` the
 bottom output x follows the ids in (a) once the bottom has run (differentiably).
-The step's collectives of the transform: the counts exchange, the ids, x (with
+The step's collectives of the transform: the ids (one message per peer, and a
+second for payloads over the agreed capacity: ``_PeerInput``), x (with
 ``tower_dense``), the host lookup's, the tower outputs. Every collective
 is counted by ``CommStats``: the peer all-to-alls as cross-host bytes, the
 lookup's as intra-host bytes (one stats object for the whole model).
