@@ -213,7 +213,9 @@ class RunContext:
                 self.topology.hosts,
                 self.topology.hosts,
                 self.topology.ranks_per_host,
-                settings.tower_sharding,
+                "as the planner chose (above)"
+                if settings.tower_sharding == "auto"
+                else settings.tower_sharding,
             )
         return parallel
 
