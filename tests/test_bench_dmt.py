@@ -56,6 +56,7 @@ def test_report_ratios_and_targets_from_run_summaries():
     }
     for summary in runs["flat_table_wise"] + runs["dmt_partitioner"]:
         summary["batch_size"] = 1000
+    runs["dmt_partitioner"][-1]["comm_calls_per_step"] = {"tower_input_ids": 1.0, "x": 2.5}
     report = assemble_report(runs, LAYOUTS, 2, 2, {"network": "netns"}, link_gbit=0.008)
     assert report["network"] == "netns" and report["hosts"] == 2
     rows = {row["variant"]: row for row in report["variants"]}
@@ -68,6 +69,9 @@ def test_report_ratios_and_targets_from_run_summaries():
     assert "link_ms_per_step" not in rows["dmt_identity"]  # no batch size in its summary
     dmt = rows["dmt_partitioner"]
     assert dmt["max_peers_per_collective"] == 1
+    assert dmt["collective_calls_per_step"] == {"tower_input_ids": 1.0, "x": 2.5}
+    assert dmt["collective_calls_per_step_total"] == 3.5
+    assert "collective_calls_per_step" not in base  # its summary has none
     vs = dmt["vs_flat_table_wise"]
     assert vs["cross_host_bytes_reduction"] == pytest.approx(4.8)
     # on all traffic the dense all-reduces (300 B each) shrink the ratio: 2700 / 800

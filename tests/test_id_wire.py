@@ -49,10 +49,10 @@ def test_several_sources_back_to_back():
 
 
 def test_sizes_by_hand():
-    """A header of 1 + 3 x 2 int32; 6 bags of 2 ids; key 0's ids under 256, key 1's not."""
+    """A header of 3 + 3 x 2 int32; 6 bags of 2 ids; key 0's ids under 256, key 1's not."""
     lengths = torch.full((2, 3), 2)  # 2 keys x 3 samples, 12 ids
     values = torch.tensor([7, 7, 9, 7, 9, 9, 900, 900, 900, 3, 3, 900])
-    header, bags = 4 * 7, 6
+    header, bags = 4 * 9, 6
     plain = IdWire(False).encode(lengths, values)
     assert plain.numel() == header + 6 * 1 + 6 * 2 + bags  # uint8 ids, int16 ids
     # deduplicated where smaller: key 1 (2 int16 ids + 6 one-byte indexes = 10 < 12 bytes);
@@ -64,6 +64,54 @@ def test_sizes_by_hand():
     wide = values + 2**20  # int32 ids: both keys pay (2 x 4 + 6 < 6 x 4)
     assert IdWire(False).encode(lengths, wide).numel() == header + 12 * 4 + bags
     assert IdWire(True).encode(lengths, wide).numel() == header + 2 * (2 * 4 + 6) + bags
+    # per-id weights: one float32 per occurrence appended, deduplicated ids or not
+    weights = torch.rand(12)
+    assert IdWire(False).encode(lengths, values, weights).numel() == plain.numel() + 12 * 4
+    assert (
+        IdWire(True, where_smaller=False).encode(lengths, values, weights).numel()
+        == forced.numel() + 12 * 4
+    )
+
+
+@pytest.mark.parametrize("wire", [IdWire(), IdWire(False), IdWire(True, where_smaller=False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weights_travel_with_their_ids(wire, dtype):
+    """Ids, lengths and per-id weights in one payload per source: every weight comes back
+    bit for bit beside its id, whether the ids were deduplicated or not."""
+    gen = torch.Generator().manual_seed(3)
+    parts = [_jagged(gen, 3, b, 12, 4) for b in (6, 0, 9)]
+    weights = [torch.rand(v.numel(), generator=gen, dtype=dtype) for _, v in parts]
+    payloads = [wire.encode(ln, v, w) for (ln, v), w in zip(parts, weights)]
+    sizes = [p.numel() for p in payloads]
+    decoded, got = wire.decode_all_weighted(torch.cat(payloads), sizes, 3, [6, 0, 9])
+    for (ln, v), (got_ln, got_v) in zip(parts, decoded):
+        assert torch.equal(got_ln, ln) and torch.equal(got_v, v)
+    assert got is not None and got.dtype == dtype
+    assert torch.equal(got, torch.cat(weights))
+    # the plain decode reads the ids of a weighted payload alike
+    assert torch.equal(wire.decode(payloads[0], 3, 6)[1], parts[0][1])
+    # without weights: none come back
+    bare = [wire.encode(ln, v) for ln, v in parts]
+    _, none = wire.decode_all_weighted(torch.cat(bare), [p.numel() for p in bare], 3, [6, 0, 9])
+    assert none is None
+
+
+def test_weights_and_versions_are_checked():
+    lengths, values = torch.full((1, 2), 2), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"give float32 \(or float64\) weights"):
+        IdWire().encode(lengths, values, torch.ones(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"3 per-id weights for 4 ids; give one weight per id"):
+        IdWire().encode(lengths, values, torch.ones(3))
+    weighted = IdWire().encode(lengths, values, torch.ones(4))
+    bare = IdWire().encode(lengths, values)
+    with pytest.raises(ValueError, match=r"some ranks' id payloads carry per-id weights"):
+        IdWire().decode_all_weighted(
+            torch.cat([weighted, bare]), [weighted.numel(), bare.numel()], 1, [2, 2]
+        )
+    old = bare.clone()
+    old[:4] = torch.tensor([1], dtype=torch.int32).view(torch.uint8)  # a version-1 header
+    with pytest.raises(ValueError, match=r"wire version 1, this towerrec reads version 2"):
+        IdWire().decode(old, 1, 2)
 
 
 def test_dedup_is_skipped_where_it_would_grow_the_payload():

@@ -19,7 +19,7 @@ from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import comm_stats
-from towerrec.distributed.towers import _tower_tables, check_towers, parallelize_towers
+from towerrec.distributed.towers import check_towers, parallelize_towers, tower_tables
 from towerrec.models.dlrm import DLRM
 from towerrec.models.dmt import DMT
 from towerrec.modules.compact import CompactConfig, build_embedding_collection
@@ -50,10 +50,11 @@ CASES = {
     "identity": ("identity", "rowwise_adagrad", "adam", "row_wise", False, False, [8] * 4),
     "dot": ("dot", "rowwise_adagrad", "sgd", "column_wise", True, True, [8, 5, 7, 3]),
     "fm": ("fm", "adagrad", "adam", "table_wise", False, False, [6] * 4),
-    "replicated": ("dot", "rowwise_adagrad", "adam", "data_parallel", False, False, [4] * 4),
+    "replicated": ("dot", "rowwise_adagrad", "adam", "data_parallel", False, True, [4] * 4),
 }
 # Ids on the wire per case: deduplicated in every payload (forced, even where it saves
-# nothing; per-id weights follow their ids), the default, and not deduplicated.
+# nothing), the default, and not deduplicated; per-id weights travel in the ids' message
+# ("dot": deduplicated, "replicated": not).
 WIRES = {
     "identity": IdWire(True, where_smaller=False),
     "dot": IdWire(True, where_smaller=False),
@@ -330,8 +331,8 @@ def test_compact_embeddings_are_refused():
 def test_a_table_split_over_towers_is_refused():
     ebc = _collection(TABLES, "sgd")
     with pytest.raises(ValueError, match=r"table 'b' serves features.*in one tower"):
-        _tower_tables(ebc, ["d", "b1"], 0)
-    assert [t.name for t in _tower_tables(ebc, PARTITION[1], 1)] == ["e", "a", "c"]
+        tower_tables(ebc, ["d", "b1"], 0)
+    assert [t.name for t in tower_tables(ebc, PARTITION[1], 1)] == ["e", "a", "c"]
 
 
 def test_reference_and_transformed_models_start_identical():
@@ -371,11 +372,20 @@ def test_train_dmt_on_two_hosts(tmp_path):
     assert summary["comm_bytes_per_sample_cross"] > 0, summary
     assert summary["comm_bytes_per_sample_intra"] > 0, summary
     assert summary["hosts"] == 2 and summary["world_size"] == 4
+    # the planner laid out each tower's tables inside its host (distributed.tower_sharding
+    # = "auto"), said so in the log and in the summary
+    layouts = summary["tower_layouts"]
+    assert len(layouts) == 2 and all(x["sharding"] in ("table_wise", "row_wise") for x in layouts)
+    log = result.stderr + result.stdout
+    assert f"tower 1: tables {layouts[1]['sharding']} inside host 1 (planner:" in log
+    # one message per peer exchange: no counts exchange, no separate weights
+    calls = summary["comm_calls_per_step"]
+    assert calls["tower_input_ids"] == 1.0 and "tower_input_counts" not in calls, calls
+    assert calls["tower_outputs"] == calls["tower_outputs_grad"] == 1.0, calls
     # every tower's tables count, not only those of rank 0's host
     assert summary["num_embedding_params"] == reference["num_embedding_params"]
     assert summary["flops_per_sample"] == reference["flops_per_sample"]
     assert summary["num_dense_params"] == reference["num_dense_params"]
-    log = result.stderr + result.stdout
     partition = [line for line in log.splitlines() if "tower partition [" in line]
     single_partition = [line for line in single.stderr.splitlines() if "tower partition [" in line]
     assert (
@@ -404,4 +414,6 @@ def test_pipeline_is_refused_under_the_tower_transform():
 def test_tower_sharding_config_is_checked():
     with pytest.raises(ValueError, match=r"distributed.tower_sharding = 'table_row_wise'"):
         load_config(None, ["distributed.tower_sharding=table_row_wise"])
-    assert load_config(None, []).distributed.tower_sharding == "row_wise"
+    assert load_config(None, []).distributed.tower_sharding == "auto"
+    override = load_config(None, ["distributed.tower_sharding=row_wise"])
+    assert override.distributed.tower_sharding == "row_wise"

@@ -8,7 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_cases import make_batch
-from test_sptt import FEATURES, NUM_DENSE, PARTITION, ROWS, TABLES, _collection, _slice
+from test_sptt import (
+    FEATURES,
+    NUM_DENSE,
+    PARTITION,
+    ROWS,
+    SUM_TABLES,
+    TABLES,
+    _collection,
+    _slice,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 from towerrec.distributed.comm import Codec, CommCodecs, CommStats
@@ -58,12 +67,19 @@ def _wire_cases(topology):
         "fp32": _one_step(topology, CommCodecs(), IdWire(False)),
         "fp16": _one_step(topology, CommCodecs(fp16, fp16), IdWire(False)),
         "dedup": _one_step(topology, CommCodecs(), IdWire(True, where_smaller=False)),
+        "calls": _calls_per_step(topology),
     }
 
 
+@pytest.fixture(scope="module")
+def wire_results():
+    """Every rank's ``_wire_cases`` (one spawn for this module's tests)."""
+    return spawn_world(_wire_cases, 4, 2)
+
+
 @pytest.mark.multiprocess
-def test_tower_outputs_use_the_codecs_and_dedup_is_exact():
-    for rank, cases in enumerate(spawn_world(_wire_cases, 4, 2)):
+def test_tower_outputs_use_the_codecs_and_dedup_is_exact(wire_results):
+    for rank, cases in enumerate(wire_results):
         logits32, bytes32 = cases["fp32"]
         logits16, bytes16 = cases["fp16"]
         for name in ("tower_outputs", "tower_outputs_grad"):
@@ -72,4 +88,62 @@ def test_tower_outputs_use_the_codecs_and_dedup_is_exact():
         assert 0 < float((logits16 - logits32).abs().max()) < 1e-2, rank
         logits_dedup, bytes_dedup = cases["dedup"]
         assert torch.equal(logits_dedup, logits32), rank  # deduplicated ids: same bits
-        assert bytes_dedup["tower_input_ids"] != bytes32["tower_input_ids"], rank
+        # the first step's payloads follow the chunks in full (capacity 0: tower_input_ids
+        # carries heads only), so the deduplicated payloads' size shows there
+        ids = ("tower_input_ids", "tower_input_overflow")
+        assert sum(bytes_dedup[n] for n in ids) != sum(bytes32[n] for n in ids), rank
+
+
+def _calls_per_step(topology):
+    """Each of three training steps' collective calls per name (one stats object for the
+    peer and host collectives), on weighted features with x sent to the towers; steps 2
+    and 3 train the batch of step 1 again (payloads of the same size)."""
+    mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
+    stats = CommStats()
+    torch.manual_seed(0)
+    dmt = DMT(
+        _collection(SUM_TABLES, "rowwise_adagrad"),
+        NUM_DENSE,
+        [8, 8],
+        [8, 1],
+        PARTITION,
+        tower="dot",
+        tower_outputs=2,
+        tower_mlp=(8,),
+        tower_dense=True,
+    )
+    model = parallelize_towers(dmt, mesh, stats=stats, id_wire=IdWire())
+    lo, world = topology.rank * BATCH, topology.world_size
+    sparse = _slice(make_batch(0, BATCH * world, True, FEATURES, ROWS), lo, lo + BATCH)
+    dense = torch.randn(BATCH * world, NUM_DENSE, generator=torch.Generator().manual_seed(0))
+    steps = []
+    for _ in range(3):
+        before = dict(stats.calls)
+        out = model(dense[lo : lo + BATCH], sparse)
+        F.binary_cross_entropy_with_logits(out, torch.ones_like(out)).backward()
+        steps.append(
+            {n: c - before.get(n, 0) for n, c in stats.calls.items() if c > before.get(n, 0)}
+        )
+    return steps
+
+
+@pytest.mark.multiprocess
+def test_one_peer_message_per_step(wire_results):
+    """The tower transform's peer collectives per training step: ids, lengths and per-id
+    weights in one all-to-all, no counts exchange once the peer group knows the message
+    size (the first step's capacity is 0: its payloads follow in a second all-to-all),
+    then x, the tower outputs and their gradients. Before: counts, ids, weights, x, x's
+    gradient, outputs, their gradient (7 per step)."""
+    for rank, steps in enumerate(r["calls"] for r in wire_results):
+        peer = [{n: c for n, c in step.items() if n.startswith("tower_")} for step in steps]
+        steady = {
+            "tower_input_ids": 1,
+            "tower_dense": 1,
+            "tower_dense_grad": 1,
+            "tower_outputs": 1,
+            "tower_outputs_grad": 1,
+        }
+        assert peer[0] == {**steady, "tower_input_overflow": 1}, (rank, peer[0])
+        assert peer[1] == peer[2] == steady, (rank, peer)
+        # the host lookup's collectives are the same every step
+        assert steps[1] == steps[2], (rank, steps)

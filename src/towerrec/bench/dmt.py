@@ -12,8 +12,9 @@
 Every variant is one ordinary ``towerrec train`` run on the same data and
 shape (only the overrides below differ); its ``summary.json`` gives samples/s
 (training steps after a warm-up of ``WARMUP_STEPS``: no start-up, pilot run or
-evaluation), AUC and the
-embedding collectives' bytes per sample, intra- and cross-host.
+evaluation), AUC, the
+embedding collectives' bytes per sample, intra- and cross-host, and rank 0's
+collective calls per training step, per name (``collective_calls_per_step``).
 ``bench/dmt_report.py`` turns the summaries into the report.
 """
 

@@ -101,6 +101,10 @@ def _row(
         max_cross_host_peers_per_collective=max(c["cross_host_peers"] for c in peers),
         collectives=peers,
     )
+    calls = last.get("comm_calls_per_step")
+    if calls:  # one rank's collective calls per training step (embedding and dense)
+        row["collective_calls_per_step"] = calls
+        row["collective_calls_per_step_total"] = sum(calls.values())
     for key in ("partition", "train_s", "steps", "batch_size", "samples_per_s_all_steps"):
         if key in last:
             row[key] = last[key]

@@ -356,8 +356,10 @@ class DistributedConfig:
     backward_codec: str = "fp32"  # wire format of their gradients
     pipeline: bool = False  # overlap the next batch's input_dist with this batch's compute
     timeout_s: float = 300.0  # a collective waiting longer for a peer fails the run
-    # DMT on several hosts: tower t's tables inside host t (one of TOWER_SHARDINGS)
-    tower_sharding: ShardingType = ShardingType.ROW_WISE
+    # DMT on several hosts: tower t's tables inside host t; "auto": the planner's cost
+    # model picks table-wise or row-wise per tower (planner/tower_layout.py), else one
+    # of TOWER_SHARDINGS for every tower
+    tower_sharding: str = "auto"
     # The dense parameters over the ranks: "ddp" replicates them, "fsdp" shards them
     # (FSDP2 fully_shard per layer; embeddings stay sharded by the plan)
     dense: str = "ddp"
@@ -376,10 +378,10 @@ class DistributedConfig:
             raise ValueError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
         _choice(
             str(self.tower_sharding),
-            tuple(t.value for t in TOWER_SHARDINGS),
+            ("auto", *(t.value for t in TOWER_SHARDINGS)),
             "distributed.tower_sharding",
         )
-        object.__setattr__(self, "tower_sharding", ShardingType(self.tower_sharding))
+        object.__setattr__(self, "tower_sharding", str(self.tower_sharding))
         _choice(self.dense, ("ddp", "fsdp"), "distributed.dense")
         if not isinstance(self.dedup_ids, bool):
             raise ValueError(f"distributed.dedup_ids must be true or false, got {self.dedup_ids!r}")

@@ -6,8 +6,9 @@
       dense ─► bottom MLP ─► x [B, D] ─────────────────────────────────────────────┐
       sparse KJT (all features)                                                     │
         │ split by tower: tower t's features ─► peer (t, l)                         │
-        ▼ (a) peer all-to-all across hosts, rank l <-> rank l only (lengths + ids,  │
-        │     narrow types, deduplicated: id_wire.py)                               │
+        ▼ (a) peer all-to-all across hosts, rank l <-> rank l only: one message per │
+        │     peer, lengths + ids + per-id weights (narrow types, deduplicated:     │
+        │     id_wire.py), in flight while the bottom MLP runs                      │
     rank (t, l): tower t's features of the peer batch P = sum_h B_{h,l}             │
         ▼ (b) host-local sharded lookup of tower t's tables (row-wise, ... inside   │
         │     host t: ShardedEmbeddingBagCollection on the host's L ranks)          │
@@ -18,7 +19,10 @@
 
 Bottom MLP, interaction and top run data-parallel over the whole world (DDP);
 only tower t's module and tables exist on host t. With ``tower_dense`` the
-bottom output x travels with the ids in (a) (differentiably). Every collective
+bottom output x follows the ids in (a) once the bottom has run (differentiably).
+The step's collectives of the transform: the ids (one message per peer, and a
+second for payloads over the agreed capacity: ``_PeerInput``), x (with
+``tower_dense``), the host lookup's, the tower outputs. Every collective
 is counted by ``CommStats``: the peer all-to-alls as cross-host bytes, the
 lookup's as intra-host bytes (one stats object for the whole model).
 
@@ -38,7 +42,8 @@ G = N L B samples when every parameter's gradient is ``(1/NL) sum_r grad loss_r`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -46,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from towerrec.distributed.comm import Comm, CommCodecs, CommStats
+from towerrec.distributed.comm import Comm, CommCodecs, CommStats, Pending
 from towerrec.distributed.embedding_bag import ScaleGrad, ShardedEmbeddingBagCollection
 from towerrec.distributed.fsdp import apply_fsdp, dense_mesh
 from towerrec.distributed.id_wire import IdWire
@@ -57,10 +62,16 @@ from towerrec.distributed.parallelize import replicate_counted, topology_of, uni
 from towerrec.models.dmt import DMT, TowerModule
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
-from towerrec.sharding import TOWER_SHARDINGS, ShardingType
+from towerrec.sharding import TOWER_SHARDINGS, ShardingPlan, ShardingType, plan_table
 from towerrec.sparse import KeyedJaggedTensor
 
-__all__ = ["TOWER_SHARDINGS", "TowerParallelDMT", "parallelize_towers", "tower_groups"]
+__all__ = [
+    "TOWER_SHARDINGS",
+    "TowerParallelDMT",
+    "parallelize_towers",
+    "tower_groups",
+    "tower_tables",
+]
 
 
 def tower_groups(
@@ -95,6 +106,41 @@ def _scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return ScaleGrad.apply(x, scale) if x.requires_grad and scale != 1.0 else x
 
 
+# The fixed head of a peer message: int64 [batch, payload bytes, weighted, any payload of
+# the sender over capacity, the sender's largest payload].
+_PREFIX_BYTES = 5 * 8
+
+
+def _capacity_for(largest: int) -> int:
+    """Payload bytes a peer message carries in the next step: the peer group's largest
+    payload of this step and an eighth more (batches vary), rounded up to 64 bytes."""
+    return 64 * -(-(largest * 9 // 8) // 64)
+
+
+@dataclass
+class _PeerInput:
+    """An input exchange of the tower transform in flight.
+
+    Each rank sends every peer one chunk of ``_PREFIX_BYTES + capacity`` bytes: the
+    head (batch, payload size, ...) and the payload's first ``capacity`` bytes, zero
+    padded. The peer group agrees on the capacity without a message of its own: each
+    chunk carries the sender's largest payload, every rank receives them all and
+    derives the next step's capacity alike (``_capacity_for``). A payload over the
+    capacity sends its rest in a second all-to-all; every chunk says whether its
+    sender has such a rest, so every rank of the group starts that second one or
+    none. The first step (capacity 0) is the old counts exchange and payload
+    all-to-all; steady steps need one message per peer.
+    """
+
+    pending: Pending
+    payloads: list[torch.Tensor]
+    capacity: int
+    batches: list[int] | None = None
+    sizes: list[int] = field(default_factory=list)
+    bodies: list[torch.Tensor] = field(default_factory=list)
+    overflow: Pending | None = None
+
+
 class TowerEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """Tower t's tables sharded over host t; counts every tower's tables as the model's."""
 
@@ -127,6 +173,7 @@ class TowerParallelDMT(nn.Module):
         super().__init__()
         self.topology, self.peer, self.codecs = topology, peer, codecs
         self.wire = wire or IdWire()
+        self.capacity = 0  # payload bytes per peer message (``_PeerInput``)
         self.tower_index = topology.host
         self.partition = [list(g) for g in model.partition]
         self.embedding_dim = model.embedding_dim
@@ -160,58 +207,110 @@ class TowerParallelDMT(nn.Module):
         return self._num_dense
 
     # ------------------------------------------------------------- (a) input
-    def input_dist(
-        self, features: KeyedJaggedTensor, x: torch.Tensor | None
-    ) -> tuple[KeyedJaggedTensor, torch.Tensor | None, list[int]]:
-        """Send each tower's features (and x) to its host: tower t's features of the peer
-        batch ``[sum_h B_h]``, x of the peer batch ``[sum_h B_h, D]``, and ``B_h`` per host."""
-        peer, hosts, batch = self.peer, self.topology.hosts, features.stride()
+    def input_dist_start(self, features: KeyedJaggedTensor) -> _PeerInput:
+        """Start sending each tower's features to its host: one message per peer, a
+        fixed-size chunk (``_PeerInput``) of the payload of ids, lengths and per-id
+        weights (``id_wire.py``). ``input_dist_batches`` then gives ``B_h`` per host and
+        ``input_dist_finish`` the features of the peer batch."""
+        batch, hosts, capacity = features.stride(), self.topology.hosts, self.capacity
         weights = features.weights_or_none()
-        payloads, id_weights, num_ids = [], [], []
+        payloads = []
         for group in self.partition:
             part = features.select(group)
-            payloads.append(self.wire.encode(part.lengths().view(len(group), batch), part.values()))
-            num_ids.append(part.values().numel())
-            if weights is not None:
-                id_weights.append(part.weights())
-        counts = torch.tensor(
-            [[batch, p.numel(), n, int(weights is not None)] for p, n in zip(payloads, num_ids)],
-            dtype=torch.int64,
+            payloads.append(
+                self.wire.encode(
+                    part.lengths().view(len(group), batch),
+                    part.values(),
+                    part.weights() if weights is not None else None,
+                )
+            )
+        largest = max(p.numel() for p in payloads)
+        device = features.values().device
+        chunks = []
+        for p in payloads:
+            head = [batch, p.numel(), int(weights is not None), int(largest > capacity), largest]
+            body = p[:capacity]
+            pad = torch.zeros(capacity - body.numel(), dtype=torch.uint8, device=device)
+            chunks += [torch.tensor(head, dtype=torch.int64, device=device).view(torch.uint8)]
+            chunks += [body, pad]
+        width = _PREFIX_BYTES + capacity
+        pending = self.peer.all_to_all_async(
+            torch.cat(chunks), [width] * hosts, [width] * hosts, "tower_input_ids"
         )
-        received = peer.exchange_counts(counts.to(features.values().device), "tower_input_counts")
-        received = received.cpu()
-        batches, sizes = received[:, 0].tolist(), received[:, 1].tolist()
-        weighted = received[:, 3]
+        return _PeerInput(pending, payloads, capacity)
+
+    def input_dist_batches(self, flight: _PeerInput) -> list[int]:
+        """``B_h`` per host of an input exchange: waits for its chunks and starts the
+        overflow all-to-all where a payload did not fit (any rank of the peer group
+        says so in its chunks, so every rank of it starts one or none)."""
+        if flight.batches is not None:
+            return flight.batches
+        hosts, capacity = self.topology.hosts, flight.capacity
+        got = flight.pending.wait().view(hosts, _PREFIX_BYTES + capacity)
+        head = got[:, :_PREFIX_BYTES].contiguous().view(torch.int64).cpu()
+        batches, sizes = head[:, 0].tolist(), head[:, 1].tolist()
+        weighted = head[:, 2]
         if bool(weighted.any()) != bool(weighted.all()):
             raise ValueError(
                 "some ranks' batches carry per-id weights and some do not; give every rank "
                 "weighted features or none"
             )
-        pending = peer.all_to_all_async(
-            torch.cat(payloads), [p.numel() for p in payloads], sizes, "tower_input_ids"
-        )
-        got_weights = None
-        if weights is not None:
-            got_weights = peer.all_to_all_async(
-                torch.cat(id_weights), num_ids, received[:, 2].tolist(), "tower_input_weights"
+        # every rank of the peer group received every rank's largest payload: one capacity
+        self.capacity = _capacity_for(int(head[:, 4].max()))
+        flight.bodies = [
+            got[h, _PREFIX_BYTES : _PREFIX_BYTES + min(sizes[h], capacity)] for h in range(hosts)
+        ]
+        flight.sizes = sizes
+        if bool(head[:, 3].any()):
+            send = [max(p.numel() - capacity, 0) for p in flight.payloads]
+            flight.overflow = self.peer.all_to_all_async(
+                torch.cat([p[capacity:] for p in flight.payloads]),
+                send,
+                [max(size - capacity, 0) for size in sizes],
+                "tower_input_overflow",
             )
+        flight.batches = batches
+        return batches
+
+    def input_dist_finish(self, flight: _PeerInput) -> KeyedJaggedTensor:
+        """Tower t's features of the peer batch ``[sum_h B_h]`` from an input exchange."""
+        batches = self.input_dist_batches(flight)
+        payloads = flight.bodies
+        if flight.overflow is not None:
+            rest = flight.overflow.wait().split(
+                [max(size - flight.capacity, 0) for size in flight.sizes]
+            )
+            payloads = [torch.cat([body, more]) for body, more in zip(payloads, rest)]
+        keys = self.partition[self.tower_index]
+        parts, got_weights = self.wire.decode_all_weighted(
+            torch.cat(payloads), flight.sizes, len(keys), batches
+        )
+        return assemble(keys, parts, got_weights)
+
+    def dense_dist(self, x: torch.Tensor, batches: Sequence[int]) -> torch.Tensor:
+        """x ``[B, D]`` to the towers' hosts (``tower_dense``): x of the peer batch
+        ``[sum_h B_h, D]``, differentiable."""
+        hosts, batch, dim = self.topology.hosts, x.shape[0], x.shape[1]
+        flat = x.reshape(-1).repeat(hosts) if hosts > 1 else x.reshape(-1)
+        got = self.peer.all_to_all(
+            flat, [batch * dim] * hosts, [b * dim for b in batches], "tower_dense", self.codecs
+        )
+        return _scale_grad(got.view(-1, dim), float(hosts))
+
+    def input_dist(
+        self, features: KeyedJaggedTensor, x: torch.Tensor | None
+    ) -> tuple[KeyedJaggedTensor, torch.Tensor | None, list[int]]:
+        """Send each tower's features (and x) to its host: tower t's features of the peer
+        batch ``[sum_h B_h]``, x of the peer batch ``[sum_h B_h, D]``, and ``B_h`` per host
+        (``input_dist_start``, then ``dense_dist``, without compute between them)."""
+        flight = self.input_dist_start(features)
+        batches = self.input_dist_batches(flight)
         x_peer = None
         if self.use_dense:
             if x is None:
                 raise ValueError("tower_dense needs the bottom output x")
-            dim = x.shape[1]
-            flat = x.reshape(-1).repeat(hosts) if hosts > 1 else x.reshape(-1)
-            got = peer.all_to_all(
-                flat, [batch * dim] * hosts, [b * dim for b in batches], "tower_dense", self.codecs
-            )
-            x_peer = _scale_grad(got.view(-1, dim), float(hosts))
-        keys = self.partition[self.tower_index]
-        local = assemble(
-            keys,
-            self.wire.decode_all(pending.wait(), sizes, len(keys), batches),
-            got_weights.wait() if got_weights is not None else None,
-        )
-        return local, x_peer, batches
+            x_peer = self.dense_dist(x, batches)
+        return self.input_dist_finish(flight), x_peer, batches
 
     # ------------------------------------------------------------ (d) output
     def output_dist(self, out: torch.Tensor, batches: Sequence[int]) -> list[torch.Tensor]:
@@ -233,15 +332,23 @@ class TowerParallelDMT(nn.Module):
         return self._interact(x, outputs)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        # The peer all-to-all of the ids is in flight while the bottom MLP runs.
+        flight = self.input_dist_start(sparse)
         x = self.bottom(dense) if self.bottom is not None else None
-        local, x_peer, batches = self.input_dist(sparse, x if self.use_dense else None)
+        batches = self.input_dist_batches(flight)
+        x_peer = None
+        if self.use_dense:
+            if x is None:
+                raise ValueError("tower_dense needs the bottom output x")
+            x_peer = self.dense_dist(x, batches)
+        local = self.input_dist_finish(flight)
         embeddings = self.sparse(local).stacked().index_select(1, self.tower_order)
         out = self.tower(embeddings, x_peer)  # [sum_h B_h, K_t, D]
         out = _scale_grad(out, 1.0 / self.topology.hosts)
         return self.interact(x, self.output_dist(out, batches))
 
 
-def _tower_tables(
+def tower_tables(
     ebc: EmbeddingBagCollection, group: Sequence[str], tower: int
 ) -> list[TableConfig]:
     """Tower ``tower``'s tables, in the order their features first appear in ``group``."""
@@ -292,11 +399,13 @@ def parallelize_towers(
     dense_stats: CommStats | None = None,
     dense: str = "ddp",
     id_wire: IdWire | None = None,
+    placement: Mapping[str, Sequence[int]] | None = None,
 ) -> TowerParallelDMT:
     """Apply SPTT to ``model`` (identical on every rank) on the (host, local) ``mesh``.
 
     Tower t's tables are sharded over host t's ranks as ``sharding`` (one of
-    ``TOWER_SHARDINGS``); weights and optimizer state are copied from ``model``
+    ``TOWER_SHARDINGS``), on the host-local ranks ``placement`` gives per table where
+    given (the planner's layout, ``train.planning.plan_tower_layouts``); weights and optimizer state are copied from ``model``
     (or, when its collection is not materialized, the shards initialise themselves).
     ``dense``: the bottom, top and tower replicated (``"ddp"``) or sharded (``"fsdp"``).
     ``codecs`` encode the tower outputs, x and their gradients on the wire, and the host
@@ -317,15 +426,27 @@ def parallelize_towers(
     host = Comm(Topology(per_host, 1, topology.local_rank), host_group, stats)
     ebc = cast(EmbeddingBagCollection, model.sparse)
     group = model.partition[topology.host]
-    tables = _tower_tables(ebc, group, topology.host)
+    tables = tower_tables(ebc, group, topology.host)
     for t, other in enumerate(model.partition):
         if t != topology.host:
-            _tower_tables(ebc, other, t)  # the same error on every rank
+            tower_tables(ebc, other, t)  # the same error on every rank
     # Unmaterialized when ``ebc`` is: the host's shards initialise themselves from the seed.
     tower_ebc = copy_tables(ebc, tables)
+    if placement is None:
+        host_plan = uniform_plan(tables, host.topology, sharding)
+    else:
+        missing = [t.name for t in tables if t.name not in placement]
+        if missing:
+            raise ValueError(
+                f"the placement of tower {topology.host}'s tables lacks {missing}; give "
+                "every table of the tower its host-local ranks"
+            )
+        host_plan = ShardingPlan(
+            per_host, 1, {t.name: plan_table(t, sharding, placement[t.name]) for t in tables}
+        )
     sparse = TowerEmbeddingBagCollection(
         tower_ebc,
-        uniform_plan(tables, host.topology, sharding),
+        host_plan,
         host,
         codecs=codecs,
         grad_scale=1.0 / per_host,

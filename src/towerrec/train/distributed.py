@@ -29,13 +29,14 @@ from towerrec.distributed.comm import CommCodecs, CommStats
 from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, rebuild_ddp, uniform_plan
-from towerrec.distributed.towers import TowerParallelDMT, parallelize_towers
+from towerrec.distributed.towers import TowerParallelDMT, parallelize_towers, tower_tables
 from towerrec.memory import peak_rss_mb
 from towerrec.modules.embedding_bag import fused_embedding_modules
-from towerrec.train.planning import build_plan
+from towerrec.train.planning import build_plan, plan_tower_layouts
 
 if TYPE_CHECKING:
     from towerrec.models.dmt import DMT
+    from towerrec.modules.embedding_bag import EmbeddingBagCollection
 
 __all__ = ["RunContext", "start_distributed"]
 
@@ -52,6 +53,13 @@ class RunContext:
     train_bytes: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
     dense_stats: CommStats = field(default_factory=CommStats)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Collective calls of this rank in this process's training steps, per name (the
+    # embedding collectives and the dense all-reduces), and those steps.
+    train_calls: dict[str, int] = field(default_factory=dict)
+    train_steps: int = 0
+    # the planner's in-host layout of each tower (distributed.tower_sharding = "auto")
+    tower_layouts: list[dict[str, Any]] | None = None
+    _calls_before: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -100,7 +108,7 @@ class RunContext:
                     "tower transform (a DMT on several hosts); use adam, adagrad, sgd or "
                     "shampoo, or run on one host"
                 )
-            return self._parallelize_towers(model, config)
+            return self._parallelize_towers(model, config, source)
         if config.plan.hosts not in (1, self.topology.hosts):
             log.warning(
                 "plan.hosts = %d but the run has %d hosts; planning for the run's",
@@ -150,9 +158,10 @@ class RunContext:
         local = list(model.tower.parameters()) if isinstance(model, TowerParallelDMT) else []
         return GroupExchange(dist.new_group()), local
 
-    def _parallelize_towers(self, model: nn.Module, config: Config) -> nn.Module:
+    def _parallelize_towers(self, model: nn.Module, config: Config, source) -> nn.Module:
         """A DMT on several hosts: the tower transform, tower t on host t
-        (``distributed/towers.py``)."""
+        (``distributed/towers.py``); its tables laid out inside host t as
+        ``distributed.tower_sharding`` says, or by the planner's cost model (``auto``)."""
         settings = config.distributed
         if settings.pipeline:
             raise ValueError(
@@ -162,20 +171,41 @@ class RunContext:
         if config.plan.strategy != "none" and self.is_main:
             log.warning(
                 "plan.strategy = %s is ignored by the tower transform: tower t's tables are "
-                "sharded inside host t by distributed.tower_sharding = %s",
+                "laid out inside host t by distributed.tower_sharding = %s",
                 config.plan.strategy,
                 settings.tower_sharding,
             )
         codecs = CommCodecs(settings.forward_codec, settings.backward_codec)  # type: ignore[arg-type]  # parsed in __post_init__
         assert self.mesh is not None  # set for every distributed run
+        dmt = cast("DMT", model)
+        sharding, placement = settings.tower_sharding, None
+        if sharding == "auto":
+            ebc = cast("EmbeddingBagCollection", dmt.sparse)
+            towers = [tower_tables(ebc, group, t) for t, group in enumerate(dmt.partition)]
+            layouts = plan_tower_layouts(config, source, towers, self.topology.ranks_per_host)
+            self.tower_layouts = [layout.as_dict() for layout in layouts]
+            mine = layouts[self.topology.host]
+            sharding, placement = mine.sharding.value, mine.ranks
+            if self.is_main:
+                for t, layout in enumerate(layouts):
+                    log.info(
+                        "tower %d: tables %s inside host %d (planner: slowest rank %s, "
+                        "imbalance %.2f)",
+                        t,
+                        layout.sharding.value,
+                        t,
+                        ", ".join(f"{k} {1e3 * v:.3g} ms" for k, v in layout.seconds.items()),
+                        layout.imbalance,
+                    )
         parallel = parallelize_towers(
-            cast("DMT", model),
+            dmt,
             self.mesh,
-            sharding=settings.tower_sharding,
+            sharding=sharding,
             codecs=codecs,
             dense_stats=self.dense_stats,
             dense=settings.dense,
             id_wire=IdWire(settings.dedup_ids),
+            placement=placement,
         )
         if self.is_main:
             log.info(
@@ -183,7 +213,9 @@ class RunContext:
                 self.topology.hosts,
                 self.topology.hosts,
                 self.topology.ranks_per_host,
-                settings.tower_sharding,
+                "as the planner chose (above)"
+                if settings.tower_sharding == "auto"
+                else settings.tower_sharding,
             )
         return parallel
 
@@ -220,15 +252,27 @@ class RunContext:
         (intra-host, cross-host each)."""
         if self.world_size == 1:
             return (0, 0, 0, 0)
+        self._calls_before = self._calls(model)
         return (*comm_stats(model).snapshot(), *self.dense_stats.snapshot())
 
+    def _calls(self, model: nn.Module) -> dict[str, int]:
+        return {**comm_stats(model).calls, **self.dense_stats.calls}
+
     def count_train_bytes(self, model: nn.Module, before: tuple[int, ...]) -> None:
-        """Add the bytes sent since ``before`` (a training step's) to the training totals.
+        """Add the bytes sent since ``before`` (a training step's) to the training totals,
+        and the collective calls since that snapshot to ``train_calls``.
         A pipelined batch's input collectives count here too: they are recorded when
         the batch is trained, not when its prefetch starts."""
+        calls_before = self._calls_before
         after = self.comm_snapshot(model)
         for i, (a, b) in enumerate(zip(after, before)):
             self.train_bytes[i] += a - b
+        if self.world_size > 1:
+            for name, calls in self._calls_before.items():
+                step = calls - calls_before.get(name, 0)
+                if step:
+                    self.train_calls[name] = self.train_calls.get(name, 0) + step
+            self.train_steps += 1
 
     def run_train_bytes(self) -> list[float]:
         """The whole run's training bytes over all ranks (a collective: every rank calls
@@ -261,6 +305,12 @@ class RunContext:
             "dense_allreduce_bytes_per_sample_cross": dense_cross,
             "total_bytes_per_sample_intra": emb_intra + dense_intra,
             "total_bytes_per_sample_cross": emb_cross + dense_cross,
+            **({"tower_layouts": self.tower_layouts} if self.tower_layouts else {}),
+            # rank 0's collective calls per training step of this process, per name
+            "comm_calls_per_step": {
+                name: calls / max(self.train_steps, 1)
+                for name, calls in sorted(self.train_calls.items())
+            },
         }
 
     def memory_summary(self) -> dict[str, Any]:

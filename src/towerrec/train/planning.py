@@ -10,7 +10,9 @@ or the same ``PlanningError``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from towerrec.config import Config
 from towerrec.optim.sparse import EmbeddingOptimizer
@@ -19,9 +21,13 @@ from towerrec.planner.neuroshard import load_policy
 from towerrec.planner.search import PlanResult, plan_tables
 from towerrec.planner.stats import TableStats, stats_from_source
 from towerrec.planner.topology import topology_preset
+from towerrec.planner.tower_layout import TowerLayout, choose_tower_layout
 from towerrec.sharding import ShardingPlan
 
-__all__ = ["build_cost_model", "build_plan", "plan_source"]
+if TYPE_CHECKING:
+    from towerrec.modules.tables import TableConfig
+
+__all__ = ["build_cost_model", "build_plan", "plan_source", "plan_tower_layouts"]
 
 GiB = float(1 << 30)
 
@@ -112,3 +118,51 @@ def build_plan(config: Config, source, world_size: int) -> ShardingPlan | None:
         )
         return plan
     return plan_source(config, source, world_size).plan
+
+
+def _table_stats(table: TableConfig, features: dict[str, TableStats]) -> TableStats:
+    """A table's statistics from those of the features it serves (their lookups add up)."""
+    parts = [features[f] for f in table.feature_names]
+    total = parts[0]
+    for more in parts[1:]:
+        total = replace(
+            total,
+            pooling_factor=total.pooling_factor + more.pooling_factor,
+            pooling_p50=total.pooling_p50 + more.pooling_p50,
+            pooling_p99=total.pooling_p99 + more.pooling_p99,
+            pooling_max=total.pooling_max + more.pooling_max,
+            distinct_per_batch=total.distinct_per_batch + more.distinct_per_batch,
+        )
+    distinct = min(total.distinct_per_batch, table.num_embeddings)
+    return replace(
+        total,
+        name=table.name,
+        num_embeddings=table.num_embeddings,
+        embedding_dim=table.embedding_dim,
+        distinct_per_batch=distinct,
+        feature_names=tuple(table.feature_names),
+    )
+
+
+def plan_tower_layouts(
+    config: Config, source, towers: Sequence[Sequence[TableConfig]], ranks_per_host: int
+) -> list[TowerLayout]:
+    """The in-host layout of each tower's tables (``planner/tower_layout.py``): the
+    source's feature statistics, the cost model of ``config.plan`` on one host of
+    ``ranks_per_host`` ranks, each rank looking up its peer batch (the global batch
+    over ``ranks_per_host``). Deterministic: every rank gets the same layouts."""
+    features = {
+        s.name: s
+        for s in stats_from_source(
+            source,
+            config.model.embedding_dim,
+            batch_size=config.plan.stats_batch_size,
+            num_batches=config.plan.stats_batches,
+        )
+    }
+    one_host = replace(config, plan=replace(config.plan, hosts=1, ranks_per_host=0))
+    model = build_cost_model(one_host, ranks_per_host)
+    model = model.with_batch_size(max(config.train.batch_size // ranks_per_host, 1))
+    return [
+        choose_tower_layout([_table_stats(t, features) for t in tables], model) for tables in towers
+    ]
