@@ -26,6 +26,14 @@ average. The step size comes from a diagonal method on the same block, the
 
 ``weight_decay`` is L2: ``wd * w`` is added to the gradient before all of it.
 
+The graft's arithmetic is torch's, operation for operation (the first moment by
+``lerp``, ``lr`` over its bias correction as one step size, ``addcdiv``): before
+``start_preconditioning_step``, Adagrad grafting with ``beta1 = 0`` takes
+``torch.optim.Adagrad``'s steps and Adam grafting with ``beta1 = 0.9``,
+``graft_beta2 = 0.999`` takes ``torch.optim.Adam``'s (single-tensor and foreach)
+bit for bit; torch's fused Adam kernel, the trainer's, rounds differently in the
+last bit.
+
 Distributed (``exchange``): the blocks of all parameters are dealt to the ranks,
 each to the least loaded by its preconditioner cost (sum of n_i^3); a rank keeps
 the statistics of its own blocks only and computes their updates; one
@@ -252,7 +260,7 @@ class Shampoo(torch.optim.Optimizer):
                 for j, block in enumerate(self._blocks[p]):
                     if self._mine(i, j):
                         g = grad[block] if p.dim() else grad
-                        updates[(i, j)] = self._block_update(state, j, g, t)
+                        updates[(i, j)] = self._block_update(state, j, g, t, group["lr"])
         if self.exchange is not None:
             updates.update(self._gather(updates, lrs))
         for group in self.param_groups:
@@ -263,7 +271,7 @@ class Shampoo(torch.optim.Optimizer):
                 view = p.view(p.shape if p.dim() else (1,))
                 for j, block in enumerate(self._blocks[p]):
                     target = view[block] if p.dim() else view
-                    target.add_(updates[(i, j)].view_as(target), alpha=-lrs[i])
+                    target.add_(updates[(i, j)].view_as(target))
         return loss
 
     def _gather(
@@ -291,16 +299,22 @@ class Shampoo(torch.optim.Optimizer):
             offsets[r] += sizes[k]
         return out
 
-    def _block_update(self, state: dict[str, Any], j: int, g: torch.Tensor, t: int) -> torch.Tensor:
+    def _block_update(
+        self, state: dict[str, Any], j: int, g: torch.Tensor, t: int, lr: float
+    ) -> torch.Tensor:
+        """The step of block ``j`` (what is added to it): ``-lr * update`` (module doc).
+        The graft's arithmetic is torch's Adagrad and single-tensor Adam, operation for
+        operation, so that before ``start_preconditioning_step`` the steps are theirs bit
+        for bit."""
         s = self.settings
         order = max(g.dim(), 1)
         dims = list(g.shape) or [1]
         g = g.reshape(dims)
         filtered = g
+        step_size = lr  # lr over the first moment's bias correction
         if s.beta1:
-            m = state[f"b{j}.m"]
-            m.mul_(s.beta1).add_(g, alpha=1 - s.beta1)
-            filtered = m / (1 - s.beta1**t)
+            filtered = state[f"b{j}.m"].lerp_(g, 1 - s.beta1)
+            step_size = lr / (1 - s.beta1**t)
         for d in range(order):
             unfolded = _unfold(g, d)
             factor = state[f"b{j}.L{d}"]
@@ -309,23 +323,25 @@ class Shampoo(torch.optim.Optimizer):
             else:
                 factor.mul_(s.beta2).add_(unfolded @ unfolded.T, alpha=1 - s.beta2)
         if s.grafting == "adagrad":
-            acc = state[f"b{j}.graft"].addcmul_(g, g)
-            graft = filtered / (acc.sqrt() + s.graft_epsilon)
+            denom = state[f"b{j}.graft"].addcmul_(g, g).sqrt().add_(s.graft_epsilon)
+            graft = torch.zeros_like(filtered).addcdiv_(filtered, denom, value=-step_size)
         elif s.grafting == "adam":
             acc = state[f"b{j}.graft"].mul_(s.graft_beta2).addcmul_(g, g, value=1 - s.graft_beta2)
-            graft = filtered / ((acc / (1 - s.graft_beta2**t)).sqrt() + s.graft_epsilon)
+            correction = (1 - s.graft_beta2**t) ** 0.5
+            denom = (acc.sqrt() / correction).add_(s.graft_epsilon)
+            graft = torch.zeros_like(filtered).addcdiv_(filtered, denom, value=-step_size)
         else:
-            graft = filtered
+            graft = filtered * -step_size
         if t < s.start_preconditioning_step:
             return graft
         if (t - s.start_preconditioning_step) % s.precondition_frequency == 0:
             for d in range(order):
                 state[f"b{j}.Q{d}"] = inverse_root(state[f"b{j}.L{d}"], 2 * order, s.epsilon)
-        direction = filtered
+        direction = filtered  # its bias correction is a scale, which the graft's norm sets
         for d in range(order):
             direction = _apply_along(direction, d, state[f"b{j}.Q{d}"])
         norm = direction.norm()
         if norm == 0:
             return torch.zeros_like(direction)
-        scaled: torch.Tensor = direction * (graft.norm() / norm)
+        scaled: torch.Tensor = direction * -(graft.norm() / norm)  # the graft holds -lr
         return scaled
