@@ -24,9 +24,13 @@ def _gradients(shape, steps, seed=0):
     return [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(steps)]
 
 
+# The explicit arithmetic below: Adagrad grafting on the raw gradient, summed factors.
+ADAGRAD = {"grafting": "adagrad", "beta1": 0.0, "beta2": 1.0}
+
+
 def _run(param, grads, lr=0.1, **settings):
     param = torch.nn.Parameter(param.clone())
-    optimizer = Shampoo([param], lr=lr, settings=ShampooSettings(**settings))
+    optimizer = Shampoo([param], lr=lr, settings=ShampooSettings(**{**ADAGRAD, **settings}))
     for g in grads:
         param.grad = g.clone()
         optimizer.step()
