@@ -106,7 +106,8 @@ def test_before_the_start_step_only_the_graft_steps():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_adam_grafting_before_the_start_step_is_adam_bit_for_bit(dtype):
     """Shampoo with Adam grafting and momentum, its start step beyond the run, takes
-    torch's Adam steps exactly, on blocked parameters and a changing learning rate."""
+    torch's Adam steps exactly (decoupled weight decay too), on blocked parameters and
+    a changing learning rate."""
     gen = torch.Generator().manual_seed(11)
     shapes = [(7, 5), (5,), (3, 2, 4)]
     starts = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
@@ -121,8 +122,16 @@ def test_adam_grafting_before_the_start_step_is_adam_bit_for_bit(dtype):
     )
     ours = [torch.nn.Parameter(w.clone()) for w in starts]
     theirs = [torch.nn.Parameter(w.clone()) for w in starts]
-    shampoo = Shampoo(ours, lr=0.01, settings=settings)
-    adam = torch.optim.Adam(theirs, lr=0.01, betas=(0.9, 0.999), eps=1e-8, foreach=False)
+    shampoo = Shampoo(ours, lr=0.01, settings=settings, weight_decay=0.1)
+    adam = torch.optim.Adam(
+        theirs,
+        lr=0.01,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.1,
+        decoupled_weight_decay=True,
+        foreach=False,
+    )
     for step, gs in enumerate(grads):
         for optimizer in (shampoo, adam):
             optimizer.param_groups[0]["lr"] = 0.01 * (step + 1) / len(grads)

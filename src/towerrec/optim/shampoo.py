@@ -24,7 +24,9 @@ average. The step size comes from a diagonal method on the same block, the
            = P * ||D|| / ||P||      from it on (per block)
     w <- w - lr * update
 
-``weight_decay`` is L2: ``wd * w`` is added to the gradient before all of it.
+``weight_decay``: with ``decoupled_weight_decay`` (the default, as the trainer's Adam
+and AdamW) ``w <- (1 - lr wd) w`` before the step; without, L2: ``wd * w`` is added to
+the gradient before all of it.
 
 The graft's arithmetic is torch's, operation for operation (the first moment by
 ``lerp``, ``lr`` over its bias correction as one step size, ``addcdiv``): before
@@ -91,6 +93,7 @@ class ShampooSettings:
     grafting: str = "adam"
     graft_epsilon: float = 1e-8
     graft_beta2: float = 0.999
+    decoupled_weight_decay: bool = True  # optimizer.weight_decay as AdamW's; false: L2
 
     def __post_init__(self) -> None:
         if self.grafting not in GRAFTS:
@@ -257,7 +260,7 @@ class Shampoo(torch.optim.Optimizer):
                 state["step"] += 1
                 t = int(state["step"])
                 grad = p.grad
-                if group["weight_decay"]:
+                if group["weight_decay"] and not self.settings.decoupled_weight_decay:
                     grad = grad.add(p, alpha=group["weight_decay"])
                 grad = grad.reshape(p.shape if p.dim() else (1,))
                 for j, block in enumerate(self._blocks[p]):
@@ -271,6 +274,8 @@ class Shampoo(torch.optim.Optimizer):
                 i = index[p]
                 if i not in lrs:
                     continue
+                if group["weight_decay"] and self.settings.decoupled_weight_decay:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])  # as AdamW, before the step
                 view = p.view(p.shape if p.dim() else (1,))
                 for j, block in enumerate(self._blocks[p]):
                     target = view[block] if p.dim() else view
