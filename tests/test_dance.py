@@ -2,6 +2,7 @@
 settings' errors, and training runs (with PB-L-BFGS on 2 ranks too) through the
 command line."""
 
+import copy
 import json
 from itertools import pairwise
 
@@ -34,7 +35,7 @@ def test_negative_curvature_at_the_first_direction_falls_back_to_the_gradient():
     assert torch.equal(v, rhs) and products == 1
 
 
-def _problem(rank=0, world_size=1):
+def _problem(rank=0, world_size=1, first=0):
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(ROWS, 8, generator=generator, dtype=torch.float64)
     truth = torch.randn(8, generator=generator, dtype=torch.float64)
@@ -44,7 +45,9 @@ def _problem(rank=0, world_size=1):
     def loss(index):
         return F.binary_cross_entropy_with_logits(x[index] @ w, y[index], reduction="none")
 
-    return w, TensorSamples(loss, [w], ROWS, CHUNK, seed=2, rank=rank, world_size=world_size)
+    return w, TensorSamples(
+        loss, [w], ROWS, CHUNK, seed=2, rank=rank, world_size=world_size, first=first
+    )
 
 
 def _iterates(topology=None, iterations=12):
@@ -77,6 +80,33 @@ def test_stages_grow_the_sample_to_the_data_set_and_report_their_work():
     assert last["fresh_samples"] == ROWS  # every row drawn once
     assert last["grad_samples"] > ROWS and last["hvp_samples"] > 0
     assert float((points[-1] - points[-2]).norm()) < 1e-6  # converged on the whole data
+
+
+def test_a_run_resumed_from_its_state_dict_ends_bit_for_bit_like_the_whole_run():
+    """The stage, its sample and counters travel in state_dict(): a new optimizer
+    loaded from it, on samples that go on at its next chunk, takes the uninterrupted
+    run's iterations exactly, in the middle of a stage."""
+    settings = DanceSettings(initial_chunks=1, accuracy_exponent=1.0)  # stages of 2-4 steps
+    w, samples = _problem()
+    whole = Dance([w], settings=settings)
+    reports = [whole.iterate(samples) for _ in range(9)]
+    w1, samples1 = _problem()
+    first = Dance([w1], settings=settings)
+    for _ in range(5):
+        first.iterate(samples1)
+    saved = copy.deepcopy(first.state_dict())
+    held, next_chunk = first.chunk_position()
+    w2, samples2 = _problem(first=next_chunk)
+    with torch.no_grad():
+        w2.copy_(w1)
+    resumed = Dance([w2], settings=settings)
+    resumed.load_state_dict(saved)
+    assert resumed.chunk_position() == (held, next_chunk) and len(held) > 1
+    later = [resumed.iterate(samples2) for _ in range(4)]
+    assert later[0]["stage"] == 1 and later[0]["newton_in_stage"] == 2  # inside a stage
+    assert any(r["stage_switched"] for r in later)  # and on into the next ones
+    assert later == reports[5:]
+    assert torch.equal(w2, w)
 
 
 @pytest.mark.multiprocess

@@ -2,6 +2,7 @@
 matrix, the sample that never shrinks, the curvature skip rule, a failing line
 search's error, and training runs through the command line."""
 
+import copy
 import json
 from itertools import pairwise
 
@@ -86,6 +87,38 @@ def test_the_sample_never_shrinks_and_grows_to_the_data_set_as_the_loss_converge
         assert losses[-1] - minimum < 0.01
     # A strict test grows the sample to all 40 chunks (the cap), which ends at the minimum.
     assert sizes[-1] == 4000 and losses[-1] - minimum < 1e-9
+
+
+def test_a_run_resumed_from_its_state_dict_ends_bit_for_bit_like_the_whole_run():
+    """The history (pairs, w_{k-1} and the overlap's gradient), the sample and the
+    counters travel in state_dict(): a new optimizer loaded from it, on samples that go
+    on at its next chunk, takes the uninterrupted run's iterations exactly."""
+    settings = PBLBFGSSettings(initial_chunks=4, history=3)
+
+    def start():
+        w, loss = _logistic(rows=1000, dim=10)
+        optimizer = ProgressiveBatchLBFGS([w], settings=settings)
+        return w, loss, optimizer
+
+    w, loss, whole = start()
+    samples = TensorSamples(loss, [w], rows=1000, chunk_size=50)
+    reports = [whole.iterate(samples) for _ in range(8)]
+    w1, loss1, first = start()
+    samples1 = TensorSamples(loss1, [w1], rows=1000, chunk_size=50)
+    for _ in range(4):
+        first.iterate(samples1)
+    saved = copy.deepcopy(first.state_dict())
+    w2, loss2, resumed = start()
+    with torch.no_grad():
+        w2.copy_(w1)
+    resumed.load_state_dict(saved)
+    held, next_chunk = resumed.chunk_position()
+    assert held and held[-1] + 1 == next_chunk
+    samples2 = TensorSamples(loss2, [w2], rows=1000, chunk_size=50, first=next_chunk)
+    later = [resumed.iterate(samples2) for _ in range(4)]
+    assert later[0]["pairs"] >= 2  # the history came along
+    assert later == reports[4:]
+    assert torch.equal(w2, w)
 
 
 def test_a_pair_without_positive_curvature_is_skipped():
@@ -174,27 +207,57 @@ def test_towerrec_train_logs_batch_size_step_and_skipped_pairs(tmp_path, config,
     assert summary["completed"]
 
 
+def _final_weights(run):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    latest = sorted((run / "checkpoint").glob("step_*"))[-1]
+    dcp_to_torch_save(latest, run / "final.pt")
+    return torch.load(run / "final.pt", weights_only=False)["model"]
+
+
 @pytest.mark.slow
-def test_a_resumed_run_continues_with_a_new_history(tmp_path):
+@pytest.mark.parametrize("name", ["pb_lbfgs", "dance"])
+def test_a_run_stopped_and_resumed_ends_bit_for_bit_like_the_whole_run(tmp_path, name):
+    """The checkpoint holds the history or stage and the sample's chunks; the resumed
+    run draws those chunks again and goes on in the stream where the optimizer was."""
     from towerrec.train import trainer
 
     overrides = [
-        "optimizer.name=pb_lbfgs",
+        f"optimizer.name={name}",
         "optimizer.warmup_steps=0",
         "optimizer.decay=none",
+        "optimizer.dance.accuracy_exponent=1.0",
         "train.progress=false",
-        "train.batch_size=256",
+        "train.eval_every=0",
+        "optimizer.pb_lbfgs.max_chunks=8",
+        "optimizer.dance.max_chunks=8",
+        "train.batch_size=128",
+        "train.steps=5",
         "data.synthetic.num_dense=4",
-        "train.checkpoint_every=2",
+        "data.synthetic.num_embeddings=[100, 50, 200, 20]",
+        "data.synthetic.pooling_factors=[1, 1, 2, 1]",
+        "data.synthetic.eval_samples=4096",
     ]
-    trainer.train(load_config(None, [*overrides, "train.steps=2"]), tmp_path)
-    summary = trainer.train(load_config(None, [*overrides, "train.steps=3"]), tmp_path, resume=True)
-    assert summary["completed"]
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
-    steps = [r for r in records if r["kind"] == "optimizer"]
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    assert steps[1]["pairs"] + steps[1]["pair_skipped"] == 1  # a pair kept or skipped
-    assert steps[2]["pairs"] == steps[2]["pair_skipped"] == 0  # no history in the checkpoint
+    config = load_config(None, overrides)
+    whole = trainer.train(config, tmp_path / "whole")
+    trainer.train(config, tmp_path / "split", stop_after=3)
+    resumed = trainer.train(config, tmp_path / "split", resume=True)
+    assert resumed["auc"] == whole["auc"] and resumed["logloss"] == whole["logloss"]
+
+    def steps(run):
+        records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+        return {r["step"]: r for r in records if r["kind"] == "optimizer"}
+
+    after, before = steps(tmp_path / "split"), steps(tmp_path / "whole")
+    assert sorted(after) == [1, 2, 3, 4, 5]
+    assert [after[k] for k in (4, 5)] == [before[k] for k in (4, 5)]
+    if name == "pb_lbfgs":
+        assert after[4]["pairs"] >= 1  # the history came along
+    else:
+        assert after[4]["newton_in_stage"] >= 2  # inside the stage it stopped in
+    ours, theirs = _final_weights(tmp_path / "split"), _final_weights(tmp_path / "whole")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_the_batch_pipeline_is_refused_with_the_fix(tmp_path):

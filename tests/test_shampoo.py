@@ -24,9 +24,13 @@ def _gradients(shape, steps, seed=0):
     return [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(steps)]
 
 
+# The explicit arithmetic below: Adagrad grafting on the raw gradient, summed factors.
+ADAGRAD = {"grafting": "adagrad", "beta1": 0.0, "beta2": 1.0}
+
+
 def _run(param, grads, lr=0.1, **settings):
     param = torch.nn.Parameter(param.clone())
-    optimizer = Shampoo([param], lr=lr, settings=ShampooSettings(**settings))
+    optimizer = Shampoo([param], lr=lr, settings=ShampooSettings(**{**ADAGRAD, **settings}))
     for g in grads:
         param.grad = g.clone()
         optimizer.step()
@@ -96,7 +100,56 @@ def test_before_the_start_step_only_the_graft_steps():
     for g in grads:
         param.grad = g.clone()
         adagrad.step()
-    torch.testing.assert_close(got, param.detach(), rtol=1e-12, atol=1e-14)
+    assert torch.equal(got, param.detach())  # the graft is Adagrad's arithmetic
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_adam_grafting_before_the_start_step_is_adam_bit_for_bit(dtype):
+    """Shampoo with Adam grafting and momentum, its start step beyond the run, takes
+    torch's Adam steps exactly (decoupled weight decay too), on blocked parameters and
+    a changing learning rate."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(7, 5), (5,), (3, 2, 4)]
+    starts = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes] for _ in range(12)]
+    settings = ShampooSettings(
+        beta1=0.9,
+        grafting="adam",
+        graft_beta2=0.999,
+        graft_epsilon=1e-8,
+        max_preconditioner_dim=3,
+        start_preconditioning_step=len(grads) + 1,
+    )
+    ours = [torch.nn.Parameter(w.clone()) for w in starts]
+    theirs = [torch.nn.Parameter(w.clone()) for w in starts]
+    shampoo = Shampoo(ours, lr=0.01, settings=settings, weight_decay=0.1)
+    adam = torch.optim.Adam(
+        theirs,
+        lr=0.01,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.1,
+        decoupled_weight_decay=True,
+        foreach=False,
+    )
+    for step, gs in enumerate(grads):
+        for optimizer in (shampoo, adam):
+            optimizer.param_groups[0]["lr"] = 0.01 * (step + 1) / len(grads)
+        for a, b, g in zip(ours, theirs, gs):
+            a.grad, b.grad = g.clone(), g.clone()
+        shampoo.step()
+        adam.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    # One step with the preconditioner moves it off Adam's path.
+    shampoo.settings = ShampooSettings(
+        **{**settings.__dict__, "start_preconditioning_step": 1, "precondition_frequency": 1}
+    )
+    for a, b, g in zip(ours, theirs, grads[0]):
+        a.grad, b.grad = g.clone(), g.clone()
+    shampoo.step()
+    adam.step()
+    assert not torch.equal(ours[0], theirs[0])
 
 
 def test_adam_graft_and_filtered_gradient_run_and_decrease_a_quadratic():

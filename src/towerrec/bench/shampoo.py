@@ -4,8 +4,10 @@ by ``towerrec train`` on N processes (blocks dealt over the ranks), at the same 
 Each run is a ``towerrec train`` subprocess; the runs go round-robin over the optimizers
 within each seed, so that a machine's drifting load falls on all of them alike. Per run:
 validation AUC and log-loss, and the training time per step (``train_s`` of the summary:
-the steps alone, no validation). Per model: the means over seeds, and Shampoo's and
-Adagrad's step time relative to Adam's.
+the steps alone, no validation). Per model: the means over seeds, the AUC's spread
+(sample standard deviation, lowest and highest), each optimizer's AUC minus Adam's seed
+by seed (mean and standard deviation) and its step time over Adam's, from the means and
+per seed. ``--set optimizer.shampoo.KEY=VALUE`` changes Shampoo's runs only.
 """
 
 from __future__ import annotations
@@ -91,16 +93,33 @@ def run_shampoo_benchmark(
                     runs.append({"model": model, "optimizer": name, "seed": seed, **result})
     summary: dict[str, dict] = {}
     for model in models:
-        means = {}
+        means, spread, vs_adam = {}, {}, {}
+        adam = {r["seed"]: r for r in runs if r["model"] == model and r["optimizer"] == "adam"}
         for name in optimizers:
             mine = [r for r in runs if r["model"] == model and r["optimizer"] == name]
             means[name] = {
                 key: round(statistics.mean(r[key] for r in mine), 5)
                 for key in ("auc", "logloss", "step_ms")
             }
+            aucs = [r["auc"] for r in mine]
+            spread[name] = {
+                "auc_std": round(statistics.stdev(aucs), 5) if len(aucs) > 1 else 0.0,
+                "auc_min": round(min(aucs), 5),
+                "auc_max": round(max(aucs), 5),
+            }
+            # Seed by seed: runs of one seed share initialisation and data order.
+            diffs = [r["auc"] - adam[r["seed"]]["auc"] for r in mine]
+            ratios = [r["step_ms"] / adam[r["seed"]]["step_ms"] for r in mine]
+            vs_adam[name] = {
+                "auc_minus_adam": round(statistics.mean(diffs), 5),
+                "auc_minus_adam_std": round(statistics.stdev(diffs), 5) if len(diffs) > 1 else 0.0,
+                "step_time_per_seed": [round(x, 3) for x in ratios],
+            }
         adam_ms = means["adam"]["step_ms"]
         summary[model] = {
             "mean": means,
+            "spread": spread,
+            "paired_with_adam": vs_adam,
             "step_time_vs_adam": {
                 name: round(means[name]["step_ms"] / adam_ms, 3) for name in optimizers
             },

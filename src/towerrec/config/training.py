@@ -29,7 +29,9 @@ class OptimizerConfig:
 
     name: str = "adam"
     lr: float = 2e-3
-    weight_decay: float = 0.0  # adam: decoupled (AdamW); adagrad, sgd: L2 added to the gradient
+    weight_decay: float = (
+        0.0  # adam, shampoo: decoupled (AdamW); adagrad, sgd: L2 added to the gradient
+    )
     momentum: float = 0.9  # sgd only
     warmup_steps: int = 100
     decay: str = "cosine"  # none | linear | cosine | plateau, after warm-up

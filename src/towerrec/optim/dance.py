@@ -46,8 +46,10 @@ import torch
 
 from towerrec.optim.sampled import (
     LocalReducer,
+    PersistentScalars,
     Reducer,
     SampleSet,
+    contiguous_chunks,
     flat_parameters,
     reduce_evaluation,
     set_flat_parameters,
@@ -128,6 +130,9 @@ def conjugate_gradient(
     return v, r, iterations
 
 
+_SCALARS = ("stage", "newton_in_stage", "cg_in_stage", "chunk_first", "chunk_count", "next_chunk")
+
+
 class Dance(torch.optim.Optimizer):
     """DANCE (module doc) over ``params``; ``reducer`` sums over the ranks of a
     data-parallel group: once per evaluation and once per CG iteration."""
@@ -151,10 +156,43 @@ class Dance(torch.optim.Optimizer):
             ("grad_samples", "hvp_samples", "loss_samples", "fresh_samples"), 0.0
         )
         self.stages: list[dict[str, float]] = []  # one record per finished stage
-        # A state entry up front: checkpoint loaders fill existing entries (and would
-        # otherwise call step() to create some). History and sample are not saved.
+        self._next_chunk = 0  # the id of the next chunk drawn
+        # The state up front (checkpoint loaders fill existing entries): the stage, its
+        # sample (consecutive chunk ids) and counters as floats. CG starts from 0 at
+        # every iteration, so nothing of it outlives one. state_dict() writes them and
+        # load_state_dict() reads them back, so a resume continues exactly (the finished
+        # stages' records in ``stages`` are not kept).
         for p in self.params:
             self.state[p]["iterations"] = torch.zeros((), dtype=torch.int64)
+        self._scalars = PersistentScalars(self, "dance_", _SCALARS + tuple(self.counters))
+        self.register_state_dict_pre_hook(lambda _: self._save_stage())
+        self.register_load_state_dict_post_hook(lambda _: self._load_stage())
+
+    def _save_stage(self) -> None:
+        first, count = contiguous_chunks(self._chunks)
+        self._scalars.write(
+            {
+                "stage": self.stage,
+                "newton_in_stage": self.newton_in_stage,
+                "cg_in_stage": self.cg_in_stage,
+                "chunk_first": first,
+                "chunk_count": count,
+                "next_chunk": self._next_chunk,
+                **self.counters,
+            }
+        )
+
+    def _load_stage(self) -> None:
+        v = self._scalars.read()
+        self.stage, self.newton_in_stage = int(v["stage"]), int(v["newton_in_stage"])
+        self.cg_in_stage, self._next_chunk = int(v["cg_in_stage"]), int(v["next_chunk"])
+        first = int(v["chunk_first"])
+        self._chunks = list(range(first, first + int(v["chunk_count"])))
+        self.counters = {name: v[name] for name in self.counters}
+
+    def chunk_position(self) -> tuple[list[int], int]:
+        """The stage's sample and the id drawn next."""
+        return list(self._chunks), self._next_chunk
 
     def step(self, closure=None):  # draws its own samples: no closure step
         raise TypeError(
@@ -182,6 +220,7 @@ class Dance(torch.optim.Optimizer):
         first = not self._chunks
         if first:
             self._chunks = samples.draw(min(s.initial_chunks, self._cap(samples)))
+            self._next_chunk = self._chunks[-1] + 1
         loss_sum, grad_sum, n = self._evaluate(samples, self._chunks)
         if first:
             self.counters["fresh_samples"] += float(n)
@@ -196,6 +235,7 @@ class Dance(torch.optim.Optimizer):
             fresh = samples.draw(
                 min(cap, math.ceil(len(self._chunks) * s.growth)) - len(self._chunks)
             )
+            self._next_chunk = fresh[-1] + 1 if fresh else self._next_chunk
             more_loss, more_grad, more_n = self._evaluate(samples, fresh)
             self.counters["fresh_samples"] += float(more_n)
             self._chunks += fresh

@@ -44,8 +44,10 @@ import torch
 from towerrec.optim.sampled import (
     ChunkEvaluation,
     LocalReducer,
+    PersistentScalars,
     Reducer,
     SampleSet,
+    contiguous_chunks,
     flat_parameters,
     reduce_evaluation,
     set_flat_parameters,
@@ -143,6 +145,18 @@ def sample_statistics(ev: ChunkEvaluation, grad: torch.Tensor) -> _Statistics:
     )
 
 
+_SCALARS = (
+    "iteration",
+    "size",
+    "overlap",
+    "pairs",
+    "has_previous",
+    "chunk_first",
+    "chunk_count",
+    "next_chunk",
+)
+
+
 class ProgressiveBatchLBFGS(torch.optim.Optimizer):
     """Progressive-batching L-BFGS (module doc) over ``params``. ``reducer`` sums each
     evaluation over the ranks of a data-parallel group."""
@@ -171,10 +185,75 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
             ("grad_samples", "loss_samples", "fresh_samples", "pairs_skipped"), 0.0
         )
         self.iteration = 0
-        # A state entry up front: checkpoint loaders fill existing entries (and would
-        # otherwise call step() to create some). History and sample are not saved.
+        self._next_chunk = 0  # the id of the next chunk drawn
+        # The whole state up front (checkpoint loaders fill existing entries): per
+        # parameter its pieces of the pairs and of w_{k-1}, g_O(w_{k-1}); the numbers
+        # (sample, counters) as floats. state_dict() writes the history into them and
+        # load_state_dict() reads it back, so a resume continues exactly.
+        h = self.settings.history
         for p in self.params:
-            self.state[p]["iterations"] = torch.zeros((), dtype=torch.int64)
+            state = self.state[p]
+            state["iterations"] = torch.zeros((), dtype=torch.int64)
+            state["history_s"] = p.new_zeros(h, p.numel())
+            state["history_y"] = p.new_zeros(h, p.numel())
+            state["previous_w"] = p.new_zeros(p.numel())
+            state["previous_g"] = p.new_zeros(p.numel())
+        self._scalars = PersistentScalars(self, "pb_lbfgs_", _SCALARS + tuple(self.counters))
+        self.register_state_dict_pre_hook(lambda _: self._save_history())
+        self.register_load_state_dict_post_hook(lambda _: self._load_history())
+
+    def _save_history(self) -> None:
+        first, count = contiguous_chunks(self._chunks)
+        self._scalars.write(
+            {
+                "iteration": self.iteration,
+                "size": self._size,
+                "overlap": self._overlap,
+                "pairs": len(self._s),
+                "has_previous": self._prev is not None,
+                "chunk_first": first,
+                "chunk_count": count,
+                "next_chunk": self._next_chunk,
+                **self.counters,
+            }
+        )
+        for k, (s_k, y_k) in enumerate(zip(self._s, self._y)):
+            self._scatter(s_k, "history_s", k)
+            self._scatter(y_k, "history_y", k)
+        if self._prev is not None:
+            self._scatter(self._prev[0], "previous_w")
+            self._scatter(self._prev[1], "previous_g")
+
+    def _load_history(self) -> None:
+        v = self._scalars.read()
+        self.iteration, self._size = int(v["iteration"]), int(v["size"])
+        self._overlap, self._next_chunk = int(v["overlap"]), int(v["next_chunk"])
+        first = int(v["chunk_first"])
+        self._chunks = list(range(first, first + int(v["chunk_count"])))
+        pairs = int(v["pairs"])
+        self._s = [self._gather("history_s", k) for k in range(pairs)]
+        self._y = [self._gather("history_y", k) for k in range(pairs)]
+        self._prev = None
+        if v["has_previous"]:
+            self._prev = (self._gather("previous_w"), self._gather("previous_g"))
+        self.counters = {name: v[name] for name in self.counters}
+
+    def _scatter(self, flat: torch.Tensor, key: str, row: int | None = None) -> None:
+        """Write the [P] vector ``flat`` into the parameters' state entries ``key``."""
+        offset = 0
+        for p in self.params:
+            target = self.state[p][key]
+            (target[row] if row is not None else target).copy_(flat[offset : offset + p.numel()])
+            offset += p.numel()
+
+    def _gather(self, key: str, row: int | None = None) -> torch.Tensor:
+        """The [P] vector kept in the parameters' state entries ``key``."""
+        parts = [self.state[p][key] for p in self.params]
+        return torch.cat([part[row] if row is not None else part for part in parts]).clone()
+
+    def chunk_position(self) -> tuple[list[int], int]:
+        """The chunks S_{k+1} starts with (the overlap) and the id drawn next."""
+        return list(self._chunks), self._next_chunk
 
     def step(self, closure=None):  # draws its own samples: no closure step
         raise TypeError(
@@ -207,6 +286,7 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         for p in self.params:
             self.state[p]["iterations"] += 1
         fresh = samples.draw(self._size - len(self._chunks))
+        self._next_chunk = fresh[-1] + 1 if fresh else self._next_chunk
         chunks = self._chunks + fresh
         ev = self._evaluate(samples, chunks, grad=True)
         assert ev.grads is not None

@@ -29,10 +29,12 @@ import torch
 __all__ = [
     "ChunkEvaluation",
     "LocalReducer",
+    "PersistentScalars",
     "Reducer",
     "SampleSet",
     "SampledOptimizer",
     "TensorSamples",
+    "contiguous_chunks",
     "flat_parameters",
     "hessian_operator",
     "reduce_evaluation",
@@ -90,9 +92,46 @@ class LocalReducer:
 class SampledOptimizer(Protocol):
     """A dense optimizer that takes one iteration on samples it draws itself; the
     trainer calls ``iterate`` instead of a backward and ``step``. The report is a flat
-    dict of numbers for metrics.jsonl; ``fresh_samples`` says how many samples it drew."""
+    dict of numbers for metrics.jsonl; ``fresh_samples`` says how many samples it drew.
+
+    Its ``state_dict`` holds everything the next iteration uses (a resume continues
+    exactly), and ``chunk_position`` says where in the stream it stands: the chunks it
+    holds (consecutive ids, drawn earlier and still needed) and the id it draws next.
+    A resumed run draws the held chunks again, then continues at that id."""
 
     def iterate(self, samples: SampleSet) -> dict[str, float]: ...
+
+    def chunk_position(self) -> tuple[list[int], int]: ...
+
+
+def contiguous_chunks(chunks: Sequence[int]) -> tuple[int, int]:
+    """(first id, count) of ``chunks``, which must be consecutive ids in order (as the
+    optimizers hold them: a sample is what was drawn since some chunk)."""
+    first = chunks[0] if chunks else 0
+    if list(chunks) != list(range(first, first + len(chunks))):
+        raise AssertionError(f"held chunks are not consecutive ids: {list(chunks)}")
+    return first, len(chunks)
+
+
+class PersistentScalars:
+    """Named numbers of an optimizer kept as Python floats in the state of its first
+    parameter (entries ``<prefix><name>``), created up front: checkpoint loaders fill the
+    entries a state already has, and load_state_dict casts tensors to the parameters'
+    dtype (float32 would round a counter) but leaves numbers as they are."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, prefix: str, names: Sequence[str]) -> None:
+        self.optimizer, self.prefix, self.names = optimizer, prefix, list(names)
+        self._first = optimizer.param_groups[0]["params"][0]
+        self.write(dict.fromkeys(self.names, 0.0))
+
+    def write(self, values: dict[str, float]) -> None:
+        state = self.optimizer.state[self._first]
+        for name in self.names:
+            state[self.prefix + name] = float(values[name])
+
+    def read(self) -> dict[str, float]:
+        state = self.optimizer.state[self._first]
+        return {name: float(state[self.prefix + name]) for name in self.names}
 
 
 def flat_parameters(params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -130,7 +169,8 @@ class TensorSamples:
 
     ``loss(rows)`` returns the per-sample losses [n] of the given row indices as a
     function of ``params``. With ``rank``/``world_size``, this process owns the rows of
-    every chunk whose position in the chunk is ``rank`` modulo ``world_size``.
+    every chunk whose position in the chunk is ``rank`` modulo ``world_size``. ``first``:
+    the id drawn first (a resumed optimizer's next chunk).
     """
 
     def __init__(
@@ -142,6 +182,7 @@ class TensorSamples:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        first: int = 0,
     ) -> None:
         if chunk_size < 1 or rows < 1:
             raise ValueError(f"need rows >= 1 and chunk_size >= 1, got {rows} and {chunk_size}")
@@ -149,7 +190,7 @@ class TensorSamples:
         self.rows, self.chunk_size = rows, chunk_size
         self.rank, self.world_size = rank, world_size
         self._order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
-        self._next = 0
+        self._next = first
 
     @property
     def total_chunks(self) -> int:

@@ -45,14 +45,25 @@ class BatchSamples:
         batches: Iterator[Batch],
         autocast_dtype: torch.dtype | None = None,
         total_chunks: int | None = None,
+        first: int = 0,
     ) -> None:
         self.model, self.params, self.batches = model, list(params), batches
         self._total = total_chunks
         self.autocast_dtype = autocast_dtype
         self._cache: dict[int, Batch] = {}
         self._fresh: set[int] = set()
-        self._next = 0
+        self._next = first  # chunk id c is the stream's batch c: ``batches`` starts at first
         self.rows_drawn = 0
+
+    def redraw(self, chunks: Sequence[int]) -> None:
+        """On resume: the chunks an optimizer still holds (consecutive ids from the first
+        drawn next), drawn again. Their backward ran before the checkpoint, so they are
+        not fresh, and their rows are not counted again."""
+        if list(chunks) != list(range(self._next, self._next + len(chunks))):
+            raise AssertionError(f"chunks {list(chunks)} do not start the stream at {self._next}")
+        for i in chunks:
+            self._cache[i] = next(self.batches)
+        self._next += len(chunks)
 
     @property
     def total_chunks(self) -> int | None:

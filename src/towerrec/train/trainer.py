@@ -155,8 +155,13 @@ def _loop(
     the last step and its last validation."""
     s, cfg, state, stopper = session, session.config.train, session.state, session.stopper
     ctx, model, run = s.ctx, s.model, s.run
+    start, next_chunk = state["step"], 0
+    held: list[int] = []
+    if isinstance(s.optimizer, SampledOptimizer):  # one chunk is one batch of the stream
+        held, next_chunk = s.optimizer.chunk_position()
+        start = held[0] if held else next_chunk
     batches = _batches(
-        s.source, ctx.local_batch(cfg.batch_size), state["step"], s.device, ctx.rank, ctx.world_size
+        s.source, ctx.local_batch(cfg.batch_size), start, s.device, ctx.rank, ctx.world_size
     )
     if s.config.distributed.pipeline:
         if s.config.optimizer.draws_samples:
@@ -172,7 +177,10 @@ def _loop(
         params = [p for group in s.optimizer.param_groups for p in group["params"]]
         rows = s.source.train_rows
         epoch = -(-rows // cfg.batch_size) if rows else None  # no sample beyond one pass
-        samples = BatchSamples(model, params, batches, amp_dtype, epoch)
+        samples = BatchSamples(model, params, batches, amp_dtype, epoch, first=start)
+        if held and held[-1] + 1 != next_chunk:
+            raise AssertionError(f"held chunks {held} do not end before chunk {next_chunk}")
+        samples.redraw(held)  # a resumed optimizer's sample; the stream goes on at next_chunk
     last_eval: EvalMetrics | None = None
     loss_sum, loss_count = torch.zeros((), device=s.device), 0
     window_start, window_samples = time.perf_counter(), 0
