@@ -161,6 +161,21 @@ def test_sweep_nproc_2_equals_train_nproc_2_and_records_a_failing_point(tmp_path
         assert record["examples"] == summary["steps"] * summary["batch_size"] == 6 * 512
 
 
+def test_a_run_stopped_by_a_signal_is_not_a_finished_point_and_stops_the_sweep(
+    tmp_path, monkeypatch
+):
+    real = sweep.train
+
+    def train(config, out_dir):  # as SIGTERM after step 1 leaves the run of 4 steps
+        return real(config, out_dir, stop_after=1 if config.train.steps == 4 else None)
+
+    monkeypatch.setattr(sweep, "train", train)
+    records = run_sweep(None, QUICK, ["train.steps=2,4,6"], tmp_path)
+    assert [r["status"] for r in records] == ["ok", "stopped"]
+    assert "stopped at step 1" in records[1]["error"] and "ne" not in records[1]
+    assert [r["status"] for r in read_runs(tmp_path)] == ["ok", "stopped"]
+
+
 def _planted_runs(path, alpha=3.0, beta=0.4, gamma=0.55):
     with path.open("w") as f:
         for examples in np.geomspace(1e3, 1e7, 9):

@@ -6,8 +6,9 @@ of ``train`` on the base config with the point's overrides, in
 (or ``hosts > 1``) each as a multi-process run through the launcher, as
 ``towerrec train --nproc N --hosts H`` starts it. After each, one JSON line
 goes to ``OUT/runs.jsonl``: the point's overrides, ``nproc`` and ``hosts``,
-``status`` (``ok`` or ``failed`` with the error: a failing point, a failing
-worker included, is recorded and the sweep goes on), and for a finished run
+``status`` (``ok``; ``failed`` with the error: a failing point, a failing
+worker included, is recorded and the sweep goes on; or ``stopped``: SIGINT or
+SIGTERM stopped the run early, and the sweep there), and for a finished run
 the axes a scaling fit reads::
 
     examples    training samples seen (steps x global batch)
@@ -190,11 +191,21 @@ def run_sweep(
         try:
             path = None if config_path is None else Path(config_path)
             summary = _train_point(config, path, [*overrides, *point], out / run, nproc, hosts)
-            record.update(status="ok", **_axes(summary))
+            if not summary["completed"]:  # SIGINT/SIGTERM: the run stopped early
+                record.update(
+                    status="stopped",
+                    error=f"stopped at step {summary['steps']} by a signal; run the sweep "
+                    "again to train this point anew",
+                )
+            else:
+                record.update(status="ok", **_axes(summary))
         except Exception as e:  # a failing point is recorded; the sweep goes on
             log.warning("sweep point %d failed: %s", index + 1, e)
             record.update(status="failed", error=f"{type(e).__name__}: {e}")
         with runs_file.open("a") as f:
             f.write(json.dumps(record) + "\n")
         records.append(record)
+        if record["status"] == "stopped":
+            log.warning("sweep stopped at point %d of %d", index + 1, len(points))
+            break
     return records
