@@ -10,6 +10,7 @@ import torch
 
 from towerrec.cli.app import main
 from towerrec.config import ConfigError, load_config
+from towerrec.nas.config import SearchSpaceKind
 from towerrec.nas.search import search
 from towerrec.nas.supernet import build_supernet
 from towerrec.train.build import build_dense_optimizer, build_model, build_source
@@ -250,3 +251,13 @@ def test_a_per_table_dim_stores_the_table_narrower_and_projects_it():
         )
     with pytest.raises(ConfigError, match="sets dim, which a 'hash' table does not use"):
         load_config(None, ["embedding.tables={cat_0={kind='hash',dim=4}}"])
+
+
+def test_bench_nas_refuses_an_unknown_space_before_training():
+    import argparse
+
+    from towerrec.bench import nas as bench_nas
+
+    assert set(bench_nas.SPACES) == {space.value for space in SearchSpaceKind}
+    with pytest.raises(ValueError, match=r"--spaces emb_rows: unknown; choose from emb_dim"):
+        bench_nas.run(argparse.Namespace(spaces=("emb_card", "emb_rows")))

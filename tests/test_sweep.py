@@ -1,13 +1,18 @@
 """towerrec sweep (a grid of runs, failures recorded, resumable) and towerrec scaling fit."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import run_cli
 
+from towerrec.config import load_config
+from towerrec.distributed.launch import WorkerError
 from towerrec.train import sweep
 from towerrec.train.sweep import read_runs, run_sweep, sweep_points
+
+REPO = Path(__file__).parent.parent
 
 QUICK = [
     "data.synthetic.num_embeddings=[60, 30, 90]",
@@ -27,9 +32,17 @@ def test_the_grid_is_the_product_of_its_axes():
     assert points[-1] == ["model.embedding_dim=16", "train.steps=6"]
 
 
+def test_list_values_split_at_the_commas_between_them():
+    points = sweep_points(["model.top_mlp=[64,1], [256,128,1]", 'model.name="dlrm","wukong"'])
+    assert [p[0] for p in points[::2]] == ["model.top_mlp=[64,1]", "model.top_mlp=[256,128,1]"]
+    assert points[1] == ["model.top_mlp=[64,1]", 'model.name="wukong"']
+    assert sweep_points(['data.path="a,b",c']) == [['data.path="a,b"'], ["data.path=c"]]
+
+
 @pytest.mark.parametrize(
     "axes, message",
     [
+        (["model.top_mlp=[64,1],[256,1"], "unclosed bracket"),
         ([], "at least one --grid"),
         (["train.steps"], "KEY=V1,V2"),
         (["train.steps="], "KEY=V1,V2"),
@@ -72,6 +85,95 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on_then_resumes(tmp_path
     assert [r["status"] for r in again] == ["ok", "ok", "ok"]
     assert again[1]["run"] == "point-001-1"  # the failed attempt's directory is kept
     assert [r["status"] for r in read_runs(tmp_path)] == ["ok", "failed", "ok", "ok"]
+
+
+@pytest.mark.parametrize("nproc, hosts", [(0, 1), (3, 2), (2, 0)])
+def test_bad_process_counts_are_refused_before_any_run(tmp_path, nproc, hosts):
+    with pytest.raises(ValueError, match=r"--nproc .* --hosts"):
+        run_sweep(None, QUICK, ["train.steps=2"], tmp_path, nproc=nproc, hosts=hosts)
+    assert not (tmp_path / "runs.jsonl").exists()
+
+
+def test_points_on_the_launcher_record_rank_0s_summary_and_a_failed_worker(tmp_path, monkeypatch):
+    """With nproc > 1 each point goes to the launcher with its overrides; its rank 0
+    summary is the record, and a worker's failure is recorded as the point's error."""
+    calls = []
+
+    def launch(entry, args, nproc, hosts):
+        config_path, overrides, out, resume = args
+        calls.append((entry, overrides, nproc, hosts, resume))
+        if "train.steps=4" in overrides:
+            raise WorkerError("rank 1: ValueError: invalid sharding plan (simulated)")
+        return {0: sweep.train(load_config(config_path, overrides), out), 1: None}
+
+    monkeypatch.setattr(sweep, "launch", launch)
+    records = run_sweep(None, QUICK, ["train.steps=2,4"], tmp_path, nproc=4, hosts=2)
+    assert [c[1:] for c in calls] == [
+        ([*QUICK, "train.steps=2"], 4, 2, False),
+        ([*QUICK, "train.steps=4"], 4, 2, False),
+    ]
+    assert all(c[0] is sweep.train_worker for c in calls)
+    assert [r["status"] for r in records] == ["ok", "failed"]
+    assert "a worker failed: rank 1: ValueError: invalid sharding plan" in records[1]["error"]
+    assert (records[0]["nproc"], records[0]["hosts"]) == (4, 2)
+    assert records[0]["examples"] == 2 * 256 and records[0]["ne"] > 0
+    # The finished point counts as done only at the same process layout.
+    again = run_sweep(None, QUICK, ["train.steps=2"], tmp_path, nproc=4, hosts=2)
+    assert len(calls) == 2 and again[0]["run"] == "point-000"
+
+    def train(config, out):
+        raise RuntimeError("ran again")
+
+    monkeypatch.setattr(sweep, "train", train)
+    (single,) = run_sweep(None, QUICK, ["train.steps=2"], tmp_path)
+    assert single["status"] == "failed" and "ran again" in single["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_sweep_nproc_2_equals_train_nproc_2_and_records_a_failing_point(tmp_path):
+    base = [
+        "--config", str(REPO / "configs" / "quick.toml"),
+        "--set", "train.steps=6", "--set", "train.eval_every=0",
+        "--set", "train.progress=false", "--set", "data.synthetic.eval_samples=2048",
+        "--set", "train.eval_batch_size=1024", "--set", "plan.stats_batches=2",
+        "--set", f'plan.path="{tmp_path / "nope.json"}"',
+    ]  # fmt: skip
+    result = run_cli(
+        "sweep", *base, "--grid", 'plan.strategy="auto","file"', "--nproc", "2",
+        "--out", str(tmp_path / "sweep"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_runs(tmp_path / "sweep")
+    assert [r["status"] for r in records] == ["ok", "failed"]
+    assert "nope.json" in records[1]["error"] and "does not exist" in records[1]["error"]
+    for record in records[:1]:
+        assert record["nproc"] == 2
+        out = tmp_path / record["run"]
+        single = run_cli(
+            "train", *base, "--set", record["overrides"][0], "--nproc", "2", "--out", str(out)
+        )
+        assert single.returncode == 0, single.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["world_size"] == 2
+        for key in ("ne", "logloss", "auc"):
+            assert record[key] == summary[key], key
+        assert record["examples"] == summary["steps"] * summary["batch_size"] == 6 * 512
+
+
+def test_a_run_stopped_by_a_signal_is_not_a_finished_point_and_stops_the_sweep(
+    tmp_path, monkeypatch
+):
+    real = sweep.train
+
+    def train(config, out_dir):  # as SIGTERM after step 1 leaves the run of 4 steps
+        return real(config, out_dir, stop_after=1 if config.train.steps == 4 else None)
+
+    monkeypatch.setattr(sweep, "train", train)
+    records = run_sweep(None, QUICK, ["train.steps=2,4,6"], tmp_path)
+    assert [r["status"] for r in records] == ["ok", "stopped"]
+    assert "stopped at step 1" in records[1]["error"] and "ne" not in records[1]
+    assert [r["status"] for r in read_runs(tmp_path)] == ["ok", "stopped"]
 
 
 def _planted_runs(path, alpha=3.0, beta=0.4, gamma=0.55):

@@ -8,6 +8,12 @@
         retrain    arch-0 from scratch, the same recipe   train -> test AUC, params
         target     params <= 0.5 x baseline, test AUC >= baseline - 0.003
 
+    emb_card on MovieLens (the same splits; every table at the config's dim 16)
+        baseline   every table at its full cardinality        train -> test AUC, params
+        search     emb_card supernet (rows / 1, 2, 4, 8 per table: hashed), cost = parameters
+        retrain    arch-0 from scratch, the same recipe   train -> test AUC, params
+        target     params <= 0.5 x baseline, test AUC >= baseline - 0.003
+
     mlp on generated Criteo-format files (day_0 train, day_1 validation, day_2 test)
         baseline   the widest MLPs of the space            train -> test log-loss, FLOPs
         search     mlp supernet, cost = MLP FLOPs          -> arch-0.toml
@@ -55,6 +61,14 @@ EMB_DIM = [
     "nas.space=emb_dim",
     "nas.emb_dim.candidates=[4,8,16,32,64]",
 ]
+EMB_CARD = [
+    "data.movielens.eval_fraction=0.15",
+    "data.movielens.test_fraction=0.15",
+    "train.eval_every=0",
+    "train.progress=false",
+    "nas.space=emb_card",
+    "nas.emb_card.candidates=[1.0,2.0,4.0,8.0]",
+]
 MLP = [
     "train.batch_size=512",
     "train.epochs=2",
@@ -85,9 +99,17 @@ def _criteo_cache(root: Path, rows: int) -> Path:
     return root / "cache"
 
 
+# space -> (its fixed overrides, its base config)
+SPACES = {
+    "emb_dim": (EMB_DIM, "movielens.toml"),
+    "emb_card": (EMB_CARD, "movielens.toml"),
+    "mlp": (MLP, "criteo.toml"),
+}
+
+
 def _one(space: str, overrides: list[str], seed: int, work: Path) -> dict[str, Any]:
     sets = [*overrides, f"train.seed={seed}", f"data.loader.seed={seed}"]
-    base_file = CONFIGS / ("movielens.toml" if space == "emb_dim" else "criteo.toml")
+    base_file = CONFIGS / SPACES[space][1]
     config = load_config(base_file, sets)
     baseline = train(config, work / f"baseline-{seed}")
     report = search(config, work / f"search-{seed}", progress=False)
@@ -108,11 +130,14 @@ def _one(space: str, overrides: list[str], seed: int, work: Path) -> dict[str, A
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    unknown = [s for s in args.spaces if s not in SPACES]
+    if unknown:
+        raise ValueError(f"--spaces {','.join(unknown)}: unknown; choose from {', '.join(SPACES)}")
     out: dict[str, Any] = {"machine": machine_info()}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for space in args.spaces:
-            overrides = list(EMB_DIM if space == "emb_dim" else MLP)
+            overrides = list(SPACES[space][0])
             if space == "mlp":
                 overrides.append(f"data.path={_criteo_cache(work / 'criteo', args.criteo_rows)}")
             overrides += [f"nas.cost_weight={args.cost_weight[space]}", *args.overrides]
@@ -121,9 +146,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 k: statistics.fmean(r[k] for r in runs)
                 for k in ("cost_ratio", "auc_diff", "logloss_ratio")
             }
-            if space == "emb_dim":
+            if space in ("emb_dim", "emb_card"):
                 met = mean["cost_ratio"] <= 0.5 and mean["auc_diff"] >= -0.003
-                target = "params <= 0.5x the all-64 model's, test AUC within 0.003"
+                full = "all-64" if space == "emb_dim" else "full-cardinality"
+                target = f"params <= 0.5x the {full} model's, test AUC within 0.003"
             else:
                 met = mean["cost_ratio"] <= 0.5 and mean["logloss_ratio"] <= 1.003
                 target = "MLP FLOPs <= 0.5x the widest model's, test log-loss within 0.3%"
@@ -138,7 +164,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--spaces", type=comma_list, default=("emb_dim", "mlp"), help="emb_dim,mlp")
+    parser.add_argument(
+        "--spaces",
+        type=comma_list,
+        default=("emb_dim", "mlp"),
+        help="emb_dim,mlp (the default), emb_card",
+    )
     parser.add_argument(
         "--seeds", type=lambda s: [int(x) for x in comma_list(s)], default=[0], help="0,1,2"
     )
@@ -148,6 +179,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.1,
         help="nas.cost_weight of the emb_dim search",
+    )
+    parser.add_argument(
+        "--emb-card-cost-weight",
+        type=float,
+        default=0.1,
+        help="nas.cost_weight of the emb_card search",
     )
     parser.add_argument(
         "--mlp-cost-weight",
@@ -160,12 +197,17 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    args.cost_weight = {"emb_dim": args.emb_dim_cost_weight, "mlp": args.mlp_cost_weight}
+    args.cost_weight = {
+        "emb_dim": args.emb_dim_cost_weight,
+        "emb_card": args.emb_card_cost_weight,
+        "mlp": args.mlp_cost_weight,
+    }
     return run(args)
 
 
 BENCHMARK = Benchmark(
-    help="DNAS: emb_dim search on MovieLens, mlp search on Criteo-format files, against the baseline",
+    help="DNAS: emb_dim and emb_card searches on MovieLens, mlp search on Criteo-format files, "
+    "against the baseline",
     add_arguments=_add_arguments,
     run=_run,
 )

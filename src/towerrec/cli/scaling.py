@@ -18,7 +18,9 @@ METRICS = ("ne", "logloss")
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    records = run_sweep(args.config, args.overrides, args.grid, args.out)
+    records = run_sweep(
+        args.config, args.overrides, args.grid, args.out, nproc=args.nproc, hosts=args.hosts
+    )
     failed = [r for r in records if r["status"] != "ok"]
     print(
         json.dumps(
@@ -67,6 +69,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "e.g. --grid model.embedding_dim=8,16,32",
     )
     sweep.add_argument("--out", type=Path, required=True, help="directory of the runs")
+    sweep.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="run each point on N local worker processes, as towerrec train --nproc N",
+    )
+    sweep.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="let each point's N workers stand in for H hosts, as towerrec train --hosts H",
+    )
     sweep.set_defaults(func=_cmd_sweep)
 
     scaling = sub.add_parser("scaling", help="scaling-law fits of a sweep's runs")

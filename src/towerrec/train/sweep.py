@@ -2,10 +2,14 @@
 
 Each point of the grid (the product of every ``KEY=V1,V2,...`` axis) is one run
 of ``train`` on the base config with the point's overrides, in
-``OUT/point-NNN``, one after another in this process. After each, one JSON line
-goes to ``OUT/runs.jsonl``: the point's overrides, ``status`` (``ok`` or
-``failed`` with the error: a failing point is recorded and the sweep goes on),
-and for a finished run the axes a scaling fit reads::
+``OUT/point-NNN``, one after another: in this process, or with ``nproc > 1``
+(or ``hosts > 1``) each as a multi-process run through the launcher, as
+``towerrec train --nproc N --hosts H`` starts it. After each, one JSON line
+goes to ``OUT/runs.jsonl``: the point's overrides, ``nproc`` and ``hosts``,
+``status`` (``ok``; ``failed`` with the error: a failing point, a failing
+worker included, is recorded and the sweep goes on; or ``stopped``: SIGINT or
+SIGTERM stopped the run early, and the sweep there), and for a finished run
+the axes a scaling fit reads::
 
     examples    training samples seen (steps x global batch)
     params      all parameters; dense_params, embedding_params apart
@@ -14,8 +18,8 @@ and for a finished run the axes a scaling fit reads::
     ne, logloss, auc   the returned weights' validation metrics
     oracle_ne   on the synthetic data, the teacher's own NE: the floor of ne
 
-A point already in the runs file with ``ok`` is skipped, so an interrupted sweep
-continues where it stopped.
+A point already in the runs file with ``ok`` (at the same ``nproc`` and ``hosts``)
+is skipped, so an interrupted sweep continues where it stopped.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from towerrec.config import Config, load_config
+from towerrec.distributed.launch import WorkerError, launch
 from towerrec.train.trainer import train
+from towerrec.train.worker import train_worker
 
 __all__ = ["parse_axis", "read_runs", "run_sweep", "sweep_points"]
 
@@ -37,10 +43,32 @@ log = logging.getLogger("towerrec")
 RUNS_FILE = "runs.jsonl"
 
 
+def _split_values(values: str) -> list[str]:
+    """Split at the commas outside brackets and quotes: ``[64,1],[256,128,1]`` is two values."""
+    items, depth, quote, start = [], 0, "", 0
+    for i, char in enumerate(values):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(values[start:i])
+            start = i + 1
+    items.append(values[start:])
+    if depth or quote:
+        raise ValueError(f"a sweep axis has an unclosed bracket or quote: {values!r}")
+    return [v.strip() for v in items if v.strip()]
+
+
 def parse_axis(text: str) -> tuple[str, list[str]]:
-    """``KEY=V1,V2,...`` -> (KEY, [V1, V2, ...]); values stay in TOML syntax, as ``--set``."""
+    """``KEY=V1,V2,...`` -> (KEY, [V1, V2, ...]); values stay in TOML syntax, as ``--set``,
+    so a value may be a list: ``model.top_mlp=[64,1],[256,128,1]``."""
     key, sep, values = text.partition("=")
-    items = [v.strip() for v in values.split(",") if v.strip()]
+    items = _split_values(values)
     if not sep or not key.strip() or not items:
         raise ValueError(
             f"a sweep axis is KEY=V1,V2,... (e.g. model.embedding_dim=8,16,32), got {text!r}"
@@ -98,13 +126,40 @@ def _axes(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _train_point(
+    config: Config,
+    config_path: Path | None,
+    overrides: list[str],
+    out: Path,
+    nproc: int,
+    hosts: int,
+) -> dict[str, Any]:
+    """One point's run: here, or on ``nproc`` launched workers (rank 0's summary)."""
+    if nproc == 1 and hosts == 1:
+        return train(config, out)
+    try:
+        results = launch(train_worker, (config_path, overrides, out, False), nproc, hosts)
+    except WorkerError as e:
+        raise RuntimeError(f"a worker failed: {e}") from None
+    summary: dict[str, Any] = results[0]
+    return summary
+
+
 def run_sweep(
     config_path: str | Path | None,
     overrides: Sequence[str],
     axes: Sequence[str],
     out_dir: str | Path,
+    nproc: int = 1,
+    hosts: int = 1,
 ) -> list[dict[str, Any]]:
-    """Run every point (module doc); the records of this sweep, finished points included."""
+    """Run every point (module doc) on ``nproc`` processes standing for ``hosts`` hosts
+    each; the records of this sweep, finished points included."""
+    if nproc < 1 or hosts < 1 or nproc % hosts:
+        raise ValueError(
+            f"--nproc {nproc} and --hosts {hosts}: both must be >= 1 and the hosts must "
+            "divide the processes (e.g. --nproc 4 --hosts 2)"
+        )
     points = sweep_points(axes)
     # Every point's config is checked before the first run: a typo fails now, not at point 7.
     configs: list[Config] = [load_config(config_path, [*overrides, *p]) for p in points]
@@ -114,7 +169,7 @@ def run_sweep(
     done = {
         tuple(r["overrides"]): r
         for r in (read_runs(runs_file) if runs_file.exists() else [])
-        if r.get("status") == "ok"
+        if r.get("status") == "ok" and (r.get("nproc", 1), r.get("hosts", 1)) == (nproc, hosts)
     }
     records = []
     for index, (point, config) in enumerate(zip(points, configs)):
@@ -126,14 +181,31 @@ def run_sweep(
         run, attempt = f"point-{index:03d}", 1
         while (out / run).exists():  # a failed earlier attempt keeps its directory
             run, attempt = f"point-{index:03d}-{attempt}", attempt + 1
-        record: dict[str, Any] = {"point": index, "overrides": point, "run": run}
+        record: dict[str, Any] = {
+            "point": index,
+            "overrides": point,
+            "run": run,
+            "nproc": nproc,
+            "hosts": hosts,
+        }
         try:
-            summary = train(config, out / record["run"])
-            record.update(status="ok", **_axes(summary))
+            path = None if config_path is None else Path(config_path)
+            summary = _train_point(config, path, [*overrides, *point], out / run, nproc, hosts)
+            if not summary["completed"]:  # SIGINT/SIGTERM: the run stopped early
+                record.update(
+                    status="stopped",
+                    error=f"stopped at step {summary['steps']} by a signal; run the sweep "
+                    "again to train this point anew",
+                )
+            else:
+                record.update(status="ok", **_axes(summary))
         except Exception as e:  # a failing point is recorded; the sweep goes on
             log.warning("sweep point %d failed: %s", index + 1, e)
             record.update(status="failed", error=f"{type(e).__name__}: {e}")
         with runs_file.open("a") as f:
             f.write(json.dumps(record) + "\n")
         records.append(record)
+        if record["status"] == "stopped":
+            log.warning("sweep stopped at point %d of %d", index + 1, len(points))
+            break
     return records
