@@ -21,12 +21,22 @@ Opening an existing file checks the header: a file written for another table, sh
 or optimizer, or a damaged header, is refused rather than read as rows. A store is
 (re)filled by ``initialize`` (a new run) or a checkpoint load, so a file's rows are
 never trusted across runs; the check guards against two runs sharing a path.
+
+Memory: the SSD store's rows are never all in the process. ``initialize`` writes the
+file with ``pwrite`` in chunks of ``INIT_CHUNK_BYTES`` (the kernel's page cache takes
+them, not the process's mapping), and the pages a training run's reads and
+write-backs map are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
+file mapping keeps its data in the page cache, dirty pages included) once about
+``mapped_limit`` bytes of them may be resident. The process's resident memory thus
+holds the cache's slots and at most ``mapped_limit`` of the file, whatever the table's
+size; the page cache, which the kernel reclaims, holds what it can of the rest.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import shutil
 import stat
@@ -42,6 +52,7 @@ import torch
 
 from towerrec.memory import register_parent_only
 from towerrec.modules.cached_config import Backing, TierConfig
+from towerrec.modules.tables import INIT_BLOCK_ROWS
 
 __all__ = [
     "HEADER_BYTES",
@@ -57,6 +68,8 @@ MAGIC = b"TWRSTORE"
 VERSION = 1
 HEADER_BYTES = 4096
 SUFFIX = ".tstore"
+INIT_CHUNK_BYTES = 64 << 20  # initialize's write size (whole init blocks of rows)
+MAPPED_LIMIT_BYTES = 256 << 20  # store pages a process may hold mapped (module doc)
 
 
 class StoreError(ValueError):
@@ -165,9 +178,13 @@ class HostStore(BackingStore):
 class SsdStore(BackingStore):
     """A memory-mapped file of fixed-size rows (module doc), created if missing."""
 
-    def __init__(self, layout: RowLayout, path: Path) -> None:
+    def __init__(
+        self, layout: RowLayout, path: Path, mapped_limit: int = MAPPED_LIMIT_BYTES
+    ) -> None:
         super().__init__(layout)
         self.path = Path(path)
+        self.mapped_limit = mapped_limit
+        self._mapped = 0  # bytes of pages touched through the mapping since the last drop
         _check_writable(self.path)
         size = HEADER_BYTES + layout.num_embeddings * layout.record_width * 4
         if self.path.exists():
@@ -197,6 +214,52 @@ class SsdStore(BackingStore):
     @property
     def records(self) -> torch.Tensor:
         return self._records
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        out = super().read(rows)
+        self._touched(rows.numel())
+        return out
+
+    def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        super().write(rows, records)
+        self._touched(rows.numel())
+
+    def _touched(self, rows: int) -> None:
+        """Count the pages ``rows`` random rows may have mapped (one page a row, at most
+        two); past ``mapped_limit``, drop the mapping's pages (module doc)."""
+        record = self.layout.record_width * 4
+        self._mapped += rows * (mmap.PAGESIZE + record)
+        if self._mapped > self.mapped_limit:
+            self.release()
+
+    def release(self) -> None:
+        """Unmap the file's resident pages from this process; the data stays in the page
+        cache (dirty pages are written back by the kernel, or by ``flush``)."""
+        self._map._mmap.madvise(mmap.MADV_DONTNEED)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
+        self._mapped = 0
+
+    @torch.no_grad()
+    def initialize(self, fill_weights: Callable[[torch.Tensor, int, int], None]) -> None:
+        """As ``BackingStore.initialize``, written with ``pwrite`` in large chunks (module
+        doc): the file's pages go to the page cache, not into this process."""
+        self.release()
+        rows, dim = self.layout.num_embeddings, self.layout.embedding_dim
+        width = self.layout.record_width
+        block = max(1, INIT_CHUNK_BYTES // (4 * width * INIT_BLOCK_ROWS)) * INIT_BLOCK_ROWS
+        chunk = torch.zeros(min(block, rows), width)
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            for lo in range(0, rows, block):
+                hi = min(rows, lo + block)
+                part = chunk[: hi - lo]
+                part.zero_()
+                fill_weights(part[:, :dim], lo, hi)
+                data = part.numpy().data.cast("B")
+                offset, done = HEADER_BYTES + lo * width * 4, 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], offset + done)
+        finally:
+            os.close(fd)
 
     def flush(self) -> None:
         self._map.flush()
