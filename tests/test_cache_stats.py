@@ -25,13 +25,16 @@ class LruList:
     def __init__(self, slots: int, record_bytes: int) -> None:
         self.slots, self.record_bytes = slots, record_bytes
         self.rows: OrderedDict[int, bool] = OrderedDict()  # id -> dirty, oldest first
-        self.lookups = self.hits = self.written = 0
+        self.lookups = self.hits = self.written = self.train_lookups = self.train_hits = 0
 
     def lookup(self, ids: list[int], training: bool) -> None:
         distinct = sorted(set(ids))
         missing = [i for i in distinct if i not in self.rows]
         self.lookups += len(distinct)
         self.hits += len(distinct) - len(missing)
+        if training:
+            self.train_lookups += len(distinct)
+            self.train_hits += len(distinct) - len(missing)
         evict = len(self.rows) + len(missing) - self.slots
         keep = set(distinct)
         for victim in [i for i in self.rows if i not in keep][: max(evict, 0)]:
@@ -49,6 +52,8 @@ class LruList:
             "lookups": self.lookups,
             "hits": self.hits,
             "misses": misses,
+            "train_lookups": self.train_lookups,
+            "train_hits": self.train_hits,
             "rows_written_back": self.written,
             "bytes_written": self.written * self.record_bytes,
         }
@@ -95,13 +100,16 @@ def test_counts_sum_over_ranks_field_by_field():
         "hits": 9,
         "misses": 6,
         "hit_rate": 0.6,
+        "train_lookups": 0,
+        "train_hits": 0,
+        "train_hit_rate": 0.0,
         "rows_read": 6,
         "rows_written_back": 2,
         "rows_prefetched": 0,
         "bytes_read": 216,
         "bytes_written": 72,
     }
-    with pytest.raises(ValueError, match="cache counts need 7 values"):
+    with pytest.raises(ValueError, match="cache counts need 9 values"):
         CacheStats.from_counts([1, 2])
 
 

@@ -35,6 +35,8 @@ class CacheStats:
     FIELDS = (
         "lookups",
         "hits",
+        "train_lookups",
+        "train_hits",
         "rows_read",
         "written_back",
         "prefetched",
@@ -46,6 +48,8 @@ class CacheStats:
         self.record_bytes = record_bytes
         self.lookups = 0
         self.hits = 0
+        self.train_lookups = 0  # those of training lookups (the rest evaluate)
+        self.train_hits = 0
         self.rows_read = 0  # rows read from the store, prefetched or in the lookup
         self.written_back = 0
         self.prefetched = 0  # missing rows that came from a prefetch
@@ -89,6 +93,9 @@ class CacheStats:
             "hits": self.hits,
             "misses": self.misses,
             "hit_rate": round(self.hit_rate, 6),
+            "train_lookups": self.train_lookups,
+            "train_hits": self.train_hits,
+            "train_hit_rate": round(self.train_hits / max(self.train_lookups, 1), 6),
             "rows_read": self.rows_read,
             "rows_written_back": self.written_back,
             "rows_prefetched": self.prefetched,
@@ -193,6 +200,9 @@ class TableCache:
             self.dirty[slot] = True
         self.stats.lookups += unique.numel()
         self.stats.hits += unique.numel() - missing.numel()
+        if training:
+            self.stats.train_lookups += unique.numel()
+            self.stats.train_hits += unique.numel() - missing.numel()
         return slot[inverse]
 
     def _victims(self, count: int, keep: torch.Tensor) -> torch.Tensor:

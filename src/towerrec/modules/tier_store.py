@@ -25,7 +25,8 @@ never trusted across runs; the check guards against two runs sharing a path.
 Memory: the SSD store's rows are never all in the process. ``initialize`` writes the
 file with ``pwrite`` in chunks of ``INIT_CHUNK_BYTES`` (the kernel's page cache takes
 them, not the process's mapping), and the pages a training run's reads and
-write-backs map are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
+write-backs map (one page a row: the mapping is advised ``MADV_RANDOM``, so a fault
+maps no neighbours and reads nothing ahead) are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
 file mapping keeps its data in the page cache, dirty pages included) once about
 ``mapped_limit`` bytes of them may be resident. The process's resident memory thus
 holds the cache's slots and at most ``mapped_limit`` of the file, whatever the table's
@@ -209,6 +210,9 @@ class SsdStore(BackingStore):
             offset=HEADER_BYTES,
             shape=(layout.num_embeddings, layout.record_width),
         )
+        # Random access: no read-ahead, and no mapping of a faulting row's neighbours
+        # (fault-around maps up to 16 pages a miss, which ``_touched`` does not count).
+        self._map._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
         self._records = torch.from_numpy(self._map)
 
     @property

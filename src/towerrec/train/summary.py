@@ -67,8 +67,9 @@ def run_summary(
 
 def cache_summary(stats: dict[str, CacheStats]) -> dict[str, Any]:
     """The summary's ``cache``: each cached table's lookups of distinct rows, hits, misses,
-    hit rate and backing-store traffic over the run (training and evaluation lookups,
-    summed over ranks; a resumed run counts from its resume), and their total."""
+    hit rate and backing-store traffic over the run (training and evaluation lookups;
+    ``train_*`` of the training lookups alone; summed over ranks; a resumed run counts
+    from its resume), and their total."""
     total = CacheStats.from_counts(
         [sum(col) for col in zip(*(s.counts() for s in stats.values()), strict=True)]
     )
@@ -82,12 +83,13 @@ def log_cache_stats(summary: dict[str, Any]) -> None:
         return
     for name, c in [*cache["tables"].items(), ("(all)", cache["total"])]:
         log.info(
-            "cache %s: hit rate %.2f%% (%d of %d rows looked up), %d rows read (%.1f MiB), "
-            "%d written back (%.1f MiB)",
+            "cache %s: hit rate %.2f%% (%d of %d rows looked up; training %.2f%%), %d rows "
+            "read (%.1f MiB), %d written back (%.1f MiB)",
             name,
             100 * c["hit_rate"],
             c["hits"],
             c["lookups"],
+            100 * c["train_hit_rate"],
             c["rows_read"],
             c["bytes_read"] / 2**20,
             c["rows_written_back"],
