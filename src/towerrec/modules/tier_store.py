@@ -25,8 +25,9 @@ never trusted across runs; the check guards against two runs sharing a path.
 Memory: the SSD store's rows are never all in the process. ``initialize`` writes the
 file with ``pwrite`` in chunks of ``INIT_CHUNK_BYTES`` (the kernel's page cache takes
 them, not the process's mapping), and the pages a training run's reads and
-write-backs map (one page a row: the mapping is advised ``MADV_RANDOM``, so a fault
-maps no neighbours and reads nothing ahead) are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
+write-backs map (a fault maps the neighbouring pages the page cache holds, up to
+``FAULT_AROUND_BYTES``; the mapping is advised ``MADV_RANDOM``, so it reads nothing
+ahead from disk) are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
 file mapping keeps its data in the page cache, dirty pages included) once about
 ``mapped_limit`` bytes of them may be resident. The process's resident memory thus
 holds the cache's slots and at most ``mapped_limit`` of the file, whatever the table's
@@ -71,6 +72,7 @@ HEADER_BYTES = 4096
 SUFFIX = ".tstore"
 INIT_CHUNK_BYTES = 64 << 20  # initialize's write size (whole init blocks of rows)
 MAPPED_LIMIT_BYTES = 256 << 20  # store pages a process may hold mapped (module doc)
+FAULT_AROUND_BYTES = 64 << 10  # what one page fault may map (Linux's fault_around_bytes)
 
 
 class StoreError(ValueError):
@@ -210,8 +212,7 @@ class SsdStore(BackingStore):
             offset=HEADER_BYTES,
             shape=(layout.num_embeddings, layout.record_width),
         )
-        # Random access: no read-ahead, and no mapping of a faulting row's neighbours
-        # (fault-around maps up to 16 pages a miss, which ``_touched`` does not count).
+        # Random access: no read-ahead from disk for a missed row.
         self._map._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
         self._records = torch.from_numpy(self._map)
 
@@ -220,19 +221,33 @@ class SsdStore(BackingStore):
         return self._records
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        out = super().read(rows)
-        self._touched(rows.numel())
-        return out
+        step = self._chunk_rows()
+        if rows.numel() <= step:
+            out = super().read(rows)
+            self._touched(rows.numel())
+            return out
+        parts = []
+        for lo in range(0, rows.numel(), step):
+            parts.append(super().read(rows[lo : lo + step]))
+            self._touched(parts[-1].shape[0])
+        return torch.cat(parts)
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
-        super().write(rows, records)
-        self._touched(rows.numel())
+        step = self._chunk_rows()
+        for lo in range(0, rows.numel(), step):
+            super().write(rows[lo : lo + step], records[lo : lo + step])
+            self._touched(min(step, rows.numel() - lo))
+
+    def _chunk_rows(self) -> int:
+        """Rows one read or write maps at most between two checks of the limit."""
+        return max(1, self.mapped_limit // (2 * FAULT_AROUND_BYTES))
 
     def _touched(self, rows: int) -> None:
-        """Count the pages ``rows`` random rows may have mapped (one page a row, at most
-        two); past ``mapped_limit``, drop the mapping's pages (module doc)."""
-        record = self.layout.record_width * 4
-        self._mapped += rows * (mmap.PAGESIZE + record)
+        """Count the pages ``rows`` random rows may have mapped: a fault maps the pages
+        around it that the page cache holds (the kernel's fault-around, 64 KiB by
+        default), and a row may span two pages; past ``mapped_limit``, drop the
+        mapping's pages (module doc)."""
+        self._mapped += rows * (FAULT_AROUND_BYTES + self.layout.record_width * 4)
         if self._mapped > self.mapped_limit:
             self.release()
 
