@@ -25,13 +25,15 @@ never trusted across runs; the check guards against two runs sharing a path.
 Memory: the SSD store's rows are never all in the process. ``initialize`` writes the
 file with ``pwrite`` in chunks of ``INIT_CHUNK_BYTES`` (the kernel's page cache takes
 them, not the process's mapping), and the pages a training run's reads and
-write-backs map (a fault maps the neighbouring pages the page cache holds, up to
-``FAULT_AROUND_BYTES``; the mapping is advised ``MADV_RANDOM``, so it reads nothing
-ahead from disk) are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
+write-backs map are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
 file mapping keeps its data in the page cache, dirty pages included) once about
-``mapped_limit`` bytes of them may be resident. The process's resident memory thus
-holds the cache's slots and at most ``mapped_limit`` of the file, whatever the table's
-size; the page cache, which the kernel reclaims, holds what it can of the rest.
+``mapped_limit`` bytes of them may be resident, counting ``ROW_MAP_BYTES`` a row: a
+fault maps the page-cache folio around the row, and with transparent huge pages the
+page cache holds large folios (about 512 KiB a row was measured on a file written
+with ``pwrite``; ``MADV_RANDOM``, set on the mapping, stops read-ahead from disk but
+not this). Reads and writes go in chunks within the limit. The process's resident
+memory thus holds the cache's slots and about ``mapped_limit`` of the file at most,
+whatever the table's size; the page cache, which the kernel reclaims, holds what it can of the rest.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ HEADER_BYTES = 4096
 SUFFIX = ".tstore"
 INIT_CHUNK_BYTES = 64 << 20  # initialize's write size (whole init blocks of rows)
 MAPPED_LIMIT_BYTES = 256 << 20  # store pages a process may hold mapped (module doc)
-FAULT_AROUND_BYTES = 64 << 10  # what one page fault may map (Linux's fault_around_bytes)
+ROW_MAP_BYTES = 2 << 20  # what one row's page fault may map (module doc)
 
 
 class StoreError(ValueError):
@@ -240,14 +242,12 @@ class SsdStore(BackingStore):
 
     def _chunk_rows(self) -> int:
         """Rows one read or write maps at most between two checks of the limit."""
-        return max(1, self.mapped_limit // (2 * FAULT_AROUND_BYTES))
+        return max(1, self.mapped_limit // (2 * ROW_MAP_BYTES))
 
     def _touched(self, rows: int) -> None:
-        """Count the pages ``rows`` random rows may have mapped: a fault maps the pages
-        around it that the page cache holds (the kernel's fault-around, 64 KiB by
-        default), and a row may span two pages; past ``mapped_limit``, drop the
-        mapping's pages (module doc)."""
-        self._mapped += rows * (FAULT_AROUND_BYTES + self.layout.record_width * 4)
+        """Count the bytes ``rows`` random rows may have mapped (``ROW_MAP_BYTES`` each);
+        past ``mapped_limit``, drop the mapping's pages (module doc)."""
+        self._mapped += rows * ROW_MAP_BYTES
         if self._mapped > self.mapped_limit:
             self.release()
 
