@@ -65,7 +65,6 @@ def test_zipf_ids_cover_the_table_skewed():
     assert int(ids.max()) > rows // 2 and torch.unique(ids).numel() > 10_000
 
 
-@pytest.mark.slow
 def test_bench_tiers_runs_tables_from_files_without_a_reference(tmp_path):
     from towerrec.cli.bench import BENCHMARKS
 
