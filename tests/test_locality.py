@@ -253,3 +253,20 @@ def test_the_benchmarks_second_pass_check_reads_two_epochs():
     assert a["predicted"] == pytest.approx(lru_hits(first.tolist(), 5) / 500)
     both = streams["a"][0].tolist()  # a 5-row LRU warmed on pass one, scored on pass two
     assert a["second_pass"] == pytest.approx((lru_hits(both, 5) - lru_hits(both[:500], 5)) / 500)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--real-cache"], "--real-cache goes with --validate"),
+        (["--validate", "--shares", "0.1,x"], "--shares takes numbers"),
+        (["--validate", "--shares", "0,0.5"], r"--shares must lie in \(0, 1\]"),
+    ],
+)
+def test_locality_bench_names_bad_flags(argv, match):
+    from towerrec.cli.bench import BENCHMARKS
+
+    parser = __import__("argparse").ArgumentParser()
+    BENCHMARKS["locality"].add_arguments(parser)
+    with pytest.raises(ValueError, match=match):
+        BENCHMARKS["locality"].run(parser.parse_args(argv))

@@ -216,6 +216,13 @@ def test_cli_two_ranks_cached_equal_two_ranks_in_memory(tmp_path):
         assert result.returncode == 0, result.stderr[-2000:]
         aucs.append(json.loads((tmp_path / name / "summary.json").read_text())["auc"])
     assert aucs[0] == aucs[1]
+    # rank 0 writes the summary: the counts of tables cached on every rank
+    cache = json.loads((tmp_path / "cached" / "summary.json").read_text())["cache"]
+    assert sorted(cache["tables"]) == ["cat_0", "cat_2", "cat_8"]
+    for counts in cache["tables"].values():
+        assert counts["lookups"] == counts["hits"] + counts["misses"] > 0
+        assert counts["rows_read"] >= counts["misses"] > 0
+    assert cache["total"]["lookups"] == sum(c["lookups"] for c in cache["tables"].values())
     assert sorted(f.name for f in (tmp_path / "store").iterdir()) == [
         "cat_0.shard0.tstore",
         "cat_2.shard0.tstore",

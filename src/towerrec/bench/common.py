@@ -4,6 +4,7 @@ matmul peak, timing."""
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -61,6 +62,13 @@ def comma_list(text: str) -> tuple[str, ...]:
 def peak_rss_mb() -> float:
     """Peak resident memory of this process so far, in MiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mb() -> float:
+    """Resident memory of this process now, in MiB (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        resident = int(f.read().split()[1])
+    return resident * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def matmul_peak_flops(

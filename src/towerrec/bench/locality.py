@@ -12,14 +12,24 @@ Python loop: one tree query and two updates per id) runs on the first
 over two passes of a finite data set, the hit rate the first pass's curve gives
 (what ``towerrec data profile`` reports: a cold cache) against an LRU cache's in
 the second pass, warm from the first, at 1%, 10% and 50% of each table's rows.
+``--real-cache`` adds the embedding layer's cache itself: for each share, a run of
+``towerrec train`` over the first pass's whole batches with every table cached
+(``embedding.memory = "cached"``, ``cache_fraction`` = the share, host backing) and
+no evaluation before its end; its summary's training misses per table against the
+curve of the same ids (measured hit rate: ``1 - misses / ids``, every lookup of an id
+counted as the profile counts it). A share whose cache cannot hold a batch's distinct
+rows, or that holds the whole table, leaves that table in memory and is reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +44,7 @@ from towerrec.bench.common import (
 from towerrec.config import load_config
 from towerrec.data.locality import stack_distances
 from towerrec.train.build import build_source
+from towerrec.train.trainer import train
 
 __all__ = [
     "BENCHMARK",
@@ -189,6 +200,70 @@ def validate_curve(
     return out
 
 
+def real_cache_rates(
+    overrides: list[str],
+    source: Any,
+    batch_size: int,
+    fractions: tuple[float, ...] = (0.01, 0.1, 0.5),
+) -> list[dict[str, Any]]:
+    """Per table and cache share: the hit rate the profile's curve predicts for the first
+    pass's whole batches (a cold cache) against the cache's measured in training on
+    them (module doc)."""
+    rows = source.train_rows
+    if rows is None or rows < batch_size:
+        raise ValueError("--real-cache needs a finite training split of at least one batch")
+    steps = rows // batch_size
+    parts: dict[str, list[np.ndarray]] = {f.name: [] for f in source.schema.sparse}
+    batches = source.train_batches(batch_size)
+    for _ in range(steps):
+        for name, jagged in next(batches).sparse.to_dict().items():
+            parts[name].append(jagged.values.numpy())
+    streams = {name: np.concatenate(p) for name, p in parts.items()}
+    widest = {name: max(np.unique(b).size for b in p) for name, p in parts.items()}
+    sizes = {f.name: f.num_embeddings for f in source.schema.sparse}
+    out: list[dict[str, Any]] = []
+    for share in fractions:
+        slots = {name: max(1, math.ceil(share * sizes[name])) for name in streams}
+        cached = [n for n in streams if widest[n] <= slots[n] < sizes[n]]
+        summary: dict[str, Any] = {}
+        if cached:
+            tables = [
+                f"embedding.tables.{n}.{key}"
+                for n in cached
+                for key in ("memory=cached", f"cache_fraction={share}")
+            ]
+            config = load_config(
+                None,
+                [
+                    *overrides,
+                    f"train.batch_size={batch_size}",
+                    f"train.steps={steps}",
+                    "train.eval_every=0",
+                    "train.progress=false",
+                    "embedding.cache_min_rows=0",
+                    "embedding.backing=host",
+                    *tables,
+                ],
+            )
+            with tempfile.TemporaryDirectory(prefix="towerrec-locality-") as run:
+                summary = train(config, Path(run))
+        measured = summary.get("cache", {}).get("tables", {})
+        for name, ids in streams.items():
+            row: dict[str, Any] = {"table": name, "share": share, "rows": slots[name]}
+            distances = stack_distances(ids)
+            row["predicted"] = float(np.mean((distances > 0) & (distances <= slots[name])))
+            if name in measured:
+                misses = measured[name]["train_lookups"] - measured[name]["train_hits"]
+                row["measured"] = 1.0 - misses / len(ids)
+                row["gap"] = row["measured"] - row["predicted"]
+            elif slots[name] >= sizes[name]:
+                row["skipped"] = "the cache holds the whole table"
+            else:
+                row["skipped"] = f"a batch touches {widest[name]} distinct rows"
+            out.append(row)
+    return out
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sizes", type=comma_list, default=("100000", "1000000", "4000000"), help="stream lengths"
@@ -205,22 +280,49 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: a profile's predicted hit rates against a warm LRU cache's in the "
         "second pass over the config's data (finite: --set data.source=movielens)",
     )
+    parser.add_argument(
+        "--real-cache",
+        action="store_true",
+        help="with --validate: also train with memory = 'cached' at each share and compare "
+        "the cache's measured hit rate with the profile's",
+    )
+    parser.add_argument(
+        "--shares",
+        type=comma_list,
+        default=("0.01", "0.1", "0.5"),
+        help="for --validate: cache sizes as shares of each table's rows",
+    )
     parser.add_argument("--batch-size", type=int, help="for --validate (default: the config's)")
     add_overrides_argument(parser, "config override for --validate (data.source=..., ...)")
 
 
 def _run(args: argparse.Namespace) -> dict:
+    if args.real_cache and not args.validate:
+        raise ValueError("--real-cache goes with --validate")
     if args.validate:
+        loadavg_start = list(os.getloadavg())
         config = load_config(None, args.overrides)
         source = build_source(config.data)
         batch_size = args.batch_size or config.train.batch_size
+        try:
+            shares = tuple(float(x) for x in args.shares)
+        except ValueError:
+            raise ValueError(f"--shares takes numbers, got {','.join(args.shares)}") from None
+        if not all(0 < x <= 1 for x in shares):
+            raise ValueError(f"--shares must lie in (0, 1], got {','.join(args.shares)}")
         return {
             "data": config.data.source,
             "path": config.data.path,
             "batch_size": batch_size,
             "train_rows": source.train_rows,
-            "tables": validate_curve(source, batch_size),
+            "tables": validate_curve(source, batch_size, shares),
+            **(
+                {"real_cache": real_cache_rates(args.overrides, source, batch_size, shares)}
+                if args.real_cache
+                else {}
+            ),
             "machine": machine_info(),
+            "load_average_start": loadavg_start,
             "load_average": list(os.getloadavg()),
         }
     try:

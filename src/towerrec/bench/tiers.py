@@ -11,10 +11,22 @@ variant in turn:
 - ``ssd``: the same over memory-mapped row files under ``--path``; with
   ``--cold`` the files' pages are dropped from the page cache first
   (``posix_fadvise``), so misses read the disk until the page cache warms;
-- ``ssd-sync``: ``ssd`` without the background prefetch of the next batch's rows.
+- ``ssd-sync``: ``ssd`` without the background prefetch of the next batch's rows;
+- ``mmap``: the page-cache-only baseline: every table in memory-mapped files under
+  ``--path`` (weights and optimizer state), trained in place with no cache of rows,
+  so the kernel's page cache does the caching.
+
+``ssd`` and ``mmap`` never hold the tables in the process: the files are written with
+``pwrite`` and only then mapped. Tables larger than memory run with
+``--variants ssd,mmap`` (no ``device`` reference: compare with its rate at a size that
+fits, and say so).
 
 Per variant: samples/s (batch over the median step, and over the mean step),
-the cache's hit rate over the timed steps, rows written back and read ahead.
+the cache's hit rate over the timed steps, rows written back and read ahead,
+the seconds to build (and initialise) the tables, and memory: the resident set
+sampled after every step (``train_peak_rss_mb``) and the process's peak so far
+(``peak_rss_mb``, which covers every variant run before; run one variant per process
+to read it), each also as a fraction of the tables' bytes.
 The variants run one after another (holding every layout at once would need
 several copies of the tables), ``--rounds`` times in turn; each reports its
 best round (on a shared machine other tenants only slow a round down; the
@@ -26,31 +38,42 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from towerrec.bench.common import Benchmark, comma_list, machine_info, peak_rss_mb, set_threads
+from towerrec.bench.common import (
+    Benchmark,
+    comma_list,
+    current_rss_mb,
+    machine_info,
+    peak_rss_mb,
+    set_threads,
+)
 from towerrec.config import load_config
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.criteo_gen import CARDINALITIES
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.modules.cached import CachedEmbeddingBagCollection
-from towerrec.modules.embedding_bag import fused_embedding_modules
+from towerrec.modules.embedding_bag import EmbeddingBagCollection, fused_embedding_modules
+from towerrec.modules.tables import INIT_BLOCK_ROWS, TableConfig, fill_table_block
 from towerrec.modules.tier_store import SsdStore
+from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.pipeline import pipelined
 from towerrec.train.step import train_step
 
 __all__ = ["BENCHMARK", "criteo_rows", "run_tiers_benchmark"]
 
-VARIANTS = ("device", "host", "ssd", "ssd-sync")
+VARIANTS = ("device", "host", "ssd", "ssd-sync", "mmap")
 
 
 def criteo_rows(gib: float, dim: int, scale_above: int = 100_000) -> list[int]:
@@ -76,7 +99,7 @@ def _overrides(args: argparse.Namespace, rows: list[int], variant: str, path: Pa
         "model.top_mlp=[256, 64, 1]",
         f"embedding.backend={args.backend}",
     ]
-    if variant == "device":
+    if variant in ("device", "mmap"):
         return base
     return [
         *base,
@@ -112,7 +135,11 @@ def _run_variant(
 ) -> dict:
     config = load_config(None, _overrides(args, rows, variant, path))
     start = time.perf_counter()
-    model = build_model(config, schema, torch.device("cpu"))
+    if variant == "mmap":
+        model = build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
+        _mmap_tables(model, path)
+    else:
+        model = build_model(config, schema, torch.device("cpu"))
     optimizer = build_dense_optimizer(config.optimizer, model)
     build_s = time.perf_counter() - start
     if args.cold:
@@ -123,7 +150,7 @@ def _run_variant(
     caches = [
         m for _, m in fused_embedding_modules(model) if isinstance(m, CachedEmbeddingBagCollection)
     ]
-    times, counts = [], None
+    times, counts, rss = [], None, current_rss_mb()
     for step, batch in enumerate(stream):
         if step == args.warmup:
             counts = _counters(caches)
@@ -131,10 +158,17 @@ def _run_variant(
         train_step(model, optimizer, batch)
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+        rss = max(rss, current_rss_mb())
+    table_mb = sum(rows) * 4 * (args.dim + 1) / 2**20
+    peak = peak_rss_mb()
     out = {
         "samples_per_s": round(args.batch_size / statistics.median(times), 1),
         "samples_per_s_mean": round(args.batch_size / statistics.mean(times), 1),
         "build_s": round(build_s, 2),
+        "train_peak_rss_mb": round(rss, 1),
+        "train_peak_rss_fraction": round(rss / table_mb, 4),
+        "peak_rss_mb": round(peak, 1),
+        "peak_rss_fraction": round(peak / table_mb, 4),
     }
     if caches and counts is not None:
         now = _counters(caches)
@@ -148,6 +182,107 @@ def _run_variant(
             cache_rows=sum(cache.cache_rows for c in caches for cache in c.caches.values()),
         )
     return out
+
+
+def _mmap_tables(model: torch.nn.Module, path: Path) -> None:
+    """Materialise the model's (unallocated) tables over memory-mapped files in ``path``:
+    the weights written with ``pwrite`` from the tables' init, the states zero."""
+    (_, ebc), *more = fused_embedding_modules(model)
+    if more or not isinstance(ebc, EmbeddingBagCollection):
+        raise ValueError("--variants mmap needs one EmbeddingBagCollection of the tables")
+    path.mkdir(parents=True, exist_ok=True)
+    made: set[str] = set()
+
+    def storage(what: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if what in made:
+            raise ValueError("--variants mmap needs the tables in one kernel (one dim)")
+        made.add(what)
+        file, count = path / f"{what}.f32", math.prod(shape)
+        with open(file, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, count * 4)  # zeros: the states' init
+        if what == "weight":
+            _write_init(file, ebc.tables, ebc.seed, shape[1])
+        return torch.from_file(str(file), shared=True, size=count).view(shape)
+
+    ebc.materialize(init=False, storage=storage)
+
+
+def _write_init(file: Path, tables: list[TableConfig], seed: int, dim: int) -> None:
+    """The tables' initial weights, one after another, into ``file`` (chunked pwrite)."""
+    block = max(1, (64 << 20) // (4 * dim * INIT_BLOCK_ROWS)) * INIT_BLOCK_ROWS
+    fd, offset = os.open(file, os.O_WRONLY), 0
+    try:
+        for table in tables:
+            for lo in range(0, table.num_embeddings, block):
+                hi = min(table.num_embeddings, lo + block)
+                chunk = fill_table_block(torch.empty(hi - lo, dim), table, seed, (lo, hi))
+                data, done = chunk.numpy().data.cast("B"), 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], offset + done)
+                offset += len(data)
+    finally:
+        os.close(fd)
+
+
+def _batches(args: argparse.Namespace, rows: list[int]) -> tuple[list[Batch], DataSchema]:
+    """The run's batches (warm-up and timed) and their schema.
+
+    ``--ids synthetic``: the synthetic data set's, whose generator holds about 90 bytes
+    for every row of every table while it draws them. ``--ids zipf`` (tables larger
+    than memory): the same source with the large tables cut to ``--min-rows`` rows
+    labels the batches, and the large tables' ids are drawn anew over all their rows:
+    Zipf(``--zipf-alpha``) ranks by the inverse of the continuous power law's CDF,
+    scattered over the table by ``rank * A mod rows`` (A prime to rows); no per-row
+    array is built."""
+    cut = rows if args.ids == "synthetic" else [min(r, args.min_rows) for r in rows]
+    source = SyntheticSource(
+        SyntheticConfig(num_embeddings=tuple(cut), pooling_factors=(), zipf_alpha=args.zipf_alpha)
+    )
+    total = args.warmup + args.steps
+    batches = [
+        source.samples("train", i * args.batch_size, args.batch_size)[0] for i in range(total)
+    ]
+    schema = source.schema
+    del source
+    gc.collect()  # the source's block cache holds a cycle back to it (and its teacher)
+    if cut == rows:
+        return batches, schema
+    schema = replace(
+        schema,
+        sparse=tuple(
+            replace(f, num_embeddings=r) for f, r in zip(schema.sparse, rows, strict=True)
+        ),
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    for batch in batches:
+        features = batch.sparse
+        values, lengths = features.values().clone(), features.lengths()
+        offsets = features.offsets()
+        size = features.stride()
+        for t, (n, c) in enumerate(zip(rows, cut, strict=True)):
+            if n == c:
+                continue
+            lo, hi = int(offsets[t * size]), int(offsets[(t + 1) * size])
+            values[lo:hi] = zipf_ids(n, hi - lo, args.zipf_alpha, gen)
+        sparse = KeyedJaggedTensor(features.keys(), values, lengths, validate=False)
+        batch.sparse = sparse
+    return batches, schema
+
+
+def zipf_ids(rows: int, count: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
+    """``count`` ids of a table of ``rows``: Zipf(``alpha``) ranks (the continuous power
+    law over ``[1, rows + 1)``, floored) scattered by ``rank * A mod rows``."""
+    u = torch.rand(count, generator=gen, dtype=torch.float64)
+    if alpha == 1.0:
+        x = torch.exp(u * math.log(rows + 1))
+    else:
+        e = 1.0 - alpha
+        x = (1.0 + u * ((rows + 1) ** e - 1.0)) ** (1.0 / e)
+    rank = (x.floor().long() - 1).clamp_(0, rows - 1)
+    step = 2_654_435_761  # a prime: prime to rows unless it divides it
+    while math.gcd(step, rows) != 1:
+        step += 2
+    return (rank * step) % rows
 
 
 def _counters(caches: list[CachedEmbeddingBagCollection]) -> tuple[int, int, int, int]:
@@ -167,15 +302,8 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
     if unknown:
         raise ValueError(f"--variants {unknown} unknown; choose from {', '.join(VARIANTS)}")
     rows = criteo_rows(args.gib, args.dim)
-    source = SyntheticSource(
-        SyntheticConfig(num_embeddings=tuple(rows), pooling_factors=(), zipf_alpha=args.zipf_alpha)
-    )
-    total = args.warmup + args.steps
-    batches = [
-        source.samples("train", i * args.batch_size, args.batch_size)[0] for i in range(total)
-    ]
-    schema = source.schema
-    del source
+    loadavg_start = os.getloadavg()
+    batches, schema = _batches(args, rows)
     path = Path(args.path) if args.path else Path(tempfile.mkdtemp(prefix="towerrec-tiers-"))
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     try:
@@ -205,6 +333,7 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
     return {
         "benchmark": "tiers",
         "machine": machine_info(),
+        "loadavg_start": loadavg_start,
         "loadavg": os.getloadavg(),
         "table_gib": round(sum(rows) * row_bytes / 2**30, 3),
         "tables": len(rows),
@@ -215,6 +344,7 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
         "cache_min_rows": args.min_rows,
         "policy": args.policy,
         "zipf_alpha": args.zipf_alpha,
+        "ids": args.ids,
         "steps": args.steps,
         "warmup": args.warmup,
         "cold": args.cold,
@@ -239,8 +369,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--variants", default="device,host,ssd", help=", ".join(VARIANTS))
     parser.add_argument("--backend", default="torch", choices=("auto", "torch", "fbgemm"))
-    parser.add_argument("--path", default="", help="ssd: directory for the row files (temp)")
+    parser.add_argument("--path", default="", help="ssd, mmap: directory for the row files (temp)")
     parser.add_argument("--cold", action="store_true", help="drop the files from the page cache")
+    parser.add_argument(
+        "--ids",
+        default="synthetic",
+        choices=("synthetic", "zipf"),
+        help="zipf: the large tables' ids drawn without per-row arrays (tables beyond memory)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--ids zipf: the ids' seed")
     parser.add_argument("--rounds", type=int, default=1, help="run the variants N times in turn")
     parser.add_argument("--threads", type=int, default=None)
 

@@ -54,6 +54,7 @@ from towerrec.distributed.state import load_tensor, state_tensors
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.interfaces import FusedEmbeddingCollection
+from towerrec.modules.table_cache import CacheStats
 from towerrec.sharding import ShardingPlan, strategy_for
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -163,6 +164,12 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
         """Every shard stored on this rank (data-parallel replicas as full-table shards)."""
         rank = self.comm.rank
         return [*shard_views(self._local, self.plan, rank), *replica_views(self._replica, rank)]
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """The counts of this rank's cached shards, by table (``CacheStats``)."""
+        if isinstance(self._local, CachedEmbeddingBagCollection):
+            return self._local.cache_stats()
+        return {}
 
     def set_learning_rate(self, lr: float) -> None:
         for module in (self._local, self._replica):

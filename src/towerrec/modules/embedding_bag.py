@@ -38,6 +38,7 @@ from towerrec.modules.kernels import (
     Backend,
     EmbeddingKernel,
     RowwiseSync,
+    Storage,
     TableSpec,
     build_kernel,
     resolve_backend,
@@ -182,10 +183,14 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
         """Whether the tables are allocated (see ``materialize=False`` in the module doc)."""
         return bool(self._kernels)
 
-    def materialize(self, init: bool = True) -> EmbeddingBagCollection:
-        """Allocate the tables (a no-op when they are); ``init`` fills them from ``seed``."""
+    def materialize(
+        self, init: bool = True, storage: Storage | None = None
+    ) -> EmbeddingBagCollection:
+        """Allocate the tables (a no-op when they are); ``init`` fills them from ``seed``.
+        ``storage(name, shape)`` supplies each kernel's tensors instead (the torch
+        backend's ``TorchKernel``: e.g. memory-mapped files, ``bench/tiers.py``)."""
         if not self._kernels:
-            self._kernels = self._build_kernels(self.device)
+            self._kernels = self._build_kernels(self.device, storage)
             if init:
                 self.reset_parameters()
         return self
@@ -198,7 +203,9 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
                 ".materialize() first"
             )
 
-    def _build_kernels(self, device: torch.device) -> list[EmbeddingKernel]:
+    def _build_kernels(
+        self, device: torch.device, storage: Storage | None = None
+    ) -> list[EmbeddingKernel]:
         kernels = []
         for group in self._groups:
             feature_table_map = [i for i, t in enumerate(group) for _ in t.feature_names]
@@ -210,6 +217,7 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
                     group[0].pooling,
                     self.optimizer,
                     device,
+                    storage,
                 )
             )
         return kernels

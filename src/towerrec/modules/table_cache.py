@@ -11,7 +11,7 @@ written back after its read began is read again (its copy would be stale).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -27,17 +27,81 @@ _PROTECTED = torch.iinfo(torch.int64).max
 
 
 class CacheStats:
-    """Lookups of unique rows, and how many of them were in the cache."""
+    """Lookups of unique rows (a lookup's distinct ids), how many of them were in the
+    cache, and the traffic to the backing store: rows read (a prefetch's when it
+    starts, so a prefetched row that a write-back made stale counts again when reread)
+    and rows written back, with their bytes (``record_bytes`` a row)."""
 
-    def __init__(self) -> None:
+    FIELDS = (
+        "lookups",
+        "hits",
+        "train_lookups",
+        "train_hits",
+        "rows_read",
+        "written_back",
+        "prefetched",
+        "bytes_read",
+        "bytes_written",
+    )
+
+    def __init__(self, record_bytes: int = 0) -> None:
+        self.record_bytes = record_bytes
         self.lookups = 0
         self.hits = 0
+        self.train_lookups = 0  # those of training lookups (the rest evaluate)
+        self.train_hits = 0
+        self.rows_read = 0  # rows read from the store, prefetched or in the lookup
         self.written_back = 0
         self.prefetched = 0  # missing rows that came from a prefetch
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    @property
+    def misses(self) -> int:
+        return self.lookups - self.hits
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+    def read(self, rows: int) -> None:
+        self.rows_read += rows
+        self.bytes_read += rows * self.record_bytes
+
+    def written(self, rows: int) -> None:
+        self.written_back += rows
+        self.bytes_written += rows * self.record_bytes
+
+    def counts(self) -> list[int]:
+        """The counters, in ``FIELDS`` order."""
+        return [getattr(self, f) for f in self.FIELDS]
+
+    @classmethod
+    def from_counts(cls, counts: Sequence[int]) -> CacheStats:
+        """Stats holding ``counts`` (``counts()``'s order, e.g. summed over ranks)."""
+        if len(counts) != len(cls.FIELDS):
+            raise ValueError(f"cache counts need {len(cls.FIELDS)} values, got {len(counts)}")
+        out = cls()
+        for name, value in zip(cls.FIELDS, counts, strict=True):
+            setattr(out, name, int(value))
+        return out
+
+    def as_dict(self) -> dict[str, float | int]:
+        """One table's record in a run's summary."""
+        return {
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": round(self.hit_rate, 6),
+            "train_lookups": self.train_lookups,
+            "train_hits": self.train_hits,
+            "train_hit_rate": round(self.train_hits / max(self.train_lookups, 1), 6),
+            "rows_read": self.rows_read,
+            "rows_written_back": self.written_back,
+            "rows_prefetched": self.prefetched,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+        }
 
 
 class TableCache:
@@ -68,7 +132,7 @@ class TableCache:
         self.last_used = torch.zeros(cache_rows, dtype=torch.int64)
         self.uses = torch.zeros(cache_rows, dtype=torch.int64)
         self.clock = 0
-        self.stats = CacheStats()
+        self.stats = CacheStats(store.layout.record_width * 4)
         self._pending: dict[int, _Prefetch] = {}
 
     # --------------------------------------------------------------- prefetch
@@ -77,6 +141,7 @@ class TableCache:
         the lookup that passes ``key`` to ``slots`` takes them."""
         unique = torch.unique(ids)
         missing = unique[self.slot_of[unique] < 0]
+        self.stats.read(missing.numel())
         self._pending[key] = _Prefetch(missing, executor.submit(self.store.read, missing))
 
     def _take_prefetched(
@@ -127,18 +192,23 @@ class TableCache:
         elif key is not None:
             self._pending.pop(key, None)
         self.clock += 1
-        self.last_used[slot] = self.clock
+        # Recency: the lookup's clock, then its rows in id order (no ties: ``_victims``
+        # picks the same rows as an LRU list updated in that order).
+        self.last_used[slot] = (self.clock << 32) + torch.arange(slot.numel())
         self.uses[slot] += 1
         if training:
             self.dirty[slot] = True
         self.stats.lookups += unique.numel()
         self.stats.hits += unique.numel() - missing.numel()
+        if training:
+            self.stats.train_lookups += unique.numel()
+            self.stats.train_hits += unique.numel() - missing.numel()
         return slot[inverse]
 
     def _victims(self, count: int, keep: torch.Tensor) -> torch.Tensor:
         """``count`` slots to reuse: empty ones first, then by the policy, never ``keep``."""
         if self.policy is CachePolicy.LFU:
-            key = (self.uses << 32) + self.last_used
+            key = (self.uses << 32) + (self.last_used >> 32)
         else:
             key = self.last_used.clone()
         key[self.id_of < 0] = -1
@@ -160,12 +230,14 @@ class TableCache:
         """Records of the ``missing`` rows: prefetched ones, the others read now."""
         prefetched = self._take_prefetched(key, missing)
         if prefetched is None:
+            self.stats.read(missing.numel())
             return self.store.read(missing)
         found, records = prefetched
         self.stats.prefetched += int(found.sum())
         out = torch.empty(missing.numel(), self.store.layout.record_width)
         out[found] = records
         if not bool(found.all()):
+            self.stats.read(int((~found).sum()))
             out[~found] = self.store.read(missing[~found])
         return out
 
@@ -175,7 +247,7 @@ class TableCache:
         if bool(write.any()):
             self._written(ids[write])
             self.store.write(ids[write], self._gather(slots[write]))
-            self.stats.written_back += int(write.sum())
+            self.stats.written(int(write.sum()))
         occupied = ids >= 0
         self.slot_of[ids[occupied]] = -1
 
@@ -201,7 +273,7 @@ class TableCache:
         if slots.numel():
             self._written(self.id_of[slots])
             self.store.write(self.id_of[slots], self._gather(slots))
-            self.stats.written_back += slots.numel()
+            self.stats.written(slots.numel())
         self.dirty.zero_()
         self.store.flush()
 

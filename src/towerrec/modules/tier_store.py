@@ -21,12 +21,26 @@ Opening an existing file checks the header: a file written for another table, sh
 or optimizer, or a damaged header, is refused rather than read as rows. A store is
 (re)filled by ``initialize`` (a new run) or a checkpoint load, so a file's rows are
 never trusted across runs; the check guards against two runs sharing a path.
+
+Memory: the SSD store's rows are never all in the process. ``initialize`` writes the
+file with ``pwrite`` in chunks of ``INIT_CHUNK_BYTES`` (the kernel's page cache takes
+them, not the process's mapping), and the pages a training run's reads and
+write-backs map are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
+file mapping keeps its data in the page cache, dirty pages included) once about
+``mapped_limit`` bytes of them may be resident, counting ``ROW_MAP_BYTES`` a row: a
+fault maps the page-cache folio around the row, and with transparent huge pages the
+page cache holds large folios (about 512 KiB a row was measured on a file written
+with ``pwrite``; ``MADV_RANDOM``, set on the mapping, stops read-ahead from disk but
+not this). Reads and writes go in chunks within the limit. The process's resident
+memory thus holds the cache's slots and about ``mapped_limit`` of the file at most,
+whatever the table's size; the page cache, which the kernel reclaims, holds what it can of the rest.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import shutil
 import stat
@@ -42,6 +56,7 @@ import torch
 
 from towerrec.memory import register_parent_only
 from towerrec.modules.cached_config import Backing, TierConfig
+from towerrec.modules.tables import INIT_BLOCK_ROWS
 
 __all__ = [
     "HEADER_BYTES",
@@ -57,6 +72,9 @@ MAGIC = b"TWRSTORE"
 VERSION = 1
 HEADER_BYTES = 4096
 SUFFIX = ".tstore"
+INIT_CHUNK_BYTES = 64 << 20  # initialize's write size (whole init blocks of rows)
+MAPPED_LIMIT_BYTES = 256 << 20  # store pages a process may hold mapped (module doc)
+ROW_MAP_BYTES = 2 << 20  # what one row's page fault may map (module doc)
 
 
 class StoreError(ValueError):
@@ -165,9 +183,13 @@ class HostStore(BackingStore):
 class SsdStore(BackingStore):
     """A memory-mapped file of fixed-size rows (module doc), created if missing."""
 
-    def __init__(self, layout: RowLayout, path: Path) -> None:
+    def __init__(
+        self, layout: RowLayout, path: Path, mapped_limit: int = MAPPED_LIMIT_BYTES
+    ) -> None:
         super().__init__(layout)
         self.path = Path(path)
+        self.mapped_limit = mapped_limit
+        self._mapped = 0  # bytes of pages touched through the mapping since the last drop
         _check_writable(self.path)
         size = HEADER_BYTES + layout.num_embeddings * layout.record_width * 4
         if self.path.exists():
@@ -192,11 +214,71 @@ class SsdStore(BackingStore):
             offset=HEADER_BYTES,
             shape=(layout.num_embeddings, layout.record_width),
         )
+        # Random access: no read-ahead from disk for a missed row.
+        self._map._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
         self._records = torch.from_numpy(self._map)
 
     @property
     def records(self) -> torch.Tensor:
         return self._records
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        step = self._chunk_rows()
+        if rows.numel() <= step:
+            out = super().read(rows)
+            self._touched(rows.numel())
+            return out
+        parts = []
+        for lo in range(0, rows.numel(), step):
+            parts.append(super().read(rows[lo : lo + step]))
+            self._touched(parts[-1].shape[0])
+        return torch.cat(parts)
+
+    def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        step = self._chunk_rows()
+        for lo in range(0, rows.numel(), step):
+            super().write(rows[lo : lo + step], records[lo : lo + step])
+            self._touched(min(step, rows.numel() - lo))
+
+    def _chunk_rows(self) -> int:
+        """Rows one read or write maps at most between two checks of the limit."""
+        return max(1, self.mapped_limit // (2 * ROW_MAP_BYTES))
+
+    def _touched(self, rows: int) -> None:
+        """Count the bytes ``rows`` random rows may have mapped (``ROW_MAP_BYTES`` each);
+        past ``mapped_limit``, drop the mapping's pages (module doc)."""
+        self._mapped += rows * ROW_MAP_BYTES
+        if self._mapped > self.mapped_limit:
+            self.release()
+
+    def release(self) -> None:
+        """Unmap the file's resident pages from this process; the data stays in the page
+        cache (dirty pages are written back by the kernel, or by ``flush``)."""
+        self._map._mmap.madvise(mmap.MADV_DONTNEED)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
+        self._mapped = 0
+
+    @torch.no_grad()
+    def initialize(self, fill_weights: Callable[[torch.Tensor, int, int], None]) -> None:
+        """As ``BackingStore.initialize``, written with ``pwrite`` in large chunks (module
+        doc): the file's pages go to the page cache, not into this process."""
+        self.release()
+        rows, dim = self.layout.num_embeddings, self.layout.embedding_dim
+        width = self.layout.record_width
+        block = max(1, INIT_CHUNK_BYTES // (4 * width * INIT_BLOCK_ROWS)) * INIT_BLOCK_ROWS
+        chunk = torch.zeros(min(block, rows), width)
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            for lo in range(0, rows, block):
+                hi = min(rows, lo + block)
+                part = chunk[: hi - lo]
+                part.zero_()
+                fill_weights(part[:, :dim], lo, hi)
+                data = part.numpy().data.cast("B")
+                offset, done = HEADER_BYTES + lo * width * 4, 0
+                while done < len(data):
+                    done += os.pwrite(fd, data[done:], offset + done)
+        finally:
+            os.close(fd)
 
     def flush(self) -> None:
         self._map.flush()

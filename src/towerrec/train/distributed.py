@@ -26,12 +26,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from towerrec.config import Config
 from towerrec.distributed.block_exchange import GroupExchange
 from towerrec.distributed.comm import CommCodecs, CommStats
+from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, rebuild_ddp, uniform_plan
 from towerrec.distributed.towers import TowerParallelDMT, parallelize_towers, tower_tables
 from towerrec.memory import peak_rss_mb
+from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import fused_embedding_modules
+from towerrec.modules.table_cache import CacheStats
 from towerrec.train.planning import build_plan, plan_tower_layouts
 
 if TYPE_CHECKING:
@@ -238,6 +241,25 @@ class RunContext:
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(parts, padded)
         return torch.cat([part[:n] for part, n in zip(parts, lengths, strict=True)])
+
+    def cache_stats(self, model: nn.Module) -> dict[str, CacheStats]:
+        """The counts of the model's cached tables by table, summed over the ranks (a
+        collective: every rank calls it); empty when no table runs cached."""
+        local: dict[str, list[int]] = {}
+        for module in model.modules():
+            if isinstance(module, CachedEmbeddingBagCollection | ShardedEmbeddingBagCollection):
+                for name, stats in module.cache_stats().items():
+                    counts = local.setdefault(name, [0] * len(CacheStats.FIELDS))
+                    local[name] = [a + b for a, b in zip(counts, stats.counts(), strict=True)]
+        if self.world_size > 1:
+            gathered: list[dict[str, list[int]]] = [{} for _ in range(self.world_size)]
+            dist.all_gather_object(gathered, local)
+            local = {}
+            for part in gathered:
+                for name, counts in part.items():
+                    total = local.setdefault(name, [0] * len(CacheStats.FIELDS))
+                    local[name] = [a + b for a, b in zip(total, counts, strict=True)]
+        return {name: CacheStats.from_counts(local[name]) for name in sorted(local)}
 
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on some rank (a collective: every rank must call it)."""

@@ -1,15 +1,17 @@
 """A run's summary.json: the returned weights' validation and test metrics, the best
-step, throughput, model size, traffic and memory, and a warning when the final
-normalized entropy says the model predicts worse than the click rate alone."""
+step, throughput, model size, traffic and memory, the caches of cached tables, and a
+warning when the final normalized entropy says the model predicts worse than the
+click rate alone."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from towerrec.modules.table_cache import CacheStats
 from towerrec.train.session import Session
 
-__all__ = ["run_summary", "warn_worse_than_base_rate"]
+__all__ = ["cache_summary", "log_cache_stats", "run_summary", "warn_worse_than_base_rate"]
 
 log = logging.getLogger("towerrec")
 
@@ -26,6 +28,7 @@ def run_summary(
     validation metrics (of ``weights_step``), ``test``: their test metrics, if any."""
     s, stopper, model, state = session, session.stopper, session.recommender, session.state
     collisions = model.sparse.collisions()
+    caches = s.ctx.cache_stats(s.model)  # a collective
     return {
         **final,  # validation metrics of the returned weights (the best step's, if restored)
         "oracle_auc": s.oracle_auc,
@@ -58,7 +61,40 @@ def run_summary(
             if s.prune_grow
             else {}
         ),
+        **({"cache": cache_summary(caches)} if caches else {}),
     }
+
+
+def cache_summary(stats: dict[str, CacheStats]) -> dict[str, Any]:
+    """The summary's ``cache``: each cached table's lookups of distinct rows, hits, misses,
+    hit rate and backing-store traffic over the run (training and evaluation lookups;
+    ``train_*`` of the training lookups alone; summed over ranks; a resumed run counts
+    from its resume), and their total."""
+    total = CacheStats.from_counts(
+        [sum(col) for col in zip(*(s.counts() for s in stats.values()), strict=True)]
+    )
+    return {"tables": {name: s.as_dict() for name, s in stats.items()}, "total": total.as_dict()}
+
+
+def log_cache_stats(summary: dict[str, Any]) -> None:
+    """One line per cached table (the summary's ``cache``), then the total."""
+    cache = summary.get("cache")
+    if not cache:
+        return
+    for name, c in [*cache["tables"].items(), ("(all)", cache["total"])]:
+        log.info(
+            "cache %s: hit rate %.2f%% (%d of %d rows looked up; training %.2f%%), %d rows "
+            "read (%.1f MiB), %d written back (%.1f MiB)",
+            name,
+            100 * c["hit_rate"],
+            c["hits"],
+            c["lookups"],
+            100 * c["train_hit_rate"],
+            c["rows_read"],
+            c["bytes_read"] / 2**20,
+            c["rows_written_back"],
+            c["bytes_written"] / 2**20,
+        )
 
 
 def warn_worse_than_base_rate(ne: float, samples: int, train_rows: int | None) -> None:

@@ -36,7 +36,7 @@ from towerrec.train.pu_prior import resolve_objective
 from towerrec.train.sampled import BatchSamples, sampled_train_step
 from towerrec.train.session import Session, set_up
 from towerrec.train.step import evaluate, set_learning_rates, train_step
-from towerrec.train.summary import run_summary, warn_worse_than_base_rate
+from towerrec.train.summary import log_cache_stats, run_summary, warn_worse_than_base_rate
 
 __all__ = ["evaluate", "train", "train_step"]  # the step's two re-exported with the loop
 
@@ -137,6 +137,7 @@ def train(
     if prior_estimate is not None:  # loss.class_prior = "estimate"
         summary["class_prior_estimate"] = prior_estimate.as_dict()
     run.write_summary(summary)
+    log_cache_stats(summary)
     run.plot_curves(session.oracle_auc)
     run.close()
     if final and final["ne"] >= 1 and session.ctx.is_main:

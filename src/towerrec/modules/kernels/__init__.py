@@ -56,7 +56,7 @@ from towerrec.modules.kernels.base import (
     TableSpec,
 )
 from towerrec.modules.kernels.fbgemm_kernel import FbgemmKernel
-from towerrec.modules.kernels.torch_kernel import TorchKernel
+from towerrec.modules.kernels.torch_kernel import Storage, TorchKernel
 from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 
@@ -66,6 +66,7 @@ __all__ = [
     "FbgemmKernel",
     "RowwiseStep",
     "RowwiseSync",
+    "Storage",
     "TableSpec",
     "TorchKernel",
     "auto_backend",
@@ -83,9 +84,17 @@ def build_kernel(
     pooling: Pooling,
     optimizer: EmbeddingOptimizerConfig,
     device: torch.device,
+    storage: Storage | None = None,
 ) -> EmbeddingKernel:
+    """The kernel of ``backend`` for ``tables``; ``storage``: the tensors it trains in
+    place of zero-filled ones (``TorchKernel``; the torch backend only)."""
     dims = [t.embedding_dim for t in tables]
-    cls = {Backend.TORCH: TorchKernel, Backend.FBGEMM: FbgemmKernel}[
-        resolve_backend(backend, device, optimizer.kind, dims, optimizer.weight_decay)
-    ]
-    return cls(tables, feature_table_map, pooling, optimizer, device)
+    kind = resolve_backend(backend, device, optimizer.kind, dims, optimizer.weight_decay)
+    if kind is Backend.TORCH:
+        return TorchKernel(tables, feature_table_map, pooling, optimizer, device, storage)
+    if storage is not None:
+        raise ValueError(
+            "embedding storage (tables in given tensors, e.g. memory-mapped files) needs "
+            "the torch backend; set embedding.backend = 'torch'"
+        )
+    return FbgemmKernel(tables, feature_table_map, pooling, optimizer, device)

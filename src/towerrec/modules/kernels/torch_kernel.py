@@ -3,7 +3,7 @@ exact sparse update (sort + segment-sum) in a custom autograd function."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,8 @@ from towerrec.modules.kernels.base import (
 )
 from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import EmbeddingOptimizerConfig, sparse_update
+
+Storage = Callable[[str, tuple[int, ...]], torch.Tensor]
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -64,7 +66,12 @@ class _FusedLookup(torch.autograd.Function):
 
 
 class TorchKernel(EmbeddingKernel):
-    """Pure-PyTorch fused kernel: runs wherever PyTorch runs (CPU, CUDA)."""
+    """Pure-PyTorch fused kernel: runs wherever PyTorch runs (CPU, CUDA).
+
+    ``storage(name, shape)``, if given, supplies the weight (``"weight"``) and each
+    optimizer state in place of zero-filled tensors (e.g. memory-mapped files; its
+    tensors must be float32, contiguous, of ``shape`` and on ``device``).
+    """
 
     def __init__(
         self,
@@ -73,12 +80,31 @@ class TorchKernel(EmbeddingKernel):
         pooling: Pooling,
         optimizer: EmbeddingOptimizerConfig,
         device: torch.device,
+        storage: Storage | None = None,
     ) -> None:
         super().__init__(tables, feature_table_map, pooling, optimizer, device)
         dim = self.embedding_dim
-        self.weight = torch.zeros(self.row_offsets[-1], dim, device=self.device)
+
+        def allocate(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if storage is None:
+                return torch.zeros(shape, device=self.device)
+            out = storage(name, shape)
+            if (
+                tuple(out.shape) != shape
+                or out.dtype != torch.float32
+                or out.device != self.device
+                or not out.is_contiguous()
+            ):
+                raise ValueError(
+                    f"embedding storage for {name!r} must be a contiguous float32 tensor of "
+                    f"shape {shape} on {self.device}, got {out.dtype} {tuple(out.shape)} on "
+                    f"{out.device}"
+                )
+            return out
+
+        self.weight = allocate("weight", (self.row_offsets[-1], dim))
         self.state = {
-            name: torch.zeros((self.row_offsets[-1], *shape[1:]), device=self.device)
+            name: allocate(name, (self.row_offsets[-1], *shape[1:]))
             for name, shape in optimizer.kind.state_shapes(1, dim).items()
             if shape  # not the step (``iteration``)
         }

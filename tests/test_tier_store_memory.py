@@ -1,0 +1,79 @@
+"""The SSD store keeps its rows out of the process: initialised with chunked ``pwrite``
+(the same rows as the in-memory init), its mapped pages dropped past ``mapped_limit``
+without losing a row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from towerrec.modules import tier_store
+from towerrec.modules.tables import TableConfig, fill_table_block
+from towerrec.modules.tier_store import HEADER_BYTES, HostStore, RowLayout, SsdStore
+
+LAYOUT = RowLayout("t", 40_000, 8, (("momentum", 1),))
+TABLE = TableConfig("t", 40_000, 8)
+
+
+def fill(out: torch.Tensor, lo: int, hi: int) -> None:
+    fill_table_block(out, TABLE, 5, rows=(lo, hi))
+
+
+def file_rows(path: Path) -> np.ndarray:
+    data = np.fromfile(path, dtype=np.float32, offset=HEADER_BYTES)
+    return data.reshape(LAYOUT.num_embeddings, LAYOUT.record_width)
+
+
+def mapped_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_chunked_init_writes_the_rows_of_the_in_memory_init(tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_store, "INIT_CHUNK_BYTES", 1)  # one init block per write
+    host = HostStore(LAYOUT)
+    host.initialize(fill)
+    ssd = SsdStore(LAYOUT, tmp_path / "t.tstore")
+    ssd.records[:] = 7.0  # a run's leftovers: initialize overwrites every row
+    ssd.flush()
+    ssd.initialize(fill)
+    assert torch.equal(ssd.records, host.records)
+    assert np.array_equal(file_rows(ssd.path), host.records.numpy())
+    assert host.records[:, 8].eq(0).all() and host.records[:, :8].ne(0).any()
+
+
+def test_dropped_pages_lose_no_row(tmp_path):
+    store = SsdStore(LAYOUT, tmp_path / "t.tstore", mapped_limit=64 << 10)
+    store.initialize(fill)
+    expected = store.records.clone()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        rows = torch.randperm(LAYOUT.num_embeddings, generator=gen)[:500]
+        records = torch.randn(500, LAYOUT.record_width, generator=gen)
+        store.write(rows, records)
+        expected[rows] = records
+        assert torch.equal(store.read(rows), records)
+    assert torch.equal(store.records, expected)
+    store.flush()
+    assert np.array_equal(file_rows(store.path), expected.numpy())
+
+
+def test_pages_past_the_limit_leave_the_process(tmp_path):
+    store = SsdStore(LAYOUT, tmp_path / "t.tstore", mapped_limit=2 << 20)  # one row's worth
+    store.initialize(fill)
+    assert mapped_kib(store.path) == 0  # written with pwrite, not through the mapping
+    store.read(torch.arange(0, 40_000, 16))  # 2,500 rows: dropped every second row
+    assert mapped_kib(store.path) <= 4 * 1024
+    store.release()
+    assert mapped_kib(store.path) == 0
+    store.read(torch.tensor([7]))  # one row: within the limit, still mapped
+    assert mapped_kib(store.path) > 0
