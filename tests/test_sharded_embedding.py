@@ -110,8 +110,8 @@ def _measured_and_expected_bytes(topology, wire):
             continue
         keys = sum(owner[f] == peer for f in features)
         sent = 5 * 8  # the count exchange: 5 int64 per peer
-        if keys:  # header of 1 + 3 int32 per key, one-byte lengths, ids (< 256) of 1 byte
-            sent += 4 * (1 + 3 * keys) + keys * batch
+        if keys:  # header of 3 + 3 int32 per key, one-byte lengths, ids (< 256) of 1 byte
+            sent += 4 * (3 + 3 * keys) + keys * batch
             # deduplicated (forced: it saves nothing with one-byte ids): 3 unique ids and a
             # one-byte index per id; else every id
             sent += keys * (3 + batch) if wire is DEDUP else keys * batch
