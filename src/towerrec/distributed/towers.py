@@ -305,12 +305,16 @@ class TowerParallelDMT(nn.Module):
         (``input_dist_start``, then ``dense_dist``, without compute between them)."""
         flight = self.input_dist_start(features)
         batches = self.input_dist_batches(flight)
-        x_peer = None
-        if self.use_dense:
-            if x is None:
-                raise ValueError("tower_dense needs the bottom output x")
-            x_peer = self.dense_dist(x, batches)
+        x_peer = self._peer_dense(x, batches)
         return self.input_dist_finish(flight), x_peer, batches
+
+    def _peer_dense(self, x: torch.Tensor | None, batches: Sequence[int]) -> torch.Tensor | None:
+        """The peer batch's x under ``tower_dense`` (``dense_dist``), else None."""
+        if not self.use_dense:
+            return None
+        if x is None:
+            raise ValueError("tower_dense needs the bottom output x")
+        return self.dense_dist(x, batches)
 
     # ------------------------------------------------------------ (d) output
     def output_dist(self, out: torch.Tensor, batches: Sequence[int]) -> list[torch.Tensor]:
@@ -336,11 +340,7 @@ class TowerParallelDMT(nn.Module):
         flight = self.input_dist_start(sparse)
         x = self.bottom(dense) if self.bottom is not None else None
         batches = self.input_dist_batches(flight)
-        x_peer = None
-        if self.use_dense:
-            if x is None:
-                raise ValueError("tower_dense needs the bottom output x")
-            x_peer = self.dense_dist(x, batches)
+        x_peer = self._peer_dense(x, batches)
         local = self.input_dist_finish(flight)
         embeddings = self.sparse(local).stacked().index_select(1, self.tower_order)
         out = self.tower(embeddings, x_peer)  # [sum_h B_h, K_t, D]
