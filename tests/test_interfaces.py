@@ -2,6 +2,8 @@
 above the collections reach them through those interfaces, not attribute probes."""
 
 import ast
+import inspect
+import typing
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import uniform_plan
 from towerrec.distributed.towers import TowerEmbeddingBagCollection, TowerParallelDMT
-from towerrec.models.interfaces import RecommendationModel
+from towerrec.models.interfaces import RecommendationModel, RepresentationModel
 from towerrec.modules.compact import CompactConfig, CompactEmbeddingCollection
 from towerrec.modules.embedding_bag import (
     EmbeddingBagCollection,
@@ -35,6 +37,21 @@ from towerrec.train.build import build_model
 
 SRC = Path(__file__).parent.parent / "src" / "towerrec"
 TABLES = [TableConfig("t0", 40, 4, ("f0",)), TableConfig("t1", 60, 4, ("f1",))]
+
+
+def conforms(obj: object, protocol: type) -> bool:
+    """``isinstance(obj, protocol)`` as Python 3.12+ decides it, on any Python: every
+    member found by ``inspect.getattr_static`` (which does not see an ``nn.Module``'s
+    registered submodules, parameters or buffers)."""
+    members = getattr(protocol, "__protocol_attrs__", None)  # 3.12+
+    if members is None:
+        members = typing._get_protocol_attrs(protocol)  # type: ignore[attr-defined]
+    for member in members:
+        try:
+            inspect.getattr_static(obj, member)
+        except AttributeError:
+            return False
+    return isinstance(obj, protocol)
 
 
 def _features(seed: int = 0, batch: int = 5) -> KeyedJaggedTensor:
@@ -73,7 +90,7 @@ COLLECTIONS = {
 @pytest.mark.parametrize("name", sorted(COLLECTIONS))
 def test_every_collection_is_a_pooled_collection_with_one_path(name):
     collection = COLLECTIONS[name]()
-    assert isinstance(collection, PooledEmbeddingCollection)
+    assert conforms(collection, PooledEmbeddingCollection)
     features = _features()
     with torch.no_grad():
         direct = collection(features)
@@ -90,7 +107,7 @@ def test_fused_and_prefetching_collections():
     assert isinstance(sharded, FusedEmbeddingCollection)
     assert not isinstance(compact, FusedEmbeddingCollection)  # its inner collection is
     assert [n for n, _ in fused_embedding_modules(compact)] == ["inner"]
-    assert isinstance(sharded, PrefetchingCollection)
+    assert conforms(sharded, PrefetchingCollection)
     assert not isinstance(plain, PrefetchingCollection)
     assert issubclass(TowerEmbeddingBagCollection, ShardedEmbeddingBagCollection)
     # Full tables: no hashing, no dense compute of their own; the sharded twin says the same.
@@ -132,8 +149,10 @@ def test_every_model_is_a_recommendation_model(name):
     config = load_config("configs/quick.toml", [f"model.name={model_name}", *MODELS[name]])
     source = SyntheticSource(config.data.synthetic)
     model = build_model(config, source.schema, torch.device("cpu"))
-    assert isinstance(model, RecommendationModel)
-    assert isinstance(model.sparse, PooledEmbeddingCollection)
+    assert conforms(model, RecommendationModel)  # the trainer checks it
+    assert conforms(model.sparse, PooledEmbeddingCollection)
+    if model_name == "dlrm":
+        assert conforms(model, RepresentationModel)  # contrastive losses, distillation
     assert model.num_dense_parameters() == sum(p.numel() for _, p in dense_parameters(model))
     assert model.flops_per_sample() > 0
     batch = next(source.train_batches(8))
@@ -146,13 +165,14 @@ def test_the_tower_parallel_dmt_declares_the_model_interface():
     trainer checks it is a ``RecommendationModel``); its class declares the methods."""
     for member in ("forward", "flops_per_sample", "num_dense_parameters"):
         assert callable(getattr(TowerParallelDMT, member))
+    assert isinstance(inspect.getattr_static(TowerParallelDMT, "sparse"), property)
 
 
 def test_every_source_is_a_data_source_with_an_oracle_or_none():
     synthetic = SyntheticSource(SyntheticConfig(eval_samples=64))
     columns = ColumnSource(load_movielens(bundled_movielens_path()))
     for source in (synthetic, columns):
-        assert isinstance(source, DataSource)
+        assert conforms(source, DataSource)
     labels, probs = synthetic.eval_oracle()
     assert labels.shape == probs.shape == (64,)
     assert synthetic.train_rows is None and list(synthetic.test_batches(8)) == []

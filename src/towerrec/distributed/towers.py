@@ -66,6 +66,7 @@ from towerrec.distributed.parallelize import (
     uniform_plan,
 )
 from towerrec.models.dmt import DMT, TowerModule
+from towerrec.models.interfaces import SparseArchModel
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
 from towerrec.sharding import TOWER_SHARDINGS, ShardingPlan, ShardingType, plan_table
@@ -159,13 +160,15 @@ class TowerEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         return self.total_embedding_parameters
 
 
-class TowerParallelDMT(nn.Module):
+class TowerParallelDMT(SparseArchModel):
     """The DMT of this rank under SPTT (module doc); ``forward(dense [B, F], sparse) -> [B]``.
 
     Made by ``parallelize_towers`` on every rank. Parameter and state-dict names
     are the single-device DMT's (``bottom.*``, ``towers.<t>.*``, ``top.*``,
     ``sparse.embedding_bags.<table>.*``): host t holds tower t only.
     """
+
+    tower_order: torch.Tensor  # a buffer: this tower's features' places in the lookup
 
     def __init__(
         self,
@@ -482,7 +485,7 @@ def parallelize_towers(
             dense_stats,
             dense_allreduce=dense_allreduce,
             groups=groups,
-            ignored_modules=[parallel.sparse, parallel.towers],
+            ignored_modules=[parallel.get_submodule("sparse"), parallel.towers],
         )
         if per_host > 1 and any(True for _ in parallel.tower.parameters()):
             replicate_counted(parallel.tower, topology, dense_stats, ddp_group)

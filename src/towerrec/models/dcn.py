@@ -34,6 +34,7 @@ from towerrec.models.common import (
     count_dense_parameters,
     shared_embedding_dim,
 )
+from towerrec.models.interfaces import SparseArchModel
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -87,7 +88,7 @@ class CrossNetwork(nn.Module):
         return x
 
 
-class DCN(nn.Module):
+class DCN(SparseArchModel):
     """DCNv2 over an embedding collection whose features all have one dim D."""
 
     def __init__(

@@ -39,6 +39,7 @@ from towerrec.models.common import (
     count_dense_parameters,
     shared_embedding_dim,
 )
+from towerrec.models.interfaces import SparseArchModel
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
@@ -47,7 +48,7 @@ from towerrec.sparse import KeyedJaggedTensor
 __all__ = ["DLRM"]
 
 
-class DLRM(nn.Module):
+class DLRM(SparseArchModel):
     """DLRM over an embedding collection whose features all have one dim D.
 
     ``sparse`` is any ``PooledEmbeddingCollection`` (``modules/interfaces.py``): the

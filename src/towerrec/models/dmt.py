@@ -52,6 +52,7 @@ from towerrec.models.common import (
     count_dense_parameters,
     shared_embedding_dim,
 )
+from towerrec.models.interfaces import SparseArchModel
 from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
@@ -250,7 +251,7 @@ class TowerModule(nn.Module):
         return self.projection(mixed).view(-1, self.num_outputs, self.dim)
 
 
-class DMT(nn.Module):
+class DMT(SparseArchModel):
     """DMT over an embedding collection whose features all have one dim D (module doc).
 
     ``partition`` lists the feature names of each tower (every feature of

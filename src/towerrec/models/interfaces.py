@@ -2,12 +2,12 @@
 
 Implementations: ``DLRM``, ``DCN``, ``Wukong``, ``DMT`` (single device, also
 after ``parallelize``, which swaps their collection for its sharded twin) and
-``TowerParallelDMT`` (``distributed/towers.py``).
+``TowerParallelDMT`` (``distributed/towers.py``), each a ``SparseArchModel``.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from torch import nn
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.sparse import KeyedJaggedTensor
 
-__all__ = ["RecommendationModel", "RepresentationModel"]
+__all__ = ["RecommendationModel", "RepresentationModel", "SparseArchModel"]
 
 
 @runtime_checkable
@@ -50,3 +50,29 @@ class RepresentationModel(Protocol):
     def representation_module(self) -> nn.Module:
         """The module whose first input is the representation ``[B, R]``."""
         ...
+
+
+class SparseArchModel(nn.Module):
+    """A model whose embedding collection is its submodule ``sparse``, reached through a
+    property of the class.
+
+    From Python 3.12 ``isinstance`` against a runtime-checkable protocol looks members
+    up with ``inspect.getattr_static``, which does not see an ``nn.Module``'s registered
+    submodules: a model holding ``sparse`` as a plain submodule is no
+    ``RecommendationModel`` there. The property makes the member part of the class.
+    """
+
+    @property
+    def sparse(self) -> PooledEmbeddingCollection:
+        collection = self._modules.get("sparse")
+        if collection is None:
+            raise AttributeError(f"{type(self).__name__} has no embedding collection yet")
+        return cast(PooledEmbeddingCollection, collection)
+
+    @sparse.setter
+    def sparse(self, collection: PooledEmbeddingCollection) -> None:
+        # ``nn.Module.__setattr__`` registers a module itself; only other values get here.
+        raise TypeError(
+            f"{type(self).__name__}.sparse must be an nn.Module embedding collection, got "
+            f"{type(collection).__name__}"
+        )

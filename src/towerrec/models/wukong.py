@@ -37,6 +37,7 @@ from towerrec.models.common import (
     count_dense_parameters,
     shared_embedding_dim,
 )
+from towerrec.models.interfaces import SparseArchModel
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
@@ -138,7 +139,7 @@ class WukongLayer(nn.Module):
         return self.norm(out + skip)
 
 
-class Wukong(nn.Module):
+class Wukong(SparseArchModel):
     """Wukong over an embedding collection whose features all have one dim D."""
 
     def __init__(
