@@ -471,6 +471,26 @@ def test_bench_tiers_on_ranks_refuses_what_it_cannot_run(extra, match):
         BENCHMARKS["tiers"].run(args)
 
 
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--device", "mps"], r"--device 'mps': use cpu or cuda"),
+        pytest.param(
+            ["--device", "cuda"],
+            r"--device cuda needs a CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present"),
+        ),
+    ],
+)
+def test_bench_tiers_refuses_a_device_it_cannot_train_on(extra, match):
+    from towerrec.cli.bench import BENCHMARKS
+
+    parser = __import__("argparse").ArgumentParser()
+    BENCHMARKS["tiers"].add_arguments(parser)
+    with pytest.raises(ValueError, match=match):
+        BENCHMARKS["tiers"].run(parser.parse_args(extra))
+
+
 def test_bench_tiers_gives_each_rank_its_slice_of_the_global_batch():
     from towerrec.bench.tiers import _rank_part
     from towerrec.data.batch import Batch

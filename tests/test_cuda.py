@@ -1,22 +1,29 @@
 """The same code on a CUDA device: skipped where no GPU is present (CI has none).
 
-Each check compares the CUDA run with the CPU run of the same model and data.
+Each check compares the CUDA run with the CPU run of the same model and data, or (cached
+tables) with the same model holding every table in GPU memory.
 """
 
 import json
 
 import pytest
+import test_cached_embedding as cached_tests
+import test_kv_store as kv_tests
 import torch
 from test_embedding import TABLES, random_batch, train_steps
 
 from towerrec.config import load_config
+from towerrec.data.batch import Batch
 from towerrec.data.synthetic import SyntheticSource
+from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.train import trainer
 from towerrec.train.build import build_dense_optimizer, build_model
+from towerrec.train.pipeline import pipelined
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = torch.device("cuda")
 
 
 @pytest.mark.parametrize("kind", ["rowwise_adagrad", "adagrad", "sgd"])
@@ -111,3 +118,143 @@ def test_quick_run_on_cuda(tmp_path):
     assert summary["device"].startswith("cuda")
     assert 0.5 < summary["auc"] <= summary["oracle_auc"] + 0.02
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 60
+
+
+# ------------------------------------------------- cached tables: slot tables on the GPU
+def _train_step(collection, features):
+    """``test_cached_embedding.train_step`` with its loss's weights on the output's device."""
+    pooled = collection(features).values()
+    weights = torch.arange(pooled.numel(), device=pooled.device).view_as(pooled).sin()
+    (pooled * weights).sum().backward()
+    return pooled.detach()
+
+
+def _same_tables_on_host(reference, collection):
+    """``cached_tests.assert_same_tables`` for collections on different devices."""
+    ref_w, got_w = reference.table_weights(), collection.table_weights()
+    assert ref_w.keys() == got_w.keys()
+    for name in ref_w:
+        assert torch.equal(ref_w[name].cpu(), got_w[name].cpu()), name
+    ref_s, got_s = reference.optimizer_state_dict(), collection.optimizer_state_dict()
+    assert ref_s.keys() == got_s.keys()
+    for key in ref_s:
+        assert torch.equal(ref_s[key].cpu(), got_s[key].cpu()), key
+
+
+@pytest.mark.parametrize("backing", ["host", "ssd"])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("backend", ["torch", "fbgemm"])
+def test_cached_training_on_cuda_equals_gpu_memory_bit_for_bit(tmp_path, backing, policy, backend):
+    """The cache in GPU memory over host or SSD stores: 50 steps with misses and
+    write-backs every step equal the tables held whole in GPU memory, bit for bit."""
+    if backend == "fbgemm":
+        pytest.importorskip("fbgemm_gpu")
+    reference = EmbeddingBagCollection(cached_tests.TABLES, backend=backend, seed=3, device=CUDA)
+    collection = cached_tests.cached(tmp_path, backing, policy, backend=backend, c=TierConfig()).to(
+        CUDA
+    )
+    assert set(collection.caches) == {"a", "b"}
+    assert all(w.is_cuda for w in collection._inner.table_weights().values())  # the slots
+    misses = {name: 0 for name in collection.caches}
+    for step, features in enumerate(cached_tests.batches(50)):
+        features = features.to(CUDA)
+        expected = _train_step(reference, features)
+        got = _train_step(collection, features)
+        assert got.is_cuda and torch.equal(expected, got), step
+        for name, stats in collection.cache_stats().items():
+            assert stats.misses > misses[name], f"no miss in {name} at {step}"
+            misses[name] = stats.misses
+    assert all(s.written_back > 0 for s in collection.cache_stats().values())
+    _same_tables_on_host(reference, collection)
+    with torch.no_grad():  # evaluation after training: the same pooled values
+        for features in cached_tests.batches(3, seed=9):
+            features = features.to(CUDA)
+            assert torch.equal(reference(features).values(), collection(features).values())
+
+
+def test_cached_prefetch_on_cuda_equals_gpu_memory(tmp_path):
+    """The training pipeline's background read of the next batch's misses, with batches
+    on the GPU and evaluations between steps that evict rows read ahead."""
+    reference = EmbeddingBagCollection(cached_tests.TABLES, backend="torch", seed=3, device=CUDA)
+    collection = cached_tests.cached(tmp_path, "ssd", c=TierConfig()).to(CUDA)
+    model = torch.nn.Sequential(collection)
+    batch = cached_tests.BATCH
+    stream = (
+        Batch(torch.zeros(batch, 1), f, torch.zeros(batch)).to(CUDA)
+        for f in cached_tests.batches(40)
+    )
+    for step, b in enumerate(pipelined(model, stream)):
+        expected = _train_step(reference, b.sparse)
+        assert torch.equal(expected, _train_step(collection, b.sparse)), step
+        if step % 3 == 0:
+            with torch.no_grad():
+                (features,) = cached_tests.batches(1, seed=100 + step, batch=64)
+                features = features.to(CUDA)
+                assert torch.equal(reference(features).values(), collection(features).values())
+    assert all(s.prefetched > 0 for s in collection.cache_stats().values())
+    _same_tables_on_host(reference, collection)
+
+
+def test_kv_tables_on_cuda_equal_a_host_cache(tmp_path):
+    """Kv stores under slot tables on the GPU: the same as a host-backed cache started
+    from the same per-row init, on the GPU too."""
+    host = kv_tests.collection("host", tmp_path)
+    kv_tests.init_host_per_row(host)
+    host, kv = host.to(CUDA), kv_tests.collection("kv", tmp_path / "kv").to(CUDA)
+    for step, features in enumerate(kv_tests.batches(30)):
+        features = features.to(CUDA)
+        expected, got = _train_step(host, features), _train_step(kv, features)
+        assert torch.equal(expected, got), step
+    assert all(s.written_back > 0 for s in kv.cache_stats().values())
+
+
+def test_cached_run_on_cuda_resumes_and_equals_the_gpu_memory_run(tmp_path):
+    """`towerrec train` on the GPU with SSD-cached tables, stopped at step 6 and resumed,
+    ends with the checkpoint and AUC of an uninterrupted run with the tables in GPU
+    memory."""
+    from test_trainer import final_state
+
+    base = [*cached_tests.RESUME, "train.device=cuda"]
+    in_memory = load_config(None, base)
+    cached_run = load_config(
+        None,
+        [
+            *base,
+            "embedding.memory=cached",
+            "embedding.cache_fraction=0.1",
+            "embedding.cache_min_rows=100",
+            "embedding.backing=ssd",
+            f"embedding.backing_path={tmp_path / 'store'}",
+        ],
+    )
+    full = trainer.train(in_memory, tmp_path / "full")
+    trainer.train(cached_run, tmp_path / "split", stop_after=6)
+    resumed = trainer.train(cached_run, tmp_path / "split", resume=True)
+    assert resumed["device"].startswith("cuda") and resumed["steps"] == 16
+    assert resumed["cache"]["total"]["rows_written_back"] > 0
+    a = final_state(tmp_path / "full", in_memory)
+    b = final_state(tmp_path / "split", in_memory)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["auc"] == full["auc"]
+
+
+def test_movielens_cached_on_cuda_equals_gpu_memory(tmp_path):
+    """The bundled MovieLens on the GPU: the user and movie tables cached at 30% over
+    host memory end with the in-memory run's metrics exactly."""
+    sets = ["train.device=cuda", "train.steps=40", "train.eval_every=0", "train.progress=false"]
+    summaries = {}
+    for name, extra in {
+        "memory": [],
+        "cached": [
+            "embedding.memory=cached",
+            "embedding.cache_fraction=0.3",
+            "embedding.cache_min_rows=1000",
+        ],
+    }.items():
+        config = load_config("configs/movielens.toml", [*sets, *extra])
+        summaries[name] = trainer.train(config, tmp_path / name)
+    assert summaries["cached"]["cache"]  # tables were cached
+    for key in ("auc", "logloss", "ne"):
+        assert summaries["cached"][key] == summaries["memory"][key], key

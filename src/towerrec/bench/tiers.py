@@ -41,6 +41,13 @@ of the cached shards' misses alone; samples/s is the global batch over the slowe
 rank's median (and mean) step, the cache counts are summed over the ranks, and
 ``ranks`` holds each rank's own.
 
+``--device cuda`` (one process) trains on the GPU: ``device`` holds every table in
+GPU memory, the cached variants hold their slot tables there over the same host or
+SSD stores (the id -> slot maps in host memory, only missing and evicted rows
+crossing to and from the GPU); each step is timed to its end on the GPU
+(``torch.cuda.synchronize``), batches are copied to the GPU as the trainer does, and
+``gpu_peak_mb`` is each variant's peak of GPU memory allocated.
+
 The variants run one after another (holding every layout at once would need
 several copies of the tables), ``--rounds`` times in turn; each reports its
 best round (on a shared machine other tenants only slow a round down; the
@@ -165,10 +172,15 @@ def _run_variant(
     schema: DataSchema,
     path: Path,
     topology: Topology | None = None,
+    device: torch.device | None = None,
 ) -> dict:
     """One variant's run; on a rank of ``--nproc`` (``topology``), the model sharded and
     the step times and counts this rank's (``_combine_ranks`` joins them)."""
     config = load_config(None, _overrides(args, rows, variant, path))
+    device = device or torch.device("cpu")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     reads_ahead = variant in ("host", "ssd", "kv")
     if variant == "mmap":
@@ -181,12 +193,12 @@ def _run_variant(
         assert isinstance(sparse, EmbeddingBagCollection)  # build_model's, not compact
         model = parallelize(model, mesh, uniform_plan(sparse.tables, topology, args.sharding))
     else:
-        model = build_model(config, schema, torch.device("cpu"))
+        model = build_model(config, schema, device)
     optimizer = build_dense_optimizer(config.optimizer, model)
     build_s = time.perf_counter() - start
     if args.cold:
         _drop_page_cache(model)
-    stream: Iterator[Batch] = iter(batches)
+    stream: Iterator[Batch] = (b.to(device, non_blocking=True) for b in batches)
     if topology is not None:
         stream = pipelined(model, stream)  # every variant: input_dist one step ahead
         for _, module in fused_embedding_modules(model):
@@ -205,6 +217,8 @@ def _run_variant(
             counts = _counters(caches)
         t0 = time.perf_counter()
         train_step(model, optimizer, batch)
+        if cuda:
+            torch.cuda.synchronize(device)  # the step's end on the GPU
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
         rss = max(rss, current_rss_mb())
@@ -220,6 +234,8 @@ def _run_variant(
         "peak_rss_mb": round(peak, 1),
         "peak_rss_fraction": round(peak / table_mb, 4),
     }
+    if cuda:
+        out["gpu_peak_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     if caches and counts is not None:
         now = _counters(caches)
         lookups, hits = now[0] - counts[0], now[1] - counts[1]
@@ -441,6 +457,17 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
         raise ValueError(f"--variants {unknown} unknown; choose from {', '.join(VARIANTS)}")
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    device = torch.device(args.device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device!r}: use cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda needs a CUDA device, and torch sees none")
+        if args.nproc > 1 or "mmap" in variants:
+            raise ValueError(
+                "--device cuda runs one process and no mmap variant (the page-cache baseline "
+                "trains in host memory); drop --nproc and mmap"
+            )
     if args.nproc > 1:
         other = sorted(set(variants) - set(SHARDED_VARIANTS))
         if other:
@@ -467,9 +494,13 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
                     runs[variant].append(_combine_ranks(args, [r[variant][i] for r in per_rank]))
         else:
             batches, schema = _batches(args, rows)
+            if device.type == "cuda":
+                batches = [b.pin_memory() for b in batches]  # page-locked, as the loader's
             for _ in range(args.rounds):
                 for variant in variants:
-                    out = _run_variant(args, rows, variant, batches, schema, path / variant)
+                    out = _run_variant(
+                        args, rows, variant, batches, schema, path / variant, device=device
+                    )
                     out.pop("step_s")
                     runs[variant].append(out)
                     gc.collect()  # the variant's tables (a cache holds cycles back to it)
@@ -498,6 +529,7 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
     return {
         "benchmark": "tiers",
         "machine": machine_info(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "loadavg_start": loadavg_start,
         "loadavg": os.getloadavg(),
         "table_gib": round(sum(rows) * row_bytes / 2**30, 3),
@@ -548,6 +580,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=1, help="run the variants N times in turn")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--nproc", type=int, default=1, help="gloo ranks (sharded tables)")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda: train on the GPU (slot tables in its memory)"
+    )
     parser.add_argument(
         "--sharding",
         default="table_wise",

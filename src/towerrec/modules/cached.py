@@ -281,8 +281,9 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         values = apply_id_policy(
             features, self._rows_per_feature.to(features.values().device), self.id_policy
         )
+        ids = _HostIds(features, values)
         batch = features.stride()
-        if not torch.is_grad_enabled() and batch > 1 and not self._fits(features, values):
+        if not torch.is_grad_enabled() and batch > 1 and not self._fits(ids):
             # A lookup that trains nothing (evaluation) may be split by samples until
             # each part's rows fit the caches; a training batch must fit whole.
             half = batch // 2
@@ -294,7 +295,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
                 self.embedding_dims,
                 torch.cat([p.values() for p in parts]),
             )
-        values = self._to_slots(features, values)
+        values = self._to_slots(ids).to(values.device)
         slotted = KeyedJaggedTensor(
             features.keys(),
             values,
@@ -322,41 +323,38 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         values = apply_id_policy(
             features, self._rows_per_feature.to(features.values().device), self.id_policy
         )
+        ids = _HostIds(features, values)
         for name, cache in self.caches.items():
-            cache.prefetch(key, self._table_ids(name, features, values)[0], self._prefetcher)
+            cache.prefetch(key, self._table_ids(name, ids)[0], self._prefetcher)
         return key
 
     def use_prefetched(self, key: int) -> None:
         """The next forward's batch is the one prefetched under ``key``."""
         self._next_key = key
 
-    def _table_ids(
-        self, name: str, features: KeyedJaggedTensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """The ids of cached table ``name`` in ``values`` (CPU int64) and their spans."""
-        batch, offsets = features.stride(), features.offsets()
-        spans = [
-            (int(offsets[f * batch]), int(offsets[(f + 1) * batch]))
-            for f in self._cached_features[name]
-        ]
-        return torch.cat([values[lo:hi] for lo, hi in spans]).long().cpu(), spans
+    def _table_ids(self, name: str, ids: _HostIds) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The ids of cached table ``name`` (int64, host memory) and their spans in
+        ``ids.values``."""
+        spans = [ids.span(f) for f in self._cached_features[name]]
+        return torch.cat([ids.values[lo:hi] for lo, hi in spans]).long(), spans
 
-    def _fits(self, features: KeyedJaggedTensor, values: torch.Tensor) -> bool:
+    def _fits(self, ids: _HostIds) -> bool:
         return all(
-            self._table_ids(name, features, values)[0].unique().numel() <= cache.cache_rows
+            self._table_ids(name, ids)[0].unique().numel() <= cache.cache_rows
             for name, cache in self.caches.items()
         )
 
-    def _to_slots(self, features: KeyedJaggedTensor, values: torch.Tensor) -> torch.Tensor:
-        """``values`` with each cached table's ids replaced by their cache slots."""
+    def _to_slots(self, ids: _HostIds) -> torch.Tensor:
+        """The batch's ids (host memory) with each cached table's replaced by their cache
+        slots."""
         if not self.caches:
-            return values
+            return ids.values
         training = torch.is_grad_enabled()
         key, self._next_key = self._next_key, None
-        out = values.clone()
+        out = ids.values.clone()
         for name, cache in self.caches.items():
-            ids, spans = self._table_ids(name, features, values)
-            slots = cache.slots(ids, training, key).to(values.device, values.dtype)
+            table_ids, spans = self._table_ids(name, ids)
+            slots = cache.slots(table_ids, training, key).to(out.dtype)
             start = 0
             for lo, hi in spans:
                 out[lo:hi] = slots[start : start + hi - lo]
@@ -486,6 +484,21 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
     def extra_repr(self) -> str:
         cached = ", ".join(f"{n}: {c.cache_rows} slots" for n, c in self.caches.items())
         return f"{self._inner.extra_repr()}, cached=[{cached}]"
+
+
+class _HostIds:
+    """A batch's (policy-applied) ids and offsets in host memory, where the caches' maps
+    live: one copy each from an accelerator per lookup, not one per table or feature."""
+
+    def __init__(self, features: KeyedJaggedTensor, values: torch.Tensor) -> None:
+        self.values = values.cpu()
+        self.offsets = features.offsets().cpu()
+        self.batch = features.stride()
+
+    def span(self, feature: int) -> tuple[int, int]:
+        """``[lo, hi)`` of feature number ``feature``'s ids in ``values``."""
+        b = self.batch
+        return int(self.offsets[feature * b]), int(self.offsets[(feature + 1) * b])
 
 
 def _whole(block: TableBlock) -> bool:
