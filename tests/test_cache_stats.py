@@ -78,6 +78,7 @@ def test_cache_counts_equal_an_lru_list(tmp_path, backing):
         training = step % 7 != 3  # some lookups evaluate: their rows stay clean
         cache.slots(torch.tensor(ids), training)
         sim.lookup(ids, training)
+        assert set(cache.id_of[cache.id_of >= 0].tolist()) == set(sim.rows), step  # same rows
         if step % 50 == 49:
             cache.flush()
             sim.flush()

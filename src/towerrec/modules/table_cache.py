@@ -8,6 +8,11 @@ lookup does not use: empty ones first, then the least recently used (``lru``) or
 least often used since fetched (``lfu``, ties by recency). A prefetched row that was
 written back after its read began is read again (its copy would be stale).
 
+LRU victims come from a recency queue (``RecencyQueue``) in time order, so a lookup's
+eviction costs in proportion to its batch, not to the cache's size; LFU's counts are
+ranked with a top-k over the slots. Slots empty only all at once (``invalidate``), so
+the empty ones are the slots ``[filled, cache_rows)``.
+
 The id -> slot map is a dense array of one int32 a row (``DenseSlotMap``) for tables of
 dense id ranges, and sorted keys searched with ``searchsorted`` (``SortedSlotMap``,
 memory a function of the cache's size) for kv tables, whose ids span up to 2**63.
@@ -25,7 +30,7 @@ from towerrec.modules.cached_config import CachePolicy
 from towerrec.modules.tables import TableConfig
 from towerrec.modules.tier_store import BackingStore
 
-__all__ = ["CacheStats", "DenseSlotMap", "SortedSlotMap", "TableCache"]
+__all__ = ["CacheStats", "DenseSlotMap", "RecencyQueue", "SortedSlotMap", "TableCache"]
 
 _PROTECTED = torch.iinfo(torch.int64).max
 
@@ -158,6 +163,62 @@ class SortedSlotMap:
         self._slots = torch.empty(0, dtype=torch.int64)
 
 
+class RecencyQueue:
+    """Slots in the order of their uses: each use appends ``(slot, stamp)``; an entry whose
+    stamp is no longer its slot's last use is stale and skipped. ``oldest`` takes the
+    least recently used slots from the front in order, so a cache's LRU victims cost in
+    proportion to the slots taken and skipped, not to the cache's size. The buffer is
+    compacted (stale entries dropped) when it fills."""
+
+    def __init__(self, capacity: int) -> None:
+        self._slots = torch.empty(max(capacity, 1024), dtype=torch.int64)
+        self._stamps = torch.empty_like(self._slots)
+        self._head = self._tail = 0
+
+    def clear(self) -> None:
+        self._head = self._tail = 0
+
+    def push(self, slots: torch.Tensor, stamps: torch.Tensor, last_used: torch.Tensor) -> None:
+        """Append uses of ``slots`` at ``stamps`` (ascending, after every stamp queued)."""
+        n = slots.numel()
+        if self._tail + n > self._slots.numel():
+            self._compact(last_used, n)
+        self._slots[self._tail : self._tail + n] = slots
+        self._stamps[self._tail : self._tail + n] = stamps
+        self._tail += n
+
+    def oldest(self, count: int, last_used: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+        """The ``count`` least recently used slots that ``protected`` (a mask over the
+        slots) leaves out, oldest first; they and the entries passed leave the queue."""
+        taken: list[torch.Tensor] = []
+        need = count
+        while need > 0:
+            if self._head >= self._tail:
+                raise AssertionError("recency queue ran out of slots")  # callers check room
+            end = min(self._tail, self._head + max(2 * need, 1024))
+            slots = self._slots[self._head : end]
+            usable = (last_used[slots] == self._stamps[self._head : end]) & ~protected[slots]
+            at = torch.nonzero(usable).flatten()[:need]
+            taken.append(slots[at])
+            need -= at.numel()
+            self._head = self._head + int(at[-1]) + 1 if need == 0 else end
+        return torch.cat(taken)
+
+    def _compact(self, last_used: torch.Tensor, room: int) -> None:
+        slots = self._slots[self._head : self._tail]
+        stamps = self._stamps[self._head : self._tail]
+        live = last_used[slots] == stamps
+        slots, stamps = slots[live], stamps[live]
+        kept = slots.numel()
+        if kept + room > self._slots.numel():
+            size = 2 * (kept + room)
+            self._slots = torch.empty(size, dtype=torch.int64)
+            self._stamps = torch.empty_like(self._slots)
+        self._slots[:kept] = slots
+        self._stamps[:kept] = stamps
+        self._head, self._tail = 0, kept
+
+
 class TableCache:
     """The id -> slot map of one cached table, its usage for the policy and dirty bits.
 
@@ -188,6 +249,9 @@ class TableCache:
         self.dirty = torch.zeros(cache_rows, dtype=torch.bool)
         self.last_used = torch.zeros(cache_rows, dtype=torch.int64)
         self.uses = torch.zeros(cache_rows, dtype=torch.int64)
+        self.recency = RecencyQueue(2 * cache_rows)
+        self.filled = 0  # slots [0, filled) hold rows; the others are empty
+        self._protected = torch.zeros(cache_rows, dtype=torch.bool)
         self.clock = 0
         self.stats = CacheStats(store.layout.record_width * 4)
         self._pending: dict[int, _Prefetch] = {}
@@ -252,7 +316,10 @@ class TableCache:
         self.clock += 1
         # Recency: the lookup's clock, then its rows in id order (no ties: ``_victims``
         # picks the same rows as an LRU list updated in that order).
-        self.last_used[slot] = (self.clock << 32) + torch.arange(slot.numel())
+        stamps = (self.clock << 32) + torch.arange(slot.numel())
+        self.last_used[slot] = stamps
+        if self.policy is CachePolicy.LRU:
+            self.recency.push(slot, stamps, self.last_used)
         self.uses[slot] += 1
         if training:
             self.dirty[slot] = True
@@ -265,13 +332,23 @@ class TableCache:
 
     def _victims(self, count: int, keep: torch.Tensor) -> torch.Tensor:
         """``count`` slots to reuse: empty ones first, then by the policy, never ``keep``."""
-        if self.policy is CachePolicy.LFU:
-            key = (self.uses << 32) + (self.last_used >> 32)
+        empty = min(count, self.cache_rows - self.filled)
+        out = torch.arange(self.filled, self.filled + empty)
+        self.filled += empty
+        if empty == count:
+            return out
+        if self.policy is CachePolicy.LRU:
+            self._protected[keep] = True
+            try:
+                used = self.recency.oldest(count - empty, self.last_used, self._protected)
+            finally:
+                self._protected[keep] = False
         else:
-            key = self.last_used.clone()
-        key[self.id_of < 0] = -1
-        key[keep] = _PROTECTED
-        return torch.topk(key, count, largest=False, sorted=False).indices
+            key = (self.uses << 32) + (self.last_used >> 32)
+            key[keep] = _PROTECTED
+            key[out] = _PROTECTED  # the empty slots just taken
+            used = torch.topk(key, count - empty, largest=False, sorted=False).indices
+        return torch.cat([out, used])
 
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Records ``[n, W]`` (store layout) of the rows in ``slots``."""
@@ -345,6 +422,8 @@ class TableCache:
         self.dirty.zero_()
         self.last_used.zero_()
         self.uses.zero_()
+        self.recency.clear()
+        self.filled = 0
 
 
 @dataclass
