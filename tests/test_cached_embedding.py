@@ -170,24 +170,27 @@ RESUME = [
 ]
 
 
+def resume_configs(tmp_path, *extra):
+    """``RESUME`` (and ``extra``) with every table in memory, and the same with the tables
+    above 100 rows cached at 10% over SSD files."""
+    base = [*RESUME, *extra]
+    cached = [
+        "embedding.memory=cached",
+        "embedding.cache_fraction=0.1",
+        "embedding.cache_min_rows=100",
+        "embedding.backing=ssd",
+        f"embedding.backing_path={tmp_path / 'store'}",
+    ]
+    return load_config(None, base), load_config(None, [*base, *cached])
+
+
 def test_cached_run_resumes_exactly_and_equals_the_device_run(tmp_path):
     """`memory = 'cached'` (SSD, 10% cache) stopped at step 6, resumed in device memory to
     step 11 and cached again to 16 ends with the same checkpoint as an uninterrupted run
     with every table in memory."""
     from test_trainer import final_state
 
-    device = load_config(None, RESUME)
-    cached_run = load_config(
-        None,
-        [
-            *RESUME,
-            "embedding.memory=cached",
-            "embedding.cache_fraction=0.1",
-            "embedding.cache_min_rows=100",
-            "embedding.backing=ssd",
-            f"embedding.backing_path={tmp_path / 'store'}",
-        ],
-    )
+    device, cached_run = resume_configs(tmp_path)
     full = trainer.train(device, tmp_path / "full")
     trainer.train(cached_run, tmp_path / "split", stop_after=6)
     # the layout may change on resume: a checkpoint holds full tables either way

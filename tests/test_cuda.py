@@ -214,19 +214,7 @@ def test_cached_run_on_cuda_resumes_and_equals_the_gpu_memory_run(tmp_path):
     memory."""
     from test_trainer import final_state
 
-    base = [*cached_tests.RESUME, "train.device=cuda"]
-    in_memory = load_config(None, base)
-    cached_run = load_config(
-        None,
-        [
-            *base,
-            "embedding.memory=cached",
-            "embedding.cache_fraction=0.1",
-            "embedding.cache_min_rows=100",
-            "embedding.backing=ssd",
-            f"embedding.backing_path={tmp_path / 'store'}",
-        ],
-    )
+    in_memory, cached_run = cached_tests.resume_configs(tmp_path, "train.device=cuda")
     full = trainer.train(in_memory, tmp_path / "full")
     trainer.train(cached_run, tmp_path / "split", stop_after=6)
     resumed = trainer.train(cached_run, tmp_path / "split", resume=True)
