@@ -249,7 +249,7 @@ class TableCache:
         self.dirty = torch.zeros(cache_rows, dtype=torch.bool)
         self.last_used = torch.zeros(cache_rows, dtype=torch.int64)
         self.uses = torch.zeros(cache_rows, dtype=torch.int64)
-        self.recency = RecencyQueue(2 * cache_rows)
+        self.recency = RecencyQueue(2 * cache_rows if policy is CachePolicy.LRU else 0)
         self.filled = 0  # slots [0, filled) hold rows; the others are empty
         self._protected = torch.zeros(cache_rows, dtype=torch.bool)
         self.clock = 0
