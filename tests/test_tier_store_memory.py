@@ -4,14 +4,16 @@ without losing a row."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from towerrec.modules import tier_store
 from towerrec.modules.tables import TableConfig, fill_table_block
-from towerrec.modules.tier_store import HEADER_BYTES, HostStore, RowLayout, SsdStore
+from towerrec.modules.tier_store import HEADER_BYTES, HostStore, RowLayout, SsdStore, StoreError
 
 LAYOUT = RowLayout("t", 40_000, 8, (("momentum", 1),))
 TABLE = TableConfig("t", 40_000, 8)
@@ -71,9 +73,21 @@ def test_pages_past_the_limit_leave_the_process(tmp_path):
     store = SsdStore(LAYOUT, tmp_path / "t.tstore", mapped_limit=2 << 20)  # one row's worth
     store.initialize(fill)
     assert mapped_kib(store.path) == 0  # written with pwrite, not through the mapping
-    store.read(torch.arange(0, 40_000, 16))  # 2,500 rows: dropped every second row
+    rows = torch.arange(0, 40_000, 16)
+    assert np.array_equal(store.read(rows).numpy(), file_rows(store.path)[rows.numpy()])
+    assert mapped_kib(store.path) == 0  # reads (preadv) map nothing
+    store.write(rows, torch.randn(rows.numel(), LAYOUT.record_width))  # dropped every 2nd row
     assert mapped_kib(store.path) <= 4 * 1024
     store.release()
     assert mapped_kib(store.path) == 0
-    store.read(torch.tensor([7]))  # one row: within the limit, still mapped
+    store.write(torch.tensor([7]), torch.ones(1, LAYOUT.record_width))  # within the limit
     assert mapped_kib(store.path) > 0
+    assert torch.equal(store.read(torch.tensor([7])), torch.ones(1, LAYOUT.record_width))
+
+
+def test_a_truncated_store_is_refused_on_read(tmp_path):
+    store = SsdStore(LAYOUT, tmp_path / "t.tstore")
+    os.truncate(store.path, HEADER_BYTES + 100 * LAYOUT.record_width * 4)
+    assert torch.equal(store.read(torch.tensor([99])), torch.zeros(1, LAYOUT.record_width))
+    with pytest.raises(StoreError, match=r"ends before row 100 of table 't' .* delete it"):
+        store.read(torch.tensor([3, 100]))

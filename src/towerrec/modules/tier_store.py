@@ -24,14 +24,16 @@ never trusted across runs; the check guards against two runs sharing a path.
 
 Memory: the SSD store's rows are never all in the process. ``initialize`` writes the
 file with ``pwrite`` in chunks of ``INIT_CHUNK_BYTES`` (the kernel's page cache takes
-them, not the process's mapping), and the pages a training run's reads and
-write-backs map are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
+them, not the process's mapping); ``read`` takes each row's record with ``preadv``,
+which maps nothing (a fault through the mapping would map the large folio around the
+row, below, and the mapping's drops made reads several times slower); and the pages
+a training run's write-backs map are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
 file mapping keeps its data in the page cache, dirty pages included) once about
 ``mapped_limit`` bytes of them may be resident, counting ``ROW_MAP_BYTES`` a row: a
 fault maps the page-cache folio around the row, and with transparent huge pages the
 page cache holds large folios (about 512 KiB a row was measured on a file written
 with ``pwrite``; ``MADV_RANDOM``, set on the mapping, stops read-ahead from disk but
-not this). Reads and writes go in chunks within the limit. The process's resident
+not this). Writes go in chunks within the limit. The process's resident
 memory thus holds the cache's slots and about ``mapped_limit`` of the file at most,
 whatever the table's size; the page cache, which the kernel reclaims, holds what it can of the rest.
 
@@ -57,6 +59,7 @@ import os
 import shutil
 import stat
 import struct
+import weakref
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -236,22 +239,29 @@ class SsdStore(BackingStore):
         # Random access: no read-ahead from disk for a missed row.
         self._map._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
         self._records = torch.from_numpy(self._map)
+        self._fd = os.open(self.path, os.O_RDONLY)  # ``read``'s; the page cache is shared
+        weakref.finalize(self, os.close, self._fd)
 
     @property
     def records(self) -> torch.Tensor:
         return self._records
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        step = self._chunk_rows()
-        if rows.numel() <= step:
-            out = super().read(rows)
-            self._touched(rows.numel())
-            return out
-        parts = []
-        for lo in range(0, rows.numel(), step):
-            parts.append(super().read(rows[lo : lo + step]))
-            self._touched(parts[-1].shape[0])
-        return torch.cat(parts)
+        """Records ``[n, W]`` of ``rows``, each read from the file with ``preadv`` (module
+        doc): it sees the mapping's writes (one page cache) and maps nothing."""
+        width = self.layout.record_width
+        size = 4 * width
+        out = torch.empty(rows.numel(), width)
+        view = out.numpy().data.cast("B")
+        for i, row in enumerate(rows.tolist()):
+            offset = HEADER_BYTES + row * size
+            if os.preadv(self._fd, [view[i * size : (i + 1) * size]], offset) != size:
+                raise StoreError(
+                    f"backing store {self.path} ends before row {row} of table "
+                    f"{self.layout.table!r} (a truncated file?); delete it and resume from the "
+                    "last checkpoint"
+                )
+        return out
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         step = self._chunk_rows()
@@ -260,7 +270,7 @@ class SsdStore(BackingStore):
             self._touched(min(step, rows.numel() - lo))
 
     def _chunk_rows(self) -> int:
-        """Rows one read or write maps at most between two checks of the limit."""
+        """Rows one write maps at most between two checks of the limit."""
         return max(1, self.mapped_limit // (2 * ROW_MAP_BYTES))
 
     def _touched(self, rows: int) -> None:
