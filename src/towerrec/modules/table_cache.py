@@ -333,8 +333,7 @@ class TableCache:
     def _victims(self, count: int, keep: torch.Tensor) -> torch.Tensor:
         """``count`` slots to reuse: empty ones first, then by the policy, never ``keep``."""
         empty = min(count, self.cache_rows - self.filled)
-        out = torch.arange(self.filled, self.filled + empty)
-        self.filled += empty
+        out = torch.arange(self.filled, self.filled + empty)  # ``_fill`` moves ``filled``
         if empty == count:
             return out
         if self.policy is CachePolicy.LRU:
@@ -397,6 +396,7 @@ class TableCache:
             states[name].index_copy_(0, at, value)
         self.slot_of.set(ids, slots)
         self.id_of[slots] = ids
+        self.filled = max(self.filled, int(slots.max()) + 1)  # empty slots are taken in order
         self.dirty[slots] = False
         self.uses[slots] = 0
 
