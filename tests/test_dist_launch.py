@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from conftest import run_cli
 
-from towerrec.distributed.launch import WorkerError, launch
+from towerrec.distributed import launch as launch_module
+from towerrec.distributed.launch import WorkerError, launch, spawn_world
 
 REPO = Path(__file__).parent.parent
 QUICK = [
@@ -50,6 +51,35 @@ def test_a_raising_rank_stops_every_rank_with_its_error():
     with pytest.raises(WorkerError, match=r"rank 1: ValueError: invalid sharding plan"):
         launch(_fail_on_rank_1, (), nproc=2)
     assert time.monotonic() - start < 120  # bounded: the agent stops rank 0, no hang
+
+
+def _returns_then_dies_in_teardown(topology, how):
+    """Every rank returns its rank; rank 0's process-group teardown then aborts (as a
+    C++ ``std::terminate`` in gloo's teardown does) or never ends."""
+    if topology.rank == 0:
+        dist.destroy_process_group = os.abort if how == "abort" else lambda: time.sleep(3600)
+    dist.barrier()
+    return topology.rank
+
+
+def _dies_before_returning(topology):
+    if topology.rank == 1:
+        os.abort()
+    dist.barrier()  # rank 0 waits on its dead peer until the harness stops it
+    return topology.rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["abort", "hang"])
+def test_a_rank_that_returned_then_died_in_teardown_has_done_its_work(how, monkeypatch):
+    monkeypatch.setattr(launch_module, "TEARDOWN_GRACE_S", 1.0)
+    assert spawn_world(_returns_then_dies_in_teardown, 2, 1, how) == [0, 1]
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_died_before_returning_fails_the_world():
+    with pytest.raises(WorkerError, match=r"without a result \(rank 1: exit code -6\)"):
+        spawn_world(_dies_before_returning, 2, 1)
 
 
 @pytest.mark.multiprocess

@@ -7,7 +7,11 @@
 - ``spawn_world(fn, world_size, hosts, *args)``: N gloo processes on a free
   port for tests and benchmarks; ``fn(topology, *args)`` runs in each, and the
   per-rank return values come back. When one rank raises, the others are
-  terminated and the error is raised here, so a failure never hangs.
+  terminated and the error is raised here, so a failure never hangs. A rank
+  that returned its value and then died tearing down its process group (a
+  C++ ``std::terminate`` in gloo's teardown, seen rarely under load) has done
+  its work: its value counts, and a peer still running once every rank has
+  returned is stopped after ``TEARDOWN_GRACE_S``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
@@ -31,6 +36,8 @@ import torch.multiprocessing as mp
 from towerrec.distributed.mesh import HOSTS_ENV, Topology
 
 __all__ = ["WorkerError", "free_port", "launch", "spawn_world"]
+
+TEARDOWN_GRACE_S = 30.0  # how long a rank may tear down after every rank has returned
 
 
 class WorkerError(RuntimeError):
@@ -96,19 +103,38 @@ def _read_result(results_dir: str, rank: int) -> Any:
     return torch.load(path, weights_only=False)
 
 
-def _wait_for_workers(procs: Sequence[BaseProcess]) -> list[int]:
+def _returned(results_dir: str, rank: int) -> bool:
+    """Whether ``rank`` wrote its return value (not an error): its work is done."""
+    path = os.path.join(results_dir, f"rank{rank}.pt")
+    return os.path.exists(path) and not isinstance(_read_result(results_dir, rank), WorkerError)
+
+
+def _wait_for_workers(procs: Sequence[BaseProcess], results_dir: str, grace_s: float) -> list[int]:
     """Block until every process has ended or one has failed; the ranks in the order
     they failed (empty when all succeeded). On a failure the others are terminated, so a
-    rank waiting on a collective with a dead peer never hangs the caller."""
+    rank waiting on a collective with a dead peer never hangs the caller. A rank that
+    wrote its value before dying in teardown has not failed (module doc); once every rank
+    has written its value, ranks still running after ``grace_s`` are stopped."""
     failed: list[int] = []
     running = dict(enumerate(procs))
+    returned: set[int] = set()
+    all_returned_at: float | None = None
     while running and not failed:
-        connection_wait([p.sentinel for p in running.values()])
+        connection_wait([p.sentinel for p in running.values()], timeout=1.0)
         for rank, p in list(running.items()):
             if p.exitcode is not None:
                 del running[rank]
-                if p.exitcode != 0:
+                if p.exitcode != 0 and not _returned(results_dir, rank):
                     failed.append(rank)
+        if all_returned_at is None:
+            returned |= {r for r in running if r not in returned and _returned(results_dir, r)}
+            if returned.issuperset(running):
+                all_returned_at = time.monotonic()
+        elif time.monotonic() - all_returned_at > grace_s:
+            for p in running.values():
+                p.terminate()
+                p.join()
+            running.clear()
     return failed
 
 
@@ -140,7 +166,7 @@ def spawn_world(
         for p in procs:
             p.start()
         try:
-            failed = _wait_for_workers(procs)
+            failed = _wait_for_workers(procs, results_dir, TEARDOWN_GRACE_S)
         finally:
             for p in procs:
                 if p.is_alive():
