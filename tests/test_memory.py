@@ -18,6 +18,7 @@ import sys
 
 import pytest
 import torch
+from conftest import needs_fbgemm
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -134,8 +135,8 @@ CASES = [
     ("torch", "adagrad"),
     ("torch", "sgd"),
     ("torch", "cf_sgd"),
-    ("fbgemm", "rowwise_adagrad"),
-    ("fbgemm", "adagrad"),
+    pytest.param("fbgemm", "rowwise_adagrad", marks=needs_fbgemm),
+    pytest.param("fbgemm", "adagrad", marks=needs_fbgemm),
 ]
 
 
@@ -252,7 +253,7 @@ def test_sharded_collections_never_hold_the_full_table_nor_copy_it_per_step():
         assert build["rise_mb"] > table_mb, (copied, table_mb)
 
 
-@pytest.mark.parametrize("backend", ["torch", "fbgemm"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("fbgemm", marks=needs_fbgemm)])
 def test_forked_loader_workers_hold_no_pages_of_the_tables(backend):
     """A worker forked after the tables exist drops its mappings of them: its RSS is the
     trainer's less (about) the tables, and rewriting rows leaves it no stale copies."""

@@ -8,6 +8,7 @@ every sharding type, both poolings and both kernel backends, and train the same.
 
 import pytest
 import torch
+from conftest import needs_fbgemm
 from dist_cases import local_slice, make_batch, plan_all, plan_mixed
 
 from towerrec.distributed.comm import Comm
@@ -110,7 +111,7 @@ def test_self_initialised_shards_train_like_copied_shards():
         assert weight_diff == 0.0, (rank, weight_diff)
 
 
-@pytest.mark.parametrize("backend", ["torch", "fbgemm"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("fbgemm", marks=needs_fbgemm)])
 def test_materialize_later_equals_eager_build(backend):
     eager = _collection(backend, materialize=True)
     lazy = _collection(backend, materialize=False)

@@ -281,21 +281,21 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         values = apply_id_policy(
             features, self._rows_per_feature.to(features.values().device), self.id_policy
         )
-        ids = _HostIds(features, values)
-        batch = features.stride()
-        if not torch.is_grad_enabled() and batch > 1 and not self._fits(ids):
-            # A lookup that trains nothing (evaluation) may be split by samples until
-            # each part's rows fit the caches; a training batch must fit whole.
-            half = batch // 2
-            parts = [
-                self(_sample_slice(features, values, a, b)) for a, b in ((0, half), (half, batch))
-            ]
-            return KeyedTensor(
-                self.feature_names,
-                self.embedding_dims,
-                torch.cat([p.values() for p in parts]),
-            )
-        values = self._to_slots(ids).to(values.device)
+        if self.caches:  # (a rank may hold only uncached shards: no copy to the host)
+            ids = _HostIds(features, values)
+            batch = features.stride()
+            if not torch.is_grad_enabled() and batch > 1 and not self._fits(ids):
+                # A lookup that trains nothing (evaluation) may be split by samples until
+                # each part's rows fit the caches; a training batch must fit whole.
+                half = batch // 2
+                halves = ((0, half), (half, batch))
+                parts = [self(_sample_slice(features, values, a, b)) for a, b in halves]
+                return KeyedTensor(
+                    self.feature_names,
+                    self.embedding_dims,
+                    torch.cat([p.values() for p in parts]),
+                )
+            values = self._to_slots(ids).to(values.device)
         slotted = KeyedJaggedTensor(
             features.keys(),
             values,
@@ -347,8 +347,6 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
     def _to_slots(self, ids: _HostIds) -> torch.Tensor:
         """The batch's ids (host memory) with each cached table's replaced by their cache
         slots."""
-        if not self.caches:
-            return ids.values
         training = torch.is_grad_enabled()
         key, self._next_key = self._next_key, None
         out = ids.values.clone()
