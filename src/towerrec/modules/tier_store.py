@@ -26,7 +26,7 @@ Memory: the SSD store's rows are never all in the process. ``initialize`` writes
 file with ``pwrite`` in chunks of ``INIT_CHUNK_BYTES`` (the kernel's page cache takes
 them, not the process's mapping); ``read`` takes each row's record with ``preadv``,
 which maps nothing (a fault through the mapping would map the large folio around the
-row, below, and the mapping's drops made reads several times slower); and the pages
+row, below, only for the next drop to unmap it again); and the pages
 a training run's write-backs map are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
 file mapping keeps its data in the page cache, dirty pages included) once about
 ``mapped_limit`` bytes of them may be resident, counting ``ROW_MAP_BYTES`` a row: a
