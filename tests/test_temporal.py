@@ -1,16 +1,19 @@
 """``train.temporal``: batch, incremental and fgd updates in ``towerrec replay``."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
+from towerrec.bench.temporal import _NextPeriod
 from towerrec.cli.app import main
 from towerrec.config import TemporalConfig, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.train import replay as replay_module
 from towerrec.train import trainer
 from towerrec.train.build import build_dense_optimizer, build_model
+from towerrec.train.metrics import auc
 from towerrec.train.pu_prior import resolve_objective
 from towerrec.train.replay import run_replay
 from towerrec.train.step import evaluate, train_step
@@ -257,11 +260,47 @@ def test_bench_temporal_compares_the_strategies(capsys):
     assert {"drifting", "trend", "stationary"} <= set(result)
     for stream in ("drifting", "trend", "stationary"):
         means = result[stream]["mean_logloss"]
-        assert set(means) == {"batch", "incremental", "fgd"}
+        assert set(means) == {"batch", "incremental", "fgd", "foresight"}
         runs = result[stream]["runs"]
         assert runs["batch"][0]["steps"] == (1 + 2 + 3) * 3 and runs["incremental"][0]["steps"] == 9
+        assert runs["foresight"][0]["steps"] == 9
         relative = result[stream]["fgd_relative"]["fgd"]
         assert relative["vs_batch"] == means["fgd"] / means["batch"] - 1
+        ahead = result[stream]["foresight_relative"]
+        assert ahead["vs_batch"] == means["foresight"] / means["batch"] - 1
+
+
+def test_foresight_trains_on_the_next_period_and_is_scored_on_this_one():
+    """``bench temporal``'s foresight reference: replay with ``train_periods`` trains on
+    those batches only (its weights are a replay of them, bit for bit) and scores the
+    data it was given; at period t it trains on period t+1 of another draw."""
+    config = load_config(None, SMALL)
+    scored = SyntheticSource(config.data.synthetic)
+    draw = SyntheticSource(replace(config.data.synthetic, stream_seed=1))
+    ahead = _NextPeriod(draw)
+    for period in range(3):
+        ours, theirs = (
+            next(ahead.period_batches(period, 64)),
+            next(draw.period_batches(period + 1, 64)),
+        )
+        assert torch.equal(ours.dense, theirs.dense) and torch.equal(ours.labels, theirs.labels)
+    assert torch.equal(
+        next(ahead.period_batches(3, 64)).dense, next(draw.period_batches(3, 64)).dense
+    )
+    model, summary = run_replay(config, progress=False, periods=scored, train_periods=ahead)
+    alone, alone_summary = run_replay(config, progress=False, periods=ahead)
+    assert _state(model).keys() == _state(alone).keys()
+    for key, value in _state(model).items():
+        assert torch.equal(value, _state(alone)[key]), key
+    # scored on the data it was given (its oracle known), not on what it trained on
+    labels, probs = scored.period_oracle(1)
+    assert summary["results"][0]["oracle_auc"] == auc(probs, labels)
+    assert alone_summary["results"][0]["oracle_auc"] is None
+    ours = [r["logloss"] for r in summary["results"]]
+    assert all(a != b for a, b in zip(ours, [r["logloss"] for r in alone_summary["results"]]))
+    with pytest.raises(ValueError, match="give both the same periods"):
+        short = replace(config.data.synthetic, periods=3)
+        run_replay(config, progress=False, periods=scored, train_periods=SyntheticSource(short))
 
 
 def test_fgd_with_nproc_is_refused_before_workers_start(tmp_path, capsys):

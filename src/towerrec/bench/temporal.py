@@ -13,22 +13,37 @@ mean over periods and seeds, the wall time (batch's grows with the periods), and
 fgd's relative difference to the others: ``fgd / other - 1`` of the mean next-period
 log-loss (negative: fgd better). The spec's target: <= -2 % against batch on drifting
 streams, within 0.2 % on the stationary one.
+
+``foresight`` (synthetic streams) is a reference, not a strategy a user can run: at
+period t it trains one pass, as incremental, on fresh rows of period t+1's own
+distribution (another draw of the stream, ``stream_seed`` + 1, with period t+1's teacher
+and ids), then is scored on period t+1 as the others are. It is what knowing the next
+period would give at incremental's data and steps: the gain a perfect forecast of the
+next period's gradient could aim at (a forecast could still do better by being less
+noisy than one pass over a sample). ``foresight_relative`` is its difference to the
+others.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
 
 from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list, machine_info
-from towerrec.config import load_config
+from towerrec.config import Config, load_config
+from towerrec.data.batch import Batch, DataSchema
+from towerrec.data.synthetic import SyntheticSource
 from towerrec.train.replay import run_replay
 
 __all__ = ["BENCHMARK"]
 
-STRATEGIES = ("batch", "incremental", "fgd", "fgd-mlp", "fgd-linear")
+STRATEGIES = ("batch", "incremental", "fgd", "foresight", "fgd-mlp", "fgd-linear")
 STREAMS = ("drifting", "trend", "stationary", "movielens")
-DEFAULT_STRATEGIES = STRATEGIES[:3]  # batch, incremental, fgd
+DEFAULT_STRATEGIES = STRATEGIES[:4]  # batch, incremental, fgd, foresight
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +104,8 @@ def _run(args: argparse.Namespace) -> dict:
     for stream, drift in streams.items():
         runs: dict[str, list[dict]] = {}
         for strategy in args.strategies:
+            if strategy == "foresight" and stream == "movielens":
+                continue  # no second draw of a period's ratings
             for seed in range(args.seeds):
                 overrides = [
                     *base,
@@ -97,7 +114,7 @@ def _run(args: argparse.Namespace) -> dict:
                     f"train.seed={seed}",
                     *_strategy(strategy),
                 ]
-                _, summary = run_replay(load_config(None, overrides), progress=False)
+                _, summary = _replay(load_config(None, overrides), strategy)
                 runs.setdefault(strategy, []).append(
                     {
                         "seed": seed,
@@ -120,6 +137,10 @@ def _run(args: argparse.Namespace) -> dict:
         out["fgd_relative"] = {
             f: {f"vs_{s}": means[f] / means[s] - 1 for s in means if s != f} for f in fgds
         }
+        if "foresight" in means:
+            out["foresight_relative"] = {
+                f"vs_{s}": means["foresight"] / means[s] - 1 for s in means if s != "foresight"
+            }
         out["fgd_relative_per_seed"] = {
             f: {
                 f"vs_{s}": [
@@ -136,8 +157,50 @@ def _run(args: argparse.Namespace) -> dict:
     return result
 
 
+class _NextPeriod:
+    """Period t is fresh rows of period t+1's distribution (the last period: its own),
+    from another draw of the same synthetic stream (the module docstring's foresight)."""
+
+    def __init__(self, draw: SyntheticSource) -> None:
+        self.draw = draw
+
+    @property
+    def schema(self) -> DataSchema:
+        return self.draw.schema
+
+    @property
+    def num_periods(self) -> int:
+        return self.draw.num_periods
+
+    def _next(self, period: int) -> int:
+        return min(period + 1, self.num_periods - 1)
+
+    def period_rows(self, period: int) -> int:
+        return self.draw.period_rows(self._next(period))
+
+    def period_batches(
+        self, period: int, batch_size: int, rank: int = 0, world_size: int = 1
+    ) -> Iterator[Batch]:
+        return self.draw.period_batches(self._next(period), batch_size, rank, world_size)
+
+    def period_oracle(self, period: int) -> tuple[np.ndarray, np.ndarray] | None:
+        return None
+
+
+def _replay(config: Config, strategy: str) -> tuple[object, dict]:
+    """``run_replay`` of ``config`` (``strategy``'s overrides applied); the foresight
+    reference trains on ``_NextPeriod`` of another draw of the stream."""
+    if strategy != "foresight":
+        return run_replay(config, progress=False)
+    synthetic = config.data.synthetic
+    draw = SyntheticSource(replace(synthetic, stream_seed=synthetic.stream_seed + 1))
+    return run_replay(config, progress=False, train_periods=_NextPeriod(draw))
+
+
 def _strategy(name: str) -> list[str]:
     """The overrides of a strategy of ``--strategies``."""
+    if name == "foresight":
+        return ["train.temporal.strategy=incremental"]
     if name.startswith("fgd-"):
         return ["train.temporal.strategy=fgd", f"train.temporal.fgd_generator={name[4:]}"]
     return [f"train.temporal.strategy={name}"]

@@ -174,23 +174,33 @@ def run_replay(
     progress: bool = True,
     hosts: int | None = None,
     periods: PeriodSource | None = None,
+    train_periods: PeriodSource | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train through the periods with rolling evaluation (module docstring); the trained
     model and the summary (what ``replay`` writes as ``replay.json``). In a distributed
     run (``--nproc``) every rank calls it; each reads its share of every batch.
     ``periods``: the data, instead of ``config.data``'s (e.g. ``distill.TeacherPeriods``,
-    whose batches carry a teacher's logits)."""
+    whose batches carry a teacher's logits). ``train_periods``: where period t's training
+    batches come from, when not from ``periods`` (which is still what each period is
+    scored on): ``bench temporal``'s foresight reference trains on the next period's
+    distribution; it has ``periods``' schema and number of periods."""
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     periods = build_periods(config.data) if periods is None else periods
     _check(config, periods)
+    train_source = periods if train_periods is None else train_periods
+    if train_source.num_periods != periods.num_periods:
+        raise ValueError(
+            f"train_periods has {train_source.num_periods} periods, the scored data "
+            f"{periods.num_periods}: give both the same periods"
+        )
     cfg = config.train
     device = resolve_device(cfg.device)
     ctx = start_distributed(config, device, hosts)
     world = ctx.world_size
     local_batch = ctx.local_batch(cfg.batch_size)
     local_eval = ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
-    rows = [periods.period_rows(p) for p in range(periods.num_periods)]
+    rows = [train_source.period_rows(p) for p in range(periods.num_periods)]
     counts = [period_steps(n, cfg.batch_size, world) for n in rows]
     trains = [training_periods(cfg.temporal, p) for p in range(len(rows))]
     steps = sum(counts[q] for plan in trains for q in plan)
@@ -245,21 +255,21 @@ def run_replay(
         if fgd is not None and period > 0:
             fgd.meta_update(
                 model,
-                periods.period_batches(period - 1, local_batch),
-                periods.period_batches(period, local_batch),
+                train_source.period_batches(period - 1, local_batch),
+                train_source.period_batches(period, local_batch),
                 optimizer.param_groups[0]["lr"],
                 device,
                 amp_dtype,
                 objective,
-                before=periods.period_batches(period - 2, local_batch) if period > 1 else None,
+                before=train_source.period_batches(period - 2, local_batch) if period > 1 else None,
             )
         if config.distill.adapter_order == "first":  # the adapter meets the labels first
             # at the schedule's decay, not its warm-up: the adapter starts as the identity
             decay = lr_factor(config.optimizer, max(step, config.optimizer.warmup_steps), steps)
-            batches = periods.period_batches(period, local_batch, ctx.rank, world)
+            batches = train_source.period_batches(period, local_batch, ctx.rank, world)
             fit_adapter(model, optimizer, itertools.islice(batches, counts[period]), device, decay)
         for trained in trains[period]:
-            batches = periods.period_batches(trained, local_batch, ctx.rank, world)
+            batches = train_source.period_batches(trained, local_batch, ctx.rank, world)
             for batch in itertools.islice(batches, counts[trained]):
                 step += 1
                 batch.check()
