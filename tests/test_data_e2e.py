@@ -158,6 +158,33 @@ def test_criteo_without_split_options_holds_out_eval_rows_and_its_command_trains
     assert "normalized entropy" not in result.stderr
 
 
+def test_tables_larger_than_memory_are_refused_and_the_printed_kv_command_trains(tmp_path):
+    """Tables of 2^31 - 1 rows cannot be held whole on any machine this runs on: the
+    converter prints the cached kv command instead, plain training refuses with the
+    fixes before allocating, and the printed command trains."""
+    result = towerrec_in(tmp_path, "data", "gen-criteo", "--out", "raw", "--rows", "1500")
+    assert result.returncode == 0, result.stderr
+    result = towerrec_in(
+        tmp_path, "data", "criteo", "raw/day_0", "--out", "wide",
+        "--num-embeddings", "2147483647", "--no-progress",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "held whole at embedding dim 16, more than this machine's" in result.stdout
+    command = printed_train_command(result.stdout)
+    assert "embedding.backing=kv" in command and "embedding.backing_path=wide-kv" in command
+    plain = command[: command.index("embedding.memory=cached") - 1]
+    refused = towerrec_in(tmp_path, *plain, *QUICK_RUN)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+    # QUICK_RUN's dim 8 and row-wise Adagrad: 26 tables x (2^31 - 1) rows x 9 floats
+    assert "the 26 embedding tables need 1,872.0 GiB" in refused.stderr
+    assert "--set embedding.memory=cached" in refused.stderr
+    result = towerrec_in(tmp_path, *command, "--out", "run", *QUICK_RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 4
+    assert (tmp_path / "wide-kv").is_dir()
+
+
 def test_a_final_normalized_entropy_above_1_is_warned_about(criteo_cache, tmp_path, caplog):
     # One step from the initial weights (predictions near 0.5) at a click rate near 0.25.
     config = load_config(

@@ -28,9 +28,11 @@ from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.parallelize import uniform_plan
 from towerrec.models.dlrm import DLRM
+from towerrec.modules import compact
+from towerrec.modules.compact_config import CompactConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
-from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.trainer import train_step
 
@@ -282,3 +284,17 @@ def test_forked_loader_workers_hold_no_pages_of_the_tables(backend):
     assert trainer["rss_mb"] - child["rss_mb"] > 0.9 * table_mb, (trainer, child)
     assert child["uss_mb"] < table_mb / 4, child
     assert trainer["uss_mb"] > table_mb, trainer  # the tables are the trainer's alone
+
+
+def test_full_tables_beyond_the_devices_memory_are_refused_before_allocation(monkeypatch):
+    tables = [TableConfig("a", 1000, 8), TableConfig("b", 3000, 8)]
+    adam = EmbeddingOptimizerConfig(EmbeddingOptimizer.ADAM)
+    # weights and two moments per element: 4000 rows x 24 floats x 4 bytes
+    assert compact.full_table_bytes(tables, adam) == 4000 * 24 * 4
+    monkeypatch.setattr(compact, "device_memory_bytes", lambda device: 4000 * 24 * 4 - 1)
+    with pytest.raises(ValueError, match=r"'b', has 3,000 rows of dim 8\), more than this"):
+        compact.build_embedding_collection(tables, CompactConfig(), adam)
+    # a sharded collection (not materialised here) holds no whole table: no refusal
+    compact.build_embedding_collection(tables, CompactConfig(), adam, materialize=False)
+    monkeypatch.setattr(compact, "device_memory_bytes", lambda device: 4000 * 24 * 4)
+    assert compact.build_embedding_collection(tables, CompactConfig(), adam).is_materialized

@@ -33,7 +33,10 @@ import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
+import torch
+
 __all__ = [
+    "device_memory_bytes",
     "peak_rss_mb",
     "process_memory",
     "register_parent_only",
@@ -42,6 +45,18 @@ __all__ = [
 ]
 
 _MIB = 1024 * 1024
+
+
+def device_memory_bytes(device: torch.device | str | None = None) -> int | None:
+    """The memory of ``device``: a CUDA device's total, else this machine's physical
+    memory; None where the system does not say."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def peak_rss_mb() -> float:

@@ -30,12 +30,16 @@ from pathlib import Path
 from towerrec.cli.distill import add_periods_command
 from towerrec.cli.profile import add_profile_command
 from towerrec.cli.pu_prior import add_pu_prior_command
+from towerrec.config import Config
 from towerrec.data.cache import open_cache
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.data.libfm import infer_field_map, preprocess_libfm, write_field_map
 from towerrec.data.splits import SPLITS, Split
 from towerrec.data.tabular import TableSchema, preprocess_table
+from towerrec.memory import device_memory_bytes
+from towerrec.modules.compact import full_table_bytes
+from towerrec.modules.tables import TableConfig
 
 __all__ = ["DEFAULT_EVAL_FRACTION", "add_commands"]
 
@@ -83,10 +87,16 @@ def _rows_line(rows: dict[str, int]) -> str:
 
 
 def _print_next_step(
-    rows: dict[str, int], out: Path, source: str, split_options: str, num_dense: int = 1
+    rows: dict[str, int],
+    out: Path,
+    source: str,
+    split_options: str,
+    num_dense: int = 1,
+    sizes: list[int] | None = None,
 ) -> None:
     """The command that trains on the cache (without a bottom MLP for data without dense
-    features), or why there is none."""
+    features; over kv stores when the tables' ``sizes`` at the default embedding do not
+    fit this machine's memory), or why there is none."""
     if rows["validation"] == 0:
         print(
             "no validation rows: `towerrec train` validates and cannot use this cache; "
@@ -95,7 +105,37 @@ def _print_next_step(
         return
     path = shlex.quote(f"data.path={out}")
     no_bottom = " --set 'model.bottom_mlp=[]'" if num_dense == 0 else ""
-    print(f"train with: towerrec train --set data.source={source} --set {path}{no_bottom}")
+    print(
+        f"train with: towerrec train --set data.source={source} --set {path}{no_bottom}"
+        f"{_kv_settings(sizes, out)}"
+    )
+
+
+KV_CACHE_SLOTS = 1_000_000  # rows a table's cache holds in the printed kv command
+
+
+def _kv_settings(sizes: list[int] | None, out: Path) -> str:
+    """The settings that put tables of ``sizes`` rows in caches over kv stores beside
+    ``out``, when at the default embedding they would not fit this machine's memory held
+    whole (``towerrec train`` refuses those); empty otherwise (or when memory is unknown)."""
+    if not sizes:
+        return ""
+    emb = Config().embedding
+    dim = Config().model.embedding_dim
+    tables = [TableConfig(f"t{i}", n, dim) for i, n in enumerate(sizes)]
+    need, limit = full_table_bytes(tables, emb.optimizer_config()), device_memory_bytes()
+    if limit is None or need <= limit:
+        return ""
+    print(
+        f"the tables need {need / 2**30:,.1f} GiB held whole at embedding dim {dim}, more "
+        f"than this machine's {limit / 2**30:,.1f} GiB: train them as caches of "
+        f"{KV_CACHE_SLOTS:,} rows over kv stores, which hold only the rows training touches"
+    )
+    store = shlex.quote(f"embedding.backing_path={out}-kv")
+    return (
+        " --set embedding.memory=cached --set embedding.backing=kv "
+        f"--set embedding.cache_slots={KV_CACHE_SLOTS} --set {store}"
+    )
 
 
 def _cmd_criteo(args: argparse.Namespace) -> int:
@@ -135,6 +175,7 @@ def _cmd_criteo(args: argparse.Namespace) -> int:
         args.out,
         "criteo",
         "--validation-fraction F (0 < F < 1) or --validation-files FILE...",
+        sizes=sizes,
     )
     return 0
 
@@ -164,6 +205,7 @@ def _print_manifest(manifest: dict, out: Path) -> None:
         "cache",
         "--validation-fraction F (0 < F < 1) or --validation-files FILE...",
         manifest["schema"]["num_dense"],
+        [f["num_embeddings"] for f in manifest["schema"]["sparse"]],
     )
 
 

@@ -138,8 +138,9 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         # A plain attribute, not a submodule: this collection is the fused one that
         # checkpoints and the trainer find (``fused_embedding_modules``).
         inner = EmbeddingBagCollection(
-            inner_tables, optimizer, backend=backend, device=device, seed=seed
+            inner_tables, optimizer, backend=backend, device=device, seed=seed, materialize=False
         )
+        inner.materialize(init=False)  # reset_parameters below fills what needs it
         object.__setattr__(self, "_inner", inner)  # bypasses Module's submodule registration
         self.optimizer = self._inner.optimizer
         self.feature_names = self._inner.feature_names
@@ -244,8 +245,10 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Deterministic init from ``seed`` (the same rows as an ``EmbeddingBagCollection``;
-        a block's, those of its full table)."""
-        self._inner.reset_parameters()
+        a block's, those of its full table). A cached table's rows go to its store; its
+        slots are empty until rows are read into them, so they are zeroed, not drawn (a
+        draw of every slot took seconds per million slots)."""
+        self._inner.zero_optimizer_states()
         weights = self._inner.table_weights()
         for table in self.tables:
             cache, block = self.caches.get(table.name), self.blocks.get(table.name)
@@ -254,7 +257,10 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
                     fill_table_block(
                         weights[table.name], block.table, self.seed, block.rows, block.cols
                     )
+                else:
+                    fill_table_block(weights[table.name], table, self.seed)
                 continue
+            weights[table.name].zero_()
 
             def fill(out: torch.Tensor, lo: int, hi: int, table: TableConfig = table) -> None:
                 block = self.blocks.get(table.name)

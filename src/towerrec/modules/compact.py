@@ -47,6 +47,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from towerrec.memory import device_memory_bytes
 from towerrec.modules.cached import CachedEmbeddingBagCollection, cached_tables
 from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.compact_config import (
@@ -434,5 +435,42 @@ def build_embedding_collection(
             tables, optimizer, tiers=tiers, default=default_tier, **kwargs
         )
     if config.is_full:
+        if materialize:
+            check_tables_fit(tables, optimizer, kwargs.get("device"))
         return EmbeddingBagCollection(tables, optimizer, materialize=materialize, **kwargs)
     return CompactEmbeddingCollection(tables, config, optimizer, **kwargs)
+
+
+def full_table_bytes(tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig) -> int:
+    """Bytes of ``tables`` held whole in float32 with ``optimizer``'s state per row."""
+    total = 0
+    for t in tables:
+        shapes = optimizer.kind.state_shapes(1, t.embedding_dim).values()
+        floats = t.embedding_dim + sum(math.prod(s[1:]) for s in shapes if s)
+        total += t.num_embeddings * floats * 4
+    return total
+
+
+def check_tables_fit(
+    tables: list[TableConfig],
+    optimizer: EmbeddingOptimizerConfig | None,
+    device: torch.device | str | None,
+) -> None:
+    """Refuse full tables held in memory (one process) that the device's memory cannot
+    hold, before any allocation fails deep in a kernel; the message names the fixes."""
+    limit = device_memory_bytes(device)
+    need = full_table_bytes(tables, optimizer or EmbeddingOptimizerConfig())
+    if limit is None or need <= limit:
+        return
+    largest = max(tables, key=lambda t: t.num_embeddings)
+    where = "GPU" if torch.device(device or "cpu").type == "cuda" else "machine"
+    raise ValueError(
+        f"the {len(tables)} embedding tables need {need / 2**30:,.1f} GiB held whole with "
+        f"their optimizer state (the largest, {largest.name!r}, has "
+        f"{largest.num_embeddings:,} rows of dim {largest.embedding_dim}), more than this "
+        f"{where}'s {limit / 2**30:,.1f} GiB. Hold them in a cache over a store "
+        "(--set embedding.memory=cached --set embedding.backing=ssd, or backing=kv with "
+        'embedding.cache_slots for sparse 64-bit ids; README, "Tables larger than memory"), '
+        "shard them over the memory of several hosts, or give the data fewer rows per table "
+        "(towerrec data criteo --num-embeddings)"
+    )

@@ -227,6 +227,11 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
         """Deterministic init from ``seed`` (see ``init_table_block``); state zeroed."""
         for table, weight in self._table_weights():
             fill_table_block(weight, table, self.seed)
+        self.zero_optimizer_states()
+
+    @torch.no_grad()
+    def zero_optimizer_states(self) -> None:
+        """Every table's optimizer state to zero (as at the start of training)."""
         for _, states in self._table_optimizer_states():
             for s in states.values():
                 s.zero_()
