@@ -17,6 +17,8 @@ from conftest import ROOT, needs_fbgemm, run_cli
 from towerrec.config import ConfigError, load_config
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.cached_config import TierConfig
+from towerrec.modules.compact import build_embedding_collection
+from towerrec.modules.compact_config import CompactConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.modules.tier_store import HEADER_BYTES, StoreError
@@ -507,3 +509,17 @@ def test_bench_tiers_gives_each_rank_its_slice_of_the_global_batch():
     for key in ROWS:
         assert torch.equal(torch.cat([p.sparse[key].values for p in parts]), features[key].values)
         assert torch.equal(torch.cat([p.sparse[key].lengths for p in parts]), features[key].lengths)
+
+
+def test_cached_tables_asked_for_but_none_large_enough_is_warned():
+    tables = [TableConfig("a", 100, 4), TableConfig("b", 60, 4)]
+    cached = TierConfig(memory="cached", min_rows=100)
+    with pytest.warns(UserWarning, match=r"the largest, 'a', has 100: every table stays"):
+        collection = build_embedding_collection(tables, CompactConfig(), default_tier=cached)
+    assert isinstance(collection, EmbeddingBagCollection)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one row more than the threshold: cached, no warning
+        build_embedding_collection(
+            tables, CompactConfig(), default_tier=TierConfig(memory="cached", min_rows=99)
+        )
+        build_embedding_collection(tables, CompactConfig())  # nothing asked: nothing said

@@ -26,6 +26,7 @@ def test_train_quick_config_end_to_end(tmp_path):
     assert "validation AUC" in result.stderr and "validation AUC" not in result.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 60 and 0.5 < summary["auc"] <= summary["oracle_auc"] + 0.02
+    assert "WARNING" not in result.stderr  # the bundled config's warm-up fits its steps
     assert (out / "curves.png").stat().st_size > 1000
     shown = towerrec(
         "config", "show", "--config", "configs/quick.toml", "--set", "train.progress=false"
@@ -111,3 +112,15 @@ def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(tmp_path):
         os.close(write)
     assert result.returncode == 141, result.stderr
     assert result.stderr == ""
+
+
+def test_warnings_print_as_one_line_without_python_source(tmp_path):
+    result = towerrec(
+        "replay", "--config", "configs/quick.toml", "--out", str(tmp_path / "r"),
+        "--set", "data.synthetic.periods=2", "--set", "data.synthetic.period_samples=1024",
+        "--set", "train.progress=false",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = [x for x in result.stderr.splitlines() if "ignored by replay" in x]
+    assert len(lines) == 1 and " WARNING towerrec: train.steps and train.epochs" in lines[0]
+    assert "warnings.warn" not in result.stderr and "UserWarning" not in result.stderr

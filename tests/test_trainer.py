@@ -242,7 +242,8 @@ def test_steps_are_resolved_from_the_source_unless_set():
 
     real = ["data.source=criteo", "data.path=cache", "train.batch_size=1000"]
     assert resolve_steps(load_config(), None)[0] == 2500  # synthetic: the fixed default
-    assert resolve_steps(load_config(None, ["train.steps=7"]), None) == (7, "train.steps")
+    explicit = load_config(None, ["train.steps=7"])
+    assert resolve_steps(explicit, None) == (7, "as train.steps sets it")
     steps, why = resolve_steps(load_config(None, real), _Rows(10_001))
     assert steps == 11 and "one epoch on real data" in why  # rounded up to whole steps
     assert resolve_steps(load_config(None, real), _Rows(10_000))[0] == 10

@@ -2,7 +2,9 @@
 export | predict | nas.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
-and exit with status 2; anything else is a bug and shows its traceback. A
+and exit with status 2; anything else is a bug and shows its traceback. Warnings
+print as one line, as the log's own (time, WARNING, and ``towerrec`` or the
+warning's category), without the file and source line Python shows by default. A
 reader that closes stdout early (``towerrec data info DIR | head``) ends the
 command quietly with status 141, as a process stopped by SIGPIPE.
 """
@@ -14,6 +16,8 @@ import logging
 import os
 import select
 import sys
+import time
+import warnings
 
 from towerrec.cli import bench, config, data, distill, nas, plan, replay, scaling, serve, train
 
@@ -45,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    previous, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         code = args.func(args)
         sys.stdout.flush()  # a closed stdout fails here, not in the flush at exit
@@ -58,6 +63,20 @@ def main(argv: list[str] | None = None) -> int:
         # Later writes (the flush at exit included) go nowhere instead of failing again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return STDOUT_CLOSED
+    finally:
+        warnings.formatwarning = previous
+
+
+def _one_line_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    line: str | None = None,
+) -> str:
+    """A warning as the command line prints it (module docstring)."""
+    source = "towerrec" if f"{os.sep}towerrec{os.sep}" in filename else category.__name__
+    return f"{time.strftime('%H:%M:%S')} WARNING {source}: {message}\n"
 
 
 def _stdout_open() -> bool:

@@ -421,6 +421,7 @@ def build_embedding_collection(
     if not cached:  # a cached collection warns itself
         for w in caught:
             warnings.warn(w.message, stacklevel=2)
+        _warn_if_nothing_cached(tables, tiers, default_tier)
     if cached and not config.is_full:
         raise ValueError(
             f"tables {sorted(cached)} run cached (memory = 'cached'), which needs every "
@@ -439,6 +440,28 @@ def build_embedding_collection(
             check_tables_fit(tables, optimizer, kwargs.get("device"))
         return EmbeddingBagCollection(tables, optimizer, materialize=materialize, **kwargs)
     return CompactEmbeddingCollection(tables, config, optimizer, **kwargs)
+
+
+def _warn_if_nothing_cached(
+    tables: list[TableConfig], tiers: Mapping[str, TierConfig], default: TierConfig
+) -> None:
+    """Cached tables asked for (``embedding.memory = "cached"``) and none large enough:
+    say so, with the threshold and the largest table, rather than train all in memory
+    unannounced."""
+    asked = [t for t in tables if tiers.get(t.name, default).is_cached]
+    if not asked:
+        return
+    largest = max(asked, key=lambda t: t.num_embeddings)
+    threshold = tiers.get(largest.name, default).min_rows
+    if largest.num_embeddings > threshold:
+        return  # its cache would hold it whole: cached_tables warned
+    warnings.warn(
+        f"embedding.memory = 'cached' caches tables of more than embedding.cache_min_rows = "
+        f"{threshold:,} rows, and the largest, {largest.name!r}, has "
+        f"{largest.num_embeddings:,}: every table stays in memory; lower "
+        "embedding.cache_min_rows to cache them",
+        stacklevel=3,
+    )
 
 
 def full_table_bytes(tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig) -> int:

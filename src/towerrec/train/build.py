@@ -333,7 +333,7 @@ def resolve_steps(config: Config, source) -> tuple[int, str]:
     """
     cfg = config.train
     if cfg.steps is not None:
-        return cfg.steps, "train.steps"
+        return cfg.steps, "as train.steps sets it"
     if config.data.source == "synthetic":
         return SYNTHETIC_STEPS, "the synthetic data's default (train.steps unset)"
     epochs = cfg.epochs if cfg.epochs is not None else 1.0

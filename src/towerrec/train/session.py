@@ -141,10 +141,11 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         run.start(config, resume=resume)
     ctx.barrier()
     log.info("train.steps = %s: %s", f"{steps:,}", steps_from)
-    if config.optimizer.warmup_steps >= steps:
+    warmup = config.optimizer.warmup_steps
+    if warmup > steps or warmup == steps > 1:  # (one step of one: the full rate at once)
         log.warning(
-            "optimizer.warmup_steps = %d >= train.steps = %d: the learning rate never reaches "
-            "optimizer.lr; lower optimizer.warmup_steps",
+            "optimizer.warmup_steps = %d >= train.steps = %d: the learning rate reaches "
+            "optimizer.lr at the last step at best; lower optimizer.warmup_steps",
             config.optimizer.warmup_steps,
             steps,
         )
