@@ -85,6 +85,16 @@ def test_plan_file_strategy_checks_world_size(tmp_path):
     assert build_plan(file_config, source, 2).world_size == 2
     with pytest.raises(ValueError, match="is for 2 ranks but the run has 4"):
         build_plan(file_config, source, 4)
+    # --nproc 3 with that plan: one error line before any worker starts, no run directory
+    out = tmp_path / "run"
+    result = towerrec(
+        "train", "--nproc", "3", "--out", str(out), "--set", "plan.strategy=file",
+        "--set", f"plan.path={tmp_path}/p.json", "--set", "train.steps=2",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "error: plan" in result.stderr and "is for 2 ranks but the run has 3" in result.stderr
+    assert "Traceback" not in result.stderr and "rank 0" not in result.stderr
+    assert not out.exists()
 
 
 def _plan_on_rank(rank, world, port, queue):

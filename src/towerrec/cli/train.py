@@ -11,6 +11,7 @@ from pathlib import Path
 from towerrec.cli.common import add_config_args
 from towerrec.config import load_config
 from towerrec.distributed.launch import WorkerError, launch
+from towerrec.train.planning import load_plan_file
 from towerrec.train.run_dir import RunDir, default_run_dir
 from towerrec.train.trainer import train
 from towerrec.train.worker import train_worker
@@ -35,6 +36,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             if os.environ.get("RANK", "0") != "0":
                 return 0
         elif args.nproc > 1 or args.hosts > 1:
+            if config.plan.strategy == "file":  # a wrong plan file: one line, no workers
+                load_plan_file(config, args.nproc)
             summary = _launch_train(args, out)
         else:
             summary = train(config, out, resume=args.resume)

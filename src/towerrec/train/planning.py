@@ -181,6 +181,18 @@ def plan_source(
     return replace(result, plan=replace(result.plan, tables=tables))
 
 
+def load_plan_file(config: Config, world_size: int) -> ShardingPlan:
+    """``plan.path``'s plan, refused unless it is for ``world_size`` ranks (the launcher
+    calls it too, so a wrong file stops the run before any worker starts)."""
+    plan = ShardingPlan.load(config.plan.path)
+    if plan.world_size != world_size:
+        raise ValueError(
+            f"plan {config.plan.path!r} is for {plan.world_size} ranks but the run has "
+            f"{world_size}; write a new one with `towerrec plan`"
+        )
+    return plan
+
+
 def build_plan(config: Config, source, world_size: int) -> ShardingPlan | None:
     """The plan a run of ``world_size`` ranks uses, per ``config.plan.strategy``."""
     strategy = config.plan.strategy
@@ -189,12 +201,7 @@ def build_plan(config: Config, source, world_size: int) -> ShardingPlan | None:
     if strategy == "file":
         from towerrec.modules.tables import TableConfig
 
-        plan = ShardingPlan.load(config.plan.path)
-        if plan.world_size != world_size:
-            raise ValueError(
-                f"plan {config.plan.path!r} is for {plan.world_size} ranks but the run has "
-                f"{world_size}; write a new one with `towerrec plan`"
-            )
+        plan = load_plan_file(config, world_size)
         plan.validate(
             [
                 TableConfig(f.name, f.num_embeddings, config.model.embedding_dim)
