@@ -12,6 +12,7 @@ from towerrec.config import load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.train import trainer
+from towerrec.train.summary import warn_worse_than_base_rate
 
 
 def towerrec(*args):
@@ -196,7 +197,19 @@ def test_a_final_normalized_entropy_above_1_is_warned_about(criteo_cache, tmp_pa
         summary = trainer.train(config, tmp_path / "run")
     assert summary["ne"] >= 1
     warned = [r.getMessage() for r in caplog.records if "normalized entropy" in r.getMessage()]
-    assert len(warned) == 1 and "overfitting" in warned[0] and "learning rate" in warned[0]
+    assert len(warned) == 1 and "learning rate" in warned[0] and "too short" in warned[0]
+    assert "overfitting" not in warned[0]  # one batch of a fraction of an epoch
+
+
+@pytest.mark.parametrize(
+    ("samples", "named"),
+    [(2048, False), (2 * 2048, True)],  # one epoch of 1,500 rows rounded up to a batch; two
+)
+def test_too_many_passes_is_named_only_beyond_one_rounded_epoch(samples, named, caplog):
+    with caplog.at_level("WARNING", logger="towerrec"):
+        warn_worse_than_base_rate(1.1, samples, train_rows=1500, batch_size=2048)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert ("too many passes" in message) is named and "learning rate too high" in message
 
 
 LIBFM_FIELDS = "user 0 49\nitem 50 149\nctx 150 159 multi\n"

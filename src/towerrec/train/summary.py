@@ -97,18 +97,28 @@ def log_cache_stats(summary: dict[str, Any]) -> None:
         )
 
 
-def warn_worse_than_base_rate(ne: float, samples: int, train_rows: int | None) -> None:
-    """NE >= 1: the predictions say less than the eval click rate alone would."""
-    if train_rows:
-        overfit = f"too many passes over the training data ({samples / train_rows:.3g} epochs "
-        overfit += "here; try train.epochs = 1)"
-    else:
-        overfit = "too many train.steps"
+def warn_worse_than_base_rate(
+    ne: float, samples: int, train_rows: int | None, batch_size: int = 1
+) -> None:
+    """NE >= 1: the predictions say less than the eval click rate alone would. Too many
+    passes is named as a cause only when the run made more than one epoch rounded up to
+    whole global batches of ``batch_size``."""
+    causes = []
+    if not train_rows:
+        causes.append("overfitting from too many train.steps")
+    elif samples - train_rows >= batch_size:
+        causes.append(
+            f"overfitting from too many passes over the training data ({samples / train_rows:.3g} "
+            "epochs here; try train.epochs = 1)"
+        )
+    causes.append("a learning rate too high (optimizer.lr, embedding.lr)")
+    causes.append(
+        "a run too short to learn even the click rate (train.steps against optimizer.warmup_steps)"
+    )
     log.warning(
         "the final eval normalized entropy is %.3f >= 1: the model predicts worse than the "
-        "click rate alone. Likely causes: overfitting from %s, a learning rate too high "
-        "(optimizer.lr, embedding.lr), or a run too short to learn even the click rate "
-        "(train.steps against optimizer.warmup_steps)",
+        "click rate alone. Likely causes: %s, or %s",
         ne,
-        overfit,
+        ", ".join(causes[:-1]),
+        causes[-1],
     )

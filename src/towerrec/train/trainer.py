@@ -143,7 +143,12 @@ def train(
     run.plot_curves(session.oracle_auc)
     run.close()
     if final and final["ne"] >= 1 and session.ctx.is_main:
-        warn_worse_than_base_rate(final["ne"], session.state["samples"], session.source.train_rows)
+        warn_worse_than_base_rate(
+            final["ne"],
+            session.state["samples"],
+            session.source.train_rows,
+            session.config.train.batch_size,
+        )
     return summary
 
 
