@@ -46,6 +46,10 @@ __all__ = [
     "uses_hierarchical",
 ]
 
+# torch 2.13 renamed all_gather_into_tensor (which now warns on every call); older
+# releases have only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 DENSE_ALLREDUCE = ("ring", "hierarchical")
 
 Hook = Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -118,7 +122,7 @@ def hierarchical_allreduce_hook(
         stats.record("dense_allreduce_cross", 0, 2 * (hosts - 1) * shard * item // hosts)
         mine.div_(world)
         # (3) every shard back to every rank of the host
-        dist.all_gather_into_tensor(padded, mine, group=groups.host)
+        _all_gather_single(padded, mine, group=groups.host)
         stats.record("dense_all_gather", (per_host - 1) * shard * item, 0)
         flat.copy_(padded[: flat.numel()])
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
