@@ -33,11 +33,9 @@ import weakref
 from collections.abc import Iterable
 from typing import Protocol
 
-import torch
-
 __all__ = [
-    "device_memory_bytes",
     "peak_rss_mb",
+    "physical_memory_bytes",
     "process_memory",
     "register_parent_only",
     "release_parent_only",
@@ -47,12 +45,8 @@ __all__ = [
 _MIB = 1024 * 1024
 
 
-def device_memory_bytes(device: torch.device | str | None = None) -> int | None:
-    """The memory of ``device``: a CUDA device's total, else this machine's physical
-    memory; None where the system does not say."""
-    device = torch.device(device or "cpu")
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory; None where the system does not say."""
     try:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):

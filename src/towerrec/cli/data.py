@@ -37,7 +37,7 @@ from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.data.libfm import infer_field_map, preprocess_libfm, write_field_map
 from towerrec.data.splits import SPLITS, Split
 from towerrec.data.tabular import TableSchema, preprocess_table
-from towerrec.memory import device_memory_bytes
+from towerrec.memory import physical_memory_bytes
 from towerrec.modules.compact import full_table_bytes
 from towerrec.modules.tables import TableConfig
 
@@ -123,7 +123,7 @@ def _kv_settings(sizes: list[int] | None, out: Path) -> str:
     emb = Config().embedding
     dim = Config().model.embedding_dim
     tables = [TableConfig(f"t{i}", n, dim) for i, n in enumerate(sizes)]
-    need, limit = full_table_bytes(tables, emb.optimizer_config()), device_memory_bytes()
+    need, limit = full_table_bytes(tables, emb.optimizer_config()), physical_memory_bytes()
     if limit is None or need <= limit:
         return ""
     print(

@@ -47,7 +47,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from towerrec.memory import device_memory_bytes
+from towerrec.memory import physical_memory_bytes
 from towerrec.modules.cached import CachedEmbeddingBagCollection, cached_tables
 from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.compact_config import (
@@ -462,6 +462,15 @@ def _warn_if_nothing_cached(
         "embedding.cache_min_rows to cache them",
         stacklevel=3,
     )
+
+
+def device_memory_bytes(device: torch.device | str | None) -> int | None:
+    """The memory of ``device``: a CUDA device's total, else this machine's physical
+    memory; None where the system does not say."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return physical_memory_bytes()
 
 
 def full_table_bytes(tables: list[TableConfig], optimizer: EmbeddingOptimizerConfig) -> int:
