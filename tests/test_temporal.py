@@ -289,9 +289,10 @@ def test_foresight_trains_on_the_next_period_and_is_scored_on_this_one():
     )
     model, summary = run_replay(config, progress=False, periods=scored, train_periods=ahead)
     alone, alone_summary = run_replay(config, progress=False, periods=ahead)
-    assert _state(model).keys() == _state(alone).keys()
-    for key, value in _state(model).items():
-        assert torch.equal(value, _state(alone)[key]), key
+    trained, replayed = _state(model), _state(alone)
+    assert trained.keys() == replayed.keys()
+    for key, value in trained.items():
+        assert torch.equal(value, replayed[key]), key
     # scored on the data it was given (its oracle known), not on what it trained on
     labels, probs = scored.period_oracle(1)
     assert summary["results"][0]["oracle_auc"] == auc(probs, labels)

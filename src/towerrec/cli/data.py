@@ -120,10 +120,11 @@ def _kv_settings(sizes: list[int] | None, out: Path) -> str:
     whole (``towerrec train`` refuses those); empty otherwise (or when memory is unknown)."""
     if not sizes:
         return ""
-    emb = Config().embedding
-    dim = Config().model.embedding_dim
+    defaults = Config()
+    dim = defaults.model.embedding_dim
     tables = [TableConfig(f"t{i}", n, dim) for i, n in enumerate(sizes)]
-    need, limit = full_table_bytes(tables, emb.optimizer_config()), physical_memory_bytes()
+    need = full_table_bytes(tables, defaults.embedding.optimizer_config())
+    limit = physical_memory_bytes()
     if limit is None or need <= limit:
         return ""
     print(

@@ -98,7 +98,7 @@ def log_cache_stats(summary: dict[str, Any]) -> None:
 
 
 def warn_worse_than_base_rate(
-    ne: float, samples: int, train_rows: int | None, batch_size: int = 1
+    ne: float, samples: int, train_rows: int | None, batch_size: int
 ) -> None:
     """NE >= 1: the predictions say less than the eval click rate alone would. Too many
     passes is named as a cause only when the run made more than one epoch rounded up to
