@@ -14,12 +14,54 @@ needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm_gpu is not inst
 needs_torchrec = pytest.mark.skipif(not HAS_TORCHREC, reason="torchrec is not installed")
 
 
+# Set by pytest for each test, and by torch the first time it needs its compile cache.
+_OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def _process_state() -> dict:
+    """The process-wide settings a run's numbers or a launched worker could inherit."""
+    return {
+        "threads": torch.get_num_threads(),
+        "fp32 matmul precision": torch.backends.mkldnn.matmul.fp32_precision,
+        "environment": {k: v for k, v in os.environ.items() if k not in _OWN_VARIABLES},
+    }
+
+
+_BASELINE = _process_state()  # the process's own, before any test ran
+
+
+def _restore(state: dict) -> None:
+    torch.set_num_threads(state["threads"])
+    if torch.backends.mkldnn.matmul.fp32_precision != state["fp32 matmul precision"]:
+        torch.backends.mkldnn.matmul.fp32_precision = state["fp32 matmul precision"]
+    for name in set(os.environ) - set(state["environment"]) - set(_OWN_VARIABLES):
+        del os.environ[name]
+    os.environ.update(state["environment"])
+
+
 @pytest.fixture(autouse=True)
-def _single_thread_determinism():
-    # Tests compare results bit-for-bit or to tight tolerances; keep them fast and stable.
-    threads = torch.get_num_threads()
+def _no_leaked_process_state():
+    """Every test starts from the process's own settings (a module-scoped fixture cannot
+    hand its tests another thread count), and a test that leaves one changed fails, so
+    that no test depends on which tests ran before it. Change them through a fixture
+    that restores them (``one_thread``, ``monkeypatch.setenv``)."""
+    _restore(_BASELINE)
     yield
-    torch.set_num_threads(threads)
+    left = _process_state()
+    if left != _BASELINE:
+        changed = sorted(k for k in left if left[k] != _BASELINE[k])
+        env = left["environment"], _BASELINE["environment"]
+        names = sorted(k for k in env[0].keys() | env[1].keys() if env[0].get(k) != env[1].get(k))
+        _restore(_BASELINE)
+        pytest.fail(f"the test left process-wide settings changed: {changed} {names or ''}")
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (fast and stable next to other processes)."""
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(_BASELINE["threads"])
 
 
 ROOT = Path(__file__).parent.parent
@@ -39,3 +81,12 @@ def run_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedPro
         timeout=300,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **env},
     )
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The shuffled order's seed, in quiet runs too: `pytest -p random_order
+    --random-order-seed=N` runs the same order again."""
+    seed = getattr(config.option, "random_order_seed", None)
+    if seed is not None:
+        seed = str(seed).removeprefix("default:")
+        terminalreporter.write_line(f"test order: --random-order-seed={seed}")

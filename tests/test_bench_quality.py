@@ -85,8 +85,7 @@ def _planted(rows: int, seed: int) -> PlainData:
 
 
 @pytest.mark.parametrize("model", ["dlrm", "dcn", "wukong"])
-def test_reference_learns_a_plain_signal(model):
-    torch.set_num_threads(1)
+def test_reference_learns_a_plain_signal(model, one_thread):
     arch = Architecture(model, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(32, 16, 1))
     result = train_reference(
         arch, _planted(6000, 0), _planted(2000, 1), epochs=4, batch_size=128, patience=2, seed=0

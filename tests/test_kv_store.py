@@ -33,11 +33,8 @@ BATCH = 16
 SEED = 3
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny kernels: two threads only add contention on a shared machine (conftest
-    restores the count)."""
-    torch.set_num_threads(1)
+# Tiny kernels: two threads only add contention on a shared machine.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def batches(steps, seed=0, rows=ROWS, batch=BATCH):

@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from towerrec.calibration import random_device
 from towerrec.planner.learned_cost import LearnedCostModel
@@ -20,8 +19,7 @@ def _fused_cost(shards, batch=2048):
     return sum(5e-4 + sum(w) / len(w) ** 0.5 for w in by_width.values())
 
 
-def test_learned_model_fits_held_out_devices_of_a_fused_cost(tmp_path):
-    torch.set_num_threads(1)
+def test_learned_model_fits_held_out_devices_of_a_fused_cost(tmp_path, one_thread):
     rng = np.random.default_rng(0)
     devices = [random_device(rng, f"d{i}") for i in range(240)]
     seconds = [_fused_cost(d) for d in devices]
@@ -48,10 +46,9 @@ def test_learned_model_rejects_bad_training_data():
         model.fit([random_device(rng, "x")], [0.0])
 
 
-def test_costmodel_benchmark_from_saved_samples(tmp_path):
+def test_costmodel_benchmark_from_saved_samples(tmp_path, one_thread):
     from towerrec.bench.costmodel import _to_json, run_costmodel_benchmark
 
-    torch.set_num_threads(1)
     rng = np.random.default_rng(2)
     devices = [random_device(rng, f"d{i}") for i in range(40)]
     path = tmp_path / "samples.json"

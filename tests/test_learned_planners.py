@@ -31,6 +31,9 @@ from towerrec.planner.topology import Topology
 GiB = 1 << 30
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny networks: no spinning threads
+
+
 def fake_seconds(shards):
     """A kernel-like device time: one overhead per width, lookups x width per table."""
     widths = len({c for *_, c in shards})
@@ -52,7 +55,6 @@ def cost_data(tables, num=60, seed=0):
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.set_num_threads(1)
     tables = small_suite()
     devices, seconds = cost_data(tables)
     tasks = training_tasks(tables, 6, 8, 16, (2, 4), seed=0)

@@ -36,9 +36,10 @@ from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.trainer import train_step
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)"
-)
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 ROWS, DIM = 1_000_000, 16  # 64 MB of weights
 TABLE_BYTES = ROWS * DIM * 4
@@ -144,7 +145,6 @@ CASES = [
 
 @pytest.mark.parametrize("backend,optimizer", CASES)
 def test_embedding_step_allocates_nothing_table_sized(backend, optimizer):
-    torch.set_num_threads(1)
     ebc = EmbeddingBagCollection(TABLES, EmbeddingOptimizerConfig(kind=optimizer), backend=backend)
     batches = iter(range(100))
 
@@ -156,7 +156,6 @@ def test_embedding_step_allocates_nothing_table_sized(backend, optimizer):
 
 
 def test_train_step_of_a_model_allocates_nothing_table_sized():
-    torch.set_num_threads(1)
     model = DLRM(EmbeddingBagCollection(TABLES), num_dense=4, bottom_mlp=(8, DIM), top_mlp=(8, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     batches = iter(range(100))
@@ -265,7 +264,6 @@ def test_forked_loader_workers_hold_no_pages_of_the_tables(backend):
     from towerrec.data.movielens import bundled_movielens_path, load_movielens
     from towerrec.memory import process_memory
 
-    torch.set_num_threads(1)
     ebc = EmbeddingBagCollection(TABLES, backend=backend)
     source = ColumnSource(
         load_movielens(bundled_movielens_path()), LoaderConfig(num_workers=1, prefetch=1)

@@ -256,7 +256,6 @@ MOVIELENS = [
 def _train_movielens(out):
     from towerrec.train.trainer import train
 
-    torch.set_num_threads(1)
     return train(load_config(None, MOVIELENS), out)
 
 

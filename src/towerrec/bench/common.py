@@ -4,16 +4,21 @@ matmul peak, timing."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import torch
 
 from towerrec.calibration.machine import machine_info
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 __all__ = [
     "Benchmark",
@@ -125,6 +130,22 @@ def time_interleaved(
     if cpu_seconds is not None:
         cpu_seconds.update({name: statistics.median(values) for name, values in cpu.items()})
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def keeps_process_threads(fn: Callable[P, R]) -> Callable[P, R]:
+    """A benchmark entry that may set its own thread count (``--threads``, or one thread
+    for a measurement): the caller's count comes back when it returns, so that a
+    benchmark run from Python (a test, a notebook) leaves the process as it found it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        before = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+
+    return wrapper
 
 
 def set_threads(threads: int | None) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from towerrec.bench.common import (
     Benchmark,
+    keeps_process_threads,
     machine_info,
     peak_rss_mb,
     set_threads,
@@ -79,6 +80,7 @@ def _torchrec_ebc(shape: dict):
     )
 
 
+@keeps_process_threads
 def run_embedding_benchmark(
     steps: int = 30,
     warmup: int = 5,

@@ -39,7 +39,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from towerrec.bench.common import Benchmark, comma_list, machine_info, set_threads
+from towerrec.bench.common import (
+    Benchmark,
+    comma_list,
+    keeps_process_threads,
+    machine_info,
+    set_threads,
+)
 from towerrec.config import load_config
 from towerrec.models.dlrm import DLRM
 from towerrec.optim.dance import Dance, DanceSettings
@@ -287,6 +293,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None)
 
 
+@keeps_process_threads
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     result: dict[str, Any] = {"machine": machine_info(), "settings": vars(args).copy()}

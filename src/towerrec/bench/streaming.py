@@ -49,7 +49,13 @@ import torch
 from torch import nn
 
 from towerrec.bench import temporal
-from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list, machine_info
+from towerrec.bench.common import (
+    Benchmark,
+    add_overrides_argument,
+    comma_list,
+    keeps_process_threads,
+    machine_info,
+)
 from towerrec.config import Config, load_config
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.periods import PeriodSource
@@ -274,6 +280,7 @@ def _recovered_spread(ne: dict[str, list[float]], seeds: int) -> dict:
     return {"adapter_recovered_per_seed": per_seed, "adapter_recovered_interval_5_95": interval}
 
 
+@keeps_process_threads
 def _run(args: argparse.Namespace) -> dict:
     if args.seeds < 1 or args.periods < 2 or args.domains < 2 or args.student_seeds < 1:
         raise ValueError(

@@ -76,6 +76,7 @@ from towerrec.bench.common import (
     Benchmark,
     comma_list,
     current_rss_mb,
+    keeps_process_threads,
     machine_info,
     peak_rss_mb,
     set_threads,
@@ -449,6 +450,7 @@ def _counters(
     )
 
 
+@keeps_process_threads
 def run_tiers_benchmark(args: argparse.Namespace) -> dict:
     set_threads(args.threads)
     variants = [v for v in comma_list(args.variants)]

@@ -11,7 +11,6 @@ faster of the two.
 from __future__ import annotations
 
 import importlib.util
-import os
 from contextlib import contextmanager
 
 import torch
@@ -206,7 +205,6 @@ def torchrec_step(model, optimizer, batch) -> None:
 
 
 def quiet_torchrec_logs() -> None:
-    os.environ.setdefault("TORCHREC_LOG_LEVEL", "ERROR")
     import logging
 
     for name in ("torchrec", "torch.distributed", "torch.fx"):

@@ -19,6 +19,7 @@ import torch
 
 from towerrec.bench.common import (
     Benchmark,
+    keeps_process_threads,
     machine_info,
     matmul_peak_flops,
     peak_rss_mb,
@@ -131,6 +132,7 @@ def cpu_ratios_to(results: dict, reference: str) -> dict[str, float]:
     }
 
 
+@keeps_process_threads
 def run_train_benchmark(
     steps: int = 30,
     warmup: int = 5,

@@ -257,7 +257,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: int = 0  # torch intra-op threads; 0 = PyTorch's default
+    threads: int = (
+        0  # intra-op threads per rank; 0 = the cores (OMP_NUM_THREADS or affinity) / local ranks
+    )
     progress: bool = True
     precision: str = "fp32"  # fp32 | bf16 (autocast of the dense part, fp32 master weights)
     tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl (extra: tensorboard)

@@ -218,12 +218,19 @@ def launch(
         monitor_interval=0.2,
         start_method="spawn",
     )
+    # The workers inherit the hosts through the environment; the launcher's process gets
+    # its own environment back (the elastic agent adds variables of its own to it too).
+    environ = dict(os.environ)
     os.environ[HOSTS_ENV] = str(hosts)
-    with tempfile.TemporaryDirectory(prefix="towerrec-errors-") as errors_dir:
-        try:
-            return elastic_launch(config, _recording_errors)(entry, errors_dir, *args)
-        except ChildFailedError as e:
-            raise WorkerError(_root_failure(e.failures, errors_dir)) from None
+    try:
+        with tempfile.TemporaryDirectory(prefix="towerrec-errors-") as errors_dir:
+            try:
+                return elastic_launch(config, _recording_errors)(entry, errors_dir, *args)
+            except ChildFailedError as e:
+                raise WorkerError(_root_failure(e.failures, errors_dir)) from None
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def _recording_errors(entry: Callable[..., Any], errors_dir: str, *args: Any) -> Any:

@@ -42,6 +42,7 @@ from towerrec.train.build import (
     lr_factor,
     resolve_device,
 )
+from towerrec.train.numerics import pinned, resolve_threads
 from towerrec.train.step import evaluate, set_learning_rates, train_step
 
 __all__ = ["search", "search_steps"]
@@ -92,6 +93,7 @@ def _architectures(supernet: Supernet, count: int, seed: int) -> list[list[int]]
     return choices
 
 
+@pinned()  # the run's thread count and matmul precision; the process's come back after
 def search(config: Config, out: Path, *, progress: bool = True) -> dict[str, Any]:
     """Run the search of ``config.nas`` and write ``out`` (module docstring); returns
     the report."""
@@ -99,6 +101,7 @@ def search(config: Config, out: Path, *, progress: bool = True) -> dict[str, Any
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; give a new --out directory")
     nas, cfg = config.nas, config.train
+    torch.set_num_threads(resolve_threads(cfg.threads))
     torch.manual_seed(cfg.seed)
     source = build_source(config.data)
     device = resolve_device(cfg.device)

@@ -13,7 +13,6 @@ embedding collectives' bytes are summed over ranks.
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
@@ -367,9 +366,6 @@ def start_distributed(config: Config, device: torch.device, hosts: int | None = 
     topology = topology_from_env(hosts)
     if topology.world_size == 1:
         return RunContext(topology)
-    if not config.train.threads:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", topology.world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     mesh = init_distributed(topology, device, timeout_s=config.distributed.timeout_s)
     if topology.rank != 0:  # rank 0 speaks for the run
         log.setLevel(logging.WARNING)

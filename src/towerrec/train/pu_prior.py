@@ -48,6 +48,7 @@ from towerrec.train.build import (
     resolve_run_config,
 )
 from towerrec.train.loss import Objective, build_objective, check_prior
+from towerrec.train.numerics import pinned, resolve_threads
 from towerrec.train.step import set_learning_rates, train_step
 
 __all__ = [
@@ -173,6 +174,7 @@ def _row_batches(source: RowAccessSource, rows: np.ndarray, batch_size: int, see
             yield source.gather_train(order[start : start + batch_size])
 
 
+@pinned()  # its own thread count; the caller's comes back after
 def held_out_scores(
     config: Config, folds: int = FOLDS, source: DataSource | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,8 +190,7 @@ def held_out_scores(
     """
     if folds < 2:
         raise ValueError(f"cross-fitting needs at least 2 folds, got {folds}")
-    if config.train.threads:
-        torch.set_num_threads(config.train.threads)
+    torch.set_num_threads(resolve_threads(config.train.threads))
     device = resolve_device(config.train.device)
     source = source if source is not None else build_source(config.data)
     config, _ = resolve_run_config(config, source)

@@ -61,6 +61,7 @@ from towerrec.train.build import (
 from towerrec.train.distill import fit_adapter, with_distillation
 from towerrec.train.distributed import start_distributed
 from towerrec.train.metrics import EvalMetrics, auc
+from towerrec.train.numerics import local_processes, pinned, resolve_threads
 from towerrec.train.pu_prior import resolve_objective
 from towerrec.train.step import evaluate, set_learning_rates, train_step
 from towerrec.train.temporal import FutureGradient, training_periods
@@ -151,13 +152,13 @@ def _check(config: Config, periods: PeriodSource) -> None:
     if config.distributed.pipeline:
         warnings.warn(
             "distributed.pipeline is ignored by replay: its steps run one batch at a time",
-            stacklevel=3,
+            stacklevel=4,  # the caller of run_replay()
         )
     if config.train.steps is not None or config.train.epochs is not None:
         warnings.warn(
             "train.steps and train.epochs are ignored by replay: it trains one pass over "
             "every period",
-            stacklevel=3,
+            stacklevel=4,  # the caller of run_replay()
         )
 
 
@@ -184,8 +185,17 @@ def run_replay(
     batches come from, when not from ``periods`` (which is still what each period is
     scored on): ``bench temporal``'s foresight reference trains on the next period's
     distribution; it has ``periods``' schema and number of periods."""
-    if config.train.threads:
-        torch.set_num_threads(config.train.threads)
+    with pinned():  # the run's thread count and matmul precision (train/numerics.py)
+        return _run_replay(config, progress, hosts, periods, train_periods)
+
+
+def _run_replay(
+    config: Config,
+    progress: bool,
+    hosts: int | None,
+    periods: PeriodSource | None,
+    train_periods: PeriodSource | None,
+) -> tuple[nn.Module, dict[str, Any]]:
     periods = build_periods(config.data) if periods is None else periods
     _check(config, periods)
     train_source = periods if train_periods is None else train_periods
@@ -198,6 +208,7 @@ def run_replay(
     device = resolve_device(cfg.device)
     ctx = start_distributed(config, device, hosts)
     world = ctx.world_size
+    torch.set_num_threads(resolve_threads(config.train.threads, local_processes(world)))
     local_batch = ctx.local_batch(cfg.batch_size)
     local_eval = ctx.local_batch(cfg.eval_batch_size, "train.eval_batch_size")
     rows = [train_source.period_rows(p) for p in range(periods.num_periods)]

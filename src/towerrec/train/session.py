@@ -30,6 +30,7 @@ from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta,
 from towerrec.train.distributed import RunContext, start_distributed
 from towerrec.train.early_stopping import EarlyStopping
 from towerrec.train.metrics import auc, normalized_entropy
+from towerrec.train.numerics import local_processes, resolve_threads
 from towerrec.train.planning import refuse_kv_tables
 from towerrec.train.prune_grow import PruneGrow
 from towerrec.train.run_dir import RunDir
@@ -61,6 +62,7 @@ class Session:
     oracle_ne: float | None  # the teacher's own NE on the eval set: the floor a model can reach
     num_dense: int
     num_embedding: int
+    threads: int = 1  # this rank's intra-op threads (numerics.py: the run's numbers depend on it)
     prune_grow: PruneGrow | None = None  # train.prune_grow's schedule, when on
 
     @property
@@ -72,6 +74,7 @@ class Session:
         """Save the run at ``step`` (into ``best/`` for the best validation's weights)."""
         self.state.update(step=step, rng=capture_rng())
         meta = {
+            "threads": self.threads,
             "train_bytes": self.ctx.run_train_bytes(),
             "early_stopping": self.stopper.state_dict(),
         }
@@ -109,10 +112,12 @@ class Session:
 def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None = None) -> Session:
     """Everything before the first step (module doc); resumed if ``resume``. ``hosts``:
     how many hosts the ranks stand for (``None``: as the environment says)."""
-    if config.train.threads:
-        torch.set_num_threads(config.train.threads)
     device = resolve_device(config.train.device)
     ctx = start_distributed(config, device, hosts)
+    run = RunDir(out_dir, writer=ctx.is_main, tensorboard=config.train.tensorboard)
+    checkpoints = CheckpointManager(run.checkpoint_dir, keep=config.train.keep_checkpoints)
+    threads = _run_threads(config, ctx, checkpoints if resume else None)
+    torch.set_num_threads(threads)  # before any numbers are made (a synthetic teacher's too)
     source: DataSource = build_source(config.data)
     periods = {
         "synthetic": config.data.synthetic.periods,
@@ -125,10 +130,8 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
             config.data.source,
         )
     config, steps_from = resolve_run_config(config, source)
-    cfg, steps = config.train, config.train.steps
+    steps = config.train.steps
     assert steps is not None  # resolved
-    run = RunDir(out_dir, writer=ctx.is_main, tensorboard=cfg.tensorboard)
-    checkpoints = CheckpointManager(run.checkpoint_dir, keep=cfg.keep_checkpoints)
     best = CheckpointManager(run.best_dir, keep=1)
     eval_every = resolve_eval_every(config, source)
     stopper = EarlyStopping.from_config(config)
@@ -204,6 +207,7 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         model=model,
         optimizer=build_dense_optimizer(config.optimizer, model, exchange, local),
         state={"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()},
+        threads=threads,
         oracle_auc=oracle_auc,
         oracle_ne=oracle_ne,
         num_dense=model.num_dense_parameters(),
@@ -224,3 +228,27 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         device,
     )
     return session
+
+
+def _run_threads(config: Config, ctx: RunContext, checkpoints: CheckpointManager | None) -> int:
+    """This rank's intra-op threads (``numerics.resolve_threads``); a resumed run keeps
+    the count its checkpoint records unless ``train.threads`` names one (then a
+    different count is warned about: the weights may then differ from an uninterrupted
+    run's in the last bits)."""
+    threads = resolve_threads(config.train.threads, local_processes(ctx.world_size))
+    latest = checkpoints.latest() if checkpoints is not None else None
+    recorded = read_meta(latest).get("threads") if latest is not None else None
+    if recorded is None or recorded == threads:
+        return threads
+    if not config.train.threads:
+        log.info("intra-op threads: %d, as the run was checkpointed with", recorded)
+        return int(recorded)
+    log.warning(
+        "train.threads = %d, but the run was checkpointed with %d threads: a matrix "
+        "product's sums can depend on the thread count, so the weights may differ from an "
+        "uninterrupted run's in the last bits (resume without train.threads to keep %d)",
+        threads,
+        recorded,
+        recorded,
+    )
+    return threads

@@ -53,6 +53,7 @@ def run_summary(
         "hash_collisions": sum(collisions.values()) if collisions is not None else None,
         "embedding_tables": model.sparse.describe(),
         "device": str(s.device),
+        "threads": s.threads,  # this rank's intra-op threads (bit-for-bit results need the same)
         "train_s": state["train_s"],
         **s.ctx.comm_per_sample(state["samples"]),
         **s.ctx.memory_summary(),

@@ -33,6 +33,7 @@ from towerrec.train.build import lr_factor
 from towerrec.train.distill import with_distillation
 from towerrec.train.loss import TrainObjective
 from towerrec.train.metrics import EvalMetrics
+from towerrec.train.numerics import pinned
 from towerrec.train.pipeline import pipelined
 from towerrec.train.pu_prior import resolve_objective
 from towerrec.train.sampled import BatchSamples, sampled_train_step
@@ -90,11 +91,24 @@ def train(
     from its config.toml only in ``RESUME_SAFE_KEYS``); ``stop_after``
     ends the run (with a checkpoint) after that step, as a stop signal does. ``hosts``:
     how many hosts a distributed run's ranks stand for (``None``: as its environment says).
+    The run sets its own thread count and matmul precision (``numerics.py``); the
+    process has its own back when it returns.
     """
+    with pinned():
+        return _train(config, out_dir, resume, stop_after, hosts)
+
+
+def _train(
+    config: Config,
+    out_dir: str | Path,
+    resume: bool,
+    stop_after: int | None,
+    hosts: int | None,
+) -> dict[str, Any]:
     if config.train.temporal != TemporalConfig():
         warnings.warn(
             "train.temporal is used by towerrec replay only; towerrec train ignores it",
-            stacklevel=2,
+            stacklevel=3,  # the caller of train()
         )
     session = set_up(config, out_dir, resume, hosts)
     cfg = session.config.train
