@@ -14,8 +14,14 @@ needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm_gpu is not inst
 needs_torchrec = pytest.mark.skipif(not HAS_TORCHREC, reason="torchrec is not installed")
 
 
-# Set by pytest for each test, and by torch the first time it needs its compile cache.
-_OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+# Set by pytest for each test, by torch the first time it needs its compile cache, and by
+# scikit-learn's import (OpenMP settings of its own).
+_OWN_VARIABLES = (
+    "PYTEST_CURRENT_TEST",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
+)
 
 
 def _process_state() -> dict:
