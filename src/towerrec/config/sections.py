@@ -339,7 +339,7 @@ class PlanConfig:
         from towerrec.planner.topology import PRESETS
 
         _choice(self.strategy, ("none", "auto", "file"), "plan.strategy")
-        _choice(self.planner, PLANNERS, "plan.planner")
+        _choice(self.planner, tuple(PLANNERS), "plan.planner")
         _choice(self.topology, tuple(PRESETS), "plan.topology")
         if self.strategy == "file" and not self.path:
             raise ValueError("plan.strategy = 'file' needs plan.path (a JSON from towerrec plan)")
