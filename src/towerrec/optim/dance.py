@@ -45,11 +45,10 @@ from dataclasses import dataclass
 import torch
 
 from towerrec.optim.sampled import (
-    LocalReducer,
-    PersistentScalars,
+    ChunkedOptimizer,
     Reducer,
     SampleSet,
-    contiguous_chunks,
+    chunk_cap,
     flat_parameters,
     reduce_evaluation,
     set_flat_parameters,
@@ -130,10 +129,10 @@ def conjugate_gradient(
     return v, r, iterations
 
 
-_SCALARS = ("stage", "newton_in_stage", "cg_in_stage", "chunk_first", "chunk_count", "next_chunk")
+_SCALARS = ("stage", "newton_in_stage", "cg_in_stage")
 
 
-class Dance(torch.optim.Optimizer):
+class Dance(ChunkedOptimizer):
     """DANCE (module doc) over ``params``; ``reducer`` sums over the ranks of a
     data-parallel group: once per evaluation and once per CG iteration."""
 
@@ -144,61 +143,30 @@ class Dance(torch.optim.Optimizer):
         settings: DanceSettings | None = None,
         reducer: Reducer | None = None,
     ) -> None:
-        super().__init__(list(params), {"lr": lr})
+        counters = ("grad_samples", "hvp_samples", "loss_samples", "fresh_samples")
+        super().__init__(params, lr, reducer, counters)
         self.settings = settings or DanceSettings()
-        self.reducer = reducer or LocalReducer()
-        self.params = [p for g in self.param_groups for p in g["params"]]
-        self._chunks: list[int] = []
         self.stage = 0
         self.newton_in_stage = 0
         self.cg_in_stage = 0
-        self.counters = dict.fromkeys(
-            ("grad_samples", "hvp_samples", "loss_samples", "fresh_samples"), 0.0
-        )
         self.stages: list[dict[str, float]] = []  # one record per finished stage
-        self._next_chunk = 0  # the id of the next chunk drawn
         # The state up front (checkpoint loaders fill existing entries): the stage, its
         # sample (consecutive chunk ids) and counters as floats. CG starts from 0 at
         # every iteration, so nothing of it outlives one. state_dict() writes them and
         # load_state_dict() reads them back, so a resume continues exactly (the finished
         # stages' records in ``stages`` are not kept).
-        for p in self.params:
-            self.state[p]["iterations"] = torch.zeros((), dtype=torch.int64)
-        self._scalars = PersistentScalars(self, "dance_", _SCALARS + tuple(self.counters))
-        self.register_state_dict_pre_hook(lambda _: self._save_stage())
-        self.register_load_state_dict_post_hook(lambda _: self._load_stage())
+        self._keep_state("dance_", _SCALARS)
 
-    def _save_stage(self) -> None:
-        first, count = contiguous_chunks(self._chunks)
-        self._scalars.write(
-            {
-                "stage": self.stage,
-                "newton_in_stage": self.newton_in_stage,
-                "cg_in_stage": self.cg_in_stage,
-                "chunk_first": first,
-                "chunk_count": count,
-                "next_chunk": self._next_chunk,
-                **self.counters,
-            }
-        )
+    def _own_scalars(self) -> dict[str, float]:
+        return {
+            "stage": self.stage,
+            "newton_in_stage": self.newton_in_stage,
+            "cg_in_stage": self.cg_in_stage,
+        }
 
-    def _load_stage(self) -> None:
-        v = self._scalars.read()
-        self.stage, self.newton_in_stage = int(v["stage"]), int(v["newton_in_stage"])
-        self.cg_in_stage, self._next_chunk = int(v["cg_in_stage"]), int(v["next_chunk"])
-        first = int(v["chunk_first"])
-        self._chunks = list(range(first, first + int(v["chunk_count"])))
-        self.counters = {name: v[name] for name in self.counters}
-
-    def chunk_position(self) -> tuple[list[int], int]:
-        """The stage's sample and the id drawn next."""
-        return list(self._chunks), self._next_chunk
-
-    def step(self, closure=None):  # draws its own samples: no closure step
-        raise TypeError(
-            "Dance draws its own samples: call iterate(samples) with a SampleSet "
-            "(towerrec train does)"
-        )
+    def _restore(self, values: dict[str, float]) -> None:
+        self.stage, self.newton_in_stage = int(values["stage"]), int(values["newton_in_stage"])
+        self.cg_in_stage = int(values["cg_in_stage"])
 
     def _evaluate(self, samples: SampleSet, chunks: list[int]) -> tuple[torch.Tensor, ...]:
         ev = reduce_evaluation(self.reducer, samples.evaluate(chunks, grad=True))
@@ -207,19 +175,13 @@ class Dance(torch.optim.Optimizer):
         self.counters["grad_samples"] += float(n)
         return ev.losses.sum(), ev.grads.sum(0), n
 
-    def _cap(self, samples: SampleSet) -> int:
-        total = samples.total_chunks
-        return min(
-            self.settings.max_chunks, total if total is not None else self.settings.max_chunks
-        )
-
     def iterate(self, samples: SampleSet) -> dict[str, float]:
         """One damped Newton step (module doc); its report for metrics.jsonl."""
         s = self.settings
         switched = False
         first = not self._chunks
         if first:
-            self._chunks = samples.draw(min(s.initial_chunks, self._cap(samples)))
+            self._chunks = samples.draw(min(s.initial_chunks, chunk_cap(samples, s.max_chunks)))
             self._next_chunk = self._chunks[-1] + 1
         loss_sum, grad_sum, n = self._evaluate(samples, self._chunks)
         if first:
@@ -227,7 +189,7 @@ class Dance(torch.optim.Optimizer):
         w = flat_parameters(self.params)
         lam, grad = self._regularized(w, grad_sum, n)
         accuracy = float(n) ** -s.accuracy_exponent
-        cap = self._cap(samples)
+        cap = chunk_cap(samples, s.max_chunks)
         solved = float(grad.norm()) <= math.sqrt(2 * s.regularization) * accuracy
         capped = bool(s.stage_iterations) and self.newton_in_stage >= s.stage_iterations
         if (solved or capped) and len(self._chunks) < cap:
@@ -253,8 +215,7 @@ class Dance(torch.optim.Optimizer):
         loss = float(loss_sum / n) + 0.5 * lam * float(torch.dot(w, w))
         halvings = self._safeguard(samples, w, v / (1 + decrement), loss, lam)
         self.newton_in_stage += 1
-        for p in self.params:
-            self.state[p]["iterations"] += 1
+        self._count_iteration()
         self.cg_in_stage += cg
         return {
             "loss": loss,
