@@ -53,6 +53,7 @@ from towerrec.optim.sampled import (
     reduce_evaluation,
     set_flat_parameters,
 )
+from towerrec.utils import above, at_least, positive, within
 
 __all__ = ["Dance", "DanceSettings", "conjugate_gradient"]
 
@@ -72,32 +73,27 @@ class DanceSettings:
     stage_iterations: int = 10  # Newton steps after which a stage ends anyway (0: no cap)
 
     def __post_init__(self) -> None:
-        if self.initial_chunks < 1 or self.cg_iterations < 1:
-            raise ValueError(
-                "optimizer.dance.initial_chunks and cg_iterations must be >= 1, got "
-                f"{self.initial_chunks} and {self.cg_iterations}"
-            )
+        key = "optimizer.dance"
+        at_least(
+            f"{key}.initial_chunks and cg_iterations", (self.initial_chunks, self.cg_iterations), 1
+        )
         if self.max_chunks < self.initial_chunks:
             raise ValueError(
                 f"optimizer.dance.max_chunks = {self.max_chunks} is below initial_chunks = "
                 f"{self.initial_chunks}; raise max_chunks"
             )
-        if self.max_halvings < 0 or self.stage_iterations < 0:
-            raise ValueError(
-                "optimizer.dance.max_halvings and stage_iterations must be >= 0 (0: off), got "
-                f"{self.max_halvings} and {self.stage_iterations}"
-            )
-        if not self.growth > 1:
-            raise ValueError(f"optimizer.dance.growth must be > 1 (e.g. 2), got {self.growth}")
-        if not self.regularization > 0 or not self.accuracy_exponent > 0:
-            raise ValueError(
-                "optimizer.dance.regularization and accuracy_exponent must be > 0, got "
-                f"{self.regularization} and {self.accuracy_exponent}"
-            )
-        if not 0 < self.cg_tolerance < 1:
-            raise ValueError(
-                f"optimizer.dance.cg_tolerance must lie in (0, 1), got {self.cg_tolerance}"
-            )
+        at_least(
+            f"{key}.max_halvings and stage_iterations",
+            (self.max_halvings, self.stage_iterations),
+            0,
+            hint="0: off",
+        )
+        above(f"{key}.growth", self.growth, 1, hint="e.g. 2")
+        positive(
+            f"{key}.regularization and accuracy_exponent",
+            (self.regularization, self.accuracy_exponent),
+        )
+        within(f"{key}.cg_tolerance", self.cg_tolerance, "(0, 1)")
 
 
 def conjugate_gradient(

@@ -51,6 +51,7 @@ from towerrec.optim.sampled import (
     reduce_evaluation,
     set_flat_parameters,
 )
+from towerrec.utils import at_least, positive, within
 
 __all__ = ["LineSearchError", "PBLBFGSSettings", "ProgressiveBatchLBFGS", "two_loop"]
 
@@ -75,29 +76,23 @@ class PBLBFGSSettings:
     curvature_epsilon: float = 1e-8
 
     def __post_init__(self) -> None:
-        if self.initial_chunks < 2:
-            raise ValueError(
-                f"optimizer.pb_lbfgs.initial_chunks must be >= 2 (the sample tests estimate "
-                f"variances across chunks), got {self.initial_chunks}"
-            )
+        key = "optimizer.pb_lbfgs"
+        at_least(
+            f"{key}.initial_chunks",
+            self.initial_chunks,
+            2,
+            hint="the sample tests estimate variances across chunks",
+        )
         if self.max_chunks < self.initial_chunks:
             raise ValueError(
                 f"optimizer.pb_lbfgs.max_chunks = {self.max_chunks} is below initial_chunks = "
                 f"{self.initial_chunks}; raise max_chunks"
             )
-        if self.history < 1 or self.max_backtracks < 1:
-            raise ValueError(
-                "optimizer.pb_lbfgs.history and max_backtracks must be >= 1, got "
-                f"{self.history} and {self.max_backtracks}"
-            )
-        for key in ("theta", "nu", "curvature_epsilon"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"optimizer.pb_lbfgs.{key} must be > 0, got {getattr(self, key)}")
-        for key in ("overlap", "armijo_c1", "backtrack"):
-            if not 0 < getattr(self, key) < 1:
-                raise ValueError(
-                    f"optimizer.pb_lbfgs.{key} must lie in (0, 1), got {getattr(self, key)}"
-                )
+        at_least(f"{key}.history and max_backtracks", (self.history, self.max_backtracks), 1)
+        for name in ("theta", "nu", "curvature_epsilon"):
+            positive(f"{key}.{name}", getattr(self, name))
+        for name in ("overlap", "armijo_c1", "backtrack"):
+            within(f"{key}.{name}", getattr(self, name), "(0, 1)")
 
 
 def two_loop(
