@@ -153,8 +153,7 @@ class ProgressiveBatchLBFGS(ChunkedOptimizer):
         settings: PBLBFGSSettings | None = None,
         reducer: Reducer | None = None,
     ) -> None:
-        if not lr > 0:
-            raise ValueError(f"pb_lbfgs's lr must be > 0, got {lr}")
+        positive("pb_lbfgs's lr", lr)
         counters = ("grad_samples", "loss_samples", "fresh_samples", "pairs_skipped")
         super().__init__(params, lr, reducer, counters)
         self.base_lr = lr

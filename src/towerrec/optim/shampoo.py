@@ -165,10 +165,8 @@ class Shampoo(torch.optim.Optimizer):
         exchange: BlockExchange | None = None,
         local: Iterable[torch.Tensor] = (),
     ) -> None:
-        if not lr > 0:
-            raise ValueError(f"Shampoo's lr must be > 0, got {lr}")
-        if weight_decay < 0:
-            raise ValueError(f"Shampoo's weight_decay must be >= 0, got {weight_decay}")
+        positive("Shampoo's lr", lr)
+        at_least("Shampoo's weight_decay", weight_decay, 0)
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.settings = settings or ShampooSettings()
         self.exchange = exchange
