@@ -17,7 +17,7 @@ The reward of step t is minus the growth of the estimated max device cost, over 
 task's balanced cost (sum of single-shard costs / devices): the rewards of an episode
 add up to minus its final estimated cost, and each decision sees what it added.
 Advantage actor-critic (the value head as baseline, an entropy bonus). Memory does
-not bind in training; in planning, devices without room are masked (search.py's
+not bind in training; in planning, devices without room are masked (algorithms.py's
 placing loop). Planning is greedy; like DreamShard's, the policy scores each device on its own and so runs on
 any number of devices.
 """

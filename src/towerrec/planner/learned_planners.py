@@ -1,6 +1,6 @@
 """The learned planners by name: their shipped weights, loading, and training.
 
-``plan_tables(..., planner="dreamshard" | "autoshard")`` places with
+The ``dreamshard`` and ``autoshard`` entries of ``search.PLANNERS`` place with
 ``learned_placer(planner)``: the weights in ``planner/weights/<planner>.pt`` unless a
 file is given. ``train_policy`` trains one from a cost-data file and writes its
 weights; the shipped ones come from::
