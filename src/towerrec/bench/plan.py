@@ -40,7 +40,7 @@ from towerrec.bench.plan_learned import learned_part
 from towerrec.calibration import device_step
 from towerrec.planner.cost import CostConstants, CostModel
 from towerrec.planner.neuroshard import load_policy
-from towerrec.planner.search import GREEDY_KEYS, PLANNERS, evaluate_plan, plan_tables
+from towerrec.planner.search import GREEDY_KEYS, PLANNERS, PlanRequest, evaluate_plan
 from towerrec.planner.stats import TableStats
 from towerrec.planner.suites import dlrm_like_suite, planning_tasks
 from towerrec.planner.topology import topology_preset
@@ -113,8 +113,9 @@ def _tasks_part(suite, model, num_tasks, torchrec_tasks, seed, policy) -> dict:
     seconds: dict[str, list[float]] = {p: [] for p in PLANNERS}
     cpu_seconds: dict[str, list[float]] = {p: [] for p in PLANNERS}
     for task in tasks:
-        for p in PLANNERS:
-            r = plan_tables(task, model, p, seed=seed, policy=policy)
+        request = PlanRequest(task, model, seed=seed, policy=policy)
+        for p, planner in PLANNERS.items():
+            r = planner.plan(request)
             cost[p].append(r.max_cost)
             seconds[p].append(r.seconds)
             cpu_seconds[p].append(r.cpu_seconds)
@@ -159,8 +160,8 @@ def _full_part(suite, model, seed, policy) -> dict:
     topo = model.topology
     out = {"num_tables": len(suite), "devices": topo.world_size, "hosts": topo.hosts}
     out["planners"] = {}
-    for p in PLANNERS:
-        r = plan_tables(suite, model, p, seed=seed, policy=policy)
+    for p, planner in PLANNERS.items():
+        r = planner.plan(PlanRequest(suite, model, seed=seed, policy=policy))
         out["planners"][p] = {
             "max_cost_ms": r.max_cost * 1e3,
             "imbalance": r.imbalance,
@@ -193,8 +194,8 @@ def _measured_part(suite, calibration, num_tasks, seed, policy, max_rows=50_000,
         for t, task in enumerate(tasks):
             by_name = {s.name: s for s in task}
             loads: dict[tuple, list] = {}  # a device's shards -> (shards, planners x ranks)
-            for p in PLANNERS:
-                r = plan_tables(task, model, p, seed=seed, policy=policy)
+            for p, planner in PLANNERS.items():
+                r = planner.plan(PlanRequest(task, model, seed=seed, policy=policy))
                 predicted[p].append(r.max_cost)
                 for rank in range(model.topology.world_size):
                     shards = [(name, sh.rows, sh.cols) for name, sh in r.plan.shards_on(rank)]

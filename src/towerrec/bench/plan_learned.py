@@ -40,7 +40,7 @@ from towerrec.planner.cost import CostConstants, CostModel
 from towerrec.planner.dreamshard import train_dreamshard
 from towerrec.planner.learned_planners import LEARNED_PLANNERS, split_suite
 from towerrec.planner.learned_policy import training_tasks
-from towerrec.planner.search import GREEDY_KEYS, PLANNERS, PlanResult, plan_tables
+from towerrec.planner.search import GREEDY_KEYS, PLANNERS, PlanRequest, PlanResult
 from towerrec.planner.stats import TableStats
 from towerrec.planner.suites import dlrm_like_suite
 from towerrec.planner.topology import topology_preset
@@ -71,8 +71,8 @@ def _cost_data(train: list[TableStats], num: int, seed: int) -> tuple[list, list
 
 def _plan_all(tables: list[TableStats], model: CostModel, weights: dict[str, str], seed: int):
     out: dict[str, PlanResult] = {}
-    for p in PLANNERS:
-        out[p] = plan_tables(tables, model, p, seed=seed, weights=weights.get(p))
+    for p, planner in PLANNERS.items():
+        out[p] = planner.plan(PlanRequest(tables, model, seed=seed, weights=weights.get(p)))
     return out
 
 
@@ -206,8 +206,10 @@ def _learned_part(
             transfer[str(devs)] = _evaluate(t, calibration, weights, seed, 1 if devs == 16 else 0)
         full_model = _model(calibration, 128)
         timing = {
-            p: plan_tables(capped, full_model, p, seed=seed, weights=weights.get(p)).seconds
-            for p in PLANNERS
+            p: planner.plan(
+                PlanRequest(capped, full_model, seed=seed, weights=weights.get(p))
+            ).seconds
+            for p, planner in PLANNERS.items()
         }
     return {
         "protocol": {

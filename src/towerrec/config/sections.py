@@ -39,6 +39,7 @@ from towerrec.modules.tables import Pooling
 from towerrec.nas.config import NASConfig
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
+from towerrec.utils import at_least, positive
 
 __all__ = [
     "RESUME_SAFE_KEYS",
@@ -175,17 +176,12 @@ class EmbeddingConfig:
     tables: dict[str, TableStorageConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"embedding.lr must be > 0, got {self.lr}")
-        if not self.eps > 0:
-            raise ValueError(f"embedding.eps must be > 0, got {self.eps}")
+        positive("embedding.lr", self.lr)
+        positive("embedding.eps", self.eps)
         _choice(self.init, ("uniform", "normal"), "embedding.init")
         self.compact()
         self.table_tiers()
-        if self.counter_halflife < 0:
-            raise ValueError(
-                f"embedding.counter_halflife must be >= 0, got {self.counter_halflife}"
-            )
+        at_least("embedding.counter_halflife", self.counter_halflife, 0)
         if len(self.adam_betas) != 2:
             raise ValueError(
                 f"embedding.adam_betas must be [beta1, beta2], got {list(self.adam_betas)}"
@@ -277,8 +273,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _choice(self.name, ("dlrm", "dcn", "wukong", "dmt"), "model.name")
-        if self.embedding_dim < 1:
-            raise ValueError(f"model.embedding_dim must be >= 1, got {self.embedding_dim}")
+        at_least("model.embedding_dim", self.embedding_dim, 1)
         if not 0 <= self.dropout < 1:
             raise ValueError(
                 f"model.dropout = {self.dropout} must lie in [0, 1): the share of hidden "
@@ -339,7 +334,7 @@ class PlanConfig:
         from towerrec.planner.topology import PRESETS
 
         _choice(self.strategy, ("none", "auto", "file"), "plan.strategy")
-        _choice(self.planner, PLANNERS, "plan.planner")
+        _choice(self.planner, tuple(PLANNERS), "plan.planner")
         _choice(self.topology, tuple(PRESETS), "plan.topology")
         if self.strategy == "file" and not self.path:
             raise ValueError("plan.strategy = 'file' needs plan.path (a JSON from towerrec plan)")
@@ -384,8 +379,7 @@ class DistributedConfig:
         object.__setattr__(self, "sharding", ShardingType(self.sharding))
         _choice(self.forward_codec, ("fp32", "fp16", "bf16"), "distributed.forward_codec")
         _choice(self.backward_codec, ("fp32", "fp16", "bf16"), "distributed.backward_codec")
-        if not self.timeout_s > 0:
-            raise ValueError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
+        positive("distributed.timeout_s", self.timeout_s)
         _choice(
             str(self.tower_sharding),
             ("auto", *(t.value for t in TOWER_SHARDINGS)),
@@ -445,10 +439,8 @@ class DistillConfig:
                 f"distill.grad_scale = {self.grad_scale} must be >= 0 (1: the auxiliary "
                 "head's full gradient reaches the backbone, 0: none)"
             )
-        if self.adapter_width < 1:
-            raise ValueError(f"distill.adapter_width must be >= 1, got {self.adapter_width}")
-        if not self.adapter_lr > 0:
-            raise ValueError(f"distill.adapter_lr must be > 0, got {self.adapter_lr}")
+        at_least("distill.adapter_width", self.adapter_width, 1)
+        positive("distill.adapter_lr", self.adapter_lr)
         if self.adapter and self.weight == 0:
             raise ValueError(
                 "distill.adapter = true with distill.weight = 0: the adapter's output is the "

@@ -12,6 +12,7 @@ from towerrec.config.errors import choice as _choice
 from towerrec.optim.dance import DanceSettings
 from towerrec.optim.pb_lbfgs import PBLBFGSSettings
 from towerrec.optim.shampoo import ShampooSettings
+from towerrec.utils import at_least, positive, within
 
 __all__ = [
     "EarlyStoppingConfig",
@@ -56,24 +57,12 @@ class OptimizerConfig:
             self.name, ("adam", "adagrad", "sgd", "shampoo", "pb_lbfgs", "dance"), "optimizer.name"
         )
         _choice(self.decay, ("none", "linear", "cosine", "plateau"), "optimizer.decay")
-        if not 0 < self.plateau_factor < 1:
-            raise ValueError(
-                f"optimizer.plateau_factor must lie in (0, 1), got {self.plateau_factor}"
-            )
-        if self.plateau_patience < 1:
-            raise ValueError(
-                f"optimizer.plateau_patience must be >= 1, got {self.plateau_patience}"
-            )
-        if not self.lr > 0:
-            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
-        if not self.weight_decay >= 0:
-            raise ValueError(
-                f"optimizer.weight_decay must be >= 0 (0 = none, e.g. 0.01), got {self.weight_decay}"
-            )
-        if self.warmup_steps < 0:
-            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"optimizer.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        within("optimizer.plateau_factor", self.plateau_factor, "(0, 1)")
+        at_least("optimizer.plateau_patience", self.plateau_patience, 1)
+        positive("optimizer.lr", self.lr)
+        at_least("optimizer.weight_decay", self.weight_decay, 0, hint="0 = none, e.g. 0.01")
+        at_least("optimizer.warmup_steps", self.warmup_steps, 0)
+        within("optimizer.min_lr_ratio", self.min_lr_ratio, "[0, 1]")
 
 
 @dataclass(frozen=True)
@@ -89,12 +78,8 @@ class EarlyStoppingConfig:
 
     def __post_init__(self) -> None:
         _choice(self.metric, ("logloss", "auc"), "train.early_stopping.metric")
-        if self.patience < 0:
-            raise ValueError(
-                f"train.early_stopping.patience must be >= 0 (0: off), got {self.patience}"
-            )
-        if not self.min_delta >= 0:
-            raise ValueError(f"train.early_stopping.min_delta must be >= 0, got {self.min_delta}")
+        at_least("train.early_stopping.patience", self.patience, 0, hint="0: off")
+        at_least("train.early_stopping.min_delta", self.min_delta, 0)
 
 
 @dataclass(frozen=True)
@@ -202,8 +187,7 @@ class TemporalConfig:
                 f"{key}.window = {self.window} applies to strategy = 'batch' only (strategy is "
                 f"{self.strategy!r}); set strategy = 'batch' or drop the window"
             )
-        if self.fgd_meta_batches < 0:
-            raise ValueError(f"{key}.fgd_meta_batches must be >= 0, got {self.fgd_meta_batches}")
+        at_least(f"{key}.fgd_meta_batches", self.fgd_meta_batches, 0)
         if self.fgd_generator is False:
             object.__setattr__(self, "fgd_generator", "none")
         if not isinstance(self.fgd_generator, str) or self.fgd_generator not in GENERATORS:
@@ -212,28 +196,30 @@ class TemporalConfig:
                 f"{', '.join(repr(g) for g in GENERATORS)} (mlp: a small network, linear: two "
                 "coefficients per dense tensor, none: no forecast)"
             )
-        if not self.fgd_meta_lr >= 0:
-            raise ValueError(f"{key}.fgd_meta_lr must be >= 0, got {self.fgd_meta_lr}")
-        if not self.fgd_net_lr >= 0:
-            raise ValueError(
-                f"{key}.fgd_net_lr must be >= 0 (Adam's learning rate on the mlp generator, "
-                f"e.g. 0.001; 0: no meta-update), got {self.fgd_net_lr}"
-            )
-        if not self.fgd_lookahead_lr >= 0:
-            raise ValueError(
-                f"{key}.fgd_lookahead_lr must be >= 0 (0: the current dense learning rate), "
-                f"got {self.fgd_lookahead_lr}"
-            )
-        if self.fgd_hidden < 1:
-            raise ValueError(
-                f"{key}.fgd_hidden must be >= 1 (hidden units of the mlp generator, e.g. 16), "
-                f"got {self.fgd_hidden}"
-            )
-        if not self.fgd_max_coef > 0:
-            raise ValueError(
-                f"{key}.fgd_max_coef must be > 0 (the bound on the generator's coefficients, "
-                f"e.g. 2.0), got {self.fgd_max_coef}"
-            )
+        at_least(f"{key}.fgd_meta_lr", self.fgd_meta_lr, 0)
+        at_least(
+            f"{key}.fgd_net_lr",
+            self.fgd_net_lr,
+            0,
+            hint="Adam's learning rate on the mlp generator, e.g. 0.001; 0: no meta-update",
+        )
+        at_least(
+            f"{key}.fgd_lookahead_lr",
+            self.fgd_lookahead_lr,
+            0,
+            hint="0: the current dense learning rate",
+        )
+        at_least(
+            f"{key}.fgd_hidden",
+            self.fgd_hidden,
+            1,
+            hint="hidden units of the mlp generator, e.g. 16",
+        )
+        positive(
+            f"{key}.fgd_max_coef",
+            self.fgd_max_coef,
+            hint="the bound on the generator's coefficients, e.g. 2.0",
+        )
 
     @property
     def meta_lr(self) -> float:
@@ -279,15 +265,12 @@ class TrainConfig:
                 "set one of them (steps counts global batches, epochs passes over the "
                 "training rows)"
             )
-        if self.epochs is not None and not self.epochs > 0:
-            raise ValueError(f"train.epochs must be > 0, got {self.epochs}")
+        positive("train.epochs", self.epochs)
         for key in ("steps", "batch_size", "eval_batch_size", "log_every"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ValueError(f"train.{key} must be >= 1, got {value}")
+            at_least(f"train.{key}", getattr(self, key), 1)
         for key in ("eval_every", "checkpoint_every", "threads"):
-            if isinstance(getattr(self, key), int) and getattr(self, key) < 0:
-                raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
+            if isinstance(getattr(self, key), int):  # eval_every may be "epoch"
+                at_least(f"train.{key}", getattr(self, key), 0)
         if self.keep_checkpoints < 1:
             raise ValueError("train.keep_checkpoints must be >= 1")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -332,7 +315,5 @@ class LossConfig:
                 "(set loss.kind = 'pu_bce' or 'punce' to use it)",
                 stacklevel=2,
             )
-        if not self.contrastive_weight >= 0:
-            raise ValueError(f"loss.contrastive_weight must be >= 0, got {self.contrastive_weight}")
-        if not self.temperature > 0:
-            raise ValueError(f"loss.temperature must be > 0, got {self.temperature}")
+        at_least("loss.contrastive_weight", self.contrastive_weight, 0)
+        positive("loss.temperature", self.temperature)

@@ -46,6 +46,7 @@ from towerrec.data.cache import (
 from towerrec.data.loader import SplitRows
 from towerrec.data.period_files import EXAMPLE_ID, SPLIT
 from towerrec.data.periods import period_rank_batches
+from towerrec.utils import at_least, positive
 
 __all__ = [
     "AUGMENTED",
@@ -78,10 +79,8 @@ class AugmentedConfig:
     poll_s: float = 0.2
 
     def __post_init__(self) -> None:
-        if not self.wait_s >= 0:
-            raise ValueError(f"data.augmented.wait_s must be >= 0 seconds, got {self.wait_s}")
-        if not self.poll_s > 0:
-            raise ValueError(f"data.augmented.poll_s must be > 0 seconds, got {self.poll_s}")
+        at_least("data.augmented.wait_s", self.wait_s, 0, unit="seconds")
+        positive("data.augmented.poll_s", self.poll_s, unit="seconds")
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 from towerrec.data.batch import Batch
 from towerrec.data.cache import ColumnStore, SplitColumns, Verify
 from towerrec.sparse import KeyedJaggedTensor, can_pin_memory
-from towerrec.utils import parse_enum, stable_seed
+from towerrec.utils import at_least, parse_enum, stable_seed
 
 __all__ = ["BLOCK", "ColumnSource", "LoaderConfig", "SplitRows"]
 
@@ -65,10 +65,8 @@ class LoaderConfig:
         if isinstance(self.verify, bool):  # earlier versions: true hashed at every open
             object.__setattr__(self, "verify", "always" if self.verify else "never")
         object.__setattr__(self, "verify", parse_enum(Verify, self.verify, "data.loader.verify"))
-        if self.num_workers < 0:
-            raise ValueError(f"data.loader.num_workers must be >= 0, got {self.num_workers}")
-        if self.prefetch < 1:
-            raise ValueError(f"data.loader.prefetch must be >= 1, got {self.prefetch}")
+        at_least("data.loader.num_workers", self.num_workers, 0)
+        at_least("data.loader.prefetch", self.prefetch, 1)
 
 
 class SplitRows:

@@ -46,6 +46,7 @@ import pyarrow.csv as pa_csv
 from towerrec.data.batch import DataSchema, SparseFeature
 from towerrec.data.cache import ColumnStore, SplitColumns
 from towerrec.data.periods import ColumnPeriods, count_bounds
+from towerrec.utils import at_least, within
 
 __all__ = [
     "MovieLensConfig",
@@ -78,21 +79,18 @@ class MovieLensConfig:
     period_by: str = "count"  # count: equal numbers of ratings; calendar: equal time spans
 
     def __post_init__(self) -> None:
-        if self.periods < 0:
-            raise ValueError(f"data.movielens.periods must be >= 0, got {self.periods}")
+        at_least("data.movielens.periods", self.periods, 0)
         if self.period_by not in ("count", "calendar"):
             raise ValueError(
                 f"data.movielens.period_by must be 'count' or 'calendar', got {self.period_by!r}"
             )
-        if not 0 <= self.pu_hide_fraction < 1:
-            raise ValueError(
-                f"data.movielens.pu_hide_fraction must lie in [0, 1) (the share of train and "
-                f"validation positives relabelled 0; 0 = none), got {self.pu_hide_fraction}"
-            )
-        if not 0 < self.eval_fraction < 1:
-            raise ValueError(
-                f"data.movielens.eval_fraction must lie in (0, 1), got {self.eval_fraction}"
-            )
+        within(
+            "data.movielens.pu_hide_fraction",
+            self.pu_hide_fraction,
+            "[0, 1)",
+            hint="the share of train and validation positives relabelled 0; 0 = none",
+        )
+        within("data.movielens.eval_fraction", self.eval_fraction, "(0, 1)")
         if not 0 <= self.test_fraction < 1 or self.eval_fraction + self.test_fraction >= 1:
             raise ValueError(
                 f"data.movielens.test_fraction must lie in [0, 1) and leave training rows "

@@ -70,6 +70,7 @@ import torch
 from towerrec.data.batch import Batch, DataSchema, SparseFeature
 from towerrec.data.periods import period_rank_batches
 from towerrec.sparse import KeyedJaggedTensor
+from towerrec.utils import at_least, within
 
 __all__ = ["SyntheticConfig", "SyntheticSource"]
 
@@ -106,8 +107,7 @@ class SyntheticConfig:
     domain_shared: float = 0.5  # share of the teacher's variance the domains have in common
 
     def __post_init__(self) -> None:
-        if self.num_dense < 0:
-            raise ValueError(f"data.synthetic.num_dense must be >= 0, got {self.num_dense}")
+        at_least("data.synthetic.num_dense", self.num_dense, 0)
         if not self.num_embeddings:
             raise ValueError("data.synthetic.num_embeddings needs at least one table size")
         if any(n < 1 for n in self.num_embeddings):
@@ -134,12 +134,10 @@ class SyntheticConfig:
             raise ValueError("data.synthetic.higher_order_share > 0 needs num_triples >= 1")
         if self.num_triples < 0:
             raise ValueError("data.synthetic.num_triples must be >= 0")
-        if self.stream_seed < 0:
-            raise ValueError(f"data.synthetic.stream_seed must be >= 0, got {self.stream_seed}")
+        at_least("data.synthetic.stream_seed", self.stream_seed, 0)
         if self.teacher_dim < 1 or self.eval_samples < 1:
             raise ValueError("data.synthetic.teacher_dim and eval_samples must be >= 1")
-        if not 0 < self.ctr < 1:
-            raise ValueError(f"data.synthetic.ctr must lie in (0, 1), got {self.ctr}")
+        within("data.synthetic.ctr", self.ctr, "(0, 1)")
         object.__setattr__(self, "num_embeddings", tuple(self.num_embeddings))
         object.__setattr__(self, "pooling_factors", tuple(float(p) for p in self.pooling_factors))
         self._check_periods()
@@ -155,31 +153,27 @@ class SyntheticConfig:
             )
 
     def _check_periods(self) -> None:
-        if self.periods < 0:
-            raise ValueError(
-                f"data.synthetic.periods must be >= 0 (0 or 1: one stationary stream), "
-                f"got {self.periods}"
-            )
-        if self.period_samples < 1:
-            raise ValueError(
-                f"data.synthetic.period_samples must be >= 1, got {self.period_samples}"
-            )
-        if not 0 <= self.drift <= 1:
-            raise ValueError(
-                f"data.synthetic.drift must lie in [0, 1] (0: the same teacher every period, "
-                f"1: a fresh one), got {self.drift}"
-            )
+        key = "data.synthetic"
+        at_least(f"{key}.periods", self.periods, 0, hint="0 or 1: one stationary stream")
+        at_least(f"{key}.period_samples", self.period_samples, 1)
+        within(
+            f"{key}.drift",
+            self.drift,
+            "[0, 1]",
+            hint="0: the same teacher every period, 1: a fresh one",
+        )
         if self.drift_mode not in ("random", "trend"):
             raise ValueError(
                 f"data.synthetic.drift_mode = {self.drift_mode!r} is not one of 'random' (the "
                 "teacher moves towards a fresh random one each period) or 'trend' (it turns "
                 "along one fixed direction)"
             )
-        if not 0 <= self.id_turnover < 1:
-            raise ValueError(
-                f"data.synthetic.id_turnover must lie in [0, 1) (the share of active ids "
-                f"replaced per period), got {self.id_turnover}"
-            )
+        within(
+            f"{key}.id_turnover",
+            self.id_turnover,
+            "[0, 1)",
+            hint="the share of active ids replaced per period",
+        )
         if self.periods <= 1 and (self.drift or self.id_turnover):
             warnings.warn(
                 "data.synthetic.drift and id_turnover act between periods and are ignored with "

@@ -38,6 +38,7 @@ from towerrec.models.interfaces import SparseArchModel
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
+from towerrec.utils import at_least
 
 __all__ = ["DCN", "CrossNetwork", "DCNConfig"]
 
@@ -51,10 +52,8 @@ class DCNConfig:
     structure: str = "stacked"  # stacked | parallel
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"model.dcn.num_layers must be >= 1, got {self.num_layers}")
-        if self.rank < 0:
-            raise ValueError(f"model.dcn.rank must be >= 0 (0 = full rank), got {self.rank}")
+        at_least("model.dcn.num_layers", self.num_layers, 1)
+        at_least("model.dcn.rank", self.rank, 0, hint="0 = full rank")
         if self.structure not in ("stacked", "parallel"):
             raise ValueError(
                 f"model.dcn.structure = {self.structure!r} is not one of 'stacked', 'parallel'"

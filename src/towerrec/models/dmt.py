@@ -57,7 +57,7 @@ from towerrec.modules.interaction import DotInteraction
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.utils import parse_enum
+from towerrec.utils import at_least, parse_enum
 
 if TYPE_CHECKING:
     from towerrec.models.dlrm import DLRM
@@ -108,8 +108,7 @@ class DMTConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tower", parse_enum(TowerKind, self.tower, "model.dmt.tower"))
-        if self.num_towers < 1:
-            raise ValueError(f"model.dmt.num_towers must be >= 1, got {self.num_towers}")
+        at_least("model.dmt.num_towers", self.num_towers, 1)
         if isinstance(self.partition, str):
             if self.partition not in PARTITION_STRATEGIES:
                 raise ValueError(
@@ -125,23 +124,17 @@ class DMTConfig:
                     f"{self.num_towers}; give one group of features per tower"
                 )
             object.__setattr__(self, "partition", groups)
-        if self.tower_outputs < 1:
-            raise ValueError(f"model.dmt.tower_outputs must be >= 1, got {self.tower_outputs}")
-        if self.fm_rank < 1:
-            raise ValueError(f"model.dmt.fm_rank must be >= 1, got {self.fm_rank}")
+        at_least("model.dmt.tower_outputs", self.tower_outputs, 1)
+        at_least("model.dmt.fm_rank", self.fm_rank, 1)
         if any(w < 1 for w in self.tower_mlp):
             raise ValueError(f"model.dmt.tower_mlp widths must be >= 1, got {list(self.tower_mlp)}")
-        if self.pilot_steps < 1:
-            raise ValueError(f"model.dmt.pilot_steps must be >= 1, got {self.pilot_steps}")
+        at_least("model.dmt.pilot_steps", self.pilot_steps, 1)
         if not (self.memory_weight >= 0 and 0 <= self.count_weight <= 1 - self.memory_weight):
             raise ValueError(
                 f"model.dmt.memory_weight ({self.memory_weight}) and count_weight "
                 f"({self.count_weight}) must be >= 0 with a sum <= 1"
             )
-        if not self.balance_tolerance >= 0:
-            raise ValueError(
-                f"model.dmt.balance_tolerance must be >= 0, got {self.balance_tolerance}"
-            )
+        at_least("model.dmt.balance_tolerance", self.balance_tolerance, 0)
 
 
 def check_partition(groups: Sequence[Sequence[str]], features: Sequence[str]) -> None:

@@ -41,6 +41,7 @@ from towerrec.models.interfaces import SparseArchModel
 from towerrec.modules.interfaces import PooledEmbeddingCollection
 from towerrec.modules.mlp import MLP
 from towerrec.sparse import KeyedJaggedTensor
+from towerrec.utils import at_least
 
 __all__ = ["Wukong", "WukongConfig", "WukongLayer"]
 
@@ -65,8 +66,7 @@ class WukongConfig:
 
     def __post_init__(self) -> None:
         for key in ("num_layers", "fm_rank", "dense_rows"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.wukong.{key} must be >= 1, got {getattr(self, key)}")
+            at_least(f"model.wukong.{key}", getattr(self, key), 1)
         if self.num_fm < 0 or self.num_lcb < 0 or self.num_fm + self.num_lcb < 1:
             raise ValueError(
                 "model.wukong.num_fm and num_lcb must be >= 0 with a positive sum, got "

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from towerrec.utils import parse_enum
+from towerrec.utils import at_least, parse_enum
 
 __all__ = ["Backing", "CachePolicy", "Memory", "TierConfig"]
 
@@ -63,18 +63,13 @@ class TierConfig:
             parse_enum(CachePolicy, self.cache_policy, "embedding.cache_policy"),
         )
         object.__setattr__(self, "backing", parse_enum(Backing, self.backing, "embedding.backing"))
-        if self.min_rows < 0:
-            raise ValueError(f"embedding.cache_min_rows must be >= 0, got {self.min_rows}")
+        at_least("embedding.cache_min_rows", self.min_rows, 0)
         if not (math.isfinite(self.cache_fraction) and self.cache_fraction > 0):
             raise ValueError(
                 f"embedding.cache_fraction must be > 0 (the share of a table's rows kept in "
                 f"the fast tier, e.g. 0.05), got {self.cache_fraction}"
             )
-        if self.cache_slots < 0:
-            raise ValueError(
-                f"embedding.cache_slots must be >= 0 (0: use cache_fraction), got "
-                f"{self.cache_slots}"
-            )
+        at_least("embedding.cache_slots", self.cache_slots, 0, hint="0: use cache_fraction")
         remote = self.memory is Memory.CACHED and self.backing is not Backing.HOST
         if remote and not self.backing_path:
             raise ValueError(

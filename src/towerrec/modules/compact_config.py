@@ -17,7 +17,7 @@ from enum import StrEnum
 from towerrec.modules.cached_config import Backing, CachePolicy, Memory, TierConfig
 from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.tables import TableConfig
-from towerrec.utils import parse_enum
+from towerrec.utils import above, at_least, parse_enum
 
 __all__ = ["Combine", "CompactConfig", "EmbeddingKind", "TableStorageConfig"]
 
@@ -59,8 +59,7 @@ class TableStorageConfig:
     cache_slots: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dim is not None and self.dim < 1:
-            raise ValueError(f"dim must be >= 1 (a table's stored width), got {self.dim}")
+        at_least("dim", self.dim, 1, hint="a table's stored width")
         if self.kind is not None:
             object.__setattr__(self, "kind", parse_enum(EmbeddingKind, self.kind, "kind"))
         if self.qr_operation is not None:
@@ -87,14 +86,8 @@ class TableStorageConfig:
                 "kind = 'md' cannot be set per table: mixed dimensions are chosen from the "
                 "popularity of all tables together; set embedding.kind = 'md' for all tables"
             )
-        if self.compression is not None and not self.compression > 1:
-            raise ValueError(
-                f"compression must be > 1 (rows are divided by it), got {self.compression}"
-            )
-        if self.qr_partitions is not None and self.qr_partitions < 2:
-            raise ValueError(
-                f"qr_partitions must be >= 2 (2 = quotient-remainder), got {self.qr_partitions}"
-            )
+        above("compression", self.compression, 1, hint="rows are divided by it")
+        at_least("qr_partitions", self.qr_partitions, 2, hint="2 = quotient-remainder")
 
     def set_fields(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
@@ -158,19 +151,10 @@ class CompactConfig:
         object.__setattr__(
             self, "scheme", parse_enum(PartitionScheme, self.scheme, "embedding.qr_scheme")
         )
-        if not self.compression > 1:
-            raise ValueError(
-                f"embedding.compression must be > 1 (rows are divided by it), got {self.compression}"
-            )
-        if self.row_threshold < 0:
-            raise ValueError(f"embedding.row_threshold must be >= 0, got {self.row_threshold}")
-        if self.num_partitions < 2:
-            raise ValueError(
-                f"embedding.qr_partitions must be >= 2 (2 = quotient-remainder), "
-                f"got {self.num_partitions}"
-            )
-        if self.md_alpha < 0:
-            raise ValueError(f"embedding.md_alpha must be >= 0, got {self.md_alpha}")
+        above("embedding.compression", self.compression, 1, hint="rows are divided by it")
+        at_least("embedding.row_threshold", self.row_threshold, 0)
+        at_least("embedding.qr_partitions", self.num_partitions, 2, hint="2 = quotient-remainder")
+        at_least("embedding.md_alpha", self.md_alpha, 0)
         if self.md_budget < 0 or self.md_min_dim < 1 or self.md_round_to < 1:
             raise ValueError(
                 "embedding.md_budget must be >= 0 and md_min_dim, md_round_to >= 1, got "

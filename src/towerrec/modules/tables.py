@@ -19,7 +19,7 @@ from enum import StrEnum
 import numpy as np
 import torch
 
-from towerrec.utils import parse_enum, stable_seed
+from towerrec.utils import at_least, parse_enum, stable_seed
 
 __all__ = [
     "Pooling",
@@ -58,14 +58,8 @@ class TableConfig:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a table needs a non-empty name")
-        if self.num_embeddings < 1:
-            raise ValueError(
-                f"table {self.name!r}: num_embeddings must be >= 1, got {self.num_embeddings}"
-            )
-        if self.embedding_dim < 1:
-            raise ValueError(
-                f"table {self.name!r}: embedding_dim must be >= 1, got {self.embedding_dim}"
-            )
+        at_least(f"table {self.name!r}: num_embeddings", self.num_embeddings, 1)
+        at_least(f"table {self.name!r}: embedding_dim", self.embedding_dim, 1)
         if self.init not in ("uniform", "normal"):
             raise ValueError(
                 f"table {self.name!r}: init must be 'uniform' or 'normal', got {self.init!r}"

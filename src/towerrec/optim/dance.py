@@ -45,15 +45,15 @@ from dataclasses import dataclass
 import torch
 
 from towerrec.optim.sampled import (
-    LocalReducer,
-    PersistentScalars,
+    ChunkedOptimizer,
     Reducer,
     SampleSet,
-    contiguous_chunks,
+    chunk_cap,
     flat_parameters,
     reduce_evaluation,
     set_flat_parameters,
 )
+from towerrec.utils import above, at_least, positive, within
 
 __all__ = ["Dance", "DanceSettings", "conjugate_gradient"]
 
@@ -73,32 +73,27 @@ class DanceSettings:
     stage_iterations: int = 10  # Newton steps after which a stage ends anyway (0: no cap)
 
     def __post_init__(self) -> None:
-        if self.initial_chunks < 1 or self.cg_iterations < 1:
-            raise ValueError(
-                "optimizer.dance.initial_chunks and cg_iterations must be >= 1, got "
-                f"{self.initial_chunks} and {self.cg_iterations}"
-            )
+        key = "optimizer.dance"
+        at_least(
+            f"{key}.initial_chunks and cg_iterations", (self.initial_chunks, self.cg_iterations), 1
+        )
         if self.max_chunks < self.initial_chunks:
             raise ValueError(
                 f"optimizer.dance.max_chunks = {self.max_chunks} is below initial_chunks = "
                 f"{self.initial_chunks}; raise max_chunks"
             )
-        if self.max_halvings < 0 or self.stage_iterations < 0:
-            raise ValueError(
-                "optimizer.dance.max_halvings and stage_iterations must be >= 0 (0: off), got "
-                f"{self.max_halvings} and {self.stage_iterations}"
-            )
-        if not self.growth > 1:
-            raise ValueError(f"optimizer.dance.growth must be > 1 (e.g. 2), got {self.growth}")
-        if not self.regularization > 0 or not self.accuracy_exponent > 0:
-            raise ValueError(
-                "optimizer.dance.regularization and accuracy_exponent must be > 0, got "
-                f"{self.regularization} and {self.accuracy_exponent}"
-            )
-        if not 0 < self.cg_tolerance < 1:
-            raise ValueError(
-                f"optimizer.dance.cg_tolerance must lie in (0, 1), got {self.cg_tolerance}"
-            )
+        at_least(
+            f"{key}.max_halvings and stage_iterations",
+            (self.max_halvings, self.stage_iterations),
+            0,
+            hint="0: off",
+        )
+        above(f"{key}.growth", self.growth, 1, hint="e.g. 2")
+        positive(
+            f"{key}.regularization and accuracy_exponent",
+            (self.regularization, self.accuracy_exponent),
+        )
+        within(f"{key}.cg_tolerance", self.cg_tolerance, "(0, 1)")
 
 
 def conjugate_gradient(
@@ -130,10 +125,10 @@ def conjugate_gradient(
     return v, r, iterations
 
 
-_SCALARS = ("stage", "newton_in_stage", "cg_in_stage", "chunk_first", "chunk_count", "next_chunk")
+_SCALARS = ("stage", "newton_in_stage", "cg_in_stage")
 
 
-class Dance(torch.optim.Optimizer):
+class Dance(ChunkedOptimizer):
     """DANCE (module doc) over ``params``; ``reducer`` sums over the ranks of a
     data-parallel group: once per evaluation and once per CG iteration."""
 
@@ -144,61 +139,30 @@ class Dance(torch.optim.Optimizer):
         settings: DanceSettings | None = None,
         reducer: Reducer | None = None,
     ) -> None:
-        super().__init__(list(params), {"lr": lr})
+        counters = ("grad_samples", "hvp_samples", "loss_samples", "fresh_samples")
+        super().__init__(params, lr, reducer, counters)
         self.settings = settings or DanceSettings()
-        self.reducer = reducer or LocalReducer()
-        self.params = [p for g in self.param_groups for p in g["params"]]
-        self._chunks: list[int] = []
         self.stage = 0
         self.newton_in_stage = 0
         self.cg_in_stage = 0
-        self.counters = dict.fromkeys(
-            ("grad_samples", "hvp_samples", "loss_samples", "fresh_samples"), 0.0
-        )
         self.stages: list[dict[str, float]] = []  # one record per finished stage
-        self._next_chunk = 0  # the id of the next chunk drawn
         # The state up front (checkpoint loaders fill existing entries): the stage, its
         # sample (consecutive chunk ids) and counters as floats. CG starts from 0 at
         # every iteration, so nothing of it outlives one. state_dict() writes them and
         # load_state_dict() reads them back, so a resume continues exactly (the finished
         # stages' records in ``stages`` are not kept).
-        for p in self.params:
-            self.state[p]["iterations"] = torch.zeros((), dtype=torch.int64)
-        self._scalars = PersistentScalars(self, "dance_", _SCALARS + tuple(self.counters))
-        self.register_state_dict_pre_hook(lambda _: self._save_stage())
-        self.register_load_state_dict_post_hook(lambda _: self._load_stage())
+        self._keep_state("dance_", _SCALARS)
 
-    def _save_stage(self) -> None:
-        first, count = contiguous_chunks(self._chunks)
-        self._scalars.write(
-            {
-                "stage": self.stage,
-                "newton_in_stage": self.newton_in_stage,
-                "cg_in_stage": self.cg_in_stage,
-                "chunk_first": first,
-                "chunk_count": count,
-                "next_chunk": self._next_chunk,
-                **self.counters,
-            }
-        )
+    def _own_scalars(self) -> dict[str, float]:
+        return {
+            "stage": self.stage,
+            "newton_in_stage": self.newton_in_stage,
+            "cg_in_stage": self.cg_in_stage,
+        }
 
-    def _load_stage(self) -> None:
-        v = self._scalars.read()
-        self.stage, self.newton_in_stage = int(v["stage"]), int(v["newton_in_stage"])
-        self.cg_in_stage, self._next_chunk = int(v["cg_in_stage"]), int(v["next_chunk"])
-        first = int(v["chunk_first"])
-        self._chunks = list(range(first, first + int(v["chunk_count"])))
-        self.counters = {name: v[name] for name in self.counters}
-
-    def chunk_position(self) -> tuple[list[int], int]:
-        """The stage's sample and the id drawn next."""
-        return list(self._chunks), self._next_chunk
-
-    def step(self, closure=None):  # draws its own samples: no closure step
-        raise TypeError(
-            "Dance draws its own samples: call iterate(samples) with a SampleSet "
-            "(towerrec train does)"
-        )
+    def _restore(self, values: dict[str, float]) -> None:
+        self.stage, self.newton_in_stage = int(values["stage"]), int(values["newton_in_stage"])
+        self.cg_in_stage = int(values["cg_in_stage"])
 
     def _evaluate(self, samples: SampleSet, chunks: list[int]) -> tuple[torch.Tensor, ...]:
         ev = reduce_evaluation(self.reducer, samples.evaluate(chunks, grad=True))
@@ -207,19 +171,13 @@ class Dance(torch.optim.Optimizer):
         self.counters["grad_samples"] += float(n)
         return ev.losses.sum(), ev.grads.sum(0), n
 
-    def _cap(self, samples: SampleSet) -> int:
-        total = samples.total_chunks
-        return min(
-            self.settings.max_chunks, total if total is not None else self.settings.max_chunks
-        )
-
     def iterate(self, samples: SampleSet) -> dict[str, float]:
         """One damped Newton step (module doc); its report for metrics.jsonl."""
         s = self.settings
         switched = False
         first = not self._chunks
         if first:
-            self._chunks = samples.draw(min(s.initial_chunks, self._cap(samples)))
+            self._chunks = samples.draw(min(s.initial_chunks, chunk_cap(samples, s.max_chunks)))
             self._next_chunk = self._chunks[-1] + 1
         loss_sum, grad_sum, n = self._evaluate(samples, self._chunks)
         if first:
@@ -227,7 +185,7 @@ class Dance(torch.optim.Optimizer):
         w = flat_parameters(self.params)
         lam, grad = self._regularized(w, grad_sum, n)
         accuracy = float(n) ** -s.accuracy_exponent
-        cap = self._cap(samples)
+        cap = chunk_cap(samples, s.max_chunks)
         solved = float(grad.norm()) <= math.sqrt(2 * s.regularization) * accuracy
         capped = bool(s.stage_iterations) and self.newton_in_stage >= s.stage_iterations
         if (solved or capped) and len(self._chunks) < cap:
@@ -253,8 +211,7 @@ class Dance(torch.optim.Optimizer):
         loss = float(loss_sum / n) + 0.5 * lam * float(torch.dot(w, w))
         halvings = self._safeguard(samples, w, v / (1 + decrement), loss, lam)
         self.newton_in_stage += 1
-        for p in self.params:
-            self.state[p]["iterations"] += 1
+        self._count_iteration()
         self.cg_in_stage += cg
         return {
             "loss": loss,

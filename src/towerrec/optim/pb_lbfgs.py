@@ -42,16 +42,16 @@ from dataclasses import dataclass
 import torch
 
 from towerrec.optim.sampled import (
+    ChunkedOptimizer,
     ChunkEvaluation,
-    LocalReducer,
-    PersistentScalars,
     Reducer,
     SampleSet,
-    contiguous_chunks,
+    chunk_cap,
     flat_parameters,
     reduce_evaluation,
     set_flat_parameters,
 )
+from towerrec.utils import at_least, positive, within
 
 __all__ = ["LineSearchError", "PBLBFGSSettings", "ProgressiveBatchLBFGS", "two_loop"]
 
@@ -76,29 +76,23 @@ class PBLBFGSSettings:
     curvature_epsilon: float = 1e-8
 
     def __post_init__(self) -> None:
-        if self.initial_chunks < 2:
-            raise ValueError(
-                f"optimizer.pb_lbfgs.initial_chunks must be >= 2 (the sample tests estimate "
-                f"variances across chunks), got {self.initial_chunks}"
-            )
+        key = "optimizer.pb_lbfgs"
+        at_least(
+            f"{key}.initial_chunks",
+            self.initial_chunks,
+            2,
+            hint="the sample tests estimate variances across chunks",
+        )
         if self.max_chunks < self.initial_chunks:
             raise ValueError(
                 f"optimizer.pb_lbfgs.max_chunks = {self.max_chunks} is below initial_chunks = "
                 f"{self.initial_chunks}; raise max_chunks"
             )
-        if self.history < 1 or self.max_backtracks < 1:
-            raise ValueError(
-                "optimizer.pb_lbfgs.history and max_backtracks must be >= 1, got "
-                f"{self.history} and {self.max_backtracks}"
-            )
-        for key in ("theta", "nu", "curvature_epsilon"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"optimizer.pb_lbfgs.{key} must be > 0, got {getattr(self, key)}")
-        for key in ("overlap", "armijo_c1", "backtrack"):
-            if not 0 < getattr(self, key) < 1:
-                raise ValueError(
-                    f"optimizer.pb_lbfgs.{key} must lie in (0, 1), got {getattr(self, key)}"
-                )
+        at_least(f"{key}.history and max_backtracks", (self.history, self.max_backtracks), 1)
+        for name in ("theta", "nu", "curvature_epsilon"):
+            positive(f"{key}.{name}", getattr(self, name))
+        for name in ("overlap", "armijo_c1", "backtrack"):
+            within(f"{key}.{name}", getattr(self, name), "(0, 1)")
 
 
 def two_loop(
@@ -145,19 +139,10 @@ def sample_statistics(ev: ChunkEvaluation, grad: torch.Tensor) -> _Statistics:
     )
 
 
-_SCALARS = (
-    "iteration",
-    "size",
-    "overlap",
-    "pairs",
-    "has_previous",
-    "chunk_first",
-    "chunk_count",
-    "next_chunk",
-)
+_SCALARS = ("iteration", "size", "overlap", "pairs", "has_previous")
 
 
-class ProgressiveBatchLBFGS(torch.optim.Optimizer):
+class ProgressiveBatchLBFGS(ChunkedOptimizer):
     """Progressive-batching L-BFGS (module doc) over ``params``. ``reducer`` sums each
     evaluation over the ranks of a data-parallel group."""
 
@@ -168,24 +153,17 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         settings: PBLBFGSSettings | None = None,
         reducer: Reducer | None = None,
     ) -> None:
-        if not lr > 0:
-            raise ValueError(f"pb_lbfgs's lr must be > 0, got {lr}")
-        super().__init__(list(params), {"lr": lr})
+        positive("pb_lbfgs's lr", lr)
+        counters = ("grad_samples", "loss_samples", "fresh_samples", "pairs_skipped")
+        super().__init__(params, lr, reducer, counters)
         self.base_lr = lr
         self.settings = settings or PBLBFGSSettings()
-        self.reducer = reducer or LocalReducer()
-        self.params = [p for g in self.param_groups for p in g["params"]]
         self._s: list[torch.Tensor] = []
         self._y: list[torch.Tensor] = []
-        self._chunks: list[int] = []  # S_k
-        self._overlap: int = 0  # the first chunks of S_k carried over from S_{k-1}
+        self._overlap: int = 0  # the first chunks of S_k (``_chunks``) carried over from S_{k-1}
         self._size = self.settings.initial_chunks  # |S_k| in chunks
         self._prev: tuple[torch.Tensor, torch.Tensor] | None = None  # w_{k-1}, g_O(w_{k-1})
-        self.counters = dict.fromkeys(
-            ("grad_samples", "loss_samples", "fresh_samples", "pairs_skipped"), 0.0
-        )
         self.iteration = 0
-        self._next_chunk = 0  # the id of the next chunk drawn
         # The whole state up front (checkpoint loaders fill existing entries): per
         # parameter its pieces of the pairs and of w_{k-1}, g_O(w_{k-1}); the numbers
         # (sample, counters) as floats. state_dict() writes the history into them and
@@ -193,30 +171,23 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         h = self.settings.history
         for p in self.params:
             state = self.state[p]
-            state["iterations"] = torch.zeros((), dtype=torch.int64)
             state["history_s"] = p.new_zeros(h, p.numel())
             state["history_y"] = p.new_zeros(h, p.numel())
             state["previous_w"] = p.new_zeros(p.numel())
             state["previous_g"] = p.new_zeros(p.numel())
-        self._scalars = PersistentScalars(self, "pb_lbfgs_", _SCALARS + tuple(self.counters))
-        self.register_state_dict_pre_hook(lambda _: self._save_history())
-        self.register_load_state_dict_post_hook(lambda _: self._load_history())
+        self._keep_state("pb_lbfgs_", _SCALARS)
 
-    def _save_history(self) -> None:
-        first, count = contiguous_chunks(self._chunks)
-        self._scalars.write(
-            {
-                "iteration": self.iteration,
-                "size": self._size,
-                "overlap": self._overlap,
-                "pairs": len(self._s),
-                "has_previous": self._prev is not None,
-                "chunk_first": first,
-                "chunk_count": count,
-                "next_chunk": self._next_chunk,
-                **self.counters,
-            }
-        )
+    def _own_scalars(self) -> dict[str, float]:
+        return {
+            "iteration": self.iteration,
+            "size": self._size,
+            "overlap": self._overlap,
+            "pairs": len(self._s),
+            "has_previous": self._prev is not None,
+        }
+
+    def _save(self) -> None:
+        super()._save()
         for k, (s_k, y_k) in enumerate(zip(self._s, self._y)):
             self._scatter(s_k, "history_s", k)
             self._scatter(y_k, "history_y", k)
@@ -224,19 +195,15 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
             self._scatter(self._prev[0], "previous_w")
             self._scatter(self._prev[1], "previous_g")
 
-    def _load_history(self) -> None:
-        v = self._scalars.read()
-        self.iteration, self._size = int(v["iteration"]), int(v["size"])
-        self._overlap, self._next_chunk = int(v["overlap"]), int(v["next_chunk"])
-        first = int(v["chunk_first"])
-        self._chunks = list(range(first, first + int(v["chunk_count"])))
-        pairs = int(v["pairs"])
+    def _restore(self, values: dict[str, float]) -> None:
+        self.iteration, self._size = int(values["iteration"]), int(values["size"])
+        self._overlap = int(values["overlap"])
+        pairs = int(values["pairs"])
         self._s = [self._gather("history_s", k) for k in range(pairs)]
         self._y = [self._gather("history_y", k) for k in range(pairs)]
         self._prev = None
-        if v["has_previous"]:
+        if values["has_previous"]:
             self._prev = (self._gather("previous_w"), self._gather("previous_g"))
-        self.counters = {name: v[name] for name in self.counters}
 
     def _scatter(self, flat: torch.Tensor, key: str, row: int | None = None) -> None:
         """Write the [P] vector ``flat`` into the parameters' state entries ``key``."""
@@ -251,16 +218,6 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
         parts = [self.state[p][key] for p in self.params]
         return torch.cat([part[row] if row is not None else part for part in parts]).clone()
 
-    def chunk_position(self) -> tuple[list[int], int]:
-        """The chunks S_{k+1} starts with (the overlap) and the id drawn next."""
-        return list(self._chunks), self._next_chunk
-
-    def step(self, closure=None):  # draws its own samples: no closure step
-        raise TypeError(
-            "ProgressiveBatchLBFGS draws its own samples: call iterate(samples) with a "
-            "SampleSet (towerrec train does)"
-        )
-
     def _evaluate(self, samples: SampleSet, chunks: Sequence[int], grad: bool) -> ChunkEvaluation:
         ev = reduce_evaluation(self.reducer, samples.evaluate(chunks, grad))
         key = "grad_samples" if grad else "loss_samples"
@@ -273,18 +230,11 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
             )
         return ev
 
-    def _cap(self, samples: SampleSet) -> int:
-        total = samples.total_chunks
-        return min(
-            self.settings.max_chunks, total if total is not None else self.settings.max_chunks
-        )
-
     def iterate(self, samples: SampleSet) -> dict[str, float]:
         """One iteration (module doc); its report for metrics.jsonl."""
         s = self.settings
         self.iteration += 1
-        for p in self.params:
-            self.state[p]["iterations"] += 1
+        self._count_iteration()
         fresh = samples.draw(self._size - len(self._chunks))
         self._next_chunk = fresh[-1] + 1 if fresh else self._next_chunk
         chunks = self._chunks + fresh
@@ -311,7 +261,9 @@ class ProgressiveBatchLBFGS(torch.optim.Optimizer):
             1 / (s.theta**2 * true2**2 / max(stats.inner_product, 1e-300) + 1 / population),
             1 / (s.nu**2 * true2 / max(stats.orthogonality, 1e-300) + 1 / population),
         )
-        self._size = min(max(self._size, math.ceil(needed / per_chunk)), self._cap(samples))
+        self._size = min(
+            max(self._size, math.ceil(needed / per_chunk)), chunk_cap(samples, s.max_chunks)
+        )
 
         direction = -two_loop(grad, self._s, self._y)
         if float(torch.dot(grad, direction)) >= 0:

@@ -20,7 +20,7 @@ dense parameters, flattened in parameter order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -28,12 +28,14 @@ import torch
 
 __all__ = [
     "ChunkEvaluation",
+    "ChunkedOptimizer",
     "LocalReducer",
     "PersistentScalars",
     "Reducer",
     "SampleSet",
     "SampledOptimizer",
     "TensorSamples",
+    "chunk_cap",
     "contiguous_chunks",
     "flat_parameters",
     "hessian_operator",
@@ -132,6 +134,83 @@ class PersistentScalars:
     def read(self) -> dict[str, float]:
         state = self.optimizer.state[self._first]
         return {name: float(state[self.prefix + name]) for name in self.names}
+
+
+_CHUNK_SCALARS = ("chunk_first", "chunk_count", "next_chunk")
+
+
+def chunk_cap(samples: SampleSet, max_chunks: int) -> int:
+    """The most chunks a sample may hold: ``max_chunks``, or the whole data set if smaller."""
+    total = samples.total_chunks
+    return min(max_chunks, total if total is not None else max_chunks)
+
+
+class ChunkedOptimizer(torch.optim.Optimizer):
+    """What the sample-drawing optimizers (``SampledOptimizer``) share: the chunks they
+    hold (``_chunks``, consecutive ids) and the id they draw next, the sample counters
+    they report (``counters``), an iteration count per parameter, and the state dict
+    that keeps all of it. Their numbers are ``PersistentScalars``: a subclass names its
+    own in ``_keep_state`` (after its per-parameter state entries) and gives their values
+    in ``_own_scalars``; ``_restore`` reads them back after ``load_state_dict``.
+    ``step`` refuses: these optimizers draw their own samples."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        lr: float,
+        reducer: Reducer | None,
+        counters: Sequence[str],
+    ) -> None:
+        super().__init__(list(params), {"lr": lr})
+        self.reducer = reducer or LocalReducer()
+        self.params = [p for g in self.param_groups for p in g["params"]]
+        self.counters = dict.fromkeys(counters, 0.0)
+        self._chunks: list[int] = []
+        self._next_chunk = 0  # the id of the next chunk drawn
+        for p in self.params:
+            self.state[p]["iterations"] = torch.zeros((), dtype=torch.int64)
+
+    def _keep_state(self, prefix: str, names: Sequence[str]) -> None:
+        """Create the persistent numbers (``names``, the held chunks, the counters) under
+        ``prefix`` and hook them to the state dict (the last step of ``__init__``)."""
+        self._scalars = PersistentScalars(self, prefix, (*names, *_CHUNK_SCALARS, *self.counters))
+        self.register_state_dict_pre_hook(lambda _: self._save())
+        self.register_load_state_dict_post_hook(lambda _: self._load())
+
+    def _own_scalars(self) -> dict[str, float]:
+        """The values of the subclass's numbers (the ``names`` of ``_keep_state``)."""
+        raise NotImplementedError
+
+    def _restore(self, values: dict[str, float]) -> None:
+        """Read the subclass's numbers (and anything else it keeps) back."""
+        raise NotImplementedError
+
+    def _save(self) -> None:
+        first, count = contiguous_chunks(self._chunks)
+        chunks = {"chunk_first": first, "chunk_count": count, "next_chunk": self._next_chunk}
+        self._scalars.write({**self._own_scalars(), **chunks, **self.counters})
+
+    def _load(self) -> None:
+        values = self._scalars.read()
+        first = int(values["chunk_first"])
+        self._chunks = list(range(first, first + int(values["chunk_count"])))
+        self._next_chunk = int(values["next_chunk"])
+        self.counters = {name: values[name] for name in self.counters}
+        self._restore(values)
+
+    def _count_iteration(self) -> None:
+        for p in self.params:
+            self.state[p]["iterations"] += 1
+
+    def chunk_position(self) -> tuple[list[int], int]:
+        """The chunks held (drawn earlier, still needed) and the id drawn next."""
+        return list(self._chunks), self._next_chunk
+
+    def step(self, closure=None):  # draws its own samples: no closure step
+        raise TypeError(
+            f"{type(self).__name__} draws its own samples: call iterate(samples) with a "
+            "SampleSet (towerrec train does)"
+        )
 
 
 def flat_parameters(params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -58,6 +58,8 @@ from typing import Any, Protocol
 
 import torch
 
+from towerrec.utils import at_least, positive, within
+
 __all__ = ["BlockExchange", "Shampoo", "ShampooSettings", "block_slices", "inverse_root"]
 
 GRAFTS = ("adagrad", "adam", "sgd")
@@ -101,29 +103,21 @@ class ShampooSettings:
                 f"optimizer.shampoo.grafting must be one of {', '.join(GRAFTS)}, "
                 f"got {self.grafting!r}"
             )
-        if not 0 <= self.beta1 < 1:
-            raise ValueError(f"optimizer.shampoo.beta1 must lie in [0, 1), got {self.beta1}")
-        if not 0 < self.beta2 <= 1:
-            raise ValueError(
-                f"optimizer.shampoo.beta2 must lie in (0, 1] (1: sum the statistics), "
-                f"got {self.beta2}"
-            )
-        if not 0 < self.graft_beta2 < 1:
-            raise ValueError(
-                f"optimizer.shampoo.graft_beta2 must lie in (0, 1), got {self.graft_beta2}"
-            )
-        if not self.epsilon > 0 or not self.graft_epsilon > 0:
-            raise ValueError(
-                "optimizer.shampoo.epsilon and graft_epsilon must be > 0 (e.g. 1e-12 and 1e-8), "
-                f"got {self.epsilon} and {self.graft_epsilon}"
-            )
-        for key in (
+        key = "optimizer.shampoo"
+        within(f"{key}.beta1", self.beta1, "[0, 1)")
+        within(f"{key}.beta2", self.beta2, "(0, 1]", hint="1: sum the statistics")
+        within(f"{key}.graft_beta2", self.graft_beta2, "(0, 1)")
+        positive(
+            f"{key}.epsilon and graft_epsilon",
+            (self.epsilon, self.graft_epsilon),
+            hint="e.g. 1e-12 and 1e-8",
+        )
+        for name in (
             "max_preconditioner_dim",
             "precondition_frequency",
             "start_preconditioning_step",
         ):
-            if getattr(self, key) < 1:
-                raise ValueError(f"optimizer.shampoo.{key} must be >= 1, got {getattr(self, key)}")
+            at_least(f"{key}.{name}", getattr(self, name), 1)
 
 
 def block_slices(shape: Sequence[int], max_dim: int) -> list[tuple[slice, ...]]:
@@ -171,10 +165,8 @@ class Shampoo(torch.optim.Optimizer):
         exchange: BlockExchange | None = None,
         local: Iterable[torch.Tensor] = (),
     ) -> None:
-        if not lr > 0:
-            raise ValueError(f"Shampoo's lr must be > 0, got {lr}")
-        if weight_decay < 0:
-            raise ValueError(f"Shampoo's weight_decay must be >= 0, got {weight_decay}")
+        positive("Shampoo's lr", lr)
+        at_least("Shampoo's weight_decay", weight_decay, 0)
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
         self.settings = settings or ShampooSettings()
         self.exchange = exchange

@@ -33,7 +33,7 @@ from enum import StrEnum
 import torch
 
 from towerrec.optim.counter import counter_sgd_update
-from towerrec.utils import parse_enum
+from towerrec.utils import at_least, parse_enum, positive
 
 __all__ = [
     "EmbeddingOptimizer",
@@ -109,8 +109,7 @@ class EmbeddingOptimizerConfig:
     weight_decay_mode: WeightDecayMode = WeightDecayMode.DECOUPLED
 
     def __post_init__(self) -> None:
-        if self.counter_halflife < 0:
-            raise ValueError(f"counter_halflife must be >= 0, got {self.counter_halflife}")
+        at_least("counter_halflife", self.counter_halflife, 0)
         object.__setattr__(
             self, "kind", parse_enum(EmbeddingOptimizer, self.kind, "embedding optimizer")
         )
@@ -119,15 +118,12 @@ class EmbeddingOptimizerConfig:
             "weight_decay_mode",
             parse_enum(WeightDecayMode, self.weight_decay_mode, "embedding weight_decay_mode"),
         )
-        if not self.lr > 0:
-            raise ValueError(f"embedding optimizer lr must be > 0, got {self.lr}")
-        if not self.eps > 0:
-            raise ValueError(f"embedding optimizer eps must be > 0, got {self.eps}")
+        positive("embedding optimizer lr", self.lr)
+        positive("embedding optimizer eps", self.eps)
         for name, beta in (("beta1", self.beta1), ("beta2", self.beta2)):
             if not 0 <= beta < 1:
                 raise ValueError(f"embedding adam {name} must be in [0, 1), got {beta}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"embedding weight_decay must be >= 0, got {self.weight_decay}")
+        at_least("embedding weight_decay", self.weight_decay, 0)
         modes = _WEIGHT_DECAY_MODES.get(self.kind, ())
         if self.weight_decay and self.weight_decay_mode not in modes:
             names = ", ".join(

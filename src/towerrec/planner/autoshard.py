@@ -17,7 +17,7 @@ The reward of step t is minus the growth of the estimated max device cost, over 
 task's balanced cost (sum of single-shard costs / devices): the rewards of an episode
 add up to minus its final estimated cost, and each decision sees what it added.
 Advantage actor-critic (the value head as baseline, an entropy bonus). Memory does
-not bind in training; in planning, devices without room are masked (search.py's
+not bind in training; in planning, devices without room are masked (algorithms.py's
 placing loop). Planning is greedy; like DreamShard's, the policy scores each device on its own and so runs on
 any number of devices.
 """
@@ -35,34 +35,38 @@ from torch.nn import functional as F
 from towerrec.planner.learned_policy import (
     NUM_FEATURES,
     CostSamples,
-    PlacementPolicy,
+    PolicyPlacer,
+    PolicySession,
     PolicyWeights,
     Shards,
-    features,
-    item_features,
+    Task,
+    by_descending_cost,
+    load_networks,
     log_relative_loss,
+    mlp,
     ms,
+    padded_features,
+    task_features,
+    trained_weights,
 )
-from towerrec.planner.placement import Item, Loads
-from towerrec.planner.stats import TableStats
+from towerrec.planner.placement import Item
 
-__all__ = ["AutoShardPlacer", "MultiTableCost", "SequencePolicy", "rollout", "train_autoshard"]
-
-Task = tuple[list[TableStats], int]
-
-
-def _mlp(inputs: int, hidden: int, out: int, last_relu: bool = True) -> nn.Sequential:
-    layers: list[nn.Module] = [nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, out)]
-    if last_relu:
-        layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+__all__ = [
+    "AutoShardPlacer",
+    "MultiTableCost",
+    "SequencePolicy",
+    "Session",
+    "networks",
+    "rollout",
+    "train_autoshard",
+]
 
 
 class MultiTableCost(nn.Module):
     def __init__(self, hidden: int = 32) -> None:
         super().__init__()
-        self.encoder = _mlp(NUM_FEATURES, 64, hidden)
-        self.head = _mlp(hidden, 64, 1, last_relu=False)
+        self.encoder = mlp(NUM_FEATURES, 64, hidden)
+        self.head = mlp(hidden, 64, 1, last_relu=False)
 
     def embed(self, feats: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self.encoder(feats))
@@ -78,11 +82,11 @@ class SequencePolicy(nn.Module):
     def __init__(self, hidden: int = 32) -> None:
         super().__init__()
         self.hidden = hidden
-        self.table_encoder = _mlp(NUM_FEATURES, 64, hidden)
+        self.table_encoder = mlp(NUM_FEATURES, 64, hidden)
         self.cell = nn.GRUCell(hidden + 1, hidden)
-        self.device_net = _mlp(hidden + self.NUM_DEVICE_FEATURES, 64, hidden)
-        self.score = _mlp(2 * hidden, 64, 1, last_relu=False)
-        self.value = _mlp(2 * hidden, 64, 1, last_relu=False)
+        self.device_net = mlp(hidden + self.NUM_DEVICE_FEATURES, 64, hidden)
+        self.score = mlp(2 * hidden, 64, 1, last_relu=False)
+        self.value = mlp(2 * hidden, 64, 1, last_relu=False)
 
     def step(
         self, h: torch.Tensor, device_feats: torch.Tensor
@@ -162,8 +166,7 @@ def rollout(
 
 def _order(cost: MultiTableCost, feats: torch.Tensor) -> list[int]:
     with torch.no_grad():
-        single = cost.cost(cost.embed(feats)).tolist()
-    return sorted(range(len(single)), key=lambda i: (-single[i], i))
+        return by_descending_cost(cost.cost(cost.embed(feats)).tolist())
 
 
 def _fit_cost(
@@ -173,12 +176,7 @@ def _fit_cost(
     batch: int,
     steps: int,
 ) -> float:
-    most = max(len(d) for d in devices)
-    feats = torch.zeros(len(devices), most, NUM_FEATURES)
-    mask = torch.zeros(len(devices), most)
-    for n, shards in enumerate(devices):
-        feats[n, : len(shards)] = features(shards, batch)
-        mask[n, : len(shards)] = 1
+    feats, mask = padded_features(devices, batch)
     target = ms(seconds)
     optimizer = torch.optim.Adam(cost.parameters(), lr=3e-3)
     loss = torch.tensor(0.0)
@@ -217,10 +215,7 @@ def train_autoshard(
     cost, policy = MultiTableCost(hidden), SequencePolicy(hidden)
     cost_loss = _fit_cost(cost, devices, seconds, batch, cost_steps)
     optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
-    task_feats = [
-        features([(s, s.num_embeddings, s.embedding_dim) for s in tables], batch)
-        for tables, _ in tasks
-    ]
+    task_feats = [task_features(tables, batch) for tables, _ in tasks]
     history: list[float] = []
     for _ in range(policy_batches):
         k = int(rng.integers(len(tasks)))
@@ -237,73 +232,47 @@ def train_autoshard(
         loss.backward()
         optimizer.step()
         history.append(float(out["cost"].mean()))
-    state = {f"cost.{k}": v for k, v in cost.state_dict().items()}
-    state.update({f"policy.{k}": v for k, v in policy.state_dict().items()})
-    return PolicyWeights(
-        "autoshard",
-        state,
-        tuple(sorted({count for _, count in tasks})),
-        data.digest(),
-        batch,
-        hidden,
-        seed,
-        {"cost_fit_mse_log": cost_loss, "mean_estimated_ms": history},
-    )
+    extra = {"cost_fit_mse_log": cost_loss, "mean_estimated_ms": history}
+    return trained_weights("autoshard", cost, policy, tasks, data, hidden, seed, extra)
 
 
 def networks(weights: PolicyWeights) -> tuple[MultiTableCost, SequencePolicy]:
-    cost, policy = MultiTableCost(weights.hidden), SequencePolicy(weights.hidden)
-    cost.load_state_dict(weights.part("cost."))
-    policy.load_state_dict(weights.part("policy."))
-    return cost.eval(), policy.eval()
+    """The cost model and policy of ``weights`` (eval mode)."""
+    return load_networks(weights, MultiTableCost(weights.hidden), SequencePolicy(weights.hidden))
 
 
-class AutoShardPlacer:
-    """Greedy placement by trained AutoShard weights; one ``start`` per task."""
+class Session(PolicySession[MultiTableCost, SequencePolicy]):
+    """One task's greedy placement: the GRU steps through the shards in order."""
 
-    def __init__(self, weights: PolicyWeights) -> None:
-        self.weights = weights
-        self.cost, self.policy = networks(weights)
-
-    def start(self, items: Sequence[Item], world: int) -> PlacementPolicy:
-        return _Session(self, items, world)
-
-
-class _Session:
-    def __init__(self, placer: AutoShardPlacer, items: Sequence[Item], world: int) -> None:
-        self.cost, self.policy = placer.cost, placer.policy
-        self.feats = item_features(items, placer.weights.batch)
-        with torch.no_grad():
-            self.ce = self.cost.embed(self.feats)
-            self.pe = self.policy.table_encoder(self.feats)
-        hidden = self.ce.shape[-1]
-        self.sums = torch.zeros(world, hidden)
-        self.tables = torch.zeros(world, hidden)
-        self.h = torch.zeros(1, hidden)
-        self.seen = [0] * world
+    def __init__(
+        self,
+        cost: MultiTableCost,
+        policy: SequencePolicy,
+        batch: int,
+        items: Sequence[Item],
+        world: int,
+    ) -> None:
+        super().__init__(cost, policy, batch, items, world)
+        self.h = torch.zeros(1, self.ce.shape[-1])
         self.step = 0
         self.steps = len(items)
 
     def order(self, items: Sequence[Item]) -> list[int]:
         return _order(self.cost, self.feats)
 
-    def choose(self, index: int, item: Item, ok: np.ndarray, loads: Loads) -> int:
-        for d, members in enumerate(loads.on):
-            for j in members[self.seen[d] :]:
-                self.sums[d] += self.ce[j]
-                self.tables[d] += self.pe[j]
-            self.seen[d] = len(members)
-        with torch.no_grad():
-            x = torch.cat(
-                [self.pe[index : index + 1], torch.tensor([[self.step / self.steps]])], -1
-            )
-            self.h = self.policy.cell(x, self.h)
-            dfeats, _ = _device_feats(
-                self.cost,
-                self.sums.unsqueeze(0),
-                self.tables.unsqueeze(0),
-                self.ce[index],
-            )
-            logits, _ = self.policy.step(self.h, dfeats)
+    def scores(self, index: int) -> torch.Tensor:
+        x = torch.cat([self.pe[index : index + 1], torch.tensor([[self.step / self.steps]])], -1)
+        self.h = self.policy.cell(x, self.h)
+        dfeats, _ = _device_feats(
+            self.cost, self.sums.unsqueeze(0), self.tables.unsqueeze(0), self.ce[index]
+        )
+        logits, _ = self.policy.step(self.h, dfeats)
         self.step += 1
-        return int(np.argmax(np.where(ok, logits[0].numpy(), -np.inf)))
+        return logits[0]
+
+
+class AutoShardPlacer(PolicyPlacer[MultiTableCost, SequencePolicy]):
+    """Greedy placement by trained AutoShard weights; one ``start`` per task."""
+
+    def __init__(self, weights: PolicyWeights) -> None:
+        super().__init__(weights, networks, Session)

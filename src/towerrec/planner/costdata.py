@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from towerrec.planner.stats import TableStats
+from towerrec.utils import at_least
 
 __all__ = [
     "FORMAT",
@@ -84,8 +85,7 @@ class CostData:
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
             raise ValueError(f"cost data kernel {self.kernel!r} must be one of {KERNELS}")
-        if self.batch < 1:
-            raise ValueError(f"cost data batch must be >= 1, got {self.batch}")
+        at_least("cost data batch", self.batch, 1)
 
     # ------------------------------------------------------------ JSON
     def to_json(self) -> dict[str, Any]:

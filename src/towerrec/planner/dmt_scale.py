@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from towerrec.utils import positive
+
 __all__ = [
     "FIT_TERMS",
     "Cluster",
@@ -58,8 +60,7 @@ class Cluster:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if not value > 0:
-                raise ValueError(f"Cluster.{name} must be > 0, got {value}")
+            positive(f"Cluster.{name}", value)
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if not value > 0:
-                raise ValueError(f"Workload.{name} must be > 0, got {value}")
+            positive(f"Workload.{name}", value)
 
 
 def _a2a(peers: int, nbytes: float, latency: float, bw: float) -> float:

@@ -44,44 +44,44 @@ from torch.nn import functional as F
 from towerrec.planner.learned_policy import (
     NUM_FEATURES,
     CostSamples,
-    PlacementPolicy,
+    PolicyPlacer,
+    PolicySession,
     PolicyWeights,
     Shards,
-    features,
-    item_features,
+    Task,
+    by_descending_cost,
+    load_networks,
     log_relative_loss,
+    mlp,
     ms,
+    padded_features,
+    task_features,
+    trained_weights,
 )
-from towerrec.planner.placement import Item, Loads
+from towerrec.planner.placement import Item
 from towerrec.planner.stats import TableStats
 
 __all__ = [
     "CostNetwork",
     "DreamShardPlacer",
     "PolicyNetwork",
+    "Session",
     "estimated_cost",
+    "networks",
     "rollout",
     "train_dreamshard",
 ]
 
 Measure = Callable[[Shards], float]
-Task = tuple[list[TableStats], int]  # tables, devices
-
-
-def _mlp(inputs: int, hidden: int, out: int, last_relu: bool = True) -> nn.Sequential:
-    layers: list[nn.Module] = [nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, out)]
-    if last_relu:
-        layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
 
 
 class CostNetwork(nn.Module):
     def __init__(self, hidden: int = 32, comm: bool = False) -> None:
         super().__init__()
-        self.encoder = _mlp(NUM_FEATURES, 64, hidden)
-        self.forward_head = _mlp(hidden, 32, 1, last_relu=False)
-        self.backward_head = _mlp(hidden, 32, 1, last_relu=False)
-        self.comm_head = _mlp(2, 32, 1, last_relu=False)
+        self.encoder = mlp(NUM_FEATURES, 64, hidden)
+        self.forward_head = mlp(hidden, 32, 1, last_relu=False)
+        self.backward_head = mlp(hidden, 32, 1, last_relu=False)
+        self.comm_head = mlp(2, 32, 1, last_relu=False)
         self.comm = comm
 
     def embed(self, feats: torch.Tensor) -> torch.Tensor:
@@ -121,9 +121,9 @@ class PolicyNetwork(nn.Module):
 
     def __init__(self, hidden: int = 32) -> None:
         super().__init__()
-        self.table_encoder = _mlp(NUM_FEATURES, 64, hidden)
-        self.cost_encoder = _mlp(self.NUM_COST_FEATURES, 32, hidden)
-        self.score = _mlp(3 * hidden, 64, 1, last_relu=False)
+        self.table_encoder = mlp(NUM_FEATURES, 64, hidden)
+        self.cost_encoder = mlp(self.NUM_COST_FEATURES, 32, hidden)
+        self.score = mlp(3 * hidden, 64, 1, last_relu=False)
 
     def logits(
         self, table: torch.Tensor, device_tables: torch.Tensor, cost_feats: torch.Tensor
@@ -209,8 +209,7 @@ def rollout(
 def _order(cost: CostNetwork, feats: torch.Tensor) -> list[int]:
     """Descending single-shard estimated cost (ties by index)."""
     with torch.no_grad():
-        single = cost.compute(cost.embed(feats)).sum(-1).tolist()
-    return sorted(range(len(single)), key=lambda i: (-single[i], i))
+        return by_descending_cost(cost.compute(cost.embed(feats)).sum(-1).tolist())
 
 
 def estimated_cost(
@@ -225,17 +224,6 @@ def estimated_cost(
         return float(cost.overall(sums, dims))
 
 
-def _padded(devices: Sequence[Shards], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    most = max(len(d) for d in devices)
-    feats = torch.zeros(len(devices), most, NUM_FEATURES)
-    mask = torch.zeros(len(devices), most)
-    for n, shards in enumerate(devices):
-        if shards:
-            feats[n, : len(shards)] = features(shards, batch)
-            mask[n, : len(shards)] = 1
-    return feats, mask
-
-
 def _fit_cost(
     cost: CostNetwork,
     optimizer: torch.optim.Optimizer,
@@ -243,7 +231,7 @@ def _fit_cost(
     steps: int,
 ) -> float:
     """Fit forward + backward (each apart where the data has them) and communication."""
-    feats, mask = _padded(data.devices, data.batch)
+    feats, mask = padded_features(data.devices, data.batch)
     target = ms(data.seconds)
     split = ms([t for fb in data.split for t in fb]).view(-1, 2) if data.split else None
     comm = [(torch.tensor(dims, dtype=torch.float32), ms([t])[0]) for dims, t in data.comm]
@@ -260,11 +248,6 @@ def _fit_cost(
         loss.backward()
         optimizer.step()
     return float(loss.detach())
-
-
-def _task_features(task: Task, batch: int) -> torch.Tensor:
-    tables, _ = task
-    return features([(s, s.num_embeddings, s.embedding_dim) for s in tables], batch)
 
 
 def train_dreamshard(
@@ -303,7 +286,7 @@ def train_dreamshard(
     cost, policy = CostNetwork(hidden, comm=bool(data.comm)), PolicyNetwork(hidden)
     cost_opt = torch.optim.Adam(cost.parameters(), lr=3e-3)
     policy_opt = torch.optim.Adam(policy.parameters(), lr=lr)
-    task_feats = [_task_features(t, batch) for t in tasks]
+    task_feats = [task_features(tables, batch) for tables, _ in tasks]
     history: list[float] = []
     cost_loss = 0.0
     for iteration in range(iterations):
@@ -335,77 +318,56 @@ def train_dreamshard(
             loss.backward()
             policy_opt.step()
             history.append(float(total.mean()))
-    state = {f"cost.{k}": v for k, v in cost.state_dict().items()}
-    state.update({f"policy.{k}": v for k, v in policy.state_dict().items()})
-    return PolicyWeights(
-        "dreamshard",
-        state,
-        tuple(sorted({count for _, count in tasks})),
-        data.digest(),
-        batch,
-        hidden,
-        seed,
-        {
-            "comm": bool(data.comm),
-            "cost_data_devices": len(data.devices),
-            "cost_fit_mse_log": cost_loss,
-            "mean_estimated_ms": history,
-        },
-    )
+    extra = {
+        "comm": bool(data.comm),
+        "cost_data_devices": len(data.devices),
+        "cost_fit_mse_log": cost_loss,
+        "mean_estimated_ms": history,
+    }
+    return trained_weights("dreamshard", cost, policy, tasks, data, hidden, seed, extra)
 
 
 def networks(weights: PolicyWeights) -> tuple[CostNetwork, PolicyNetwork]:
     """The cost and policy networks of ``weights`` (eval mode)."""
     cost = CostNetwork(weights.hidden, bool(weights.extra.get("comm", False)))
-    policy = PolicyNetwork(weights.hidden)
-    cost.load_state_dict(weights.part("cost."))
-    policy.load_state_dict(weights.part("policy."))
-    return cost.eval(), policy.eval()
+    return load_networks(weights, cost, PolicyNetwork(weights.hidden))
 
 
-class DreamShardPlacer:
-    """Greedy (argmax) placement by trained DreamShard weights; one ``start`` per task."""
+class Session(PolicySession[CostNetwork, PolicyNetwork]):
+    """One task's greedy (argmax) placement; also keeps each device's output dims."""
 
-    def __init__(self, weights: PolicyWeights) -> None:
-        self.weights = weights
-        self.cost, self.policy = networks(weights)
-
-    def start(self, items: Sequence[Item], world: int) -> PlacementPolicy:
-        return _Session(self, items, world)
-
-
-class _Session:
-    def __init__(self, placer: DreamShardPlacer, items: Sequence[Item], world: int) -> None:
-        self.cost, self.policy = placer.cost, placer.policy
-        self.feats = item_features(items, placer.weights.batch)
-        with torch.no_grad():
-            self.ce = self.cost.embed(self.feats)
-            self.pe = self.policy.table_encoder(self.feats)
-        hidden = self.ce.shape[-1]
+    def __init__(
+        self,
+        cost: CostNetwork,
+        policy: PolicyNetwork,
+        batch: int,
+        items: Sequence[Item],
+        world: int,
+    ) -> None:
+        super().__init__(cost, policy, batch, items, world)
         self.cols = (self.feats[:, 1] * 128).tolist()
-        self.sums = torch.zeros(world, hidden)
-        self.tables = torch.zeros(world, hidden)
         self.dims = torch.zeros(world)
-        self.seen = [0] * world
 
     def order(self, items: Sequence[Item]) -> list[int]:
         return _order(self.cost, self.feats)
 
-    def choose(self, index: int, item: Item, ok: np.ndarray, loads: Loads) -> int:
-        for d, members in enumerate(loads.on):  # what was placed since (pinned shards too)
-            for j in members[self.seen[d] :]:
-                self.sums[d] += self.ce[j]
-                self.tables[d] += self.pe[j]
-                self.dims[d] += self.cols[j]
-            self.seen[d] = len(members)
-        with torch.no_grad():
-            cf = _cost_features(
-                self.cost,
-                self.sums.unsqueeze(0),
-                self.dims.unsqueeze(0),
-                self.ce[index],
-                self.cols[index],
-            )
-            logits = self.policy.logits(self.pe[index : index + 1], self.tables.unsqueeze(0), cf)
-        logits = logits[0].numpy()
-        return int(np.argmax(np.where(ok, logits, -np.inf)))
+    def add(self, device: int, index: int) -> None:
+        super().add(device, index)
+        self.dims[device] += self.cols[index]
+
+    def scores(self, index: int) -> torch.Tensor:
+        cf = _cost_features(
+            self.cost,
+            self.sums.unsqueeze(0),
+            self.dims.unsqueeze(0),
+            self.ce[index],
+            self.cols[index],
+        )
+        return self.policy.logits(self.pe[index : index + 1], self.tables.unsqueeze(0), cf)[0]
+
+
+class DreamShardPlacer(PolicyPlacer[CostNetwork, PolicyNetwork]):
+    """Greedy (argmax) placement by trained DreamShard weights; one ``start`` per task."""
+
+    def __init__(self, weights: PolicyWeights) -> None:
+        super().__init__(weights, networks, Session)

@@ -1,6 +1,6 @@
 """The learned planners by name: their shipped weights, loading, and training.
 
-``plan_tables(..., planner="dreamshard" | "autoshard")`` places with
+The ``dreamshard`` and ``autoshard`` entries of ``search.PLANNERS`` place with
 ``learned_placer(planner)``: the weights in ``planner/weights/<planner>.pt`` unless a
 file is given. ``train_policy`` trains one from a cost-data file and writes its
 weights; the shipped ones come from::
@@ -22,9 +22,9 @@ on 2, 4 or 8 devices.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -32,16 +32,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from towerrec.planner.autoshard import AutoShardPlacer, train_autoshard
+from towerrec.planner import autoshard, dreamshard
 from towerrec.planner.costdata import CostData
-from towerrec.planner.dreamshard import DreamShardPlacer, train_dreamshard
-from towerrec.planner.learned_policy import CostSamples, PolicyWeights, Shards, training_tasks
+from towerrec.planner.learned_policy import (
+    CostSamples,
+    PolicyPlacer,
+    PolicyWeights,
+    Shards,
+    Task,
+    training_tasks,
+)
 from towerrec.planner.stats import TableStats
 from towerrec.planner.suites import dlrm_like_suite
 
 __all__ = [
+    "LEARNED",
     "LEARNED_PLANNERS",
     "TRAIN_MAX_ROWS",
+    "LearnedPlanner",
     "default_weights_path",
     "learned_placer",
     "load_cost_data",
@@ -50,7 +58,44 @@ __all__ = [
     "train_policy",
 ]
 
-LEARNED_PLANNERS = ("dreamshard", "autoshard")
+
+@dataclass(frozen=True)
+class LearnedPlanner:
+    """A learned placement policy: its ``placer`` of a weights file, and how it is
+    trained (``train(data, tasks, seed, options)``)."""
+
+    placer: Callable[[PolicyWeights], PolicyPlacer[Any, Any]]
+    train: Callable[[CostSamples, list[Task], int, dict[str, Any]], PolicyWeights]
+
+
+def _train_dreamshard(
+    data: CostSamples, tasks: list[Task], seed: int, options: dict[str, Any]
+) -> PolicyWeights:
+    return dreamshard.train_dreamshard(
+        data.devices,
+        data.seconds,
+        tasks,
+        split=data.split,
+        comm=data.comm,
+        batch=data.batch,
+        seed=seed,
+        **options,
+    )
+
+
+def _train_autoshard(
+    data: CostSamples, tasks: list[Task], seed: int, options: dict[str, Any]
+) -> PolicyWeights:
+    return autoshard.train_autoshard(
+        data.devices, data.seconds, tasks, batch=data.batch, seed=seed, **options
+    )
+
+
+LEARNED = {
+    "dreamshard": LearnedPlanner(dreamshard.DreamShardPlacer, _train_dreamshard),
+    "autoshard": LearnedPlanner(autoshard.AutoShardPlacer, _train_autoshard),
+}
+LEARNED_PLANNERS = tuple(LEARNED)
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 TRAIN_MAX_ROWS = 200_000
 
@@ -68,14 +113,11 @@ def default_weights_path(planner: str) -> Path:
 
 
 @lru_cache(maxsize=16)
-def _placer(planner: str, path: str, mtime: float) -> DreamShardPlacer | AutoShardPlacer:
-    weights = PolicyWeights.load(path, planner)
-    return DreamShardPlacer(weights) if planner == "dreamshard" else AutoShardPlacer(weights)
+def _placer(planner: str, path: str, mtime: float) -> PolicyPlacer[Any, Any]:
+    return LEARNED[planner].placer(PolicyWeights.load(path, planner))
 
 
-def learned_placer(
-    planner: str, weights: str | Path | None = None
-) -> DreamShardPlacer | AutoShardPlacer:
+def learned_placer(planner: str, weights: str | Path | None = None) -> PolicyPlacer[Any, Any]:
     """The placer of ``planner`` with ``weights`` (a file; None: the shipped one)."""
     _check(planner)
     path = Path(weights) if weights else default_weights_path(planner)
@@ -154,9 +196,7 @@ def load_cost_data(path: str | Path) -> CostSamples:
     return CostSamples(devices, seconds)
 
 
-def default_training_tasks(
-    seed: int = 0, num_tasks: int = 200
-) -> list[tuple[list[TableStats], int]]:
+def default_training_tasks(seed: int = 0, num_tasks: int = 200) -> list[Task]:
     """Training tasks from the training half of the DLRM-like suite (rows capped)."""
     train, _ = split_suite(dlrm_like_suite(856, seed=0), seed)
     capped = [replace(s, num_embeddings=min(s.num_embeddings, TRAIN_MAX_ROWS)) for s in train]
@@ -170,22 +210,7 @@ def train_policy(
     returns ``out_dir/<planner>.pt``. Deterministic given ``seed``."""
     _check(planner)
     data = load_cost_data(cost_data_path)
-    tasks = default_training_tasks(seed)
-    if planner == "dreamshard":
-        weights = train_dreamshard(
-            data.devices,
-            data.seconds,
-            tasks,
-            split=data.split,
-            comm=data.comm,
-            batch=data.batch,
-            seed=seed,
-            **options,
-        )
-    else:
-        weights = train_autoshard(
-            data.devices, data.seconds, tasks, batch=data.batch, seed=seed, **options
-        )
+    weights = LEARNED[planner].train(data, default_training_tasks(seed), seed, options)
     path = Path(out_dir) / f"{planner}.pt"
     weights.save(path)
     return path

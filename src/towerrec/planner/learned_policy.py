@@ -1,9 +1,13 @@
 """What the learned placement policies (DreamShard, AutoShard) share: shard features,
-training tasks, the weights file and its checks, the placement interface.
+training tasks, the weights file and its checks, the networks' building blocks, and
+the placement interface with its session.
 
 A policy places the shards of a task one at a time (``order``, then ``choose`` for
 each with the devices that have room), the same loop the greedy planners run
-(planner/search.py), so memory and pinned tables are handled once for all.
+(planner/algorithms.py), so memory and pinned tables are handled once for all. A
+``PolicySession`` keeps, per device, the sums of the placed shards' encodings (by the
+cost network and by the policy's shard encoder) that both policies score devices by;
+``PolicyPlacer`` builds the networks of a weights file once and a session per task.
 
 Weights file (``torch.save`` of a plain dict, loaded with ``weights_only``)::
 
@@ -23,13 +27,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
+from torch import nn
 
 from towerrec.planner.learned_cost import shard_features
 from towerrec.planner.placement import Item, Loads
@@ -41,12 +47,21 @@ __all__ = [
     "VERSION",
     "CostSamples",
     "PlacementPolicy",
+    "PolicyPlacer",
+    "PolicySession",
     "PolicyWeights",
     "PolicyWeightsError",
     "Shards",
+    "Task",
+    "by_descending_cost",
     "cost_data_hash",
     "features",
     "item_features",
+    "load_networks",
+    "mlp",
+    "padded_features",
+    "task_features",
+    "trained_weights",
     "training_tasks",
 ]
 
@@ -65,6 +80,7 @@ FEATURE_LAYOUT = (
 NUM_FEATURES = len(FEATURE_LAYOUT)
 
 Shards = Sequence[tuple[TableStats, int, int]]  # (stats, rows, cols) on one device
+Task = tuple[list[TableStats], int]  # a training task: tables, devices
 
 
 @dataclass
@@ -114,6 +130,38 @@ def item_features(items: Sequence[Item], batch: int) -> torch.Tensor:
         assert it.stats is not None  # build_items sets stats
         shards.append((it.stats, it.rows[1] - it.rows[0], it.cols[1] - it.cols[0]))
     return features(shards, batch)
+
+
+def task_features(tables: Sequence[TableStats], batch: int) -> torch.Tensor:
+    """Features [T, F] of whole tables (a training task's)."""
+    return features([(s, s.num_embeddings, s.embedding_dim) for s in tables], batch)
+
+
+def padded_features(devices: Sequence[Shards], batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features [N, S, F] of N devices' shards, padded to the most shards S, and the
+    mask [N, S] of the real ones."""
+    most = max(len(d) for d in devices)
+    feats = torch.zeros(len(devices), most, NUM_FEATURES)
+    mask = torch.zeros(len(devices), most)
+    for n, shards in enumerate(devices):
+        if shards:
+            feats[n, : len(shards)] = features(shards, batch)
+            mask[n, : len(shards)] = 1
+    return feats, mask
+
+
+def by_descending_cost(single: Sequence[float]) -> list[int]:
+    """Shard indices in descending single-shard cost (ties by index): the order a
+    policy places shards in."""
+    return sorted(range(len(single)), key=lambda i: (-single[i], i))
+
+
+def mlp(inputs: int, hidden: int, out: int, last_relu: bool = True) -> nn.Sequential:
+    """Linear, ReLU, Linear (and ReLU): the networks' building block."""
+    layers: list[nn.Module] = [nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, out)]
+    if last_relu:
+        layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
 
 
 def cost_data_hash(devices: Sequence[Shards], seconds: Sequence[float]) -> str:
@@ -265,3 +313,115 @@ def ms(seconds: Sequence[float]) -> torch.Tensor:
     if not seconds or min(seconds) <= 0 or not all(math.isfinite(s) for s in seconds):
         raise ValueError("cost data needs at least one device, every time finite and > 0")
     return torch.tensor(seconds, dtype=torch.float32) * 1e3
+
+
+# ------------------------------------------------------------------ networks and sessions
+class CostEncoder(Protocol):
+    """A cost network as a session sees it: shard encodings [..., H] of features [..., F]."""
+
+    def embed(self, feats: torch.Tensor) -> torch.Tensor: ...
+
+
+class ShardEncoder(Protocol):
+    """A policy network as a session sees it: its own encoder of shard features."""
+
+    @property
+    def table_encoder(self) -> nn.Module: ...
+
+
+C = TypeVar("C", bound=CostEncoder)
+P = TypeVar("P", bound=ShardEncoder)
+N = TypeVar("N", bound=nn.Module)
+M = TypeVar("M", bound=nn.Module)
+
+
+def trained_weights(
+    planner: str,
+    cost: nn.Module,
+    policy: nn.Module,
+    tasks: Sequence[Task],
+    data: CostSamples,
+    hidden: int,
+    seed: int,
+    extra: dict[str, Any],
+) -> PolicyWeights:
+    """The weights file of trained ``cost`` and ``policy`` networks (state under "cost."
+    and "policy."), with the device counts of the training ``tasks``."""
+    state = {f"cost.{k}": v for k, v in cost.state_dict().items()}
+    state.update({f"policy.{k}": v for k, v in policy.state_dict().items()})
+    return PolicyWeights(
+        planner,
+        state,
+        tuple(sorted({count for _, count in tasks})),
+        data.digest(),
+        data.batch,
+        hidden,
+        seed,
+        extra,
+    )
+
+
+def load_networks(weights: PolicyWeights, cost: N, policy: M) -> tuple[N, M]:
+    """``cost`` and ``policy`` with the state of ``weights``, in eval mode."""
+    cost.load_state_dict(weights.part("cost."))
+    policy.load_state_dict(weights.part("policy."))
+    return cost.eval(), policy.eval()
+
+
+class PolicySession(ABC, Generic[C, P]):
+    """One task's greedy placement by trained networks (a ``PlacementPolicy``): the
+    shards' encodings by the cost network (``ce`` [T, H]) and by the policy's encoder
+    (``pe`` [T, H]), summed per device (``sums``, ``tables`` [D, H]) as shards land,
+    pinned ones too; ``scores`` gives the logits [D] of the devices for a shard, and
+    ``choose`` takes the best with room."""
+
+    def __init__(self, cost: C, policy: P, batch: int, items: Sequence[Item], world: int) -> None:
+        self.cost, self.policy = cost, policy
+        self.feats = item_features(items, batch)
+        with torch.no_grad():
+            self.ce = cost.embed(self.feats)
+            self.pe = policy.table_encoder(self.feats)
+        hidden = self.ce.shape[-1]
+        self.sums = torch.zeros(world, hidden)
+        self.tables = torch.zeros(world, hidden)
+        self.seen = [0] * world
+
+    @abstractmethod
+    def order(self, items: Sequence[Item]) -> list[int]:
+        """The order to place the items in (descending estimated cost)."""
+
+    @abstractmethod
+    def scores(self, index: int) -> torch.Tensor:
+        """Logits [D] of the devices for item ``index``, under no_grad."""
+
+    def add(self, device: int, index: int) -> None:
+        """Item ``index`` landed on ``device``."""
+        self.sums[device] += self.ce[index]
+        self.tables[device] += self.pe[index]
+
+    def choose(self, index: int, item: Item, ok: np.ndarray, loads: Loads) -> int:
+        for d, members in enumerate(loads.on):  # what was placed since (pinned shards too)
+            for j in members[self.seen[d] :]:
+                self.add(d, j)
+            self.seen[d] = len(members)
+        with torch.no_grad():
+            logits = self.scores(index).numpy()
+        return int(np.argmax(np.where(ok, logits, -np.inf)))
+
+
+class PolicyPlacer(Generic[C, P]):
+    """Greedy placement by trained weights: the ``networks`` built once, a ``session``
+    (a ``PolicySession``) started per task."""
+
+    def __init__(
+        self,
+        weights: PolicyWeights,
+        networks: Callable[[PolicyWeights], tuple[C, P]],
+        session: Callable[[C, P, int, Sequence[Item], int], PlacementPolicy],
+    ) -> None:
+        self.weights = weights
+        self.cost, self.policy = networks(weights)
+        self._session = session
+
+    def start(self, items: Sequence[Item], world: int) -> PlacementPolicy:
+        return self._session(self.cost, self.policy, self.weights.batch, items, world)

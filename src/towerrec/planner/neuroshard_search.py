@@ -2,7 +2,7 @@
 
 ::
 
-    start   the splits that let every table fit (search.py packs first), no column splits
+    start   the splits that let every table fit (algorithms.py packs first), no column splits
     greedy  sort the shards by a key (predicted cost alone | output dims | memory, large
             shards first), put each on the device that keeps the predicted max device
             cost (compute + comm) lowest, ties to the device whose own cost stays lowest

@@ -1,26 +1,32 @@
-"""Placement algorithms: greedy baselines, LPT with local search, column-split beam search.
+"""The planners by name: one ``Planner`` entry each in ``PLANNERS``, and ``plan``.
 
 ::
 
-    stats + topology + constraints
-        │  build_items: table-wise, or row-wise / column-wise when a table is too large
-        ▼
+    PlanRequest(stats, model, constraints, seed, ...)      what to plan, and the settings
+        │                                                  the planners read
+        ▼  PLANNERS[name].prepare    (optional) load what the planner needs (weights)
+        ▼  PLANNERS[name].place      place the shards of a split; while a table does not
+        │                            pack, split it (row-wise, else column-wise) and again
+        ▼  PLANNERS[name].improve    (optional) search from the split that packs
+    PlanResult(plan, device costs, memory, shards)
+
     greedy_<key>   sort by a proxy (size, lookups, size x lookups, dim; random order),
-                   put each table on the device with the least proxy so far
+    random         put each table on the device with the least proxy so far (seed)
     lpt            sort by modelled cost, put each shard where the device cost grows least,
                    then refine: moves and swaps between the most and least loaded devices
-    search         beam search over column / row splits of the tables on the most loaded
-                   device (each candidate scored by LPT), then LPT + refine on the best
+    search         LPT + refine, then beam search over column / row splits of the tables
+                   on the most loaded device (each candidate scored by LPT); the better wins
     neuroshard     pre-trained neural cost models (planner/neuroshard.py) and their search:
                    beam over column splits x greedy grid over placement
-                   (planner/neuroshard_search.py); the plan is then scored by ``model``
+                   (planner/neuroshard_search.py); LPT only finds the splits that pack
     dreamshard     learned policies (planner/dreamshard.py, planner/autoshard.py) with
     autoshard      their shipped weights (or ``weights``): one shard at a time, greedy
 
-Memory is a hard constraint in every planner; an infeasible task raises
+The algorithms are in ``planner/algorithms.py``; a new planner is one ``register``
+call below. Memory is a hard constraint in every planner; an infeasible task raises
 ``PlanningError`` naming the table and the shortfall. Everything here is
-deterministic for a given seed, so every rank computes the same plan (or the
-same error).
+deterministic for a given seed, so every rank computes the same plan (or the same
+error).
 """
 
 from __future__ import annotations
@@ -28,39 +34,70 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
-import numpy as np
-
 from towerrec.modules.tables import TableConfig
+from towerrec.planner.algorithms import (
+    GREEDY_KEYS,
+    BeamSettings,
+    Splits,
+    beam_search,
+    greedy,
+    lpt,
+    place_learned,
+    refine,
+    split_until_packed,
+)
 from towerrec.planner.cost import CostModel
-from towerrec.planner.learned_planners import LEARNED_PLANNERS, learned_placer, one_thread
+from towerrec.planner.learned_planners import LEARNED_PLANNERS
 from towerrec.planner.neuroshard import NeuroShardPolicy, load_policy
 from towerrec.planner.neuroshard_search import search_neuroshard
-from towerrec.planner.placement import (
-    Item,
-    Loads,
-    PlanningError,
-    TableConstraint,
-    _gib,
-    build_items,
-)
+from towerrec.planner.placement import Item, Loads, TableConstraint, build_items
 from towerrec.planner.stats import TableStats
 from towerrec.sharding import Shard, ShardingPlan, ShardingType, TablePlan
 
-__all__ = ["GREEDY_KEYS", "PLANNERS", "PlanResult", "evaluate_plan", "plan_tables"]
+__all__ = [
+    "GREEDY_KEYS",
+    "PLANNERS",
+    "BeamSettings",
+    "PlanRequest",
+    "PlanResult",
+    "Planner",
+    "evaluate_plan",
+    "get_planner",
+    "plan_tables",
+    "register",
+]
 
 log = logging.getLogger("towerrec")
 
-GREEDY_KEYS = {
-    "greedy_size": lambda s: s.num_embeddings * s.embedding_dim,
-    "greedy_lookup": lambda s: s.pooling_factor * s.embedding_dim,
-    "greedy_size_lookup": lambda s: s.num_embeddings * s.embedding_dim**2 * s.pooling_factor,
-    "greedy_dim": lambda s: s.embedding_dim,
-    "random": None,
-}
-PLANNERS = (*GREEDY_KEYS, "lpt", "search", "neuroshard", *LEARNED_PLANNERS)
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One planning task: the tables' statistics, the cost model (its topology, batch
+    size per rank and constants), constraints per table, and the settings the planners
+    read (each reads the ones it names)."""
+
+    stats: Sequence[TableStats]
+    model: CostModel
+    constraints: Mapping[str, TableConstraint] = field(default_factory=dict)
+    seed: int = 0  # random: the order and the devices drawn
+    refine_rounds: int = 2000  # lpt, search: local-search rounds at most
+    beam: BeamSettings = field(default_factory=BeamSettings)  # search, neuroshard
+    weights: str | None = None  # neuroshard, dreamshard, autoshard: a file (None: shipped)
+    policy: NeuroShardPolicy | None = None  # neuroshard: its cost models already loaded
+    kernel: str = "auto"  # neuroshard: the embedding kernel the plan's run uses (a check)
+
+    def __post_init__(self) -> None:
+        if not self.stats:
+            raise ValueError("nothing to plan: no tables")
+        names = [s.name for s in self.stats]
+        if len(set(names)) != len(names):
+            raise ValueError("table names must be unique")
+        object.__setattr__(self, "stats", tuple(self.stats))
+        object.__setattr__(self, "constraints", dict(self.constraints))
 
 
 @dataclass
@@ -100,311 +137,168 @@ class PlanResult:
         }
 
 
-# ------------------------------------------------------------------ placing
-def _place_fixed(items: Sequence[Item], loads: Loads, order: Sequence[int]) -> list[int]:
-    """Place pinned shards (all shards of a table at once); return the indices still to place."""
-    fixed: dict[int, list[int]]
-    rest, fixed = [], {}
-    for i in order:
-        if items[i].fixed_rank is None:
-            rest.append(i)
-        else:
-            fixed.setdefault(items[i].group, []).append(i)
-    for members in fixed.values():
-        ranks = np.array([items[i].fixed_rank for i in members])
-        memory = np.array([items[i].memory for i in members])
-        free = loads.capacity - loads.memory[ranks]
-        over = np.flatnonzero(memory > free)
-        if len(over):
-            item, room = items[members[over[0]]], free[over[0]]
-            raise PlanningError(
-                f"table {item.table!r}: its shard on rank {item.fixed_rank} needs "
-                f"{_gib(item.memory)} but only {_gib(room)} is free there (short by "
-                f"{_gib(item.memory - room)}); unpin it or add memory"
-            )
-        loads.add_many(ranks, members, [items[i] for i in members])
-    return rest
+Placed = tuple[list[Item], Loads]
+Place = Callable[[PlanRequest, list[Item], Loads], None]
 
 
-class _NoRoom(PlanningError):
-    """Shards that found no device with room (``tables``: their tables, in order)."""
+class Placing:
+    """A planner's placing of a request's tables under given splits; ``cache`` keeps
+    ``build_items``' work across the splits tried (the beam search shares it)."""
 
-    def __init__(self, message: str, tables: list[str]) -> None:
-        super().__init__(message)
-        self.tables = tables
+    def __init__(self, place: Place, request: PlanRequest) -> None:
+        self.place, self.request = place, request
+        self.cache: dict[Any, Any] = {}
 
-
-class _Misfits:
-    """Collects the shards that do not fit, so one pass reports all of them."""
-
-    def __init__(self) -> None:
-        self.first: str | None = None
-        self.tables: list[str] = []
-
-    def add(self, item: Item, loads: Loads) -> None:
-        if self.first is None:
-            free = float((loads.capacity - loads.memory).max())
-            self.first = (
-                f"no device has room for table {item.table!r} (shard {item.rows}x{item.cols} "
-                f"needs {_gib(item.memory)}, the most free on any device is {_gib(free)}, "
-                f"short by {_gib(item.memory - free)}); the tables do not pack: add ranks or "
-                "memory, or allow row_wise / column_wise"
-            )
-        if item.table not in self.tables:
-            self.tables.append(item.table)
-
-    def check(self) -> None:
-        if self.first is not None:
-            raise _NoRoom(self.first, self.tables)
+    def __call__(self, splits: Splits) -> Placed:
+        r = self.request
+        items, widths = build_items(r.stats, r.model, r.constraints, splits, self.cache)
+        loads = Loads(r.model, len(widths))
+        self.place(r, items, loads)
+        return items, loads
 
 
-def _place_each(
-    items: Sequence[Item],
-    loads: Loads,
-    order: Sequence[int],
-    choose: Callable[[int, Item, np.ndarray], int],
-) -> None:
-    """Place the fixed shards, then each other item in ``order`` on the rank ``choose``
-    picks among those with room (``ok``); every item that fits nowhere is reported."""
-    misfits = _Misfits()
-    for i in _place_fixed(items, loads, order):
-        item = items[i]
-        ok = loads.feasible(item)
-        if not ok.any():
-            misfits.add(item, loads)
-            continue
-        loads.add(choose(i, item, ok), i, item)
-    misfits.check()
+Improve = Callable[[PlanRequest, Placing, Splits, Placed], Placed]
 
 
-def _greedy(items: Sequence[Item], loads: Loads, key: str, seed: int) -> list[int]:
-    assign = [-1] * len(items)
-    rng = np.random.default_rng(seed)
-    if key == "random":
-        order = list(rng.permutation(len(items)))
-        values = np.zeros(len(items))
-    else:
-        fn = GREEDY_KEYS[key]
-        assert fn is not None  # only "random" has no key function
-        values = np.array(
-            [
-                fn(it.stats)
-                * (it.cols[1] - it.cols[0])
-                / it.stats.embedding_dim  # type: ignore[union-attr]  # build_items sets stats
-                * (it.rows[1] - it.rows[0])
-                / it.stats.num_embeddings  # type: ignore[union-attr]  # build_items sets stats
-                for it in items
-            ]
+@dataclass(frozen=True)
+class Planner:
+    """One entry of ``PLANNERS``. ``place`` puts the shards of one split on the devices
+    (the splits grow until the tables pack); ``improve`` (optional) searches from the
+    split that packs for a better placement; ``prepare`` (optional) loads what the
+    planner needs (its weights) before any placing."""
+
+    name: str
+    place: Place
+    improve: Improve | None = None
+    prepare: Callable[[PlanRequest], PlanRequest] | None = None
+
+    def plan(self, request: PlanRequest) -> PlanResult:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        if self.prepare is not None:
+            request = self.prepare(request)
+        placing = Placing(self.place, request)
+        splits, placed = split_until_packed(
+            request.stats, request.model, request.constraints, placing
         )
-        order = sorted(range(len(items)), key=lambda i: (-values[i], i))
-    proxy = np.zeros(len(loads.cost))
-
-    def choose(i: int, item: Item, ok: np.ndarray) -> int:
-        if key == "random":
-            rank = int(rng.choice(np.flatnonzero(ok)))
-        else:
-            rank = int(np.argmin(np.where(ok, proxy, np.inf)))
-        proxy[rank] += values[i]
-        return rank
-
-    _place_each(items, loads, order, choose)
-    for rank, members in enumerate(loads.on):
-        for i in members:
-            assign[i] = rank
-    return assign
+        if self.improve is not None:
+            placed = self.improve(request, placing, splits, placed)
+        items, loads = placed
+        result = _result(items, loads, request.model, self.name, time.perf_counter() - start)
+        result.cpu_seconds = time.process_time() - cpu_start
+        result.plan.validate(
+            [TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in request.stats]
+        )
+        return result
 
 
-def _lpt(items: Sequence[Item], loads: Loads) -> None:
-    # Shards taking over a quarter of a device go first (largest first), so they still fit.
-    big = loads.capacity / 4
-
-    def key(i: int) -> tuple[int, float, int]:
-        it = items[i]
-        return (0, -it.memory, i) if it.memory > big else (1, -it.cost, i)
-
-    order = sorted(range(len(items)), key=key)
-
-    def choose(_i: int, item: Item, ok: np.ndarray) -> int:
-        after = np.where(ok, loads.totals_with(item), np.inf)
-        # Ties (e.g. empty devices): the one with the most free memory, then the lowest rank.
-        ties = np.flatnonzero(after <= after.min() * (1 + 1e-12))
-        return int(ties[np.argmin(loads.memory[ties])])
-
-    _place_each(items, loads, order, choose)
+PLANNERS: dict[str, Planner] = {}
 
 
-def _refine(items: Sequence[Item], loads: Loads, max_rounds: int, candidates: int = 8) -> None:
-    """Local search: the best move or swap between the most loaded device and the
-    ``candidates`` least loaded ones, until none lowers the pair's maximum."""
-    for _ in range(max_rounds):
-        totals = loads.totals()
-        top = int(np.argmax(totals))
-        current = totals[top]
-        others = [int(r) for r in np.argsort(totals, kind="stable") if r != top][:candidates]
-        best: tuple[float, int, int, int | None] | None = None  # (max, item, rank, swap item)
-        movable = [i for i in loads.on[top] if items[i].fixed_rank is None]
-        for i in movable:
-            a = items[i]
-            for rank in others:
-                if rank in loads.groups.get(a.group, ()):
-                    continue
-                free = loads.capacity - loads.memory[rank]
-                if a.memory <= free:
-                    worst = max(loads.total_at(top, remove=[a]), loads.total_at(rank, add=[a]))
-                    if worst < current * (1 - 1e-9) and (best is None or worst < best[0]):
-                        best = (worst, i, rank, None)
-                for j in loads.on[rank]:
-                    b = items[j]
-                    if b.fixed_rank is not None or b.cost >= a.cost:
-                        continue
-                    if top in loads.groups.get(b.group, ()) and b.group != a.group:
-                        continue
-                    if b.group == a.group:
-                        continue
-                    if a.memory - b.memory > free or b.memory - a.memory > (
-                        loads.capacity - loads.memory[top]
-                    ):
-                        continue
-                    worst = max(
-                        loads.total_at(top, remove=[a], add=[b]),
-                        loads.total_at(rank, remove=[b], add=[a]),
-                    )
-                    if worst < current * (1 - 1e-9) and (best is None or worst < best[0]):
-                        best = (worst, i, rank, j)
-        if best is None:
-            return
-        _, i, rank, j = best
-        loads.remove(top, i, items[i])
-        if j is not None:
-            loads.remove(rank, j, items[j])
-            loads.add(top, j, items[j])
-        loads.add(rank, i, items[i])
+def register(planner: Planner) -> Planner:
+    """Add ``planner`` to ``PLANNERS`` (once: a name taken is refused)."""
+    if planner.name in PLANNERS:
+        raise ValueError(f"a planner named {planner.name!r} is registered already")
+    PLANNERS[planner.name] = planner
+    return planner
 
 
-def _learned(items: Sequence[Item], loads: Loads, planner: str, weights: str | None) -> None:
-    with one_thread():
-        session = learned_placer(planner, weights).start(items, len(loads.cost))
-
-        def choose(i: int, item: Item, ok: np.ndarray) -> int:
-            return session.choose(i, item, ok, loads)
-
-        _place_each(items, loads, session.order(items), choose)
-
-
-def _lpt_refined(items: Sequence[Item], widths: list[int], model: CostModel, rounds: int) -> Loads:
-    loads = Loads(model, len(widths))
-    _lpt(items, loads)
-    _refine(items, loads, rounds)
-    return loads
-
-
-def _split_options(
-    s: TableStats,
-    current: tuple[ShardingType, int] | None,
-    world: int,
-    allowed: Sequence[ShardingType],
-) -> list[tuple[ShardingType, int]]:
-    out = []
-    parts = current[1] if current and current[0] is ShardingType.COLUMN_WISE else 1
-    if ShardingType.COLUMN_WISE in allowed and parts * 2 <= min(world, s.embedding_dim // 4):
-        out.append((ShardingType.COLUMN_WISE, parts * 2))
-    if ShardingType.ROW_WISE in allowed and current is None and world > 1:
-        out.append((ShardingType.ROW_WISE, world))
-    return out
-
-
-def _beam_search(
+def plan_tables(
     stats: Sequence[TableStats],
     model: CostModel,
-    constraints: Mapping[str, TableConstraint],
-    start_splits: dict[str, tuple[ShardingType, int]],
-    beam_width: int,
-    depth: int,
-    branch: int,
-    cache: dict[Any, Any],
-) -> dict[str, tuple[ShardingType, int]]:
-    """Splits chosen by beam search; each candidate is scored by LPT's max device cost."""
-    world = model.topology.world_size
-    by_name = {s.name: s for s in stats}
-
-    def score(splits: dict[str, tuple[ShardingType, int]]) -> tuple[float, list[Item], Loads]:
-        items, widths = build_items(stats, model, constraints, splits, cache)
-        loads = Loads(model, len(widths))
-        _lpt(items, loads)
-        return float(loads.totals().max()), items, loads
-
-    start = score(start_splits)
-    beam = [(dict(start_splits), *start)]
-    seen: set[tuple[tuple[str, str, int], ...]] = {()}
-    best = beam[0]
-    for _ in range(depth):
-        children = []
-        for splits, _, items, loads in beam:
-            top = int(np.argmax(loads.totals()))
-            hot = sorted(loads.on[top], key=lambda i: -items[i].cost)
-            tried = 0
-            for i in hot:
-                name = items[i].table
-                constraint = constraints.get(name, TableConstraint())
-                if constraint.rank is not None:
-                    continue  # pinned: stays whole where it is pinned
-                if items[i].sharding not in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
-                    continue  # row-wise or data-parallel already
-                allowed = constraint.sharding_types
-                for option in _split_options(by_name[name], splits.get(name), world, allowed):
-                    child = {**splits, name: option}
-                    key = tuple(sorted((k, v[0].value, v[1]) for k, v in child.items()))
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    try:
-                        children.append((child, *score(child)))
-                    except PlanningError:
-                        continue
-                tried += 1
-                if tried >= branch:
-                    break
-        if not children:
-            break
-        beam = sorted(beam + children, key=lambda b: b[1])[:beam_width]
-        if beam[0][1] < best[1] * (1 - 1e-6):
-            best = beam[0]
-        else:
-            break
-    return best[0]
+    planner: str = "search",
+    constraints: Mapping[str, TableConstraint] | None = None,
+    **settings: Any,
+) -> PlanResult:
+    """``get_planner(planner).plan(PlanRequest(...))`` in one call: ``settings`` are the
+    other ``PlanRequest`` fields (``seed``, ``weights``, ``policy``, ...)."""
+    entry = get_planner(planner)
+    return entry.plan(PlanRequest(stats, model, constraints or {}, **settings))
 
 
-def _split_until_packed(
-    stats: Sequence[TableStats],
-    model: CostModel,
-    constraints: Mapping[str, TableConstraint],
-    place: Callable[[dict[str, tuple[ShardingType, int]]], tuple[list[Item], Loads]],
-) -> tuple[dict[str, tuple[ShardingType, int]], tuple[list[Item], Loads]]:
-    """``place({})``; while a table does not pack, split it (row-wise, else column-wise)
-    and try again. Returns the splits and the placement."""
-    by_name = {s.name: s for s in stats}
-    world = model.topology.world_size
-    splits: dict[str, tuple[ShardingType, int]] = {}
-    while True:
-        try:
-            return splits, place(splits)
-        except _NoRoom as e:
-            changed = False
-            for name in e.tables:
-                table = by_name[name]
-                allowed = constraints.get(name, TableConstraint()).sharding_types
-                current = splits.get(name)
-                parts = current[1] if current and current[0] is ShardingType.COLUMN_WISE else 1
-                if ShardingType.ROW_WISE in allowed and current is None and world > 1:
-                    splits[name] = (ShardingType.ROW_WISE, world)
-                    changed = True
-                elif ShardingType.COLUMN_WISE in allowed and parts < min(
-                    world, table.embedding_dim
-                ):
-                    splits[name] = (ShardingType.COLUMN_WISE, min(world, table.embedding_dim))
-                    changed = True
-            if not changed:
-                raise
+def get_planner(planner: str) -> Planner:
+    """The entry of ``PLANNERS`` named ``planner``; an unknown name lists the others."""
+    if planner not in PLANNERS:
+        raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+    return PLANNERS[planner]
+
+
+# ------------------------------------------------------------------ the planners
+def _greedy(key: str, request: PlanRequest, items: list[Item], loads: Loads) -> None:
+    greedy(items, loads, key, request.seed)
+
+
+def _lpt(request: PlanRequest, items: list[Item], loads: Loads) -> None:
+    lpt(items, loads)
+
+
+def _lpt_refined(request: PlanRequest, items: list[Item], loads: Loads) -> None:
+    lpt(items, loads)
+    refine(items, loads, request.refine_rounds)
+
+
+def _learned(name: str, request: PlanRequest, items: list[Item], loads: Loads) -> None:
+    place_learned(items, loads, name, request.weights)
+
+
+def _beam(request: PlanRequest, placing: Placing, splits: Splits, placed: Placed) -> Placed:
+    """``search``: the splits of the beam search, placed by LPT + refine, if better."""
+    found = beam_search(
+        request.stats, request.model, request.constraints, splits, request.beam, placing.cache
+    )
+    if found != splits:
+        other = placing(found)
+        if other[1].totals().max() < placed[1].totals().max():
+            return other
+    return placed
+
+
+def _neuroshard_policy(request: PlanRequest) -> PlanRequest:
+    """The cost models (``weights``, or the shipped ones) unless given; a warning when
+    they were trained on another embedding kernel than ``kernel``."""
+    policy = request.policy or load_policy(request.weights)
+    trained = policy.info.get("kernel")
+    if request.kernel != "auto" and trained and request.kernel != trained:
+        log.warning(
+            "plan.weights were trained on the %r embedding kernel's costs but "
+            "embedding.backend is %r: collect costs with --backend %s and retrain "
+            "(towerrec plan collect-costs, towerrec plan train-policy) for a matching model",
+            trained,
+            request.kernel,
+            request.kernel,
+        )
+    return replace(request, policy=policy)
+
+
+def _neuroshard(request: PlanRequest, placing: Placing, splits: Splits, placed: Placed) -> Placed:
+    """``neuroshard``: its own search from the splits that pack (LPT found them)."""
+    assert request.policy is not None  # _neuroshard_policy loaded it
+    beam = request.beam
+    found = search_neuroshard(
+        request.stats,
+        request.model,
+        request.policy,
+        request.constraints,
+        splits,
+        beam.width,
+        beam.depth,
+        beam.branch,
+    )
+    if found is None:
+        log.warning("neuroshard: no greedy grid point packs the tables; using LPT's placement")
+        return placed
+    loads = Loads(request.model, found.num_widths)
+    for i, rank in enumerate(found.ranks):
+        loads.add(rank, i, found.items[i])
+    return found.items, loads
+
+
+for _key in GREEDY_KEYS:
+    register(Planner(_key, partial(_greedy, _key)))
+register(Planner("lpt", _lpt_refined))
+register(Planner("search", _lpt_refined, improve=_beam))
+register(Planner("neuroshard", _lpt, improve=_neuroshard, prepare=_neuroshard_policy))
+for _name in LEARNED_PLANNERS:
+    register(Planner(_name, partial(_learned, _name)))
 
 
 # ------------------------------------------------------------------ output
@@ -446,75 +340,6 @@ def _result(
         labels,
         seconds,
     )
-
-
-def plan_tables(
-    stats: Sequence[TableStats],
-    model: CostModel,
-    planner: str = "search",
-    constraints: Mapping[str, TableConstraint] | None = None,
-    seed: int = 0,
-    refine_rounds: int = 2000,
-    beam_width: int = 3,
-    beam_depth: int = 6,
-    beam_branch: int = 2,
-    weights: str | None = None,
-    policy: NeuroShardPolicy | None = None,
-) -> PlanResult:
-    """Plan ``stats`` on ``model.topology`` with one of ``PLANNERS``. ``weights``: a
-    weights file for a learned planner instead of the shipped one; ``policy``: the
-    neuroshard planner's cost models already loaded (``neuroshard.load_policy``)."""
-    if planner not in PLANNERS:
-        raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
-    if not stats:
-        raise ValueError("nothing to plan: no tables")
-    names = [s.name for s in stats]
-    if len(set(names)) != len(names):
-        raise ValueError("table names must be unique")
-    constraints = dict(constraints or {})
-    start, cpu_start = time.perf_counter(), time.process_time()
-
-    cache: dict[Any, Any] = {}
-
-    def place(splits: dict[str, tuple[ShardingType, int]]) -> tuple[list[Item], Loads]:
-        items, widths = build_items(stats, model, constraints, splits, cache)
-        if planner in GREEDY_KEYS:
-            loads = Loads(model, len(widths))
-            _greedy(items, loads, planner, seed)
-        elif planner in LEARNED_PLANNERS:
-            loads = Loads(model, len(widths))
-            _learned(items, loads, planner, weights)
-        elif planner == "neuroshard":  # LPT only finds the splits that pack
-            loads = Loads(model, len(widths))
-            _lpt(items, loads)
-        else:
-            loads = _lpt_refined(items, widths, model, refine_rounds)
-        return items, loads
-
-    splits, (items, loads) = _split_until_packed(stats, model, constraints, place)
-    if planner == "search":
-        found = _beam_search(
-            stats, model, constraints, splits, beam_width, beam_depth, beam_branch, cache
-        )
-        if found != splits:
-            split_items, split_loads = place(found)
-            if split_loads.totals().max() < loads.totals().max():
-                items, loads = split_items, split_loads
-    if planner == "neuroshard":
-        policy = policy or load_policy(weights)
-        found = search_neuroshard(
-            stats, model, policy, constraints, splits, beam_width, beam_depth, beam_branch
-        )
-        if found is None:
-            log.warning("neuroshard: no greedy grid point packs the tables; using LPT's placement")
-        else:
-            items, loads = found.items, Loads(model, found.num_widths)
-            for i, rank in enumerate(found.ranks):
-                loads.add(rank, i, items[i])
-    result = _result(items, loads, model, planner, time.perf_counter() - start)
-    result.cpu_seconds = time.process_time() - cpu_start
-    result.plan.validate([TableConfig(s.name, s.num_embeddings, s.embedding_dim) for s in stats])
-    return result
 
 
 def evaluate_plan(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from towerrec.planner.topology import GiB, Topology
+from towerrec.utils import at_least, positive
 
 __all__ = ["SSD_PAGE_BYTES", "TierSpec", "tier_spec_for"]
 
@@ -38,13 +39,10 @@ class TierSpec:
 
     def __post_init__(self) -> None:
         for key in ("device_memory", "host_memory", "ssd_capacity", "ssd_read_latency_s"):
-            if not getattr(self, key) >= 0:
-                raise ValueError(f"tier spec {key} must be >= 0, got {getattr(self, key)}")
+            at_least(f"tier spec {key}", getattr(self, key), 0)
         for key in ("host_bandwidth", "ssd_read_bandwidth", "ssd_write_bandwidth"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"tier spec {key} must be > 0 bytes/s, got {getattr(self, key)}")
-        if self.ssd_io_depth < 1:
-            raise ValueError(f"tier spec ssd_io_depth must be >= 1, got {self.ssd_io_depth}")
+            positive(f"tier spec {key}", getattr(self, key), unit="bytes/s")
+        at_least("tier spec ssd_io_depth", self.ssd_io_depth, 1)
 
     def host_miss_seconds(self, row_bytes: float) -> float:
         return 2 * row_bytes / self.host_bandwidth

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from towerrec.utils import positive
+
 __all__ = ["PRESETS", "Topology", "topology_preset"]
 
 GiB = 1 << 30
@@ -48,8 +50,7 @@ class Topology:
             "intra_host_bandwidth",
             "cross_host_bandwidth",
         ):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"topology.{key} must be > 0, got {getattr(self, key)}")
+            positive(f"topology.{key}", getattr(self, key))
 
     @property
     def world_size(self) -> int:

@@ -18,9 +18,8 @@ from towerrec.config import Config
 from towerrec.modules.cached_config import Backing
 from towerrec.optim.sparse import EmbeddingOptimizer
 from towerrec.planner.cost import CostConstants, CostModel
-from towerrec.planner.neuroshard import load_policy
 from towerrec.planner.placement import PlanningError, TableConstraint
-from towerrec.planner.search import PlanResult, plan_tables
+from towerrec.planner.search import PlanRequest, PlanResult, get_planner
 from towerrec.planner.stats import TableStats, stats_from_source
 from towerrec.planner.topology import topology_preset
 from towerrec.planner.tower_layout import TowerLayout, choose_tower_layout
@@ -130,29 +129,15 @@ def plan_source(
     kv = kv_table_slots(config, [(s.name, s.num_embeddings) for s in original])
     constraints = {name: TableConstraint((ShardingType.TABLE_WISE,)) for name in kv}
     stats = [_as_cache(s, kv[s.name]) if s.name in kv else s for s in original]
-    policy = None
-    if config.plan.planner == "neuroshard":
-        policy = load_policy(config.plan.weights or None)
-        backend = config.embedding.backend.value
-        trained = policy.info.get("kernel")
-        if backend != "auto" and trained and backend != trained:
-            log.warning(
-                "plan.weights were trained on the %r embedding kernel's costs but "
-                "embedding.backend is %r: collect costs with --backend %s and retrain "
-                "(towerrec plan collect-costs, towerrec plan train-policy) for a matching model",
-                trained,
-                backend,
-                backend,
-            )
+    request = PlanRequest(
+        stats,
+        build_cost_model(config, world_size),
+        constraints,
+        weights=config.plan.weights or None,
+        kernel=config.embedding.backend.value,
+    )
     try:
-        result = plan_tables(
-            stats,
-            build_cost_model(config, world_size),
-            config.plan.planner,
-            constraints=constraints,
-            weights=config.plan.weights or None,
-            policy=policy,
-        )
+        result = get_planner(config.plan.planner).plan(request)
     except PlanningError as e:
         full = next((n for n in kv if f"table {n!r} needs" in str(e)), None)
         if full is None:
