@@ -1,5 +1,5 @@
-"""``towerrec`` command line: train | replay | config | plan | data | bench | sweep | scaling |
-export | predict | nas.
+"""``towerrec`` command line: train | replay | config | plan | bench | data | sweep | scaling |
+export | predict | nas | distill.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
 and exit with status 2; anything else is a bug and shows its traceback. Warnings
