@@ -1,5 +1,5 @@
-"""``towerrec`` command line: train | replay | config | plan | data | bench | sweep | scaling |
-export | predict | nas.
+"""``towerrec`` command line: train | replay | config | plan | bench | data | sweep | scaling |
+export | predict | nas | distill.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
 and exit with status 2; anything else is a bug and shows its traceback. Warnings
@@ -19,7 +19,19 @@ import sys
 import time
 import warnings
 
-from towerrec.cli import bench, config, data, distill, nas, plan, replay, scaling, serve, train
+from towerrec.cli import (
+    bench,
+    config,
+    data,
+    distill,
+    nas,
+    plan,
+    replay,
+    scaling,
+    serve,
+    sweep,
+    train,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -35,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (train, replay, config, plan, bench, data, scaling, serve, nas, distill):
+    for group in (train, replay, config, plan, bench, data, sweep, scaling, serve, nas, distill):
         group.add_commands(sub)
     return parser
 

@@ -1,11 +1,15 @@
-"""What several command groups share: the config arguments."""
+"""What several commands share: the config arguments, and the config a data argument names."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__all__ = ["add_config_args"]
+if TYPE_CHECKING:
+    from towerrec.config import Config
+
+__all__ = ["add_config_args", "config_of"]
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -24,4 +28,21 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="override one config value, e.g. --set train.steps=200 (repeatable)",
+    )
+
+
+def config_of(target: Path, overrides: list[str]) -> Config:
+    """The run config ``target`` names: a TOML config file, a cache directory (with a
+    manifest) or a MovieLens directory (with ratings.csv); then ``overrides``."""
+    from towerrec.config import load_config
+
+    if target.is_file():
+        return load_config(target, overrides)
+    if (target / "ratings.csv").is_file():
+        return load_config(None, ["data.source=movielens", f"data.path={target}", *overrides])
+    if (target / "manifest.json").is_file():
+        return load_config(None, ["data.source=cache", f"data.path={target}", *overrides])
+    raise FileNotFoundError(
+        f"{target} is neither a config file, a cache directory (with manifest.json, from "
+        "`towerrec data`) nor a MovieLens directory (with ratings.csv)"
     )

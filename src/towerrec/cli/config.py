@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 
 from towerrec.cli.common import add_config_args
-from towerrec.config import config_to_toml, load_config
-from towerrec.train.build import build_source, resolve_run_config
 
 __all__ = ["add_commands"]
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    from towerrec.config import config_to_toml, load_config
+    from towerrec.train.build import build_source, resolve_run_config
+
     config = load_config(args.config, args.overrides)
     config, _ = resolve_run_config(config, build_source(config.data))
     print(config_to_toml(config), end="")

@@ -6,12 +6,8 @@ import argparse
 import logging
 from pathlib import Path
 
+from towerrec.cli.choices import NAS_SPACES
 from towerrec.cli.common import add_config_args
-from towerrec.config import load_config
-from towerrec.nas.config import SearchSpaceKind
-from towerrec.nas.search import search
-from towerrec.train.run_dir import default_run_dir
-from towerrec.train.trainer import train
 
 __all__ = ["add_commands"]
 
@@ -19,6 +15,9 @@ log = logging.getLogger("towerrec")
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
+    from towerrec.config import load_config
+    from towerrec.nas.search import search
+
     overrides = list(args.overrides)
     if args.space:
         overrides.append(f"nas.space={args.space}")
@@ -41,6 +40,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
 
 def _cmd_retrain(args: argparse.Namespace) -> int:
+    from towerrec.config import load_config
+    from towerrec.train.run_dir import default_run_dir
+    from towerrec.train.trainer import train
+
     config = load_config(args.arch, args.overrides)
     out = Path(args.out or default_run_dir())
     summary = train(config, out)
@@ -61,7 +64,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     add_config_args(search_cmd)
     search_cmd.add_argument(
         "--space",
-        choices=[s.value for s in SearchSpaceKind],
+        choices=NAS_SPACES,
         help="the search space (default: nas.space of the config)",
     )
     search_cmd.add_argument("--out", type=Path, required=True, help="directory for the results")

@@ -7,14 +7,15 @@ from datetime import datetime
 from pathlib import Path
 
 from towerrec.cli.common import add_config_args
-from towerrec.config import load_config
-from towerrec.distributed.launch import WorkerError, launch
-from towerrec.train.replay import check_out_dir, replay, replay_worker
 
 __all__ = ["add_commands"]
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    from towerrec.config import load_config
+    from towerrec.distributed.launch import WorkerError, launch
+    from towerrec.train.replay import check_out_dir, replay, replay_worker
+
     config = load_config(args.config, args.overrides)  # checked before any worker starts
     out = args.out or Path("runs") / datetime.now().strftime("replay-%Y%m%d-%H%M%S")
     if args.nproc > 1 and config.train.temporal.strategy == "fgd":

@@ -1,5 +1,5 @@
-"""``towerrec sweep`` (a grid of runs into one runs file) and ``towerrec scaling fit``
-(a power law plus a constant along one axis of those runs, with intervals and a plot)."""
+"""``towerrec scaling fit``: a power law plus a constant along one axis of a sweep's runs
+(``towerrec sweep``, cli/sweep.py), with intervals and a plot (towerrec/scaling.py)."""
 
 from __future__ import annotations
 
@@ -8,35 +8,16 @@ import json
 import sys
 from pathlib import Path
 
-from towerrec.cli.common import add_config_args
-from towerrec.scaling import fit_power_law, fit_relative, plot_fits
-from towerrec.train.sweep import read_runs, run_sweep
-
 __all__ = ["add_commands"]
 
 AXES = ("examples", "params", "dense_params", "embedding_params", "flops", "compute")
 METRICS = ("ne", "logloss")
 
 
-def _cmd_sweep(args: argparse.Namespace) -> int:
-    records = run_sweep(
-        args.config, args.overrides, args.grid, args.out, nproc=args.nproc, hosts=args.hosts
-    )
-    failed = [r for r in records if r["status"] != "ok"]
-    print(
-        json.dumps(
-            {
-                "runs": str(Path(args.out) / "runs.jsonl"),
-                "points": len(records),
-                "failed": [{"overrides": r["overrides"], "error": r["error"]} for r in failed],
-            },
-            indent=2,
-        )
-    )
-    return 0
-
-
 def _cmd_fit(args: argparse.Namespace) -> int:
+    from towerrec.scaling import fit_power_law, fit_relative, plot_fits
+    from towerrec.train.sweep import read_runs
+
     runs = [r for r in read_runs(args.runs) if r.get("status") == "ok"]
     if args.where:
         runs = [r for r in runs if all(w in r["overrides"] for w in args.where)]
@@ -63,31 +44,6 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    sweep = sub.add_parser("sweep", help="train every point of a grid into one runs file")
-    add_config_args(sweep)
-    sweep.add_argument(
-        "--grid",
-        action="append",
-        required=True,
-        metavar="KEY=V1,V2,...",
-        help="one axis of the grid (repeatable; the grid is their product), "
-        "e.g. --grid model.embedding_dim=8,16,32",
-    )
-    sweep.add_argument("--out", type=Path, required=True, help="directory of the runs")
-    sweep.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        help="run each point on N local worker processes, as towerrec train --nproc N",
-    )
-    sweep.add_argument(
-        "--hosts",
-        type=int,
-        default=1,
-        help="let each point's N workers stand in for H hosts, as towerrec train --hosts H",
-    )
-    sweep.set_defaults(func=_cmd_sweep)
-
     scaling = sub.add_parser("scaling", help="scaling-law fits of a sweep's runs")
     scaling_sub = scaling.add_subparsers(dest="scaling_command", required=True)
     fit = scaling_sub.add_parser(

@@ -6,15 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-
-from towerrec.serve.export import TableDtype, export_run
-from towerrec.serve.predict import SPLITS, predict
+from towerrec.cli.choices import EXPORT_TABLE_DTYPES, PREDICT_SPLITS
 
 __all__ = ["add_commands"]
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from towerrec.serve.export import export_run
+
     manifest = export_run(args.run, args.out, args.tables)
     tables = manifest["tables"]
     print(
@@ -26,6 +25,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
+    import torch
+
+    from towerrec.serve.predict import predict
+
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -50,8 +53,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--out", type=Path, required=True, help="artefact directory to write")
     export.add_argument(
         "--tables",
-        choices=[d.value for d in TableDtype],
-        default=TableDtype.FP32.value,
+        choices=EXPORT_TABLE_DTYPES,
+        default=EXPORT_TABLE_DTYPES[0],
         help="table storage: fp32, fp16, or int8 (row-wise: per-row scale and bias)",
     )
     export.set_defaults(func=_cmd_export)
@@ -67,7 +70,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     pred.add_argument("--out", type=Path, help="parquet file: prediction (and label) columns")
     pred.add_argument(
-        "--split", choices=SPLITS, default="validation", help="which split of DATA to score"
+        "--split", choices=PREDICT_SPLITS, default="validation", help="which split of DATA to score"
     )
     pred.add_argument("--batch-size", type=int, default=8192, help="samples per forward")
     pred.add_argument(

@@ -9,12 +9,6 @@ import shutil
 from pathlib import Path
 
 from towerrec.cli.common import add_config_args
-from towerrec.config import load_config
-from towerrec.distributed.launch import WorkerError, launch
-from towerrec.train.planning import load_plan_file
-from towerrec.train.run_dir import RunDir, default_run_dir
-from towerrec.train.trainer import train
-from towerrec.train.worker import train_worker
 
 __all__ = ["add_commands"]
 
@@ -22,6 +16,11 @@ log = logging.getLogger("towerrec")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from towerrec.config import load_config
+    from towerrec.train.planning import load_plan_file
+    from towerrec.train.run_dir import RunDir, default_run_dir
+    from towerrec.train.trainer import train
+
     out = Path(args.out or default_run_dir())
     if args.resume:  # the run's saved config; a conflicting --set is refused before launching
         config = RunDir(out).resume_config(args.config, args.overrides)
@@ -78,6 +77,8 @@ def _discard_unstarted_run(out: Path) -> None:
 
 def _launch_train(args: argparse.Namespace, out: Path) -> dict:
     """``--nproc N``: N local workers through torch.distributed's elastic launcher."""
+    from towerrec.distributed.launch import WorkerError, launch
+    from towerrec.train.worker import train_worker
 
     try:
         results = launch(

@@ -19,25 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from towerrec.cli.pu_prior import config_of
-from towerrec.config import Config, load_config
-from towerrec.data.cache import open_cache, read_manifest
-from towerrec.data.loader import ColumnSource
-from towerrec.data.profile import (
-    DEFAULT_MAX_IDS,
-    PROFILE_NAME,
-    LocalityProfile,
-    profile_source,
-    report_table,
-    write_plot,
-)
-from towerrec.train.build import build_source, resolve_steps
+from towerrec.cli.choices import PROFILE_MAX_IDS, PROFILE_NAME
+from towerrec.cli.common import config_of
 
-__all__ = ["add_profile_command"]
+if TYPE_CHECKING:
+    from towerrec.config import Config
+    from towerrec.data.profile import LocalityProfile
+
+__all__ = ["add_commands"]
 
 
 def _config(target: Path | None, overrides: list[str]) -> Config:
+    from towerrec.config import load_config
+    from towerrec.data.cache import read_manifest
+
     if target is None:
         return load_config(None, overrides)
     if target.is_dir() and not (target / "ratings.csv").is_file():
@@ -64,6 +61,11 @@ def _save(profile: LocalityProfile, out: Path | None, cache_dir: Path | None) ->
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
+    from towerrec.data.cache import open_cache
+    from towerrec.data.loader import ColumnSource
+    from towerrec.data.profile import profile_source, report_table, write_plot
+    from towerrec.train.build import build_source, resolve_steps
+
     config = _config(args.target, args.overrides)
     data = config.data
     if data.source in ("criteo", "cache"):
@@ -99,7 +101,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_profile_command(data_sub: argparse._SubParsersAction) -> None:
+def add_commands(data_sub: argparse._SubParsersAction) -> None:
     p = data_sub.add_parser(
         "profile",
         help="locality of each table's ids: distinct per batch, reuse distances, LRU hit-rate "
@@ -127,9 +129,9 @@ def add_profile_command(data_sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-ids",
         type=int,
-        default=DEFAULT_MAX_IDS,
+        default=PROFILE_MAX_IDS,
         help="ids per table whose stack distances are computed: the first ones of the stream "
-        f"(default {DEFAULT_MAX_IDS:,})",
+        f"(default {PROFILE_MAX_IDS:,})",
     )
     p.add_argument(
         "--samples",

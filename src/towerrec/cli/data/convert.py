@@ -1,14 +1,11 @@
-"""``towerrec data ...``: preprocess real data into the binary cache, generate test files.
+"""``towerrec data criteo | libfm | table | gen-criteo | info``: preprocess real data into
+the binary cache, generate test files, summarise a cache.
 
     towerrec data criteo day_0 day_1 ... --out DIR      Criteo TSV (plain or .gz) -> cache
     towerrec data libfm train.libfm --fields fields.txt --out DIR
     towerrec data table a.parquet --label click --categorical user:1000 --out DIR
     towerrec data gen-criteo --out DIR --files 2 --rows 100000
     towerrec data info DIR                              manifest summary (and checksum check)
-    towerrec data pu-prior DATA_OR_CONFIG               class prior of positive-unlabeled data
-    towerrec data profile DATA                          locality of each table's ids (cli/profile.py)
-    towerrec data periods OUT_DIR --config FILE         a config's periods, with example ids
-                                                        (cli/distill.py)
 
 Train on a cache with ``towerrec train --set data.source=criteo --set data.path=DIR``.
 Every converter takes a validation and a test split as whole files
@@ -26,20 +23,10 @@ import json
 import shlex
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from towerrec.cli.distill import add_periods_command
-from towerrec.cli.profile import add_profile_command
-from towerrec.cli.pu_prior import add_pu_prior_command
-from towerrec.config import Config
-from towerrec.data.cache import open_cache
-from towerrec.data.criteo import CriteoOptions, preprocess_criteo
-from towerrec.data.criteo_gen import generate_criteo_files
-from towerrec.data.libfm import infer_field_map, preprocess_libfm, write_field_map
-from towerrec.data.splits import SPLITS, Split
-from towerrec.data.tabular import TableSchema, preprocess_table
-from towerrec.memory import physical_memory_bytes
-from towerrec.modules.compact import full_table_bytes
-from towerrec.modules.tables import TableConfig
+if TYPE_CHECKING:
+    from towerrec.data.splits import Split
 
 __all__ = ["DEFAULT_EVAL_FRACTION", "add_commands"]
 
@@ -60,6 +47,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 def _split(args: argparse.Namespace) -> Split:
     """The split options; with no validation option, the default validation fraction
     (said so)."""
+    from towerrec.data.splits import Split
+
     fraction = args.eval_fraction
     if fraction is None and args.eval_files:
         fraction = 0.0
@@ -118,6 +107,11 @@ def _kv_settings(sizes: list[int] | None, out: Path) -> str:
     """The settings that put tables of ``sizes`` rows in caches over kv stores beside
     ``out``, when at the default embedding they would not fit this machine's memory held
     whole (``towerrec train`` refuses those); empty otherwise (or when memory is unknown)."""
+    from towerrec.config import Config
+    from towerrec.memory import physical_memory_bytes
+    from towerrec.modules.compact import full_table_bytes
+    from towerrec.modules.tables import TableConfig
+
     if not sizes:
         return ""
     defaults = Config()
@@ -140,6 +134,8 @@ def _kv_settings(sizes: list[int] | None, out: Path) -> str:
 
 
 def _cmd_criteo(args: argparse.Namespace) -> int:
+    from towerrec.data.criteo import CriteoOptions, preprocess_criteo
+
     split = _split(args)
     options = CriteoOptions(
         num_embeddings=args.num_embeddings,
@@ -211,6 +207,8 @@ def _print_manifest(manifest: dict, out: Path) -> None:
 
 
 def _cmd_libfm(args: argparse.Namespace) -> int:
+    from towerrec.data.libfm import infer_field_map, preprocess_libfm, write_field_map
+
     if args.infer_fields:
         fields = infer_field_map(args.inputs)
         write_field_map(fields, args.infer_fields)
@@ -232,6 +230,8 @@ def _cmd_libfm(args: argparse.Namespace) -> int:
 
 
 def _cmd_table(args: argparse.Namespace) -> int:
+    from towerrec.data.tabular import TableSchema, preprocess_table
+
     schema = TableSchema(
         label=args.label,
         dense=tuple(c for c in args.dense.split(",") if c),
@@ -247,6 +247,8 @@ def _cmd_table(args: argparse.Namespace) -> int:
 
 
 def _cmd_gen_criteo(args: argparse.Namespace) -> int:
+    from towerrec.data.criteo_gen import generate_criteo_files
+
     paths = generate_criteo_files(
         args.out,
         args.files,
@@ -263,6 +265,9 @@ def _cmd_gen_criteo(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
+    from towerrec.data.cache import open_cache
+    from towerrec.data.splits import SPLITS
+
     store = open_cache(args.cache, verify="never" if args.no_verify else "always")
     manifest = store.manifest
     print(
@@ -312,11 +317,7 @@ def _add_split_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the row fractions")
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    """``towerrec data ...`` (``towerrec bench data`` is in cli/bench.py)."""
-    data = sub.add_parser("data", help="preprocess real data into the binary cache")
-    data_sub = data.add_subparsers(dest="data_command", required=True)
-
+def add_commands(data_sub: argparse._SubParsersAction) -> None:
     criteo = data_sub.add_parser("criteo", help="Criteo Kaggle/Terabyte TSV (plain or gzip)")
     criteo.add_argument("inputs", nargs="+", help="TSV files, e.g. day_0 ... day_23 (or .gz)")
     criteo.add_argument("--out", type=Path, required=True, help="cache directory")
@@ -390,7 +391,3 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     info.add_argument("cache", type=Path)
     info.add_argument("--no-verify", action="store_true", help="skip the checksum check")
     info.set_defaults(func=_cmd_info)
-
-    add_pu_prior_command(data_sub)
-    add_profile_command(data_sub)
-    add_periods_command(data_sub)
