@@ -20,8 +20,9 @@ from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.compact_config import CompactConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.ssd_store import HEADER_BYTES
 from towerrec.modules.tables import TableConfig
-from towerrec.modules.tier_store import HEADER_BYTES, StoreError
+from towerrec.modules.tier_store import StoreError
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train import trainer
@@ -210,7 +211,7 @@ KILLED_IN_WRITE_BACK = """
 import os, signal, sys, traceback
 from pathlib import Path
 from towerrec.config import load_config
-from towerrec.modules.tier_store import SsdStore
+from towerrec.modules.ssd_store import SsdStore
 from towerrec.train import trainer
 
 run, where, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
@@ -335,7 +336,7 @@ def test_read_only_backing_path_is_refused(tmp_path):
 
 
 def test_a_disk_without_room_for_the_table_is_refused_before_training(tmp_path, monkeypatch):
-    from towerrec.modules import tier_store
+    from towerrec.modules import ssd_store as tier_store
 
     real = tier_store.shutil.disk_usage
     monkeypatch.setattr(

@@ -91,8 +91,8 @@ from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import parallelize, uniform_plan
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, fused_embedding_modules
+from towerrec.modules.ssd_store import SsdStore
 from towerrec.modules.tables import INIT_BLOCK_ROWS, TableConfig, fill_table_block
-from towerrec.modules.tier_store import SsdStore
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.pipeline import pipelined

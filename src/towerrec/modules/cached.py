@@ -1,8 +1,8 @@
 """Embedding tables larger than memory: a cache of rows in front of the fused kernel.
 
 A cached table keeps all its rows, with their optimizer state, in a backing store
-(host memory or an SSD file, ``tier_store.py``); the fused kernel holds only a slot
-table of ``cache_rows`` rows and runs unchanged on it::
+(host memory or an SSD file: ``tier_store.py``, ``ssd_store.py``); the fused kernel
+holds only a slot table of ``cache_rows`` rows and runs unchanged on it::
 
     ids of table t ─► apply id policy ─► TableCache.slots(ids)
                                            hit:  id -> slot map
@@ -23,7 +23,7 @@ then name the store's rows under the same keys and shapes as an
 store and empties the cache.
 
 A kv table (``backing = "kv"``) keys its rows by 64-bit id in an LMDB store and
-creates each on first touch (``tier_store.KvStore``), so its ``num_embeddings`` may be
+creates each on first touch (``kv_store.KvStore``), so its ``num_embeddings`` may be
 2**40: its map is sorted keys, not an array of the table, and it never appears as a
 dense table. ``state_dict`` and ``optimizer_state_dict`` leave it out;
 ``save_stores`` / ``load_stores`` copy its store into and out of a checkpoint
@@ -61,9 +61,11 @@ from towerrec.modules.embedding_bag import (
 )
 from towerrec.modules.interfaces import FusedEmbeddingCollection, Ready
 from towerrec.modules.kernels import Backend
+from towerrec.modules.kv_store import KV_SUFFIX, KvStore
+from towerrec.modules.ssd_store import SUFFIX, SsdStore
 from towerrec.modules.table_cache import CacheStats, TableCache
 from towerrec.modules.tables import TableConfig, fill_table_block
-from towerrec.modules.tier_store import KvStore, RowLayout, StoreError, build_store
+from towerrec.modules.tier_store import BackingStore, HostStore, RowLayout, StoreError
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum
@@ -503,6 +505,27 @@ class _HostIds:
         """``[lo, hi)`` of feature number ``feature``'s ids in ``values``."""
         b = self.batch
         return int(self.offsets[feature * b]), int(self.offsets[(feature + 1) * b])
+
+
+def build_store(
+    layout: RowLayout,
+    tier: TierConfig,
+    name: str | None = None,
+    table: TableConfig | None = None,
+    seed: int = 0,
+) -> BackingStore:
+    """The backing store ``tier`` asks for (one file per table: ``<path>/<name>.tstore``,
+    ``name`` defaulting to the table's; a shard's store names its shard). A kv store
+    needs ``table`` and ``seed``: it initialises rows from them on first touch."""
+    if tier.backing is Backing.HOST:
+        return HostStore(layout)
+    if tier.backing is Backing.KV:
+        if table is None:
+            raise ValueError(f"table {layout.table!r}: a kv store needs its TableConfig")
+        return KvStore(
+            layout, Path(tier.backing_path) / f"{name or layout.table}{KV_SUFFIX}", table, seed
+        )
+    return SsdStore(layout, Path(tier.backing_path) / f"{name or layout.table}{SUFFIX}")
 
 
 def _whole(block: TableBlock) -> bool:
