@@ -33,6 +33,7 @@ from towerrec.modules.cached import CachedEmbeddingBagCollection, TableBlock, ca
 from towerrec.modules.cached_config import Backing, TierConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy
 from towerrec.modules.kernels import Backend
+from towerrec.modules.table_state import table_key, table_states
 from towerrec.modules.tables import TableConfig, fill_table_block
 from towerrec.sharding import Shard, ShardingPlan, ShardingType, strategy_for
 
@@ -209,7 +210,7 @@ def build_local(
             (r0, r1), (c0, c1) = view.shard.rows, view.shard.cols
             view.weight.copy_(weights[view.table][r0:r1, c0:c1])
             for name, s in view.state.items():
-                full = states[f"embedding_bags.{view.table}.{name}"]
+                full = states[table_key("", view.table, name)]
                 if full.dim() == 2:
                     full = full[r0:r1, c0:c1]
                 elif full.dim() == 1:
@@ -266,9 +267,7 @@ def shard_views(local: Local | None, plan: ShardingPlan, rank: int) -> Iterator[
         weights = local.table_weights()
     for name, weight in weights.items():
         shard = next(s for s in plan.tables[name].shards if s.rank == rank)
-        prefix = f"embedding_bags.{name}."
-        state = {k[len(prefix) :]: v for k, v in states.items() if k.startswith(prefix)}
-        yield ShardView(name, shard, weight, state)
+        yield ShardView(name, shard, weight, table_states(states, name))
 
 
 def kernel_steps(*modules: Local | None) -> list[torch.Tensor]:
@@ -290,10 +289,9 @@ def replica_views(replica: EmbeddingBagCollection | None, rank: int) -> Iterator
         return
     states = replica.optimizer_state_dict()
     for table in replica.tables:
-        prefix = f"embedding_bags.{table.name}."
         yield ShardView(
             table.name,
             Shard(rank, (0, table.num_embeddings), (0, table.embedding_dim)),
             replica.table_weights()[table.name],
-            {k[len(prefix) :]: v for k, v in states.items() if k.startswith(prefix)},
+            table_states(states, table.name),
         )

@@ -64,6 +64,15 @@ from towerrec.modules.kernels import Backend
 from towerrec.modules.kv_store import KV_SUFFIX, KvStore
 from towerrec.modules.ssd_store import SUFFIX, SsdStore
 from towerrec.modules.table_cache import CacheStats, TableCache
+from towerrec.modules.table_state import (
+    check_keys,
+    copy_checked,
+    load_table_weights,
+    other_entries,
+    save_table_weights,
+    table_key,
+    table_states,
+)
 from towerrec.modules.tables import TableConfig, fill_table_block
 from towerrec.modules.tier_store import BackingStore, HostStore, RowLayout, StoreError
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
@@ -237,12 +246,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         return self._inner.table_weights()[table]
 
     def _slot_states(self, table: str) -> dict[str, torch.Tensor]:
-        prefix = f"embedding_bags.{table}."
-        return {
-            k[len(prefix) :]: v
-            for k, v in self._inner.optimizer_state_dict().items()
-            if k.startswith(prefix)
-        }
+        return table_states(self._inner.optimizer_state_dict(), table)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -398,13 +402,13 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         kv = self.kv_stores
         for name, store in kv.items():
             for state_name in store.layout.state_columns():
-                del state[f"{prefix}embedding_bags.{name}.{state_name}"]  # the slots'
+                del state[table_key(prefix, name, state_name)]  # the slots'
 
         for name, cache in self.caches.items():
             if name in kv:
                 continue
             for key, value in cache.store.states().items():
-                state[f"{prefix}embedding_bags.{name}.{key}"] = value
+                state[table_key(prefix, name, key)] = value
         return state
 
     def save_stores(self, directory: str | Path) -> None:
@@ -424,16 +428,9 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
     @torch.no_grad()
     def load_optimizer_state_dict(self, state: dict[str, torch.Tensor], prefix: str = "") -> None:
         expected = self.optimizer_state_dict(prefix)  # flushes: slots and stores agree
-        missing = sorted(set(expected) - set(state))
-        extra = sorted(set(state) - set(expected))
-        if missing or extra:
-            raise ValueError(
-                f"embedding optimizer state does not match the model: missing {missing[:5]}, "
-                f"unexpected {extra[:5]}; was it saved from a model with other tables or "
-                "another optimizer?"
-            )
+        check_keys(expected, state, "embedding optimizer state")
         for key, target in expected.items():  # views: the stores' rows, the kernels' state
-            _copy_checked(target, state[key], key)
+            copy_checked(target, state[key], key)
         self._invalidate()
 
     def invalidate(self) -> None:
@@ -449,8 +446,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name, weight in self.dense_table_weights().items():
-            destination[f"{prefix}embedding_bags.{name}.weight"] = weight
+        save_table_weights(destination, prefix, self.dense_table_weights())
 
     def _load_from_state_dict(
         self,
@@ -462,24 +458,17 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        ours = f"{prefix}embedding_bags."
-        others = {k: v for k, v in state_dict.items() if not k.startswith(ours)}
         super()._load_from_state_dict(
-            others, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            other_entries(state_dict, prefix),
+            prefix,
+            local_metadata,
+            strict,
+            missing_keys,
+            unexpected_keys,
+            error_msgs,
         )
-        own = set()
-        with torch.no_grad():
-            for name, weight in self.dense_table_weights().items():  # flushes first
-                key = f"{ours}{name}.weight"
-                own.add(key)
-                if key not in state_dict:
-                    missing_keys.append(key)
-                    continue
-                try:
-                    _copy_checked(weight, state_dict[key], key)
-                except ValueError as e:
-                    error_msgs.append(str(e))
-        unexpected_keys.extend(k for k in state_dict if k.startswith(ours) and k not in own)
+        weights = self.dense_table_weights()  # flushes first
+        load_table_weights(weights, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
         self._invalidate()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
@@ -552,12 +541,3 @@ def _sample_slice(
         None if weights is None else torch.cat([weights[lo:hi] for lo, hi in spans]),
         validate=False,
     )
-
-
-def _copy_checked(target: torch.Tensor, source: torch.Tensor, key: str) -> None:
-    if tuple(source.shape) != tuple(target.shape):
-        raise ValueError(
-            f"size mismatch for {key}: checkpoint has {tuple(source.shape)}, model has "
-            f"{tuple(target.shape)}"
-        )
-    target.copy_(source)
