@@ -16,10 +16,10 @@ import torch
 from conftest import ROOT, run_cli
 
 from towerrec.modules.cached import CachedEmbeddingBagCollection, TableBlock
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.kv_store import KvStore
 from towerrec.modules.tables import TableConfig, init_rows
 from towerrec.modules.tier_store import RowLayout, StoreError
+from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 

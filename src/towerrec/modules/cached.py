@@ -42,7 +42,6 @@ store (``<table>.kvstore``), the same as one process would.
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -52,7 +51,6 @@ from typing import Any, Self
 
 import torch
 
-from towerrec.modules.cached_config import Backing, TierConfig
 from towerrec.modules.embedding_bag import (
     EmbeddingBagCollection,
     IdPolicy,
@@ -75,11 +73,12 @@ from towerrec.modules.table_state import (
 )
 from towerrec.modules.tables import TableConfig, fill_table_block
 from towerrec.modules.tier_store import BackingStore, HostStore, RowLayout, StoreError
+from towerrec.modules.tiers import Backing, TablePlacement, TableTiers, TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum
 
-__all__ = ["CachedEmbeddingBagCollection", "TableBlock", "cached_tables"]
+__all__ = ["CachedEmbeddingBagCollection", "TableBlock", "build_store"]
 
 
 @dataclass(frozen=True)
@@ -92,33 +91,13 @@ class TableBlock:
     store_name: str
 
 
-def cached_tables(
-    tables: Sequence[TableConfig], tiers: Mapping[str, TierConfig], default: TierConfig
-) -> dict[str, int]:
-    """``{table: cache_rows}`` of the tables that run cached; a table whose cache would
-    hold all its rows stays in device memory, with a warning."""
-    out = {}
-    for table in tables:
-        tier = tiers.get(table.name, default)
-        if not tier.caches(table.num_embeddings):
-            continue
-        rows = tier.cache_rows(table.num_embeddings)
-        if rows >= table.num_embeddings:
-            warnings.warn(
-                f"table {table.name!r}: a cache of {tier.cache_fraction:g} of its "
-                f"{table.num_embeddings} rows holds the whole table; it is kept in device "
-                "memory (memory = 'device')",
-                stacklevel=3,
-            )
-            continue
-        out[table.name] = rows
-    return out
-
-
 class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
     """An ``EmbeddingBagCollection`` whose cached tables live in backing stores (module doc).
 
-    ``tiers`` maps table names to their tier; the others take ``default``.
+    ``placements``: each table's, as ``TableTiers.place`` decided them
+    (``build_embedding_collection`` does); without them, they are decided here from
+    ``tiers``, which maps table names to their tier, the others taking ``default``.
+    A ``CachingCollection`` (``modules/interfaces.py``).
     """
 
     def __init__(
@@ -128,6 +107,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         *,
         tiers: Mapping[str, TierConfig] | None = None,
         default: TierConfig | None = None,
+        placements: Mapping[str, TablePlacement] | None = None,
         backend: Backend | str = Backend.AUTO,
         device: torch.device | str | None = None,
         id_policy: IdPolicy | str = IdPolicy.ERROR,
@@ -140,8 +120,12 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         self.blocks = dict(blocks or {})
         self.id_policy = parse_enum(IdPolicy, id_policy, "embedding id_policy")
         self._inner: EmbeddingBagCollection
-        tiers, default = dict(tiers or {}), default or TierConfig()
-        self.cache_rows = cached_tables(self.tables, tiers, default)
+        if placements is None:
+            placements = TableTiers(default or TierConfig(), dict(tiers or {})).place_tables(
+                self.tables
+            )
+        self.placements = {t.name: placements[t.name] for t in self.tables}
+        self.cache_rows = {n: p.cache_rows for n, p in self.placements.items() if p.is_cached}
         inner_tables = [
             replace(t, num_embeddings=self.cache_rows[t.name]) if t.name in self.cache_rows else t
             for t in self.tables
@@ -171,8 +155,8 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
                 table.embedding_dim,
                 tuple((n, s[1] if len(s) > 1 else 1) for n, s in state_shapes.items() if s),
             )
-            tier = tiers.get(table.name, default)
-            kv = tier.backing is Backing.KV
+            tier = self.placements[table.name].tier
+            kv = self.placements[table.name].is_kv
             block = self.blocks.get(table.name)
             if kv and block is not None and not _whole(block):
                 raise StoreError(

@@ -33,7 +33,6 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.interfaces import FusedEmbeddingCollection, Ready
 from towerrec.modules.kernels import (
     Backend,
@@ -53,6 +52,7 @@ from towerrec.modules.table_state import (
     table_key,
 )
 from towerrec.modules.tables import Pooling, TableConfig, fill_table_block
+from towerrec.modules.tiers import TablePlacement
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum
@@ -128,12 +128,12 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
     A ``PooledEmbeddingCollection`` and a ``FusedEmbeddingCollection``
     (``modules/interfaces.py``).
 
-    ``tiers``: the memory tiers (per table, default) its tables take when a sharded
-    collection stores their shards (``distributed/lookup.py``); set by
+    ``tiers``: each table's memory tier, decided on the full tables, that a sharded
+    collection stores their shards by (``distributed/lookup.py``); set by
     ``build_embedding_collection`` on an unmaterialized collection with cached tables.
     """
 
-    tiers: tuple[dict[str, TierConfig], TierConfig] | None = None
+    tiers: dict[str, TablePlacement] | None = None
 
     def __init__(
         self,
