@@ -256,11 +256,7 @@ def shard_views(local: Local | None, plan: ShardingPlan, rank: int) -> Iterator[
     if local is None:
         return
     states = local.optimizer_state_dict()
-    if isinstance(local, CachedEmbeddingBagCollection):
-        weights = local.dense_table_weights()
-    else:
-        weights = local.table_weights()
-    for name, weight in weights.items():
+    for name, weight in local.dense_table_weights().items():
         shard = next(s for s in plan.tables[name].shards if s.rank == rank)
         yield ShardView(name, shard, weight, table_states(states, name))
 

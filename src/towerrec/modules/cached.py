@@ -219,6 +219,15 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         return out
 
     @property
+    def cached_tables(self) -> list[str]:
+        return list(self.caches)
+
+    def read_rows_ahead(self, on: bool) -> bool:
+        """Whether there are cached tables whose rows ``prefetch`` reads ahead: the
+        pipeline that calls it runs when ``on`` (the trainer's choice)."""
+        return bool(self.caches)
+
+    @property
     def kv_stores(self) -> dict[str, KvStore]:
         """``{table: store}`` of the kv tables (module doc)."""
         return {n: c.store for n, c in self.caches.items() if isinstance(c.store, KvStore)}

@@ -259,6 +259,11 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
         self._require_tables()
         return {t.name: w for t, w in self._table_weights()}
 
+    def dense_table_weights(self) -> dict[str, torch.Tensor]:
+        """``table_weights``: every table here is a dense array (a cached collection's kv
+        tables are not)."""
+        return self.table_weights()
+
     @property
     def num_embedding_parameters(self) -> int:
         return sum(t.num_parameters for t in self.tables)
