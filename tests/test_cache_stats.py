@@ -11,9 +11,9 @@ import torch
 
 from towerrec.config import load_config
 from towerrec.modules.cached import CachedEmbeddingBagCollection
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.table_cache import CacheStats, TableCache
 from towerrec.modules.tables import TableConfig
+from towerrec.modules.tiers import TierConfig
 from towerrec.train import trainer
 
 

@@ -15,8 +15,8 @@ from test_embedding import TABLES, random_batch, train_steps
 from towerrec.config import load_config
 from towerrec.data.batch import Batch
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.train import trainer
 from towerrec.train.build import build_dense_optimizer, build_model

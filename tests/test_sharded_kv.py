@@ -21,9 +21,9 @@ from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.mesh import Topology
 from towerrec.modules.cached import CachedEmbeddingBagCollection
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.compact import CompactConfig, build_embedding_collection
 from towerrec.modules.tables import TableConfig, init_rows
+from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sharding import ShardingPlan, ShardingType, plan_table
 from towerrec.train.checkpoint import CheckpointManager
@@ -40,7 +40,11 @@ ADAM = EmbeddingOptimizerConfig(kind="adam", lr=0.05)
 
 def _tier(path, backing="kv") -> TierConfig:
     return TierConfig(
-        "cached", cache_slots=SLOTS, backing=backing, backing_path=str(path), min_rows=MIN_ROWS
+        "cached",
+        cache_slots=SLOTS,
+        backing=backing,
+        backing_path=str(path),
+        cache_min_rows=MIN_ROWS,
     )
 
 

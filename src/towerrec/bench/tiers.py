@@ -91,8 +91,9 @@ from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import parallelize, uniform_plan
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, fused_embedding_modules
+from towerrec.modules.interfaces import CachingCollection
+from towerrec.modules.ssd_store import SsdStore
 from towerrec.modules.tables import INIT_BLOCK_ROWS, TableConfig, fill_table_block
-from towerrec.modules.tier_store import SsdStore
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.pipeline import pipelined
@@ -207,10 +208,8 @@ def _run_variant(
                 module.prefetch_rows = reads_ahead  # the cached shards' misses read ahead
     elif reads_ahead:
         stream = pipelined(model, stream)  # read the next batch's misses ahead
-    caches = [
-        m
-        for _, m in fused_embedding_modules(model)
-        if isinstance(m, CachedEmbeddingBagCollection | ShardedEmbeddingBagCollection)
+    caches: list[CachingCollection] = [
+        m for _, m in fused_embedding_modules(model) if isinstance(m, CachingCollection)
     ]
     times, counts, rss = [], None, current_rss_mb()
     for step, batch in enumerate(stream):
@@ -438,9 +437,7 @@ def zipf_ids(rows: int, count: int, alpha: float, gen: torch.Generator) -> torch
     return (rank * step) % rows
 
 
-def _counters(
-    caches: list[CachedEmbeddingBagCollection | ShardedEmbeddingBagCollection],
-) -> tuple[int, int, int, int]:
+def _counters(caches: list[CachingCollection]) -> tuple[int, int, int, int]:
     stats = [s for c in caches for s in c.cache_stats().values()]
     return (
         sum(s.lookups for s in stats),

@@ -6,7 +6,7 @@ values (``ConfigError`` names the key and the fix; the training sections are in
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from towerrec.config.errors import ConfigError
 from towerrec.config.errors import choice as _choice
@@ -25,7 +25,6 @@ from towerrec.data.synthetic import SyntheticConfig
 from towerrec.models.dcn import DCNConfig
 from towerrec.models.dmt import DMTConfig
 from towerrec.models.wukong import WukongConfig
-from towerrec.modules.cached_config import Backing, CachePolicy, Memory, TierConfig
 from towerrec.modules.compact import (
     Combine,
     CompactConfig,
@@ -36,6 +35,7 @@ from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
+from towerrec.modules.tiers import Backing, CachePolicy, Memory, TableTiers, TierConfig
 from towerrec.nas.config import NASConfig
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
@@ -160,7 +160,8 @@ class EmbeddingConfig:
     # Of the rows a batch touches: rowwise_adagrad (decoupled or l2), adam (decoupled).
     weight_decay: float = 0.0
     weight_decay_mode: WeightDecayMode = WeightDecayMode.DECOUPLED
-    # Memory tier (modules/cached.py): device | cached (a cache over a backing store).
+    # Memory tier (modules/cached.py): device | cached (a cache over a backing store). These
+    # keys are the fields of modules/tiers.py's TierConfig, by name (``tiers``).
     memory: Memory = Memory.DEVICE
     cache_fraction: float = 0.05  # cached: share of a table's rows in the fast tier
     cache_policy: CachePolicy = CachePolicy.LRU  # cached: lru | lfu
@@ -180,7 +181,7 @@ class EmbeddingConfig:
         positive("embedding.eps", self.eps)
         _choice(self.init, ("uniform", "normal"), "embedding.init")
         self.compact()
-        self.table_tiers()
+        self.tiers()
         at_least("embedding.counter_halflife", self.counter_halflife, 0)
         if len(self.adam_betas) != 2:
             raise ValueError(
@@ -206,24 +207,13 @@ class EmbeddingConfig:
             weight_decay_mode=self.weight_decay_mode,
         )
 
-    def tier_config(self) -> TierConfig:
-        """The collection-wide memory tier (``[embedding.tables.<t>]`` may override it)."""
-        return TierConfig(
-            memory=self.memory,
-            cache_fraction=self.cache_fraction,
-            cache_policy=self.cache_policy,
-            backing=self.backing,
-            backing_path=self.backing_path,
-            min_rows=self.cache_min_rows,
-            cache_slots=self.cache_slots,
-        )
-
-    def table_tiers(self) -> dict[str, TierConfig]:
-        """The memory tier of each table named in ``tables`` (the others: ``tier_config``);
-        refuses a cached table that is not stored in full."""
-        base = self.tier_config()
-        tiers = {name: table.tiers(base) for name, table in self.tables.items()}
-        if base.is_cached and self.kind is not EmbeddingKind.FULL:
+    def tiers(self) -> TableTiers:
+        """Every table's memory tier (``modules/tiers.py``): the tier keys of this section
+        (``TierConfig``'s fields), over which ``[embedding.tables.<t>]`` sets a table's
+        own; refuses a cached table that is not stored in full."""
+        base = TierConfig(**{f.name: getattr(self, f.name) for f in fields(TierConfig)})
+        tiers = {name: table.tier(base) for name, table in self.tables.items()}
+        if base.asks_for_cache and self.kind is not EmbeddingKind.FULL:
             raise ValueError(
                 f"embedding.memory = 'cached' caches full tables, but embedding.kind = "
                 f"{self.kind.value!r}; set embedding.kind = 'full', or cache single tables "
@@ -232,14 +222,14 @@ class EmbeddingConfig:
         for name, tier in tiers.items():
             table = self.tables[name]
             kind = table.kind or self.kind
-            if tier.is_cached and (kind is not EmbeddingKind.FULL or table.dim is not None):
+            if tier.asks_for_cache and (kind is not EmbeddingKind.FULL or table.dim is not None):
                 raise ValueError(
                     f"embedding.tables.{name}: memory = 'cached' caches a full table, but it is "
                     f"stored as kind = {kind.value!r}"
                     + (f" with dim = {table.dim}" if table.dim is not None else "")
                     + "; set memory = 'device' or store it in full"
                 )
-        return tiers
+        return TableTiers(base, tiers)
 
     def compact(self) -> CompactConfig:
         return CompactConfig(

@@ -114,6 +114,7 @@ def _build_model(
     config: Config, schema: DataSchema, device: torch.device, *, materialize_embeddings: bool = True
 ) -> nn.Module:
     emb = config.embedding
+    tiers = emb.tiers()
     sparse = build_embedding_collection(
         build_tables(config, schema),
         emb.compact(),
@@ -123,8 +124,8 @@ def _build_model(
         id_policy=emb.id_policy,
         seed=config.train.seed,
         materialize=materialize_embeddings,
-        tiers=emb.table_tiers(),
-        default_tier=emb.tier_config(),
+        tiers=tiers.tables,
+        default_tier=tiers.default,
     )
     if config.model.name == "dmt":
         return _build_dmt(config, schema, sparse, device)

@@ -26,14 +26,13 @@ from towerrec.config import Config
 from towerrec.distributed.block_exchange import GroupExchange
 from towerrec.distributed.comm import CommCodecs, CommStats
 from towerrec.distributed.dense_allreduce import uses_hierarchical
-from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, rebuild_ddp, uniform_plan
 from towerrec.distributed.towers import TowerParallelDMT, parallelize_towers, tower_tables
 from towerrec.memory import peak_rss_mb
-from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import fused_embedding_modules
+from towerrec.modules.interfaces import CachingCollection
 from towerrec.modules.table_cache import CacheStats
 from towerrec.train.planning import build_plan, plan_tower_layouts
 
@@ -260,7 +259,7 @@ class RunContext:
         collective: every rank calls it); empty when no table runs cached."""
         local: dict[str, list[int]] = {}
         for module in model.modules():
-            if isinstance(module, CachedEmbeddingBagCollection | ShardedEmbeddingBagCollection):
+            if isinstance(module, CachingCollection):
                 for name, stats in module.cache_stats().items():
                     counts = local.setdefault(name, [0] * len(CacheStats.FIELDS))
                     local[name] = [a + b for a, b in zip(counts, stats.counts(), strict=True)]

@@ -24,10 +24,8 @@ from tqdm import tqdm
 
 from towerrec.config import Config, TemporalConfig
 from towerrec.data.batch import Batch
-from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
-from towerrec.distributed.towers import TowerEmbeddingBagCollection
-from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import fused_embedding_modules
+from towerrec.modules.interfaces import CachingCollection
 from towerrec.optim.sampled import SampledOptimizer
 from towerrec.train.build import lr_factor
 from towerrec.train.distill import with_distillation
@@ -328,17 +326,13 @@ def _prefetches_rows(config: Config, model: nn.Module) -> bool:
     """Whether cached tables read each next batch's missing rows ahead (``embedding.prefetch``).
 
     Sharded cached tables read ahead under the pipelined input_dist (it gives a rank the
-    next batch's ids of its shards), so this turns the pipeline on for them too; it sets
-    their collections' ``prefetch_rows`` to match. Decided on every rank alike (on the
-    tables cached on any rank), as the pipeline's collectives need."""
+    next batch's ids of its shards), so this turns the pipeline on for them too; each
+    caching collection is told whether to read ahead (``CachingCollection``). Decided on
+    every rank alike (on the tables cached on any rank), as the pipeline's collectives
+    need."""
     on = config.embedding.prefetch and not config.optimizer.draws_samples
     found = False
     for _, module in fused_embedding_modules(model):
-        if isinstance(module, CachedEmbeddingBagCollection):
-            found = True
-        elif isinstance(module, TowerEmbeddingBagCollection):
-            module.prefetch_rows = False  # the tower transform routes ids itself: no pipeline
-        elif isinstance(module, ShardedEmbeddingBagCollection):
-            module.prefetch_rows = on
-            found = found or bool(module.cached_tables)
+        if isinstance(module, CachingCollection):
+            found = module.read_rows_ahead(on) or found
     return on and found
