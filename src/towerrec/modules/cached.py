@@ -145,6 +145,8 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
             [per_feature[f] for f in self.feature_names], dtype=torch.int64
         )
         self.caches: dict[str, TableCache] = {}
+        self._views: tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]] | None
+        self._views = None  # ``_slot_views``
         for table in self.tables:
             if table.name not in self.cache_rows:
                 continue
@@ -192,6 +194,8 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         self._prefetcher: ThreadPoolExecutor | None = None
         self._keys = itertools.count()
         self._next_key: int | None = None
+        self._queued: dict[int, dict[str, torch.Tensor]] = {}  # ids of batches to read ahead
+        self._reading: int | None = None  # the key read ahead whose lookup has not come
         self.reset_parameters()
 
     # ------------------------------------------------------------ interface
@@ -236,10 +240,21 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         return {name: cache.stats for name, cache in self.caches.items()}
 
     def _slot_weight(self, table: str) -> torch.Tensor:
-        return self._inner.table_weights()[table]
+        return self._slot_views()[0][table]
 
     def _slot_states(self, table: str) -> dict[str, torch.Tensor]:
-        return table_states(self._inner.optimizer_state_dict(), table)
+        return self._slot_views()[1][table]
+
+    def _slot_views(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """The cached tables' slot weights and states inside the kernels, as views made
+        once per kernel layout (``_apply``, a device move, rebuilds the kernels)."""
+        if self._views is None:
+            weights, state = self._inner.table_weights(), self._inner.optimizer_state_dict()
+            self._views = (
+                {name: weights[name] for name in self.caches},
+                {name: table_states(state, name) for name in self.caches},
+            )
+        return self._views
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -269,6 +284,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
                     r0 = block.rows[0]
                     fill_table_block(out, block.table, self.seed, (r0 + lo, r0 + hi), block.cols)
 
+            cache.invalidate()  # no write-back left running over the store
             cache.store.initialize(fill)
             cache.invalidate()
 
@@ -316,22 +332,43 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         return Ready(self(features))
 
     def prefetch(self, features: KeyedJaggedTensor) -> int:
-        """Start reading a later batch's missing rows in a background thread (the
-        ``PrefetchingCollection`` of ``train/pipeline.py``); returns its key."""
+        """Read a later batch's missing rows in a background thread (the
+        ``PrefetchingCollection`` of ``train/pipeline.py``); returns its key. The read
+        starts once the lookups before that batch's are done (``_read_ahead``)."""
         key = next(self._keys)
         if not self.caches:
             return key
-        if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="towerrec-prefetch")
         if features.keys() != self.feature_names:
             features = features.select(self.feature_names)
         values = apply_id_policy(
             features, self._rows_per_feature.to(features.values().device), self.id_policy
         )
         ids = _HostIds(features, values)
-        for name, cache in self.caches.items():
-            cache.prefetch(key, self._table_ids(name, ids)[0], self._prefetcher)
+        self._queued[key] = {name: self._table_ids(name, ids)[0] for name in self.caches}
+        self._read_ahead()
         return key
+
+    def _read_ahead(self) -> None:
+        """Start the background read of the oldest queued batch, unless a batch read ahead
+        still waits for its lookup: a batch's misses are known once the lookup before it
+        has run, so each read starts after it (and runs during the rest of that step)."""
+        if self._reading is not None or not self._queued:
+            return
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="towerrec-prefetch")
+        key = min(self._queued)
+        for name, ids in self._queued.pop(key).items():
+            self.caches[name].prefetch(key, ids, self._prefetcher)
+        self._reading = key
+
+    def _looked_up(self, key: int | None) -> None:
+        """A lookup took batch ``key``: earlier batches' reads are dropped (their lookups
+        never came), and the next queued batch's read starts."""
+        if key is not None:
+            self._queued = {k: ids for k, ids in self._queued.items() if k > key}
+            if self._reading is not None and self._reading <= key:
+                self._reading = None
+        self._read_ahead()
 
     def use_prefetched(self, key: int) -> None:
         """The next forward's batch is the one prefetched under ``key``."""
@@ -362,6 +399,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
             for lo, hi in spans:
                 out[lo:hi] = slots[start : start + hi - lo]
                 start += hi - lo
+        self._looked_up(key)
         return out
 
     # ------------------------------------------------------- checkpoints
@@ -434,6 +472,8 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
     def _invalidate(self) -> None:
         for cache in self.caches.values():
             cache.invalidate()
+        self._queued.clear()
+        self._reading = None
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
@@ -466,6 +506,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self.flush()
+        self._views = None
         self._inner._apply(fn, recurse)  # the slot tables move; maps and stores stay
         return super()._apply(fn, recurse)  # type: ignore[no-untyped-call,no-any-return]  # torch leaves Module._apply untyped
 

@@ -157,17 +157,14 @@ class RowIO:
     ) -> int:
         view = data.numpy().data.cast("B")
         starts, lengths = runs(rows, self.max_run_rows)
+        move = os.pwritev if write else os.preadv
         offsets = (base + rows[starts] * record).tolist()
-        for start, length, offset in zip(starts.tolist(), lengths.tolist(), offsets, strict=True):
-            lo, size, done = start * record, length * record, 0
-            while done < size:
-                buf = view[lo + done : lo + size]
-                moved = (
-                    os.pwritev(fd, [buf], offset + done)
-                    if write
-                    else os.preadv(fd, [buf], offset + done)
-                )
-                if moved == 0:
-                    return int(start + done // record)
-                done += moved
+        firsts, sizes = (starts * record).tolist(), (lengths * record).tolist()
+        for lo, size, offset in zip(firsts, sizes, offsets, strict=True):
+            moved = move(fd, [view[lo : lo + size]], offset)
+            while moved < size:  # a partial transfer: go on, or the file ended
+                more = move(fd, [view[lo + moved : lo + size]], offset + moved)
+                if more == 0:
+                    return int((lo + moved) // record)
+                moved += more
         return -1

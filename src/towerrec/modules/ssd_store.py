@@ -41,6 +41,7 @@ import struct
 import weakref
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -105,15 +106,35 @@ class SsdStore(BackingStore):
         self._fd = os.open(self.path, os.O_RDWR)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         weakref.finalize(self, os.close, self._fd)
+        self._writer: ThreadPoolExecutor | None = None  # ``write_behind``'s thread
+        self._writes_sent = self._writes_landed = 0
+        self._write_error: BaseException | None = None
 
     @property
     def records(self) -> torch.Tensor:
+        self._landed()
         return self._records
+
+    def write_behind(self) -> None:
+        """Later ``write`` calls return at once; their rows land in a thread of this
+        store's own, in order, and ``read``, ``records``, ``flush`` and ``initialize`` wait
+        for them first (a failed write raises there)."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="towerrec-write")
+
+    def _landed(self) -> None:
+        """Wait until every write sent to the writer thread has landed."""
+        if self._writer is not None and self._writes_landed != self._writes_sent:
+            self._writer.submit(_nothing).result()  # one thread, in order: the rest are done
+        if self._write_error is not None:
+            error, self._write_error = self._write_error, None
+            raise error
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Records ``[n, W]`` of ``rows`` (any order, repeats allowed), read in runs of
         adjacent rows (module doc)."""
         rows = self._checked(rows)
+        self._landed()
         unique, inverse = _sorted_unique(rows)
         out = torch.empty(unique.numel(), self.layout.record_width)
         short = self.io.read(self._fd, unique, out, HEADER_BYTES)
@@ -127,12 +148,29 @@ class SsdStore(BackingStore):
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         """Store ``records [n, W]`` at ``rows [n]`` (distinct), written in runs of adjacent
-        rows (module doc)."""
-        rows = self._checked(rows)
+        rows (module doc); in the writer thread after ``write_behind``."""
+        rows, records = self._checked(rows), records.to(torch.float32)
         if rows.numel() > 1:
             order = torch.argsort(rows)
-            rows, records = rows[order], records.index_select(0, order)
-        records = records.to(torch.float32).contiguous()
+            rows, records = rows[order], records.index_select(0, order)  # copies
+        elif self._writer is not None:
+            rows, records = rows.clone(), records.clone()  # the caller may change its own
+        records = records.contiguous()
+        if self._writer is None:
+            self._write_now(rows, records)
+            return
+        self._writes_sent += 1
+        self._writer.submit(self._write_in_thread, rows, records)
+
+    def _write_in_thread(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        try:
+            self._write_now(rows, records)
+        except BaseException as e:  # raised where the next read or flush waits
+            self._write_error = self._write_error or e
+        finally:
+            self._writes_landed += 1
+
+    def _write_now(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         short = self.io.write(self._fd, rows, records, HEADER_BYTES)
         if short >= 0:  # a write that moved nothing (not seen on a regular file)
             raise StoreError(
@@ -160,6 +198,7 @@ class SsdStore(BackingStore):
     def initialize(self, fill_weights: Callable[[torch.Tensor, int, int], None]) -> None:
         """As ``BackingStore.initialize``, written with ``pwrite`` in large chunks (module
         doc): the file's pages go to the page cache, not into this process."""
+        self._landed()
         self.release()
         rows, dim = self.layout.num_embeddings, self.layout.embedding_dim
         width = self.layout.record_width
@@ -180,8 +219,13 @@ class SsdStore(BackingStore):
             os.close(fd)
 
     def flush(self) -> None:
+        self._landed()
         self._map.flush()  # ``records``' writes
         os.fdatasync(self._fd)  # ``write``'s
+
+
+def _nothing() -> None:
+    """The writer thread's marker: done once every earlier write is."""
 
 
 def _sorted_unique(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -5,8 +5,16 @@ rows read ahead for a later lookup.
 A row's record (weight, then each per-row optimizer state, ``tier_store.RowLayout``)
 moves between store and slot as an exact float32 copy. Victims are slots the current
 lookup does not use: empty ones first, then the least recently used (``lru``) or the
-least often used since fetched (``lfu``, ties by recency). A prefetched row that was
-written back after its read began is read again (its copy would be stale).
+least often used since fetched (``lfu``, ties by recency).
+
+Reading ahead (``prefetch``): a background thread finds a later lookup's distinct ids,
+which of them are not cached, and reads those rows from the store, between two lookups
+(a lookup first waits for it: the map it reads changes only in lookups). When no lookup
+changed the map since, that lookup takes all of it as is; otherwise (an evaluation's
+lookup came between) it finds its misses again and takes the rows read ahead that no
+write-back touched since (a written row's copy would be stale), reading the others
+then. A cache that reads ahead lets its store write behind (``write_behind``: the SSD
+store's write-backs land in a thread of its own, its reads wait for them).
 
 LRU victims come from a recency queue (``RecencyQueue``) in time order, so a lookup's
 eviction costs in proportion to its batch, not to the cache's size; LFU's counts are
@@ -37,9 +45,9 @@ _PROTECTED = torch.iinfo(torch.int64).max
 
 class CacheStats:
     """Lookups of unique rows (a lookup's distinct ids), how many of them were in the
-    cache, and the traffic to the backing store: rows read (a prefetch's when it
-    starts, so a prefetched row that a write-back made stale counts again when reread)
-    and rows written back, with their bytes (``record_bytes`` a row)."""
+    cache, and the traffic to the backing store: rows read (a read-ahead's when a lookup
+    waits for it, so a row read ahead that a write-back made stale counts again when
+    reread) and rows written back, with their bytes (``record_bytes`` a row)."""
 
     FIELDS = (
         "lookups",
@@ -255,33 +263,38 @@ class TableCache:
         self.clock = 0
         self.stats = CacheStats(store.layout.record_width * 4)
         self._pending: dict[int, _Prefetch] = {}
+        self._version = 0  # counts the changes of the id -> slot map
 
     # --------------------------------------------------------------- prefetch
     def prefetch(self, key: int, ids: torch.Tensor, executor: ThreadPoolExecutor) -> None:
-        """Start reading the rows of ``ids`` that are not cached now, in the background;
-        the lookup that passes ``key`` to ``slots`` takes them."""
-        unique = torch.unique(ids)
-        missing = unique[self.slot_of.get(unique) < 0]
-        self.stats.read(missing.numel())
-        self._pending[key] = _Prefetch(missing, executor.submit(self.store.read, missing))
+        """Start reading ahead, in ``executor``'s thread, the rows of ``ids`` that are not
+        cached (module doc); the lookup that passes ``key`` to ``slots`` takes them. The
+        caller starts it between lookups."""
+        self.store.write_behind()
+        future = executor.submit(self._read_ahead, ids)
+        self._pending[key] = _Prefetch(ids, self._version, future)
 
-    def _take_prefetched(
-        self, key: int | None, missing: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(mask over missing, their records)`` of the rows prefetched under ``key`` that
-        no write-back touched since (a written row's prefetched copy is stale)."""
-        pending = self._pending.pop(key, None) if key is not None else None
-        if pending is None:
-            return None
-        records = pending.records.result()
-        usable = pending.ids
-        if pending.written:
-            usable = usable[~torch.isin(usable, torch.cat(pending.written))]
-        found = torch.isin(missing, usable)
-        if not bool(found.any()):
-            return None
-        at = torch.searchsorted(pending.ids, missing[found])  # both sorted (unique)
-        return found, records.index_select(0, at)
+    def _read_ahead(self, ids: torch.Tensor) -> _Ahead:
+        """What a lookup of ``ids`` would find now, and its missing rows' records (runs in
+        the background thread)."""
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        slot = self.slot_of.get(unique)
+        missing = unique[slot < 0]
+        return _Ahead(unique, inverse, slot, missing, self.store.read(missing))
+
+    def _settle(self, key: int | None) -> tuple[_Prefetch, _Ahead] | None:
+        """Wait for the background thread's reads and writes (the lookup about to run
+        changes the map they read); take the read-ahead of ``key`` and drop those of
+        earlier keys (their lookups never came)."""
+        taken = None
+        for k in list(self._pending):
+            ahead = self._pending[k].future.result()
+            if key is not None and k <= key:
+                pending = self._pending.pop(k)
+                self.stats.read(ahead.missing.numel())
+                if k == key:
+                    taken = pending, ahead
+        return taken
 
     def _written(self, ids: torch.Tensor) -> None:
         for pending in self._pending.values():
@@ -291,8 +304,17 @@ class TableCache:
     @torch.no_grad()
     def slots(self, ids: torch.Tensor, training: bool, key: int | None = None) -> torch.Tensor:
         """The slots of ``ids`` (any shape, CPU int64), fetching the rows that miss (those
-        prefetched under ``key`` from the prefetch)."""
-        unique, inverse = torch.unique(ids, return_inverse=True)
+        read ahead under ``key`` from the read-ahead)."""
+        taken = self._settle(key)
+        ahead = None  # the read-ahead, when no lookup changed the map since it started
+        if taken is not None and taken[0].version == self._version:
+            ahead = taken[1] if torch.equal(taken[0].ids, ids) else None
+        if ahead is not None:
+            unique, inverse, slot, missing = ahead.unique, ahead.inverse, ahead.slot, ahead.missing
+        else:
+            unique, inverse = torch.unique(ids, return_inverse=True)
+            slot = self.slot_of.get(unique)
+            missing = unique[slot < 0]
         if unique.numel() > self.cache_rows:
             need = unique.numel() / self.table.num_embeddings
             raise ValueError(
@@ -302,17 +324,19 @@ class TableCache:
                 f"cache_slots) to at least {unique.numel()}, or, with cache_slots = 0, "
                 f"cache_fraction to at least {need:.4g}; or use smaller batches"
             )
-        slot = self.slot_of.get(unique)
         miss = slot < 0
-        missing = unique[miss]
         if missing.numel():
             victims = self._victims(missing.numel(), slot[~miss])
             self._evict(victims)
-            records = self._read(missing, key)
+            if ahead is not None:
+                records = ahead.records
+                self.stats.prefetched += missing.numel()
+            else:
+                records = self._read(missing, taken)
             self._fill(victims, missing, records)
+            self._version += 1
+            slot = slot.clone()  # (a read-ahead's snapshot is not written into)
             slot[miss] = victims
-        elif key is not None:
-            self._pending.pop(key, None)
         self.clock += 1
         # Recency: the lookup's clock, then its rows in id order (no ties: ``_victims``
         # picks the same rows as an LRU list updated in that order).
@@ -360,28 +384,35 @@ class TableCache:
             parts.append(state.unsqueeze(1) if state.dim() == 1 else state)
         return torch.cat(parts, dim=1).cpu()
 
-    def _read(self, missing: torch.Tensor, key: int | None) -> torch.Tensor:
-        """Records of the ``missing`` rows: prefetched ones, the others read now."""
-        prefetched = self._take_prefetched(key, missing)
-        if prefetched is None:
+    def _read(self, missing: torch.Tensor, taken: tuple[_Prefetch, _Ahead] | None) -> torch.Tensor:
+        """Records of the ``missing`` rows (sorted): those read ahead in ``taken`` that no
+        write-back touched since, the others read now."""
+        if taken is None or not taken[1].missing.numel():
             self.stats.read(missing.numel())
             return self.store.read(missing)
-        found, records = prefetched
+        pending, ahead = taken
+        at = torch.searchsorted(ahead.missing, missing).clamp_(max=ahead.missing.numel() - 1)
+        found = ahead.missing[at] == missing  # both sorted without repeats
+        if pending.written:
+            found &= ~torch.isin(missing, torch.cat(pending.written))
         self.stats.prefetched += int(found.sum())
+        if bool(found.all()):
+            return ahead.records.index_select(0, at)
         out = torch.empty(missing.numel(), self.store.layout.record_width)
-        out[found] = records
-        if not bool(found.all()):
-            self.stats.read(int((~found).sum()))
-            out[~found] = self.store.read(missing[~found])
+        out[found] = ahead.records.index_select(0, at[found])
+        rest = ~found
+        self.stats.read(int(rest.sum()))
+        out[rest] = self.store.read(missing[rest])
         return out
 
     def _evict(self, slots: torch.Tensor) -> None:
         ids = self.id_of[slots]
         write = (ids >= 0) & self.dirty[slots]
         if bool(write.any()):
-            self._written(ids[write])
-            self.store.write(ids[write], self._gather(slots[write]))
-            self.stats.written(int(write.sum()))
+            rows = ids[write]
+            self._written(rows)
+            self.store.write(rows, self._gather(slots[write]))
+            self.stats.written(rows.numel())
         occupied = ids >= 0
         self.slot_of.remove(ids[occupied])
 
@@ -415,8 +446,9 @@ class TableCache:
     def invalidate(self) -> None:
         """Forget every cached row without writing it back (the store was rewritten)."""
         for pending in self._pending.values():
-            pending.records.result()  # no read left running over the rewritten store
+            pending.future.result()  # no read left running over the rewritten store
         self._pending.clear()
+        self._version += 1
         self.slot_of.clear()
         self.id_of.fill_(-1)
         self.dirty.zero_()
@@ -427,10 +459,23 @@ class TableCache:
 
 
 @dataclass
+class _Ahead:
+    """A read-ahead's findings: the distinct ids (sorted) and each id's place among them,
+    their slots then (-1: not cached), the missing ids and their records."""
+
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    slot: torch.Tensor
+    missing: torch.Tensor
+    records: torch.Tensor
+
+
+@dataclass
 class _Prefetch:
-    """Rows read ahead for one lookup: sorted ``ids``, their records to come, and the
-    ids written back since the read began."""
+    """A read-ahead for one lookup: its ``ids``, the map's version when it started, its
+    findings to come, and the ids written back since it started."""
 
     ids: torch.Tensor
-    records: Future[torch.Tensor]
+    version: int
+    future: Future[_Ahead]
     written: list[torch.Tensor] = field(default_factory=list)
