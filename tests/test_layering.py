@@ -88,10 +88,10 @@ FORBIDDEN = {
     # line; the artefact loader is standalone: torch and numpy only, never towerrec.
     "serve": ["towerrec.cli", "towerrec.bench"],
     "serve/artefact.py": ["towerrec."],
-    # Above train/ (it builds the DLRM and runs train_step); the run config holds its leaf
-    # nas/config.py, which imports nothing of towerrec.
+    # Above train/ (it builds the DLRM and runs train_step); its settings are the run
+    # config's leaf config/nas.py, which imports nothing of towerrec.
     "nas": ["torch.distributed", "towerrec.cli", "towerrec.bench"],
-    "nas/config.py": ["torch", "towerrec."],
+    "config/nas.py": ["torch", "towerrec."],
 }
 
 

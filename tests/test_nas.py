@@ -10,7 +10,7 @@ import torch
 
 from towerrec.cli.app import main
 from towerrec.config import ConfigError, load_config
-from towerrec.nas.config import SearchSpaceKind
+from towerrec.config.nas import SearchSpaceKind
 from towerrec.nas.search import search
 from towerrec.nas.supernet import build_supernet
 from towerrec.train.build import build_dense_optimizer, build_model, build_source

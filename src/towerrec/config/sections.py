@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from towerrec.config.errors import ConfigError
 from towerrec.config.errors import choice as _choice
+from towerrec.config.nas import NASConfig
 from towerrec.config.training import (
     EarlyStoppingConfig,
     LossConfig,
@@ -36,7 +37,6 @@ from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
-from towerrec.nas.config import NASConfig
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
 

@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from towerrec.config import Config
+from towerrec.config.nas import SearchSpaceKind
 from towerrec.data.batch import DataSchema
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.compact import EmbeddingKind, TableStorageConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.mlp import MLP
 from towerrec.nas.choice import Decision
-from towerrec.nas.config import SearchSpaceKind
 from towerrec.nas.embedding import (
     CardinalitySearchCollection,
     DimSearchCollection,
