@@ -33,10 +33,10 @@ from towerrec.data.period_files import SPLIT, open_period, read_stream, write_pe
 from towerrec.data.periods import PeriodSource
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.serve.artefact import ArtefactError, load_artefact
-from towerrec.serve.augment import COUNTERS, CRASH_ENV, AugmentService
 from towerrec.serve.export import export_run
 from towerrec.train import trainer
 from towerrec.train.build import build_source
+from towerrec.workflows.distill.augment import COUNTERS, CRASH_ENV, AugmentService
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 ROWS = 300  # per period

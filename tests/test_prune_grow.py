@@ -14,7 +14,7 @@ from towerrec.config import ConfigError, config_from_dict, load_config
 from towerrec.modules.mlp import MLP
 from towerrec.modules.mlp_width import hidden_widths, keep_by_score, unit_scores
 from towerrec.train import trainer
-from towerrec.train.prune_grow import PruneGrow
+from towerrec.workflows.prune_grow import PruneGrow
 
 SCHEDULE = {"mlps": ["top"], "keep": 0.5, "prune_at": [4], "grow_at": [8], "unit": "step"}
 

@@ -29,8 +29,8 @@ from towerrec.train.loss import (
     pu_bce,
     punce_contrastive,
 )
-from towerrec.train.pu_prior import estimate_class_prior, estimate_prior
 from towerrec.train.step import train_step
+from towerrec.workflows.pu.prior import estimate_class_prior, estimate_prior
 
 
 def _softplus(x: float) -> float:

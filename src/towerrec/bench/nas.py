@@ -43,9 +43,9 @@ from towerrec.config import Config, load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.models.dlrm import DLRM
-from towerrec.nas.search import search
 from towerrec.train.build import build_model, build_source
 from towerrec.train.trainer import train
+from towerrec.workflows.nas.search import search
 
 __all__ = ["BENCHMARK"]
 

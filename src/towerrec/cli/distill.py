@@ -18,8 +18,8 @@ from pathlib import Path
 from towerrec.cli.common import add_config_args
 from towerrec.config import load_config
 from towerrec.data.period_files import write_periods
-from towerrec.serve.augment import AugmentService
-from towerrec.train.replay import build_periods
+from towerrec.workflows.distill.augment import AugmentService
+from towerrec.workflows.replay.replay import build_periods
 
 __all__ = ["add_commands", "add_periods_command"]
 

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from towerrec.config import Config, load_config
-from towerrec.train.pu_prior import FOLDS, TOP_FRACTION, estimate_class_prior
+from towerrec.workflows.pu.prior import FOLDS, TOP_FRACTION, estimate_class_prior
 
 __all__ = ["add_pu_prior_command", "config_of"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from towerrec.cli.common import add_config_args
 from towerrec.config import load_config
 from towerrec.distributed.launch import WorkerError, launch
-from towerrec.train.replay import check_out_dir, replay, replay_worker
+from towerrec.workflows.replay.replay import check_out_dir, replay, replay_worker
 
 __all__ = ["add_commands"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from towerrec.cli.common import add_config_args
 from towerrec.scaling import fit_power_law, fit_relative, plot_fits
-from towerrec.train.sweep import read_runs, run_sweep
+from towerrec.workflows.sweep import read_runs, run_sweep
 
 __all__ = ["add_commands"]
 

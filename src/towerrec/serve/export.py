@@ -38,6 +38,7 @@ from torch.export import Dim
 from towerrec.config import Config, config_to_toml, load_config
 from towerrec.data.batch import DataSchema
 from towerrec.data.cache import read_manifest as read_cache_manifest
+from towerrec.models.distill_heads import detach_distill_heads
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.interfaces import Ready
 from towerrec.serve.artefact import (
@@ -51,7 +52,6 @@ from towerrec.serve.artefact import (
 from towerrec.sparse import KeyedTensor
 from towerrec.train.build import build_dense_optimizer, build_model, build_source
 from towerrec.train.checkpoint import CheckpointManager, capture_rng
-from towerrec.train.distill import detach_distill_heads
 from towerrec.train.towers import with_learned_partition
 
 __all__ = [

@@ -20,12 +20,15 @@ from towerrec.distributed.fsdp import is_sharded
 from towerrec.distributed.mesh import Topology
 from towerrec.distributed.sum_reduce import GroupReducer
 from towerrec.models.dcn import DCN
+from towerrec.models.distill_heads import HEADS, Adapter, DistillHeads, distill_heads
 from towerrec.models.dlrm import DLRM
 from towerrec.models.dmt import DMT, check_partition
+from towerrec.models.interfaces import RepresentationModel
 from towerrec.models.wukong import Wukong
 from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.embedding_bag import dense_parameters
 from towerrec.modules.interfaces import PooledEmbeddingCollection
+from towerrec.modules.mlp import MLP
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.dance import Dance
 from towerrec.optim.pb_lbfgs import ProgressiveBatchLBFGS
@@ -37,7 +40,6 @@ from towerrec.planner.towers import (
     feature_costs,
     random_partition,
 )
-from towerrec.train.distill import attach_distill_heads, split_adapter_group
 
 __all__ = [
     "build_dense_optimizer",
@@ -51,6 +53,7 @@ __all__ = [
     "resolve_steps",
 ]
 
+_SEED_OFFSET = 7919  # the distillation heads' own generator: train.seed + this
 SYNTHETIC_STEPS = 2500  # train.steps unset on the synthetic stream, which has no epochs
 
 
@@ -384,3 +387,52 @@ def resolve_eval_every(config: Config, source) -> int:
         return -(-source.train_rows // config.train.batch_size)
     assert isinstance(every, int)  # TrainConfig allows only "epoch" as a string
     return every
+
+
+def attach_distill_heads(
+    model: nn.Module, config: Config, schema: DataSchema, device: torch.device
+) -> nn.Module:
+    """``model`` with the heads ``config.distill`` asks for as its ``distill_heads``
+    (none when distillation is off or needs none); drawn from their own generator."""
+    distill = config.distill
+    auxiliary = distill.enabled and distill.head == "auxiliary"
+    if not (auxiliary or distill.adapter):
+        return model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.train.seed + _SEED_OFFSET)
+        aux = None
+        if auxiliary:
+            if not isinstance(model, RepresentationModel):
+                raise ValueError(
+                    f"distill.head = 'auxiliary' needs a model with a representation, but "
+                    f"{type(model).__name__} has none; use model.name = 'dlrm' or "
+                    "distill.head = 'shared'"
+                )
+            top = model.representation_module
+            assert isinstance(top, MLP)  # the DLRM's top MLP
+            sizes = [m.out_features for m in top if isinstance(m, nn.Linear)]
+            aux = MLP(top.in_features, sizes, final_activation=False)
+        num_dense = schema.num_dense if distill.adapter_features else 0
+        adapter = Adapter(distill.adapter_width, num_dense) if distill.adapter else None
+    model.add_module(HEADS, DistillHeads(aux, adapter, distill.adapter_lr).to(device))
+    return model
+
+
+def split_adapter_group(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Move the adapter's parameters into a param group of their own at
+    ``distill.adapter_lr`` (its ``base_lr``, which ``set_learning_rates`` scales); called
+    by ``build_dense_optimizer`` before any step."""
+    heads = distill_heads(model)
+    if heads is None or heads.adapter is None:
+        return
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.Adagrad | torch.optim.SGD):
+        raise ValueError(
+            f"distill.adapter trains at its own learning rate in a parameter group of its "
+            f"own, which {type(optimizer).__name__} does not take; use optimizer.name = "
+            "adam, adagrad or sgd"
+        )
+    lr = heads.adapter_lr
+    mine = {id(p) for p in heads.adapter.parameters()}
+    for group in optimizer.param_groups:
+        group["params"] = [p for p in group["params"] if id(p) not in mine]
+    optimizer.add_param_group({"params": list(heads.adapter.parameters()), "lr": lr, "base_lr": lr})

@@ -32,9 +32,9 @@ from towerrec.train.early_stopping import EarlyStopping
 from towerrec.train.metrics import auc, normalized_entropy
 from towerrec.train.numerics import local_processes, resolve_threads
 from towerrec.train.planning import refuse_kv_tables
-from towerrec.train.prune_grow import PruneGrow
 from towerrec.train.run_dir import RunDir
 from towerrec.train.towers import with_learned_partition
+from towerrec.workflows.prune_grow import PruneGrow
 
 __all__ = ["Session", "set_up"]
 

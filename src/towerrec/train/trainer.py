@@ -30,16 +30,16 @@ from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.optim.sampled import SampledOptimizer
 from towerrec.train.build import lr_factor
-from towerrec.train.distill import with_distillation
 from towerrec.train.loss import TrainObjective
 from towerrec.train.metrics import EvalMetrics
 from towerrec.train.numerics import pinned
 from towerrec.train.pipeline import pipelined
-from towerrec.train.pu_prior import resolve_objective
-from towerrec.train.sampled import BatchSamples, sampled_train_step
 from towerrec.train.session import Session, set_up
 from towerrec.train.step import evaluate, set_learning_rates, train_step
 from towerrec.train.summary import log_cache_stats, run_summary, warn_worse_than_base_rate
+from towerrec.workflows.distill.loss import with_distillation
+from towerrec.workflows.pu.prior import resolve_objective
+from towerrec.workflows.sampled import BatchSamples, sampled_train_step
 
 __all__ = ["evaluate", "train", "train_step"]  # the step's two re-exported with the loop
 

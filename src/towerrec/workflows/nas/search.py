@@ -34,8 +34,6 @@ from tqdm import tqdm
 from towerrec.config import Config, config_to_toml
 from towerrec.data.batch import Batch
 from towerrec.data.source import DataSource
-from towerrec.nas.choice import temperature
-from towerrec.nas.supernet import Supernet, build_supernet
 from towerrec.train.build import (
     build_dense_optimizer,
     build_source,
@@ -44,6 +42,8 @@ from towerrec.train.build import (
 )
 from towerrec.train.numerics import pinned, resolve_threads
 from towerrec.train.step import evaluate, set_learning_rates, train_step
+from towerrec.workflows.nas.choice import temperature
+from towerrec.workflows.nas.supernet import Supernet, build_supernet
 
 __all__ = ["search", "search_steps"]
 

@@ -23,15 +23,15 @@ from towerrec.models.dlrm import DLRM
 from towerrec.modules.compact import EmbeddingKind, TableStorageConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.mlp import MLP
-from towerrec.nas.choice import Decision
-from towerrec.nas.embedding import (
+from towerrec.train.build import build_model, build_tables
+from towerrec.workflows.nas.choice import Decision
+from towerrec.workflows.nas.embedding import (
     CardinalitySearchCollection,
     DimSearchCollection,
     FreezableCollection,
     SearchCollection,
 )
-from towerrec.nas.mlp import SearchableMLP
-from towerrec.train.build import build_model, build_tables
+from towerrec.workflows.nas.mlp import SearchableMLP
 
 __all__ = ["Supernet", "build_supernet"]
 

@@ -58,14 +58,14 @@ from towerrec.train.build import (
     lr_factor,
     resolve_device,
 )
-from towerrec.train.distill import fit_adapter, with_distillation
 from towerrec.train.distributed import start_distributed
 from towerrec.train.metrics import EvalMetrics, auc
 from towerrec.train.numerics import local_processes, pinned, resolve_threads
-from towerrec.train.pu_prior import resolve_objective
 from towerrec.train.step import evaluate, set_learning_rates, train_step
-from towerrec.train.temporal import FutureGradient, training_periods
 from towerrec.train.towers import with_learned_partition
+from towerrec.workflows.distill.loss import fit_adapter, with_distillation
+from towerrec.workflows.pu.prior import resolve_objective
+from towerrec.workflows.replay.temporal import FutureGradient, training_periods
 
 __all__ = [
     "PeriodResult",
