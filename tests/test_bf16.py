@@ -1,11 +1,12 @@
 import pytest
 import torch
 
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.modules.embedding_bag import dense_parameters
 from towerrec.train import step, trainer
-from towerrec.train.build import build_dense_optimizer, build_model
 
 QUICK = ["train.progress=false", "train.eval_every=0"]
 

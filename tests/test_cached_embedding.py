@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import ROOT, needs_fbgemm, run_cli
 
+from towerrec.build.models import build_model
 from towerrec.config import ConfigError, load_config
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.cached_config import TierConfig
@@ -25,7 +26,6 @@ from towerrec.modules.tier_store import HEADER_BYTES, StoreError
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train import trainer
-from towerrec.train.build import build_model
 
 TABLES = [
     TableConfig("a", 1000, 8, ("f0", "f1")),  # two features share it

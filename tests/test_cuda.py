@@ -12,6 +12,8 @@ import test_kv_store as kv_tests
 import torch
 from test_embedding import TABLES, random_batch, train_steps
 
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import load_config
 from towerrec.data.batch import Batch
 from towerrec.data.synthetic import SyntheticSource
@@ -19,7 +21,6 @@ from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.train import trainer
-from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.pipeline import pipelined
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -12,12 +12,14 @@ import pytest
 import torch
 from conftest import run_cli
 
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
+from towerrec.build.sources import build_source
 from towerrec.config import load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.distributed.launch import spawn_world
 from towerrec.train import trainer
-from towerrec.train.build import build_dense_optimizer, build_model, build_source
 from towerrec.train.checkpoint import CheckpointManager
 from towerrec.train.distributed import start_distributed
 

@@ -107,8 +107,8 @@ def test_train_nproc_hosts_matches_single_process(tmp_path):
 @pytest.mark.multiprocess
 def test_train_with_the_planners_plan(tmp_path):
     """plan.strategy = auto: every rank plans from the data's statistics, the same plan."""
+    from towerrec.build.planning import build_plan
     from towerrec.config import load_config
-    from towerrec.train.planning import build_plan
     from towerrec.train.trainer import train
 
     overrides = ["--set", "plan.strategy=auto", "--set", "plan.stats_batches=2"]
@@ -118,7 +118,7 @@ def test_train_with_the_planners_plan(tmp_path):
     summary = json.loads((tmp_path / "dist" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["completed"]
     config = load_config(REPO / "configs" / "quick.toml", QUICK[3::2] + overrides[1::2])
-    from towerrec.train.build import build_source
+    from towerrec.build.sources import build_source
 
     plan = build_plan(config, build_source(config.data), 2)
     assert {s.rank for tp in plan.tables.values() for s in tp.shards} == {0, 1}

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from towerrec.bench.streaming import recovered_share
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.cli.app import main
 from towerrec.config import ConfigError, config_to_toml, load_config
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
@@ -18,7 +20,6 @@ from towerrec.distributed.launch import launch
 from towerrec.models.distill_heads import distill_heads
 from towerrec.serve.export import export_run
 from towerrec.serve.predict import predict
-from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.checkpoint import CheckpointManager, capture_rng
 from towerrec.train.loss import BCE
 from towerrec.train.step import train_step

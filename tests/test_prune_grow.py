@@ -279,7 +279,9 @@ def test_two_ranks_follow_one_process_on_movielens(tmp_path):
 
 
 def _movielens_state(out_dir, config):
-    from towerrec.train.build import build_dense_optimizer, build_model, build_source
+    from towerrec.build.models import build_model
+    from towerrec.build.optimizers import build_dense_optimizer
+    from towerrec.build.sources import build_source
     from towerrec.train.checkpoint import CheckpointManager
 
     model = build_model(config, build_source(config.data).schema, torch.device("cpu"))

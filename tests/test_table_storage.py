@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import run_cli
 
+from towerrec.build.models import build_model
 from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train.build import build_model
 
 REPO = Path(__file__).parent.parent
 QUICK = REPO / "configs" / "quick.toml"  # tables cat_0..cat_3: 100, 50, 200, 20 rows; cat_2 2-hot

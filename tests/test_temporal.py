@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from towerrec.bench.temporal import _NextPeriod
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.cli.app import main
 from towerrec.config import TemporalConfig, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.train import trainer
-from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.metrics import auc
 from towerrec.train.step import evaluate, train_step
 from towerrec.workflows.pu.prior import resolve_objective

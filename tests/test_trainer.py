@@ -29,7 +29,8 @@ def quick_config(*extra):
 
 def final_state(out_dir, config):
     """Weights and optimizer state of the run's last checkpoint, loaded into a fresh model."""
-    from towerrec.train.build import build_dense_optimizer, build_model
+    from towerrec.build.models import build_model
+    from towerrec.build.optimizers import build_dense_optimizer
     from towerrec.train.checkpoint import CheckpointManager
 
     source = SyntheticSource(config.data.synthetic)
@@ -207,7 +208,7 @@ def test_batch_validation_errors():
 
 
 def test_lr_schedule():
-    from towerrec.train.build import lr_factor
+    from towerrec.train.step import lr_factor
 
     cfg = load_config(
         None, ["optimizer.warmup_steps=10", "optimizer.decay=linear", "optimizer.min_lr_ratio=0.0"]
@@ -238,7 +239,7 @@ class _Rows:
 
 
 def test_steps_are_resolved_from_the_source_unless_set():
-    from towerrec.train.build import resolve_steps
+    from towerrec.build.resolve import resolve_steps
 
     real = ["data.source=criteo", "data.path=cache", "train.batch_size=1000"]
     assert resolve_steps(load_config(), None)[0] == 2500  # synthetic: the fixed default
@@ -255,7 +256,7 @@ def test_steps_are_resolved_from_the_source_unless_set():
 def test_a_run_sized_from_its_data_scales_the_default_warm_up():
     """One epoch of a small cache is shorter than the default 100-step warm-up: the run
     gets a tenth of its steps instead, unless steps or warm-up were chosen."""
-    from towerrec.train.build import resolve_run_config
+    from towerrec.build.resolve import resolve_run_config
 
     real = ["data.source=criteo", "data.path=cache", "train.batch_size=1000"]
     config, why = resolve_run_config(load_config(None, real), _Rows(15_000))

@@ -81,6 +81,8 @@ from towerrec.bench.common import (
     peak_rss_mb,
     set_threads,
 )
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import load_config
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.criteo_gen import CARDINALITIES
@@ -94,7 +96,6 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, fused_embeddi
 from towerrec.modules.tables import INIT_BLOCK_ROWS, TableConfig, fill_table_block
 from towerrec.modules.tier_store import SsdStore
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.pipeline import pipelined
 from towerrec.train.step import train_step
 

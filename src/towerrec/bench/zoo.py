@@ -41,11 +41,12 @@ from towerrec.bench.common import (
     time_interleaved,
 )
 from towerrec.bench.train import CRITEO_SHAPE, DENSE_LR, EMB_LR, build_tables, make_batches
+from towerrec.build.models import build_model
+from towerrec.build.sources import build_source
 from towerrec.config import load_config
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.train.build import build_model, build_source
 from towerrec.train.step import train_step
 from towerrec.train.trainer import train
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from towerrec.build.resolve import resolve_run_config
+from towerrec.build.sources import build_source
 from towerrec.cli.common import add_config_args
 from towerrec.config import config_to_toml, load_config
-from towerrec.train.build import build_source, resolve_run_config
 
 __all__ = ["add_commands"]
 

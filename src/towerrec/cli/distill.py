@@ -15,11 +15,12 @@ import json
 import logging
 from pathlib import Path
 
+from towerrec.build.sources import build_periods
 from towerrec.cli.common import add_config_args
 from towerrec.config import load_config
 from towerrec.data.period_files import write_periods
+from towerrec.data.registry import SOURCES
 from towerrec.workflows.distill.augment import AugmentService
-from towerrec.workflows.replay.replay import build_periods
 
 __all__ = ["add_commands", "add_periods_command"]
 
@@ -38,10 +39,10 @@ def _window(text: str) -> tuple[int, int | None]:
 
 def _cmd_periods(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    if config.data.source == "augmented":
+    if not SOURCES[config.data.source].raw:
         raise ValueError(
-            "data.source = 'augmented' is the service's output; write period files from a "
-            "raw source (synthetic, movielens, criteo or cache)"
+            f"data.source = {config.data.source!r} is the service's output; write period "
+            "files from a raw source (synthetic, movielens, criteo or cache)"
         )
     source = build_periods(config.data)
     start, stop = args.periods

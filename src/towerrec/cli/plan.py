@@ -17,6 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from towerrec import calibration
+from towerrec.build.planning import plan_source
+from towerrec.build.sources import build_source
 from towerrec.cli.common import add_config_args
 from towerrec.cli.plan_learn import add_plan_commands
 from towerrec.cli.plan_tiers import TIER_ONLY, add_tier_arguments, run_tiers
@@ -24,8 +26,6 @@ from towerrec.config import load_config
 from towerrec.planner.report import device_table, write_bar_chart
 from towerrec.planner.stats import load_stats, save_stats, stats_from_source
 from towerrec.planner.suites import dlrm_like_suite
-from towerrec.train.build import build_source
-from towerrec.train.planning import plan_source
 
 __all__ = ["add_commands"]
 

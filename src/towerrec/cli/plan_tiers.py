@@ -21,12 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from towerrec.build.planning import build_cost_model
 from towerrec.config import Config
 from towerrec.data.profile import LocalityProfile
 from towerrec.planner.tier_spec import TierSpec, tier_spec_for
 from towerrec.planner.tiers import TierPlan, hosts_needed, plan_tiers
 from towerrec.planner.topology import GiB
-from towerrec.train.planning import build_cost_model
 
 __all__ = ["TIER_ONLY", "add_tier_arguments", "run_tiers"]
 

@@ -8,10 +8,10 @@ import os
 import shutil
 from pathlib import Path
 
+from towerrec.build.planning import load_plan_file
 from towerrec.cli.common import add_config_args
 from towerrec.config import load_config
 from towerrec.distributed.launch import WorkerError, launch
-from towerrec.train.planning import load_plan_file
 from towerrec.train.run_dir import RunDir, default_run_dir
 from towerrec.train.trainer import train
 from towerrec.train.worker import train_worker

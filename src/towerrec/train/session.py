@@ -12,28 +12,23 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from towerrec.build.models import check_towers_fit_hosts, tower_transform
+from towerrec.build.planning import refuse_kv_tables
+from towerrec.build.resolve import resolve_device, resolve_eval_every, resolve_run_config
+from towerrec.build.run import build_run
+from towerrec.build.sources import build_source
 from towerrec.config import Config
+from towerrec.data.registry import SOURCES
 from towerrec.data.source import DataSource
 from towerrec.models.interfaces import RecommendationModel
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.optim.shampoo import Shampoo
-from towerrec.train.build import (
-    build_dense_optimizer,
-    build_model,
-    build_source,
-    check_towers_fit_hosts,
-    resolve_device,
-    resolve_eval_every,
-    resolve_run_config,
-)
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
 from towerrec.train.distributed import RunContext, start_distributed
 from towerrec.train.early_stopping import EarlyStopping
 from towerrec.train.metrics import auc, normalized_entropy
 from towerrec.train.numerics import local_processes, resolve_threads
-from towerrec.train.planning import refuse_kv_tables
 from towerrec.train.run_dir import RunDir
-from towerrec.train.towers import with_learned_partition
 from towerrec.workflows.prune_grow import PruneGrow
 
 __all__ = ["Session", "set_up"]
@@ -119,11 +114,7 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
     threads = _run_threads(config, ctx, checkpoints if resume else None)
     torch.set_num_threads(threads)  # before any numbers are made (a synthetic teacher's too)
     source: DataSource = build_source(config.data)
-    periods = {
-        "synthetic": config.data.synthetic.periods,
-        "movielens": config.data.movielens.periods,
-    }
-    if periods.get(config.data.source, 0) > 1:
+    if SOURCES[config.data.source].configured_periods(config.data) > 1:
         log.warning(
             "data.%s.periods is read by `towerrec replay`; `towerrec train` trains on the "
             "stream as one (the synthetic data's period 0)",
@@ -170,24 +161,16 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
     # Distributed: no rank allocates the full tables; each builds only its shards.
     # Kv tables shard table-wise (each whole on its owner rank); the tower transform
     # splits every table over a host's ranks, which a kv table cannot take.
-    if ctx.world_size > 1 and config.model.name == "dmt" and ctx.topology.hosts > 1:
+    if tower_transform(config, ctx.topology):
         refuse_kv_tables(
             config,
             [(f.name, f.num_embeddings) for f in source.schema.sparse],
             f"the tower transform (a DMT on {ctx.topology.hosts} hosts)",
         )
-    model = build_model(
-        with_learned_partition(config, source.schema),
-        source.schema,
-        device,
-        materialize_embeddings=ctx.world_size == 1,
-    )
-    model = ctx.parallelize(model, config, source)
+    built = build_run(config, source=source, device=device, layout=ctx)
+    model = built.model
     if not isinstance(model, RecommendationModel):  # every model build_model makes is one
         raise TypeError(f"{type(model).__name__} is not a RecommendationModel")
-    exchange, local = (
-        ctx.block_exchange(model) if config.optimizer.name == "shampoo" else (None, [])
-    )
     oracle_auc = oracle_ne = None
     if (oracle := source.eval_oracle()) is not None:  # a planted truth's probabilities
         labels, probs = oracle
@@ -205,7 +188,7 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         eval_every=eval_every,
         stopper=stopper,
         model=model,
-        optimizer=build_dense_optimizer(config.optimizer, model, exchange, local),
+        optimizer=built.optimizer,
         state={"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()},
         threads=threads,
         oracle_auc=oracle_auc,
@@ -213,7 +196,7 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         num_dense=model.num_dense_parameters(),
         num_embedding=sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model)),
     )
-    if isinstance(session.optimizer, Shampoo) and exchange is not None:
+    if isinstance(session.optimizer, Shampoo) and ctx.world_size > 1:
         mine, total = session.optimizer.block_counts()
         log.info("Shampoo: this rank preconditions %d of %d blocks", mine, total)
     if config.train.prune_grow.enabled:

@@ -29,13 +29,12 @@ from towerrec.distributed.towers import TowerEmbeddingBagCollection
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.optim.sampled import SampledOptimizer
-from towerrec.train.build import lr_factor
 from towerrec.train.loss import TrainObjective
 from towerrec.train.metrics import EvalMetrics
 from towerrec.train.numerics import pinned
 from towerrec.train.pipeline import pipelined
 from towerrec.train.session import Session, set_up
-from towerrec.train.step import evaluate, set_learning_rates, train_step
+from towerrec.train.step import evaluate, lr_factor, set_learning_rates, train_step
 from towerrec.train.summary import log_cache_stats, run_summary, warn_worse_than_base_rate
 from towerrec.workflows.distill.loss import with_distillation
 from towerrec.workflows.pu.prior import resolve_objective
