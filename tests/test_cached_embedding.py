@@ -25,7 +25,7 @@ from towerrec.modules.tables import TableConfig
 from towerrec.modules.tier_store import HEADER_BYTES, StoreError
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train import trainer
+from towerrec.workflows import training as trainer
 
 TABLES = [
     TableConfig("a", 1000, 8, ("f0", "f1")),  # two features share it
@@ -211,7 +211,7 @@ import os, signal, sys, traceback
 from pathlib import Path
 from towerrec.config import load_config
 from towerrec.modules.tier_store import SsdStore
-from towerrec.train import trainer
+from towerrec.workflows import training as trainer
 
 run, where, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 real_write = SsdStore.write

@@ -20,8 +20,9 @@ from towerrec.data.synthetic import SyntheticSource
 from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.train import trainer
 from towerrec.train.pipeline import pipelined
+from towerrec.train.step import train_step
+from towerrec.workflows import training as trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -105,7 +106,7 @@ def test_dlrm_step_on_cuda_matches_cpu():
         optimizer = build_dense_optimizer(config.optimizer, model)
         batches = source.train_batches(256)
         losses[name] = [
-            float(trainer.train_step(model, optimizer, next(batches).to(device))) for _ in range(5)
+            float(train_step(model, optimizer, next(batches).to(device))) for _ in range(5)
         ]
     torch.testing.assert_close(losses["cpu"], losses["cuda"], rtol=1e-4, atol=1e-5)
 

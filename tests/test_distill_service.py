@@ -35,7 +35,7 @@ from towerrec.data.periods import PeriodSource
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.serve.artefact import ArtefactError, load_artefact
 from towerrec.serve.export import export_run
-from towerrec.train import trainer
+from towerrec.workflows import training as trainer
 from towerrec.workflows.distill.augment import COUNTERS, CRASH_ENV, AugmentService
 
 CONFIGS = Path(__file__).parent.parent / "configs"

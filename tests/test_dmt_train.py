@@ -18,7 +18,7 @@ from towerrec.config import load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dmt import DMT
 from towerrec.planner.towers import cross_tower_mass, random_partition
-from towerrec.train.trainer import train
+from towerrec.workflows.training import train
 
 REPO = Path(__file__).parent.parent
 QUICK = REPO / "configs" / "quick.toml"

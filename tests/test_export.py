@@ -29,9 +29,9 @@ from towerrec.serve import artefact as artefact_module
 from towerrec.serve.artefact import ArtefactError, load_artefact
 from towerrec.serve.export import export_run, quantize_rowwise
 from towerrec.serve.predict import predict
-from towerrec.train import trainer
 from towerrec.train.checkpoint import CheckpointManager
-from towerrec.train.worker import train_worker
+from towerrec.workflows import training as trainer
+from towerrec.workflows.worker import train_worker
 
 SMALL = [
     "train.batch_size=128",

@@ -46,8 +46,8 @@ from towerrec.models.dmt import DMT
 from towerrec.models.wukong import Wukong, WukongConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.train import trainer
 from towerrec.train.checkpoint import CheckpointManager
+from towerrec.workflows import training as trainer
 
 TOL = 1e-6
 BATCH, STEPS = 8, 5

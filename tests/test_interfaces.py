@@ -185,7 +185,8 @@ NO_PROBES = [
     SRC / "modules/embedding_bag.py",
     SRC / "modules/compact.py",
     SRC / "train/pipeline.py",
-    SRC / "train/trainer.py",
+    SRC / "train/loop.py",
+    SRC / "train/hooks.py",
 ]
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from towerrec.config import ConfigError, config_from_dict, load_config
 from towerrec.modules.mlp import MLP
 from towerrec.modules.mlp_width import hidden_widths, keep_by_score, unit_scores
-from towerrec.train import trainer
+from towerrec.workflows import training as trainer
 from towerrec.workflows.prune_grow import PruneGrow
 
 SCHEDULE = {"mlps": ["top"], "keep": 0.5, "prune_at": [4], "grow_at": [8], "unit": "step"}
@@ -254,7 +254,7 @@ MOVIELENS = [
 
 
 def _train_movielens(out):
-    from towerrec.train.trainer import train
+    from towerrec.workflows.training import train
 
     return train(load_config(None, MOVIELENS), out)
 

@@ -14,7 +14,7 @@ from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.mlp import MLP
 from towerrec.modules.tables import TableConfig
-from towerrec.train.trainer import evaluate
+from towerrec.train.step import evaluate
 
 MODELS = ("dlrm", "dcn", "wukong", "dmt")
 BASE = [

@@ -9,8 +9,8 @@ import torch
 from towerrec.cli.app import main
 from towerrec.config import load_config
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train import trainer
 from towerrec.train.step import evaluate
+from towerrec.workflows import training as trainer
 from towerrec.workflows.replay.replay import run_replay
 
 SMALL = [

@@ -12,9 +12,9 @@ from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.cli.app import main
 from towerrec.config import TemporalConfig, load_config
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train import trainer
 from towerrec.train.metrics import auc
 from towerrec.train.step import evaluate, train_step
+from towerrec.workflows import training as trainer
 from towerrec.workflows.pu.prior import resolve_objective
 from towerrec.workflows.replay import replay as replay_module
 from towerrec.workflows.replay.replay import run_replay

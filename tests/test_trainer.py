@@ -8,8 +8,9 @@ from conftest import run_cli
 from towerrec.config import ConfigError, config_from_dict, config_to_toml, load_config
 from towerrec.data.batch import Batch
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train import session, trainer
+from towerrec.train import loop, session
 from towerrec.train.checkpoint import embedding_optimizer_state_dict
+from towerrec.workflows import training as trainer
 
 QUICK = [
     "data.synthetic.num_embeddings=[60, 30, 90]",
@@ -311,7 +312,7 @@ def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch)
 def test_a_model_that_predicts_one_value_for_every_example_is_warned_about(
     tmp_path, monkeypatch, caplog
 ):
-    real = trainer.evaluate
+    real = loop.evaluate
 
     def dead(model, *args, **kwargs):  # the model's output no longer depends on its input
         last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
@@ -319,12 +320,12 @@ def test_a_model_that_predicts_one_value_for_every_example_is_warned_about(
             last.weight.zero_()
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "evaluate", dead)
+    monkeypatch.setattr(loop, "evaluate", dead)
     with caplog.at_level("WARNING", logger="towerrec"):
         trainer.train(quick_config("train.steps=4", "train.eval_every=2"), tmp_path / "dead")
     warned = [r.getMessage() for r in caplog.records if "same prediction" in r.getMessage()]
     assert len(warned) == 1 and "step 2:" in warned[0], warned  # once, at the first evaluation
-    monkeypatch.setattr(trainer, "evaluate", real)
+    monkeypatch.setattr(loop, "evaluate", real)
     caplog.clear()
     with caplog.at_level("WARNING", logger="towerrec"):
         trainer.train(quick_config("train.steps=4", "train.eval_every=2"), tmp_path / "alive")

@@ -29,8 +29,8 @@ from towerrec.data.augmented import AugmentedPeriods
 from towerrec.data.period_files import write_periods
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.serve.export import export_run
-from towerrec.train.trainer import train
 from towerrec.workflows.distill.augment import AugmentService
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK"]
 

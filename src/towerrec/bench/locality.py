@@ -44,7 +44,7 @@ from towerrec.bench.common import (
 from towerrec.build.sources import build_source
 from towerrec.config import load_config
 from towerrec.data.locality import stack_distances
-from towerrec.train.trainer import train
+from towerrec.workflows.training import train
 
 __all__ = [
     "BENCHMARK",

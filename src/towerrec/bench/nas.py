@@ -45,8 +45,8 @@ from towerrec.config import Config, load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.models.dlrm import DLRM
-from towerrec.train.trainer import train
 from towerrec.workflows.nas.search import search
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK"]
 

@@ -49,8 +49,8 @@ from towerrec.config import Config, load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.train.step import train_step
-from towerrec.train.trainer import train
 from towerrec.workflows.prune_grow import PruneGrow
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK"]
 

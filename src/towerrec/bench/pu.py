@@ -34,8 +34,8 @@ import numpy as np
 from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list, machine_info
 from towerrec.config import Config, LossConfig, load_config
 from towerrec.data.movielens import bundled_movielens_path, load_movielens
-from towerrec.train.trainer import train
 from towerrec.workflows.pu.prior import FOLDS, estimate_class_prior
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK", "run_pu"]
 

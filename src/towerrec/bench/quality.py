@@ -58,7 +58,7 @@ from towerrec.data.batch import Batch
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.data.loader import ColumnSource
-from towerrec.train.trainer import train
+from towerrec.workflows.training import train
 
 __all__ = [
     "BENCHMARK",

@@ -54,7 +54,7 @@ from towerrec.planner.towers import (
     random_partition,
 )
 from towerrec.train.step import train_step
-from towerrec.train.trainer import train
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK", "compare_partitioners", "run_towers_benchmark", "step_time_ratios"]
 

@@ -48,7 +48,7 @@ from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.train.step import train_step
-from towerrec.train.trainer import train
+from towerrec.workflows.training import train
 
 __all__ = [
     "BENCHMARKS",

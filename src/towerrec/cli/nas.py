@@ -10,8 +10,8 @@ from towerrec.cli.common import add_config_args
 from towerrec.config import load_config
 from towerrec.config.nas import SearchSpaceKind
 from towerrec.train.run_dir import default_run_dir
-from towerrec.train.trainer import train
 from towerrec.workflows.nas.search import search
+from towerrec.workflows.training import train
 
 __all__ = ["add_commands"]
 

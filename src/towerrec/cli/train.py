@@ -13,8 +13,8 @@ from towerrec.cli.common import add_config_args
 from towerrec.config import load_config
 from towerrec.distributed.launch import WorkerError, launch
 from towerrec.train.run_dir import RunDir, default_run_dir
-from towerrec.train.trainer import train
-from towerrec.train.worker import train_worker
+from towerrec.workflows.training import train
+from towerrec.workflows.worker import train_worker
 
 __all__ = ["add_commands"]
 

@@ -1,11 +1,13 @@
 """What a run is made of before its first step: the resolved config, the process's
-run context, data source, model, optimizer, run directory, checkpoint managers and
-early stopper (``set_up``), and the state a ``--resume`` restores (``Session.resume``)."""
+run context, data source, model and optimizer (``towerrec.build.run.build_run``), run
+directory, checkpoint managers, early stopper and the workflow's hooks (``set_up``), and
+the state a ``--resume`` restores (``Session.resume``)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -18,6 +20,7 @@ from towerrec.build.resolve import resolve_device, resolve_eval_every, resolve_r
 from towerrec.build.run import build_run
 from towerrec.build.sources import build_source
 from towerrec.config import Config
+from towerrec.data.batch import Batch
 from towerrec.data.registry import SOURCES
 from towerrec.data.source import DataSource
 from towerrec.models.interfaces import RecommendationModel
@@ -26,10 +29,10 @@ from towerrec.optim.shampoo import Shampoo
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
 from towerrec.train.distributed import RunContext, start_distributed
 from towerrec.train.early_stopping import EarlyStopping
+from towerrec.train.hooks import Hooks, StepHook
 from towerrec.train.metrics import auc, normalized_entropy
 from towerrec.train.numerics import local_processes, resolve_threads
 from towerrec.train.run_dir import RunDir
-from towerrec.workflows.prune_grow import PruneGrow
 
 __all__ = ["Session", "set_up"]
 
@@ -58,7 +61,15 @@ class Session:
     num_dense: int
     num_embedding: int
     threads: int = 1  # this rank's intra-op threads (numerics.py: the run's numbers depend on it)
-    prune_grow: PruneGrow | None = None  # train.prune_grow's schedule, when on
+    eval_batch: int = 0  # this rank's share of train.eval_batch_size
+    padding: Batch | None = None  # what a rank out of eval batches forwards (several ranks)
+    hooks: Hooks = field(default_factory=Hooks)  # the workflow's (hooks.py)
+    lr_factor: float = 1.0  # the learning-rate factor of the current step
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        """The dense part's autocast dtype (``train.precision``; None: fp32)."""
+        return torch.bfloat16 if self.config.train.precision == "bf16" else None
 
     @property
     def recommender(self) -> RecommendationModel:
@@ -81,8 +92,7 @@ class Session:
         counters and the early stopper; the run's records after its step are dropped."""
         path = self.checkpoints.latest()
         assert path is not None  # checked in set_up
-        if self.prune_grow is not None:  # the model takes the checkpoint step's widths
-            self.prune_grow.restore_widths(int(path.name.split("_")[-1]), self.optimizer)
+        self.hooks.on_restore(int(path.name.split("_")[-1]))  # e.g. the step's MLP widths
         self.state = self.checkpoints.load(path, self.model, self.optimizer, self.state)
         if self.state["step"] >= self.steps:
             raise ValueError(
@@ -104,9 +114,16 @@ class Session:
         log.info("resumed from %s at step %d", path, self.state["step"])
 
 
-def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None = None) -> Session:
+def set_up(
+    config: Config,
+    out_dir: str | Path,
+    resume: bool,
+    hosts: int | None = None,
+    hooks: Sequence[StepHook] = (),
+) -> Session:
     """Everything before the first step (module doc); resumed if ``resume``. ``hosts``:
-    how many hosts the ranks stand for (``None``: as the environment says)."""
+    how many hosts the ranks stand for (``None``: as the environment says); ``hooks``:
+    the workflow's, set up before a resumed run's checkpoint is loaded."""
     device = resolve_device(config.train.device)
     ctx = start_distributed(config, device, hosts)
     run = RunDir(out_dir, writer=ctx.is_main, tensorboard=config.train.tensorboard)
@@ -199,8 +216,8 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
     if isinstance(session.optimizer, Shampoo) and ctx.world_size > 1:
         mine, total = session.optimizer.block_counts()
         log.info("Shampoo: this rank preconditions %d of %d blocks", mine, total)
-    if config.train.prune_grow.enabled:
-        session.prune_grow = PruneGrow(config, steps, model, session.optimizer)
+    session.hooks = Hooks(hooks)
+    session.hooks.setup(session)
     if resume:
         session.resume(changed)
     log.info(
@@ -210,6 +227,9 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         model.sparse.backend.value,
         device,
     )
+    session.eval_batch = ctx.local_batch(config.train.eval_batch_size, "train.eval_batch_size")
+    # A rank out of eval batches forwards this one (eval row 0) while the others finish.
+    session.padding = next(iter(source.eval_batches(1))) if ctx.world_size > 1 else None
     return session
 
 
