@@ -10,7 +10,7 @@
         ├─► pu_true   loss.kind = "pu_bce"   class_prior = the true share of positives
         │                                    among the unlabelled training examples
         ├─► pu_est    loss.kind = "pu_bce"   class_prior estimated from the PU training
-        │                                    data (train/pu_prior.py)
+        │                                    data (workflows/pu/prior.py)
         └─► full      loss.kind = "bce" on the true labels (nothing hidden): the reference
 
 Each variant trains the same model, steps and seed; reported on the test split

@@ -48,11 +48,10 @@ crossing to and from the GPU); each step is timed to its end on the GPU
 (``torch.cuda.synchronize``), batches are copied to the GPU as the trainer does, and
 ``gpu_peak_mb`` is each variant's peak of GPU memory allocated.
 
-The variants run one after another (holding every layout at once would need
-several copies of the tables), ``--rounds`` times in turn; each reports its
-best round (on a shared machine other tenants only slow a round down; the
-first variant of a process is often slowed too) with every round's samples/s
-beside it, and the load average at start and end belongs in the record.
+The variants run one after another (holding every layout at once would need several copies of
+the tables), ``--rounds`` times in turn; each reports its best round (on a shared machine other
+tenants only slow a round down; the first variant of a process is often slowed too) with every
+round's samples/s beside it, and the load average at start and end belongs in the record.
 """
 
 from __future__ import annotations

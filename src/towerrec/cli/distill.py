@@ -3,7 +3,7 @@
 towerrec data periods OUT_DIR [--config FILE] [--periods A:B] [--id-offset N]
     a student's stream as period files with example ids (data/period_files.py)
 towerrec distill serve --teacher EXPORT_DIR --watch STUDENT_DIR [--watch ...] --out OUT
-    the augmentation service (serve/augment.py): follows the students' period files,
+    the augmentation service (workflows/distill/augment.py): follows the students' period files,
     scores each unique example once with the teacher, writes OUT/<student>/ shards
     that ``data.source = "augmented"``, ``data.augmented.dir = OUT/<student>`` reads
 """

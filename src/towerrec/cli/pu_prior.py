@@ -7,7 +7,7 @@
 Labels 1 are labelled positives, labels 0 unlabelled. Prints JSON: ``prior``
 (P(positive)), ``unlabelled_prior`` (P(positive | unlabelled), the value for
 ``loss.class_prior``), the label frequency and how it was found
-(``train/pu_prior.py``; docs/pu_learning.md).
+(``workflows/pu/prior.py``; docs/pu_learning.md).
 """
 
 from __future__ import annotations

@@ -387,7 +387,7 @@ class DistributedConfig:
 @dataclass(frozen=True)
 class DistillConfig:
     """``distill``: external distillation from a foundation model's logits carried by the
-    batches (``Batch.teacher_logits``; ``train/distill.py``, docs/exfm.md "Students").
+    batches (``Batch.teacher_logits``; ``workflows/distill/loss.py``, docs/exfm.md "Students").
 
     ``weight`` (w): the distillation loss's weight, 0 = off (then every other key is
     ignored, unless ``adapter``). ``head``: ``shared`` (the distillation loss on the serving

@@ -212,11 +212,11 @@ def set_up(
         oracle_ne=oracle_ne,
         num_dense=model.num_dense_parameters(),
         num_embedding=sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model)),
+        hooks=Hooks(hooks),
     )
     if isinstance(session.optimizer, Shampoo) and ctx.world_size > 1:
         mine, total = session.optimizer.block_counts()
         log.info("Shampoo: this rank preconditions %d of %d blocks", mine, total)
-    session.hooks = Hooks(hooks)
     session.hooks.setup(session)
     if resume:
         session.resume(changed)

@@ -14,7 +14,7 @@ production. Each result has AUC, log-loss, NE and, on the synthetic data, the
 oracle AUC of that period's teacher; the mean over periods closes the summary.
 
 What each period trains on, and how, is ``train.temporal.strategy``
-(``train/temporal.py``): ``incremental`` (the loop above), ``batch`` (one pass over
+(``temporal.py``): ``incremental`` (the loop above), ``batch`` (one pass over
 periods ``0..t``, or the last ``window``, at period t) or ``fgd`` (period t, dense
 steps on a meta-learned forecast of the next period's gradient).
 
