@@ -19,14 +19,22 @@
 
 #include <errno.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#ifdef __linux__
+/* io_uring where the kernel headers have it (IORING_OP_READ came with 5.6, as did
+ * IORING_FEAT_RW_CUR_POS): without them the module builds with the pread loop only. */
+#if defined(__linux__) && defined(__has_include)
+#if __has_include(<linux/io_uring.h>)
 #include <linux/io_uring.h>
+#if defined(IORING_FEAT_RW_CUR_POS) && defined(IORING_FEAT_SINGLE_MMAP) && \
+    defined(__NR_io_uring_setup) && defined(__NR_io_uring_enter)
 #define ROWIO_URING 1
+#endif
+#endif
 #endif
 
 typedef struct {
