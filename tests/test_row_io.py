@@ -183,3 +183,22 @@ def test_the_native_extension_builds_from_source_and_agrees_with_python(tmp_path
         assert torch.equal(back, data)
     finally:
         os.close(fd)
+
+
+def test_bench_row_io_times_every_method_warm_and_cold_on_the_same_rows(tmp_path):
+    from towerrec.cli.bench import BENCHMARKS
+
+    parser = __import__("argparse").ArgumentParser()
+    BENCHMARKS["row-io"].add_arguments(parser)
+    argv = "--gib 0.02 --batch-size 64 --steps 2 --warmup 1 --dim 8 --min-rows 5000 --rounds 1"
+    argv += " --cold --probe 16"
+    args = parser.parse_args([*argv.split(), "--path", str(tmp_path / "files")])
+    result = BENCHMARKS["row-io"].run(args)
+    assert result["cached_tables"] > 0 and result["rows_read_per_step"] > 0
+    ran = {"row", *METHODS}
+    assert set(result["results"]) == {"warm", "cold"}
+    for pass_ in ("warm", "cold"):
+        assert set(result["results"][pass_]) == ran
+        for stats in result["results"][pass_].values():
+            assert stats["read_us_per_row"] > 0
+    assert result["disk"]["sequential_read_mb_s"] > 0
