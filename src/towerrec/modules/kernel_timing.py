@@ -33,11 +33,12 @@ from towerrec.modules.tables import Pooling, TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 
-__all__ = ["MAX_ROWS", "KernelWorkload", "supported_backends", "time_backends"]
+__all__ = ["BUDGET_S", "MAX_ROWS", "KernelWorkload", "supported_backends", "time_backends"]
 
 # Rows of all timed tables together (at dim 16, 64 MiB: beyond the CPU caches), shared
 # among the tables in proportion to their rows; a table keeps at least MIN_ROWS.
 MAX_ROWS, MIN_ROWS = 1 << 20, 1 << 12
+BUDGET_S = 1.0  # wall seconds of timed rounds after which no new round starts
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,11 @@ def time_backends(
     steps: int = 4,
     warmup: int = 1,
     seed: int = 0,
+    budget_s: float = BUDGET_S,
 ) -> dict[Backend, float]:
     """Seconds of one training lookup of ``workload`` on each of ``backends``: the
-    fastest of ``steps`` steps, taken round-robin after ``warmup`` steps each."""
+    fastest of ``steps`` steps, taken round-robin after ``warmup`` steps each; no new
+    round starts once the rounds took ``budget_s`` of wall time (a busy machine)."""
     device = torch.device(workload.device)
     gen = torch.Generator().manual_seed(seed)
     batches = [_batch(workload, gen) for _ in range(2)]
@@ -163,7 +166,10 @@ def time_backends(
         for ebc in collections.values():
             for i in range(warmup):
                 step(ebc, i)
+        start = time.perf_counter()
         for i in range(steps):
             for b, ebc in collections.items():
                 best[b] = min(best[b], step(ebc, i))
+            if time.perf_counter() - start > budget_s:
+                break
     return best
