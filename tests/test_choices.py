@@ -302,3 +302,12 @@ def test_every_rank_runs_rank_0s_choice(monkeypatch, measuring, tmp_path):
         assert p.exitcode == 0
     assert results[0][0] == results[1][0] == [("fbgemm", "cached")] * 2
     assert results[0][1] == results[1][1] == 0
+
+
+def test_bench_choice_compares_the_auto_kernel_with_the_forced_ones(one_thread):
+    from towerrec.bench.choice import choice_benchmark
+
+    result = choice_benchmark({"tiny": ((50, 70), (1.0, 2.0))}, batch_size=8, steps=2, dim=8)
+    row = result["tiny"]
+    assert row["auto"] in row["forced_ms"] and row["best_forced"] in row["forced_ms"]
+    assert set(row["auto_ms"]) == set(row["forced_ms"]) and row["auto_over_best"] >= 1.0

@@ -72,6 +72,9 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
     "precision": BenchmarkEntry(
         "bf16 autocast vs fp32: samples/s (Criteo shape) and AUC", "towerrec.bench.precision"
     ),
+    "choice": BenchmarkEntry(
+        "embedding.backend = auto against the best forced kernel", "towerrec.bench.choice"
+    ),
     "data": BenchmarkEntry("Criteo TSV preprocessing and loader throughput", "towerrec.bench.data"),
     "plan": BenchmarkEntry("planners on synthetic DLRM-like table suites", "towerrec.bench.plan"),
     "costmodel": BenchmarkEntry(
