@@ -187,7 +187,7 @@ def _candidates():
 
 @pytest.mark.parametrize(
     ("seconds", "expected"),
-    [({"fp32": 2.0, "bf16": 1.0}, "bf16"), ({"fp32": 1.0, "bf16": 0.99}, "fp32")],
+    [({"fp32": 2.0, "bf16": 1.0}, "bf16"), ({"fp32": 1.1, "bf16": 1.0}, "fp32")],
 )
 def test_auto_precision_is_bf16_only_when_clearly_faster(monkeypatch, measuring, seconds, expected):
     monkeypatch.setattr(choices, "bf16_units", lambda device: "avx512_bf16")

@@ -135,7 +135,7 @@ def time_backends(
     workload: KernelWorkload,
     backends: Sequence[Backend],
     steps: int = 4,
-    warmup: int = 1,
+    warmup: int = 2,
     seed: int = 0,
     budget_s: float = BUDGET_S,
 ) -> dict[Backend, float]:
