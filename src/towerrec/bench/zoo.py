@@ -294,10 +294,10 @@ def run_zoo_benchmark(
     if threads:
         torch.set_num_threads(threads)
     load_config(base, list(overrides))  # a bad override fails now, not after the first run
+    # each run sets its own threads (train.threads; 0: the cores): the same number
+    extra = (*overrides, f"train.threads={threads}") if threads else tuple(overrides)
     with tempfile.TemporaryDirectory() as root:
-        sweep = Sweep(
-            steps, batch_size, device, Path(root), tuple(overrides), tuple(variants), seeds, base
-        )
+        sweep = Sweep(steps, batch_size, device, Path(root), extra, tuple(variants), seeds, base)
         result = (benchmark or BENCHMARKS[name])(sweep)
     return {
         "benchmark": name,
