@@ -70,7 +70,10 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
         "CF-SGD vs row-wise Adagrad on the embedding tables", "towerrec.bench.zoo", "OPTIMIZERS"
     ),
     "precision": BenchmarkEntry(
-        "bf16 autocast vs fp32: samples/s (Criteo shape) and AUC", "towerrec.bench.zoo", "PRECISION"
+        "bf16 autocast vs fp32: samples/s (Criteo shape) and AUC", "towerrec.bench.precision"
+    ),
+    "choice": BenchmarkEntry(
+        "embedding.backend = auto against the best forced kernel", "towerrec.bench.choice"
     ),
     "data": BenchmarkEntry("Criteo TSV preprocessing and loader throughput", "towerrec.bench.data"),
     "plan": BenchmarkEntry("planners on synthetic DLRM-like table suites", "towerrec.bench.plan"),

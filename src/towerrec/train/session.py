@@ -14,12 +14,13 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from towerrec.build.choices import Choice, resolve_choices, with_recorded_choices
 from towerrec.build.models import check_towers_fit_hosts, tower_transform
 from towerrec.build.planning import refuse_kv_tables
 from towerrec.build.resolve import resolve_device, resolve_eval_every, resolve_run_config
 from towerrec.build.run import build_run
 from towerrec.build.sources import build_source
-from towerrec.config import Config
+from towerrec.config import Config, load_config
 from towerrec.data.batch import Batch
 from towerrec.data.registry import SOURCES
 from towerrec.data.source import DataSource
@@ -33,6 +34,7 @@ from towerrec.train.hooks import Hooks, StepHook
 from towerrec.train.metrics import auc, normalized_entropy
 from towerrec.train.numerics import local_processes, resolve_threads
 from towerrec.train.run_dir import RunDir
+from towerrec.train.step import autocast_dtype
 
 __all__ = ["Session", "set_up"]
 
@@ -65,11 +67,12 @@ class Session:
     padding: Batch | None = None  # what a rank out of eval batches forwards (several ranks)
     hooks: Hooks = field(default_factory=Hooks)  # the workflow's (hooks.py)
     lr_factor: float = 1.0  # the learning-rate factor of the current step
+    choices: dict[str, Choice] = field(default_factory=dict)  # how `auto` settings resolved
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
         """The dense part's autocast dtype (``train.precision``; None: fp32)."""
-        return torch.bfloat16 if self.config.train.precision == "bf16" else None
+        return autocast_dtype(self.config.train.precision)
 
     @property
     def recommender(self) -> RecommendationModel:
@@ -138,6 +141,10 @@ def set_up(
             config.data.source,
         )
     config, steps_from = resolve_run_config(config, source)
+    if resume and run.config_path.is_file():  # the kernel and precision it ran with
+        config = with_recorded_choices(config, load_config(base=run.config_path))
+    # `auto` kernel and precision, measured (rank 0) before config.toml records them
+    config, choices = resolve_choices(config, source.schema, device, ctx.world_size)
     steps = config.train.steps
     assert steps is not None  # resolved
     best = CheckpointManager(run.best_dir, keep=1)
@@ -213,6 +220,7 @@ def set_up(
         num_dense=model.num_dense_parameters(),
         num_embedding=sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model)),
         hooks=Hooks(hooks),
+        choices=choices,
     )
     if isinstance(session.optimizer, Shampoo) and ctx.world_size > 1:
         mine, total = session.optimizer.block_counts()
