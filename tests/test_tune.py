@@ -272,3 +272,11 @@ def test_nproc_2_trains_each_trial_on_two_workers_that_report_to_the_study(tmp_p
     summary = json.loads((out / "trial-000" / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert int(rows[0]["validations"]) == 2  # steps 3 and 6, reported by rank 0 alone
+
+
+def test_a_failing_trial_is_recorded_with_its_error_and_the_study_goes_on(tmp_path, one_thread):
+    text = '[study]\ntrials = 2\n[space]\n"data.path" = { choices = ["nope-1", "nope-2"] }\n'
+    space = load_space(_space(tmp_path, text))
+    study = run_study(StudyRun(None, (*QUICK, 'data.source="cache"'), space, tmp_path / "study"))
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL"]
+    assert "nope-" in study.trials[0].user_attrs["error"]

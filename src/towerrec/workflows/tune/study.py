@@ -108,9 +108,13 @@ _PRESENTATION = (
 
 def _identity(run: StudyRun) -> dict[str, Any]:
     """What makes trials comparable: the space, the metric and the base config."""
-    base = _flat(config_to_dict(load_config(run.config_files, list(run.overrides))))
+    first = {p.key: p.values()[0] for p in run.space.params}  # a base may need them to load
+    config = load_config(run.config_files, [*run.overrides, *run.space.overrides(first)])
+    searched = [*_PRESENTATION, *first]
     base = {
-        k: v for k, v in base.items() if not any(fnmatch.fnmatchcase(k, p) for p in _PRESENTATION)
+        k: v
+        for k, v in _flat(config_to_dict(config)).items()
+        if not any(k == p or fnmatch.fnmatchcase(k, p) for p in searched)
     }
     identity = {"space": run.space.as_dict(), "metric": run.space.study.metric, "base": base}
     return json.loads(json.dumps(identity))  # as the study file stores it
@@ -264,7 +268,13 @@ def _run_trial(study: Any, run: StudyRun, trial: Any) -> bool:
     if not result["completed"]:
         log.warning("trial %d stopped by a signal; run the same command to continue it", number)
         return False
-    study.tell(number, float(result[run.space.study.metric]))
+    value = result.get(run.space.study.metric)
+    if value is None:  # e.g. no validation split
+        log.warning("trial %d has no validation %s", number, run.space.study.metric)
+        trial.set_user_attr("error", f"the run reported no validation {run.space.study.metric}")
+        study.tell(number, state=optuna.trial.TrialState.FAIL)
+        return True
+    study.tell(number, float(value))
     return True
 
 
