@@ -102,7 +102,10 @@ _PRESENTATION = (
     "train.threads",
     "train.checkpoint_every",
     "train.keep_checkpoints",
-    "data.loader.*",
+    "data.loader.verify",
+    "data.loader.num_workers",
+    "data.loader.prefetch",
+    "data.loader.pin_memory",
 )
 
 
