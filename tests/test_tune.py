@@ -15,6 +15,7 @@ import pytest
 from conftest import ROOT, run_cli
 
 from towerrec.config import load_config
+from towerrec.train.checkpoint import CheckpointManager
 from towerrec.train.metrics import EvalMetrics
 from towerrec.workflows.tune.report_hook import TrialLink, TrialPruned, TrialReport
 from towerrec.workflows.tune.space import Choice, Range, load_space, toml_value
@@ -237,8 +238,8 @@ def test_a_study_killed_mid_trial_resumes_without_losing_or_repeating_trials(tmp
     )
     try:
         deadline = time.monotonic() + 240
-        checkpoint = out / "trial-001" / "checkpoint"
-        while not (checkpoint.is_dir() and any(checkpoint.iterdir())):  # trial 1 is running
+        checkpoints = CheckpointManager(out / "trial-001" / "checkpoint")
+        while checkpoints.latest() is None:  # until trial 1 has saved a whole checkpoint
             assert proc.poll() is None and time.monotonic() < deadline, "trial 1 never saved"
             time.sleep(0.2)
         proc.send_signal(signal.SIGKILL)
