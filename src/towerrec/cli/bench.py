@@ -91,8 +91,8 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
         "towerrec.bench.dmt",
     ),
     "quality": BenchmarkEntry(
-        "AUC and log-loss of towerrec's DLRM, DCNv2, Wukong vs plain-PyTorch references "
-        "(MovieLens, generated Criteo-format data; seeds, early stopping)",
+        "test AUC of towerrec's DLRM, DCNv2, Wukong vs FuxiCTR's and TorchRec's recipes in plain "
+        "PyTorch (synthetic, MovieLens, Criteo-format, libFM caches; seeds, both selection rules)",
         "towerrec.bench.quality",
     ),
     "dmt-scale": BenchmarkEntry(
