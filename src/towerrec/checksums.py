@@ -19,8 +19,8 @@ rewrite ``checksums.json`` as easily as the files. For damage a CRC32 would do (
 catches every burst of up to 32 bits and other damage but for one case in 2**32);
 SHA-256 catches it too, is in the standard library (``hashlib``, OpenSSL), runs on the
 SHA extensions of current x86 and ARM CPUs, where it outruns BLAKE2b (docs/
-benchmarks.md, "Checkpoint checksums"), and is what the binary cache's manifest
-already records. The file names the hash, so another can follow without a new format.
+reliability.md, "Checkpoints"), and is what the binary cache's manifest already
+records. The file names the hash, so another can follow without a new format.
 """
 
 from __future__ import annotations
