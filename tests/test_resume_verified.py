@@ -121,3 +121,19 @@ def test_the_command_line_refuses_then_resumes_from_the_step_named(run):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "set aside" in resumed.stderr and "step_00000008.superseded" in resumed.stderr
     assert json.loads((run / "summary.json").read_text())["completed"]
+
+
+def test_a_resume_hashes_its_checkpoint_once(run, monkeypatch):
+    """``resume_point`` checks the checkpoint; the load that follows does not hash it again."""
+    from towerrec.train import checkpoint as checkpoint_module
+
+    checked = []
+    real = checkpoint_module._verify_together
+
+    def counting(path):
+        checked.append(path)
+        return real(path)
+
+    monkeypatch.setattr(checkpoint_module, "_verify_together", counting)
+    trainer.train(quick_config(*SETTINGS, "train.steps=10"), run, resume=True)
+    assert checked.count(run / "checkpoint" / "step_00000008") == 1

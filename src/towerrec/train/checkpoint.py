@@ -316,12 +316,14 @@ class CheckpointManager:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         train: dict[str, Any],
+        checked: bool = False,
     ) -> dict[str, Any]:
         """Load ``path`` into ``model`` and ``optimizer`` in place; returns the train state,
         shaped like ``train`` (whose values are placeholders). Its checksums are checked
-        first (``check``) unless the manager was made with ``verify=False``."""
+        first (``check``) unless the manager was made with ``verify=False`` or the caller
+        has just checked them (``checked``: a resume, ``resume_point``)."""
         path = Path(path)
-        if self.verify and path.is_dir():
+        if self.verify and not checked and path.is_dir():
             self.check(path)
         if not (path / ".metadata").is_file():
             raise FileNotFoundError(

@@ -99,7 +99,9 @@ class Session:
         state, RNG, byte counters and the early stopper; the run's records after its step are
         dropped."""
         self.hooks.on_restore(int(path.name.split("_")[-1]))  # e.g. the step's MLP widths
-        self.state = self.checkpoints.load(path, self.model, self.optimizer, self.state)
+        self.state = self.checkpoints.load(  # resume_point checked its checksums
+            path, self.model, self.optimizer, self.state, checked=True
+        )
         if self.state["step"] >= self.steps:
             raise ValueError(
                 f"the run in {self.run.path} already finished step {self.state['step']} of "
