@@ -241,6 +241,7 @@ class TrainConfig:
     log_every: int = 50
     checkpoint_every: int = 0  # 0: only at the end of the run
     keep_checkpoints: int = 2
+    verify_checkpoints: bool = True  # check a checkpoint's checksums before loading it
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = (

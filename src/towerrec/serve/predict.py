@@ -234,13 +234,15 @@ def predict(
     batch_size: int = 8192,
     progress: bool = True,
     artefact: InferenceArtefact | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Score ``data`` (module doc) with the artefact in ``artefact_dir``; writes ``out``
-    (parquet) when given; returns the counts, throughput and metrics."""
+    (parquet) when given; returns the counts, throughput and metrics. ``verify``: check
+    the artefact's files against its checksums when loading it."""
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if artefact is None:
-        artefact = load_artefact(artefact_dir, towerrec_version=towerrec_version())
+        artefact = load_artefact(artefact_dir, towerrec_version=towerrec_version(), verify=verify)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="towerrec-predict-") as scratch:
         rows = open_data(artefact, data, split, Path(scratch))

@@ -44,11 +44,13 @@ def train(
     stop_after: int | None = None,
     hosts: int | None = None,
     hooks: Sequence[StepHook] = (),
+    resume_from: int | None = None,
 ) -> dict[str, Any]:
     """Train ``config`` into ``out_dir``; returns the summary (also in summary.json).
 
-    ``resume`` continues from the directory's latest checkpoint (``config`` may differ
-    from its config.toml only in ``RESUME_SAFE_KEYS``); ``stop_after``
+    ``resume`` continues from the directory's latest checkpoint, ``resume_from`` from that
+    step's (``config`` may differ from its config.toml only in ``RESUME_SAFE_KEYS``); a
+    damaged checkpoint is refused (``train/session.py: resume_point``); ``stop_after``
     ends the run (with a checkpoint) after that step, as a stop signal does. ``hosts``:
     how many hosts a distributed run's ranks stand for (``None``: as its environment says).
     ``hooks``: the caller's own step hooks (``train/hooks.py``), after the run's (e.g. a
@@ -57,7 +59,7 @@ def train(
     process has its own back when it returns.
     """
     with pinned():
-        return _train(config, out_dir, resume, stop_after, hosts, hooks)
+        return _train(config, out_dir, resume, stop_after, hosts, hooks, resume_from)
 
 
 def _train(
@@ -67,6 +69,7 @@ def _train(
     stop_after: int | None,
     hosts: int | None,
     extra_hooks: Sequence[StepHook],
+    resume_from: int | None = None,
 ) -> dict[str, Any]:
     if config.train.temporal != TemporalConfig():
         warnings.warn(
@@ -77,7 +80,7 @@ def _train(
     if config.train.prune_grow.enabled:
         hooks.append(PruneGrowHook())
     hooks.extend(extra_hooks)
-    session = set_up(config, out_dir, resume, hosts, hooks)
+    session = set_up(config, out_dir, resume, hosts, hooks, resume_from)
     base, prior_estimate = resolve_objective(session.config)
     objective = with_distillation(base, session.config.distill)
     objective.check_model(session.model)
