@@ -375,7 +375,7 @@ def read_header(path: Path) -> dict[str, object]:
     if version != VERSION:
         raise StoreError(f"backing store {path} has format version {version}, not {VERSION}{fix}")
     start = len(MAGIC) + 8
-    if start + length + 4 > HEADER_BYTES:
+    if start + length + 4 > min(HEADER_BYTES, len(raw)):
         raise StoreError(f"{damaged} (length {length}){fix}")
     body = raw[start : start + length]
     (crc,) = struct.unpack_from("<I", raw, start + length)
@@ -392,7 +392,9 @@ def read_header(path: Path) -> dict[str, object]:
 
 def _describe(layout: dict[str, object]) -> str:
     states = layout.get("states") or []
-    names = ", ".join(f"{s[0]}[{s[1]}]" for s in states) if isinstance(states, list) else "?"
+    names = "?"  # a damaged header's states: no name and width each
+    if isinstance(states, list) and all(isinstance(s, list) and len(s) == 2 for s in states):
+        names = ", ".join(f"{s[0]}[{s[1]}]" for s in states)
     return (
         f"table {layout.get('table')!r} of {layout.get('rows')} rows x {layout.get('dim')} "
         f"{layout.get('dtype')} with optimizer state ({names or 'none'})"
@@ -677,6 +679,8 @@ class KvStore(BackingStore):
         try:
             meta = json.loads(meta_file.read_text())
             header, crc, size = meta["header"], int(meta["crc32"]), int(meta["bytes"])
+            if not isinstance(header, dict):
+                raise TypeError("the header is not an object")
         except (ValueError, KeyError, TypeError):
             raise StoreError(
                 f"checkpoint store {directory} of table {table!r} has a damaged "
