@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,7 +61,6 @@ NUM_CATEGORICAL = 26
 COLUMNS = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
 # An integer field as pyarrow's int64 reader takes it: spaces around, an optional minus.
 _INT_PATTERN = r"^ *-?[0-9]+ *$"
-_LONE_CR = re.compile(rb"\r(?!\n)")
 _NOT_TEXT = "\ufffd".encode()  # the replacement character: no digit, no hex digit
 
 
@@ -192,8 +190,8 @@ def parse_chunk(chunk_data: bytes, first_line: int, num_lines: int) -> ParsedChu
     """
     if not chunk_data.isascii():  # bytes that are not UTF-8 fail the field they are in
         chunk_data = chunk_data.decode("utf-8", "replace").encode()
-    if b"\r" in chunk_data:  # pyarrow ends a line at a lone CR too: it fails its field instead
-        chunk_data = _LONE_CR.sub(_NOT_TEXT, chunk_data)
+    if b"\r" in chunk_data:  # CRLF ends a line as LF does; a lone CR fails its field
+        chunk_data = chunk_data.replace(b"\r\n", b"\n").replace(b"\r", _NOT_TEXT)
     invalid: list[str] = []
     try:
         table = _read(chunk_data, _TYPED, invalid)
