@@ -30,10 +30,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     fresh = not out.exists()
     try:
         if "WORLD_SIZE" in os.environ:  # already a worker of torchrun: train, don't launch
+            from towerrec.train.worker import train_worker
+
             hosts = args.hosts if args.hosts > 1 else None  # else as torchrun says
-            summary = train(config, out, resume=args.resume, hosts=hosts)
-            if os.environ.get("RANK", "0") != "0":
+            # as --nproc's workers: after torchrun --max-restarts restarts it, it resumes
+            result = train_worker(args.config, args.overrides, out, args.resume, hosts=hosts)
+            if result is None:  # not rank 0
                 return 0
+            summary = result
         elif args.nproc > 1 or args.hosts > 1:
             if config.plan.strategy == "file":  # a wrong plan file: one line, no workers
                 load_plan_file(config, args.nproc)

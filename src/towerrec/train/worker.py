@@ -25,9 +25,14 @@ log = logging.getLogger("towerrec")
 
 
 def train_worker(
-    config_path: ConfigFiles, overrides: list[str], out: Path, resume: bool
+    config_path: ConfigFiles,
+    overrides: list[str],
+    out: Path,
+    resume: bool,
+    hosts: int | None = None,
 ) -> dict[str, Any] | None:
-    """One worker of ``towerrec train --nproc N``: the summary on rank 0, None elsewhere.
+    """One worker of ``towerrec train --nproc N`` or of torchrun: the summary on rank 0,
+    None elsewhere (``hosts``: as ``train``'s).
 
     After an elastic restart (``--max-restarts``) the run resumes from its last
     checkpoint, or starts over if it had none yet.
@@ -51,7 +56,7 @@ def train_worker(
     else:
         config = load_config(config_path, overrides)
     try:
-        summary = train(config, out, resume=resume)
+        summary = train(config, out, resume=resume, hosts=hosts)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
