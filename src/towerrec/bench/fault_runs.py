@@ -197,8 +197,10 @@ def final_state(run: Path) -> dict[str, Any]:
     single-process model of the run's own config.toml."""
     import torch
 
+    from towerrec.build.models import build_model
+    from towerrec.build.optimizers import build_dense_optimizer
+    from towerrec.build.sources import build_source
     from towerrec.config import load_config
-    from towerrec.train.build import build_dense_optimizer, build_model, build_source
     from towerrec.train.checkpoint import CheckpointManager, embedding_optimizer_state_dict
 
     config = load_config(base=run / "config.toml")

@@ -123,7 +123,7 @@ def _artefact() -> Any:
         from towerrec.config import load_config
         from towerrec.serve.artefact import load_artefact
         from towerrec.serve.export import export_run
-        from towerrec.train.trainer import train
+        from towerrec.workflows.training import train
 
         cache, _, _ = _tiny_cache()
         root = Path(tempfile.mkdtemp(prefix="towerrec-fuzz-artefact-"))
@@ -178,9 +178,9 @@ def _augmented() -> Path:
         from towerrec.config import load_config
         from towerrec.data.period_files import write_periods
         from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
-        from towerrec.serve.augment import AugmentService
         from towerrec.serve.export import export_run
-        from towerrec.train.trainer import train
+        from towerrec.workflows.distill.augment import AugmentService
+        from towerrec.workflows.training import train
 
         root = Path(tempfile.mkdtemp(prefix="towerrec-fuzz-augmented-"))
         tables = "data.synthetic.num_embeddings=[30, 20]"

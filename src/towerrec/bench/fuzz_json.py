@@ -147,9 +147,9 @@ def _plan_base() -> dict[str, Any]:
 
 
 def _check_plan(text: bytes, scratch: Path) -> None:
+    from towerrec.build.planning import load_plan_file
     from towerrec.config import load_config
     from towerrec.modules.tables import TableConfig
-    from towerrec.train.planning import load_plan_file
 
     path = scratch / "plan.json"
     path.write_bytes(text)
@@ -158,7 +158,12 @@ def _check_plan(text: bytes, scratch: Path) -> None:
     if plan is None:
         return
     tables = [TableConfig(n, rows, dim) for n, rows, dim in _PLAN_TABLES]
-    valid = refused(lambda: plan.validate(tables) or True, "invalid sharding plan")
+
+    def validated() -> bool:
+        plan.validate(tables)
+        return True
+
+    valid = refused(validated, "invalid sharding plan")
     if not valid:
         return
     for name, table_plan in plan.tables.items():  # a plan that validates holds whole numbers

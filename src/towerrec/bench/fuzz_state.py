@@ -44,7 +44,7 @@ def _tiny_run() -> tuple[Path, Any]:
     """A two-step run with its final checkpoint (made once) and its config."""
     if not _RUN:
         from towerrec.config import load_config
-        from towerrec.train.trainer import train
+        from towerrec.workflows.training import train
 
         root = Path(tempfile.mkdtemp(prefix="towerrec-fuzz-run-"))
         config = load_config(None, _QUICK)
@@ -93,7 +93,7 @@ def _header_bodies() -> Any:
     """Row-file headers: bytes changed anywhere, or a mutated JSON body under a valid CRC."""
     from hypothesis import strategies as st
 
-    from towerrec.modules.tier_store import encode_header
+    from towerrec.modules.ssd_store import encode_header
 
     header = encode_header(_layout())
     flips = st.lists(
@@ -104,7 +104,7 @@ def _header_bodies() -> Any:
 
 
 def _check_ssd_header(example: tuple[str, Any], scratch: Path) -> None:
-    from towerrec.modules.tier_store import HEADER_BYTES, MAGIC, VERSION, SsdStore, read_header
+    from towerrec.modules.ssd_store import HEADER_BYTES, MAGIC, VERSION, SsdStore, read_header
 
     kind, change = example
     layout = _layout()
@@ -135,7 +135,7 @@ def _kv_table() -> Any:
 
 
 def _kv_header() -> Any:
-    from towerrec.modules.tier_store import KvStore
+    from towerrec.modules.kv_store import KvStore
 
     with tempfile.TemporaryDirectory() as tmp:
         store = KvStore(_layout(), Path(tmp) / "t0.kv", _kv_table(), seed=0)
@@ -147,7 +147,7 @@ def _kv_header() -> Any:
 def _check_kv_header(text: bytes, scratch: Path) -> None:
     import lmdb
 
-    from towerrec.modules.tier_store import KvStore
+    from towerrec.modules.kv_store import KvStore
 
     path = scratch / "t0.kv"
     store = KvStore(_layout(), path, _kv_table(), seed=0)
@@ -161,14 +161,18 @@ def _check_kv_header(text: bytes, scratch: Path) -> None:
     reopened.close()
     env = lmdb.open(str(path), max_dbs=2, readonly=True, lock=False)
     with env.begin(db=env.open_db(b"meta", create=False)) as txn:
-        stored = json.loads(txn.get(b"header"))
+        raw = txn.get(b"header")
+    if raw is None:
+        env.close()
+        raise FuzzFailure(f"a kv store reopened without its header: {path}")
+    stored = json.loads(raw)
     env.close()
     if stored != header:
         raise FuzzFailure(f"a kv store with header {stored} opened as {header}")
 
 
 def _kv_copy_meta() -> Any:
-    from towerrec.modules.tier_store import KV_COPY_META, KvStore
+    from towerrec.modules.kv_store import KV_COPY_META, KvStore
 
     with tempfile.TemporaryDirectory() as tmp:
         store = KvStore(_layout(), Path(tmp) / "t0.kv", _kv_table(), seed=0)
@@ -179,7 +183,7 @@ def _kv_copy_meta() -> Any:
 
 
 def _check_kv_copy(text: bytes, scratch: Path) -> None:
-    from towerrec.modules.tier_store import KV_COPY_META, KvStore
+    from towerrec.modules.kv_store import KV_COPY_META, KvStore
 
     store = KvStore(_layout(), scratch / "t0.kv", _kv_table(), seed=0)
     store.save_copy(scratch / "copy")

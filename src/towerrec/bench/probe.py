@@ -10,12 +10,12 @@ the probe at start-up. Without the variable nothing here runs.
 The probe wraps a few functions when their module is first imported
 (``PATCH_POINTS``; a test keeps the names in step with the library):
 
-- ``towerrec.train.trainer.lr_factor``, called at the start of every training
+- ``towerrec.train.loop.lr_factor``, called at the start of every training
   step with the step number: each rank notes its pid (``pids/``), rank 0
   appends ``(time, step, restart)`` to ``progress.jsonl``, ``sample_every``
   takes a resource sample (``samples_rank<R>.jsonl``), and a step fault
   (``kill``, ``term``, ``stall``, ``kill_loader_worker``) fires on its rank;
-- ``towerrec.train.trainer.evaluate``: ``kill_in_eval`` SIGKILLs its rank when
+- ``towerrec.train.loop.evaluate``: ``kill_in_eval`` SIGKILLs its rank when
   it reads the first batch of the first evaluation at or after its step;
 - ``_FileSystemWriter.write_data`` of ``torch.distributed.checkpoint``:
   ``kill_in_checkpoint`` SIGKILLs its rank right after the rank's shard file of
@@ -63,7 +63,7 @@ FAULT_KINDS = {
 }
 # module -> attributes wrapped when the module is imported
 PATCH_POINTS: dict[str, tuple[str, ...]] = {
-    "towerrec.train.trainer": ("lr_factor", "evaluate"),
+    "towerrec.train.loop": ("lr_factor", "evaluate"),
     "torch.distributed.checkpoint.filesystem": ("_FileSystemWriter.write_data",),
 }
 
@@ -222,7 +222,7 @@ class _Probe:
 
 def _patch(module: Any, probe: _Probe) -> None:
     name = module.__name__
-    if name == "towerrec.train.trainer":
+    if name == "towerrec.train.loop":
         lr_factor, evaluate = module.lr_factor, module.evaluate
 
         def lr_factor_probed(config: Any, step: int, steps: int) -> float:
@@ -259,7 +259,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         if spec is None or spec.loader is None:
             return spec
         loader, probe = spec.loader, self.probe
-        execute: Callable[[Any], None] = loader.exec_module  # type: ignore[attr-defined]
+        execute: Callable[[Any], None] = loader.exec_module
 
         def exec_module(module: Any) -> None:
             execute(module)
