@@ -232,7 +232,7 @@ def _check_cache_manifest(text: bytes, scratch: Path) -> None:
 JSON_TARGETS = [
     FuzzTarget(
         "plan_json",
-        "plan files (towerrec plan's JSON) -> train.planning.load_plan_file, then validate",
+        "plan files (towerrec plan's JSON) -> build.planning.load_plan_file, then validate",
         lambda: mutated_json(_plan_base()),
         _check_plan,
     ),
