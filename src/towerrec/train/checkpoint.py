@@ -277,4 +277,6 @@ def _first_line(error: BaseException) -> str:
 
 
 def _no_space(error: BaseException) -> bool:
-    return getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error)
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    return "No space left" in str(error)  # DCP wraps a writer's OSError in its own error
