@@ -143,3 +143,20 @@ def test_torchrun_restarts_resume_the_run(tmp_path):
     assert (tmp_path / "fault.json").exists()  # the rank was killed
     assert "resuming from the last checkpoint" in done.stderr
     assert '"completed": true' in (tmp_path / "run" / "summary.json").read_text()
+
+
+def test_a_run_stopped_before_its_first_evaluation_says_so(tmp_path, capsys, one_thread):
+    """A SIGTERM before the first evaluation leaves a summary without metrics: the
+    command says how to continue instead of failing on the missing AUC."""
+    from test_trainer import quick_config
+
+    from towerrec.cli.train import _print_summary
+    from towerrec.workflows.training import train
+
+    config = quick_config("train.steps=8", "train.eval_every=6", "embedding.backend=torch")
+    summary = train(config, tmp_path / "run", stop_after=3)
+    assert not summary["completed"] and "auc" not in summary
+    _print_summary(summary, tmp_path / "run")
+    printed = capsys.readouterr().out
+    assert "stopped after step 3, before the first evaluation" in printed
+    assert f"towerrec train --out {tmp_path / 'run'} --resume" in printed

@@ -53,6 +53,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: dict, out: Path) -> None:
+    if "auc" not in summary:  # stopped (a signal) before its first evaluation
+        print(
+            f"stopped after step {summary['steps']}, before the first evaluation: continue "
+            f"with towerrec train --out {out} --resume"
+        )
+        return
     oracle = summary.get("oracle_auc")
     line = f"AUC {summary['auc']:.4f}"
     if oracle is not None:
