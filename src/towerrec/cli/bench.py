@@ -157,6 +157,20 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
         "augmentation service: rows/s, teacher calls saved by the memo, student read rows/s",
         "towerrec.bench.augment",
     ),
+    "faults": BenchmarkEntry(
+        "fault injection on `train --nproc 4 --hosts 2`: kills, SIGTERM, a stall, a dropped "
+        "link, a full disk, a dead loader worker; each run against an uninterrupted one",
+        "towerrec.bench.faults",
+    ),
+    "fuzz": BenchmarkEntry(
+        "Hypothesis fuzzing of every parser and file towerrec reads back: inputs tried, failures",
+        "towerrec.bench.fuzz",
+    ),
+    "soak": BenchmarkEntry(
+        "a long run (20,000 steps, a checkpoint every 200): RSS, descriptors, threads and disk "
+        "sampled every 500 steps, growth after warm-up",
+        "towerrec.bench.soak",
+    ),
     "streaming": BenchmarkEntry(
         "ExFM students on a drifting multi-domain stream: no distillation, shared head, "
         "auxiliary head, stale teacher with and without adapter; fgd vs batch and incremental",

@@ -31,12 +31,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     fresh = not out.exists()
     try:
         if "WORLD_SIZE" in os.environ:  # already a worker of torchrun: train, don't launch
+            from towerrec.workflows.worker import train_worker
+
             hosts = args.hosts if args.hosts > 1 else None  # else as torchrun says
-            summary = train(
-                config, out, resume=args.resume, hosts=hosts, resume_from=args.resume_from
+            # as --nproc's workers: after torchrun --max-restarts restarts it, it resumes
+            result = train_worker(
+                args.config,
+                args.overrides,
+                out,
+                args.resume,
+                resume_from=args.resume_from,
+                hosts=hosts,
             )
-            if os.environ.get("RANK", "0") != "0":
+            if result is None:  # not rank 0
                 return 0
+            summary = result
         elif args.nproc > 1 or args.hosts > 1:
             if config.plan.strategy == "file":  # a wrong plan file: one line, no workers
                 load_plan_file(config, args.nproc)
@@ -52,6 +61,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: dict, out: Path) -> None:
+    if "auc" not in summary:  # stopped (a signal) before its first evaluation
+        print(
+            f"stopped after step {summary['steps']}, before the first evaluation: continue "
+            f"with towerrec train --out {out} --resume"
+        )
+        return
     oracle = summary.get("oracle_auc")
     line = f"AUC {summary['auc']:.4f}"
     if oracle is not None:

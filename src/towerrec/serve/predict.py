@@ -9,7 +9,9 @@
                           MovieLens data (ids are indexed from the files, so the same data
                           set's version maps alike); its ``--split``
     Criteo TSV files      every line, hashed into the tables as the run's cache hashed
-                          (needs a run on a hashed Criteo cache, not a --min-count one)
+                          (needs a run on a hashed Criteo cache, not a --min-count one);
+                          a malformed line stops it, named by file and line, so that the
+                          predictions stay one per line
 
 The output holds a ``prediction`` column (click probability, float32) and, for
 labelled data, ``label``, one row per sample in data order. The result reports
@@ -83,6 +85,7 @@ def _criteo_cache(files: Sequence[Path], artefact: InferenceArtefact, directory:
     criteo = CriteoOptions(
         num_embeddings=tuple(options["num_embeddings"]),
         feature_prefix=options.get("feature_prefix", "cat_"),
+        strict=True,  # one prediction per line: a malformed line is an error, not a skip
     )
     preprocess_criteo(files, directory, criteo, progress=False)
     return directory

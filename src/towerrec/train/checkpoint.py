@@ -31,6 +31,7 @@ process alone. A refusal deletes and rewrites nothing.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import re
@@ -63,6 +64,7 @@ from towerrec.checksums import (
     read_checksums,
     write_checksums,
 )
+from towerrec.data.json_shape import COUNT, FINITE, FLAG, NUMBER, ROWS, Map, Opt, check_shape
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.modules.interfaces import CachingCollection
 
@@ -293,10 +295,13 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         _barrier()
-        with _single_process_quiet():
-            dcp.save(self._state(model, optimizer, train), checkpoint_id=partial)
-        for name, module in _kv_collections(model):  # each kv table's owner saves it
-            module.save_stores(partial / KV_DIR / name)
+        try:
+            with _single_process_quiet():
+                dcp.save(self._state(model, optimizer, train), checkpoint_id=partial)
+            for name, module in _kv_collections(model):  # each kv table's owner saves it
+                module.save_stores(partial / KV_DIR / name)
+        except (CheckpointException, OSError, RuntimeError) as e:
+            raise self._write_failed(partial, e) from None
         _barrier()  # every rank's files are written
         if _is_main() and meta is not None:
             (partial / META).write_text(json.dumps(meta) + "\n")
@@ -309,6 +314,24 @@ class CheckpointManager:
                 shutil.rmtree(self.path(old), ignore_errors=True)
         _barrier()
         return final
+
+    def _write_failed(self, partial: Path, error: BaseException) -> ValueError:
+        """The error of a checkpoint that could not be written (its partial directory is
+        removed; the previous checkpoints are untouched): a full disk said as such."""
+        shutil.rmtree(partial, ignore_errors=True)
+        free = shutil.disk_usage(self.directory).free
+        latest = self.latest()
+        kept = f"the last checkpoint, {latest.name}, is intact" if latest else "no checkpoint"
+        previous = sum(f.stat().st_size for f in latest.rglob("*") if f.is_file()) if latest else 0
+        if free < max(previous, 64 << 20) or _no_space(error):
+            cause = f"the disk is full ({free / 2**20:.1f} MiB free)"
+        else:
+            cause = _first_line(error)
+        return ValueError(
+            f"could not write checkpoint {partial.name.removesuffix('.partial')} in "
+            f"{self.directory}: {cause}; {kept}. Free space there (or lower "
+            "train.keep_checkpoints) and continue with --resume"
+        )
 
     def load(
         self,
@@ -353,13 +376,46 @@ class CheckpointManager:
         return state["train"]
 
 
+# What a resume reads of meta.json (data/json_shape.py); a later version may add keys.
+META_SHAPE = {
+    "threads": Opt(ROWS),
+    "train_bytes": Opt([FINITE], null=False),
+    "early_stopping": Opt(
+        {
+            "best_step": Opt(COUNT, absent=False),
+            "best_value": Opt(NUMBER, absent=False),
+            "best_metrics": Opt(Map(Opt(NUMBER)), absent=False),
+            "since_best": COUNT,
+            "lr_scale": FINITE,
+            "stopped": FLAG,
+        }
+    ),
+}
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
-    """The ``meta`` saved with the checkpoint at ``path`` ({} for one saved without)."""
+    """The ``meta`` saved with the checkpoint at ``path`` ({} for one saved without);
+    ``ValueError`` naming the file and key when it is damaged."""
     file = Path(path) / META
-    return json.loads(file.read_text()) if file.is_file() else {}
+    if not file.is_file():
+        return {}
+    try:
+        meta = json.loads(file.read_text())
+        check_shape(meta, META_SHAPE)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(
+            f"checkpoint {file} is damaged ({e}); resume from an earlier checkpoint"
+        ) from None
+    return meta
 
 
 def _first_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     detail = [line for line in lines if "mismatch" in line.lower() or "missing" in line.lower()]
     return (detail or lines or [type(error).__name__])[-1]
+
+
+def _no_space(error: BaseException) -> bool:
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return True
+    return "No space left" in str(error)  # DCP wraps a writer's OSError in its own error

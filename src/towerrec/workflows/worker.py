@@ -30,9 +30,11 @@ def train_worker(
     out: Path,
     resume: bool,
     resume_from: int | None = None,
+    hosts: int | None = None,
 ) -> dict[str, Any] | None:
-    """One worker of ``towerrec train --nproc N``: the summary on rank 0, None elsewhere.
-    ``resume_from``: the step ``--resume-from`` names (implies ``resume``).
+    """One worker of ``towerrec train --nproc N`` or of torchrun: the summary on rank 0,
+    None elsewhere. ``resume_from``: the step ``--resume-from`` names (implies
+    ``resume``); ``hosts``: as ``train``'s.
 
     After an elastic restart (``--max-restarts``) the run resumes from its last
     checkpoint, or starts over if it had none yet.
@@ -56,7 +58,7 @@ def train_worker(
     else:
         config = load_config(config_path, overrides)
     try:
-        summary = train(config, out, resume=resume, resume_from=resume_from)
+        summary = train(config, out, resume=resume, resume_from=resume_from, hosts=hosts)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
