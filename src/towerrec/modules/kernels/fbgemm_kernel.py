@@ -44,7 +44,11 @@ class FbgemmKernel(EmbeddingKernel):
             ComputeDevice,
             SplitTableBatchedEmbeddingBagsCodegen,
         )
-        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode as FbgemmDecay
+
+        # Re-exported here by every FBGEMM release since 1.6 (tbe.config is 1.8's home).
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            WeightDecayMode as FbgemmDecay,
+        )
 
         if self.device.type == "cuda":
             location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
