@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "DeviceLimits",
     "measure_limits",
+    "measure_link",
     "synchronize",
     "time_per_call",
 ]
@@ -106,6 +107,19 @@ def measure_limits(
         matmul_n=matmul_n,
         float32_matmul_precision=torch.get_float32_matmul_precision(),
     )
+
+
+def measure_link(
+    device: torch.device, nbytes: int | None = None, repeats: int = 10
+) -> dict[str, float]:
+    """Bytes per second of ``device``'s memory (a copy, read plus written) and of its
+    link to the host each way (``measure_limits``' copies alone; 1 GiB on a GPU, 16 MiB
+    on the CPU, where the link is a copy within host memory)."""
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 16 << 20)
+    memory, h2d, d2h = _copies(device, nbytes, repeats)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"memory_bytes_per_s": memory, "h2d_bytes_per_s": h2d, "d2h_bytes_per_s": d2h}
 
 
 def _copies(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float, float]:
