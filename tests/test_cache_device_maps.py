@@ -16,7 +16,7 @@ from towerrec.train.build import build_model
 from towerrec.train.pipeline import pipelined
 
 
-def cached(tmp_path, maps, backing="host", policy="lru"):
+def cached(tmp_path, maps, backing="host", policy="lru", backend="torch"):
     """``test_cached_embedding.cached`` with the bookkeeping at ``maps``."""
     path = str(tmp_path / "store")
     return CachedEmbeddingBagCollection(
@@ -26,7 +26,7 @@ def cached(tmp_path, maps, backing="host", policy="lru"):
             "c": TierConfig(),
         },
         default=TierConfig("cached", 0.1, policy, backing, path, cache_maps=maps),
-        backend="torch",
+        backend=backend,
         seed=3,
     )
 
