@@ -42,6 +42,9 @@ class PlainDLRM(nn.Module):
     batch's ids as a KeyedJagged batch lays them out (table-major bags, ``counts`` ids
     of each table)."""
 
+    pairs: torch.Tensor
+    table_base: torch.Tensor
+
     def __init__(
         self,
         num_tables: int,

@@ -215,9 +215,10 @@ class TableCache:
 
     def _take_prefetched(
         self, key: int | None, missing: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(mask over missing, their records)`` of the rows prefetched under ``key`` that
-        no write-back touched since (a written row's prefetched copy is stale)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """``(mask over missing, their records, how many)`` of the rows prefetched under
+        ``key`` that no write-back touched since (a written row's prefetched copy is
+        stale)."""
         pending = self._pending.pop(key, None) if key is not None else None
         if pending is None:
             return None
@@ -228,10 +229,11 @@ class TableCache:
         if pending.written:
             usable = usable[~torch.isin(usable, torch.cat(pending.written))]
         found = torch.isin(missing, usable)
-        if not bool(found.any()):
+        count = int(found.sum())
+        if not count:
             return None
         at = torch.searchsorted(pending.ids, missing[found])  # both sorted (unique)
-        return found, records.index_select(0, at)
+        return found, records.index_select(0, at), count
 
     def _written(self, ids: torch.Tensor) -> None:
         for pending in self._pending.values():
@@ -262,7 +264,7 @@ class TableCache:
         missing = unique[miss]
         if missing.numel():
             victims, empty = self._victims(missing.numel(), slot[~miss])
-            self._evict(victims)
+            self._evict(victims[empty:])  # the first ``empty`` held no row
             records = self._read(missing, key)
             self._fill(victims, missing, records)
             self.filled += empty  # the empty slots are taken in order
@@ -326,24 +328,25 @@ class TableCache:
         if prefetched is None:
             self.stats.read(missing.numel())
             return self._read_now(missing)
-        found, records = prefetched
-        self.stats.prefetched += int(found.sum())
+        found, records, count = prefetched
+        self.stats.prefetched += count
         out = torch.empty(missing.numel(), self.store.layout.record_width, device=self.device)
         out[found] = records
-        if not bool(found.all()):
-            self.stats.read(int((~found).sum()))
+        if count < missing.numel():
+            self.stats.read(missing.numel() - count)
             out[~found] = self._read_now(missing[~found])
         return out
 
     def _evict(self, slots: torch.Tensor) -> None:
+        """Empty ``slots`` (each holds a row), writing the dirty ones back."""
         ids = self.id_of[slots]
-        write = (ids >= 0) & self.dirty[slots]
+        write = self.dirty[slots]
         written = ids[write]
         if written.numel():
             self._written(written)
             self.store.write(written.cpu(), self._gather(slots[write]))
             self.stats.written(written.numel())
-        self.slot_of.remove(ids[ids >= 0])
+        self.slot_of.remove(ids)
 
     def _fill(self, slots: torch.Tensor, ids: torch.Tensor, records: torch.Tensor) -> None:
         weight, states = self._weight(), self._states()
