@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import torch
 
+from towerrec.compat import fbgemm_weight_decay_mode
 from towerrec.modules.kernels.backend import FBGEMM_OPTIMIZERS, resolve_backend
 from towerrec.modules.kernels.base import (
     Backend,
@@ -45,10 +46,7 @@ class FbgemmKernel(EmbeddingKernel):
             SplitTableBatchedEmbeddingBagsCodegen,
         )
 
-        # Re-exported here by every FBGEMM release since 1.6 (tbe.config is 1.8's home).
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            WeightDecayMode as FbgemmDecay,
-        )
+        FbgemmDecay = fbgemm_weight_decay_mode()
 
         if self.device.type == "cuda":
             location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
