@@ -7,12 +7,12 @@ import test_kv_store as kv_tests
 import torch
 from test_cached_embedding import BATCH, TABLES, assert_same_tables, batches, train_step
 
+from towerrec.build.models import build_model
 from towerrec.config import load_config
 from towerrec.data.batch import Batch
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tiers import CacheMaps, TierConfig
-from towerrec.train.build import build_model
 from towerrec.train.pipeline import pipelined
 
 

@@ -14,7 +14,7 @@ from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.table_cache import CacheStats, TableCache
 from towerrec.modules.tables import TableConfig
 from towerrec.modules.tiers import TierConfig
-from towerrec.train import trainer
+from towerrec.workflows import training as trainer
 
 
 class LruList:

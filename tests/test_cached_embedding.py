@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import ROOT, needs_fbgemm, run_cli
 
+from towerrec.build.models import build_model
 from towerrec.config import ConfigError, load_config
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.compact import build_embedding_collection
@@ -25,8 +26,7 @@ from towerrec.modules.tier_store import StoreError
 from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train import trainer
-from towerrec.train.build import build_model
+from towerrec.workflows import training as trainer
 
 TABLES = [
     TableConfig("a", 1000, 8, ("f0", "f1")),  # two features share it
@@ -212,7 +212,7 @@ import os, signal, sys, traceback
 from pathlib import Path
 from towerrec.config import load_config
 from towerrec.modules.ssd_store import SsdStore
-from towerrec.train import trainer
+from towerrec.workflows import training as trainer
 
 run, where, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 real_write = SsdStore.write

@@ -304,8 +304,8 @@ def test_kv_run_killed_during_write_back_resumes_from_its_checkpoint(tmp_path):
 
 
 def test_kv_config_keys_and_planner_refusal(tmp_path):
+    from towerrec.build.planning import kv_tables, refuse_kv_tables
     from towerrec.config import ConfigError, load_config
-    from towerrec.train.planning import kv_tables, refuse_kv_tables
 
     kv = ["embedding.memory=cached", "embedding.backing=kv", f"embedding.backing_path={tmp_path}"]
     with pytest.raises(ConfigError, match=r"needs embedding\.cache_slots"):

@@ -29,8 +29,8 @@ from towerrec.modules.tables import TableConfig
 from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sharding import ShardingPlan, ShardingType, plan_table
+from towerrec.train.loop import _prefetches_rows
 from towerrec.train.pipeline import pipelined
-from towerrec.train.trainer import _prefetches_rows
 
 # "big" and "pair" run cached (more than MIN_ROWS rows), "small" stays in device memory.
 TABLES = [

@@ -270,9 +270,9 @@ def test_a_plan_splitting_a_kv_table_is_refused(tmp_path, kind):
 
 
 def test_planner_places_kv_tables_whole_at_their_cache_size(tmp_path):
+    from towerrec.build.planning import plan_source
     from towerrec.config import load_config
     from towerrec.planner.stats import TableStats
-    from towerrec.train.planning import plan_source
 
     config = load_config(
         None,
@@ -308,10 +308,10 @@ def test_planner_places_kv_tables_whole_at_their_cache_size(tmp_path):
 
 
 def test_planner_refuses_a_kv_cache_larger_than_a_device_by_name(tmp_path):
+    from towerrec.build.planning import plan_source
     from towerrec.config import load_config
     from towerrec.planner.placement import PlanningError
     from towerrec.planner.stats import TableStats
-    from towerrec.train.planning import plan_source
 
     sets = ["embedding.memory=cached", "embedding.backing=kv", f"embedding.backing_path={tmp_path}"]
     config = load_config(

@@ -48,17 +48,16 @@ evicted rows cross to and from the GPU); each step is timed to its end on the GP
 (``torch.cuda.synchronize``), batches are copied to the GPU as the trainer does, and
 ``gpu_peak_mb`` is each variant's peak of GPU memory allocated.
 
-A step's time runs from the end of the one before: its batch's copy and the read
-ahead of the next batch's misses (both in the batch stream) count. Each cached
-variant is also set against its link-limited bound: the in-memory step plus the bytes
-of its missed rows per step over the host -> device link (``link``, measured in
-the same run; on the CPU a copy within host memory): ``<variant>/link_bound``.
+A step's time runs from the end of the one before: its batch's copy and the read ahead of the
+next batch's misses (both in the batch stream) count. Each cached variant is also set against
+its link-limited bound: the in-memory step plus the bytes of its missed rows per step over the
+host -> device link (``link``, measured in the same run; on the CPU a copy within host memory):
+``<variant>/link_bound``.
 
-The variants run one after another (holding every layout at once would need
-several copies of the tables), ``--rounds`` times in turn; each reports its
-best round (on a shared machine other tenants only slow a round down; the
-first variant of a process is often slowed too) with every round's samples/s
-beside it, and the load average at start and end belongs in the record.
+The variants run one after another (holding every layout at once would need several copies of
+the tables), ``--rounds`` times in turn; each reports its best round (on a shared machine other
+tenants only slow a round down; the first variant of a process is often slowed too) with every
+round's samples/s beside it, and the load average at start and end belongs in the record.
 """
 
 from __future__ import annotations
@@ -88,6 +87,8 @@ from towerrec.bench.common import (
 )
 from towerrec.bench.device_limits import measure_link
 from towerrec.bench.tiers_data import criteo_rows, mmap_tables, tier_batches
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import load_config
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
@@ -99,7 +100,6 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, fused_embeddi
 from towerrec.modules.interfaces import CachingCollection
 from towerrec.modules.ssd_store import SsdStore
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.pipeline import pipelined
 from towerrec.train.step import train_step
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 
 from towerrec.config.errors import ConfigError
 from towerrec.config.errors import choice as _choice
+from towerrec.config.nas import NASConfig
 from towerrec.config.training import (
     EarlyStoppingConfig,
     LossConfig,
@@ -21,9 +22,11 @@ from towerrec.config.training import (
 from towerrec.data.augmented import AugmentedConfig
 from towerrec.data.loader import LoaderConfig
 from towerrec.data.movielens import MovieLensConfig
+from towerrec.data.registry import SOURCES
 from towerrec.data.synthetic import SyntheticConfig
 from towerrec.models.dcn import DCNConfig
 from towerrec.models.dmt import DMTConfig
+from towerrec.models.names import REPRESENTATION_MODELS, ModelName
 from towerrec.models.wukong import WukongConfig
 from towerrec.modules.compact import (
     Combine,
@@ -36,7 +39,6 @@ from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
 from towerrec.modules.tiers import Backing, CacheMaps, CachePolicy, Memory, TableTiers, TierConfig
-from towerrec.nas.config import NASConfig
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
 from towerrec.utils import at_least, positive
@@ -112,25 +114,8 @@ class DataConfig:
     augmented: AugmentedConfig = field(default_factory=AugmentedConfig)
 
     def __post_init__(self) -> None:
-        _choice(
-            self.source, ("synthetic", "movielens", "criteo", "cache", "augmented"), "data.source"
-        )
-        if self.source == "augmented" and not self.augmented.dir:
-            raise ValueError(
-                "data.source = 'augmented' needs data.augmented.dir, a student's directory "
-                "under the --out of `towerrec distill serve` (--set data.augmented.dir=OUT/NAME)"
-            )
-        if self.source == "synthetic" and self.path:
-            warnings.warn(
-                f"data.path = {self.path!r} is ignored: data.source is 'synthetic' "
-                "(set data.source to movielens, criteo or cache to read files)",
-                stacklevel=2,
-            )
-        if self.source in ("criteo", "cache") and not self.path:
-            raise ValueError(
-                f"data.source = {self.source!r} needs data.path, the directory written by "
-                "`towerrec data criteo INPUT... --out DIR` (--set data.path=DIR)"
-            )
+        _choice(self.source, tuple(SOURCES), "data.source")
+        SOURCES[self.source].check(self)  # what this source needs of the section
 
 
 @dataclass(frozen=True)
@@ -265,7 +250,7 @@ class ModelConfig:
     dmt: DMTConfig = field(default_factory=DMTConfig)  # model.name = "dmt"
 
     def __post_init__(self) -> None:
-        _choice(self.name, ("dlrm", "dcn", "wukong", "dmt"), "model.name")
+        _choice(self.name, tuple(n.value for n in ModelName), "model.name")
         at_least("model.embedding_dim", self.embedding_dim, 1)
         if not 0 <= self.dropout < 1:
             raise ValueError(
@@ -389,7 +374,7 @@ class DistributedConfig:
 @dataclass(frozen=True)
 class DistillConfig:
     """``distill``: external distillation from a foundation model's logits carried by the
-    batches (``Batch.teacher_logits``; ``train/distill.py``, docs/exfm.md "Students").
+    batches (``Batch.teacher_logits``; ``workflows/distill/loss.py``, docs/exfm.md "Students").
 
     ``weight`` (w): the distillation loss's weight, 0 = off (then every other key is
     ignored, unless ``adapter``). ``head``: ``shared`` (the distillation loss on the serving
@@ -490,7 +475,11 @@ class Config:
 
     def __post_init__(self) -> None:
         distill = self.distill
-        if distill.enabled and distill.head == "auxiliary" and self.model.name != "dlrm":
+        if (
+            distill.enabled
+            and distill.head == "auxiliary"
+            and self.model.name not in REPRESENTATION_MODELS
+        ):
             raise ValueError(
                 f"distill.head = 'auxiliary' needs a model with a representation; model.name "
                 f"= {self.model.name!r} has none (the DLRM's is its top MLP's input): set "
@@ -501,21 +490,23 @@ class Config:
                 f"distill.weight > 0 with optimizer.name = {self.optimizer.name!r}: it "
                 "evaluates the plain log-loss on its samples; use adam, adagrad or sgd"
             )
-        if self.loss.kind == "punce" and self.model.name != "dlrm":
+        if self.loss.kind == "punce" and self.model.name not in REPRESENTATION_MODELS:
             raise ValueError(
                 f"loss.kind = 'punce' needs a model with a representation; model.name = "
                 f"{self.model.name!r} has none (the DLRM's is its top MLP's input): set "
                 "model.name = 'dlrm' or loss.kind = 'pu_bce'"
             )
-        if self.train.epochs is not None and self.data.source == "synthetic":
+        endless = SOURCES[self.data.source].endless
+        if self.train.epochs is not None and endless:
             raise ValueError(
                 "train.epochs counts passes over a data set's training rows, but "
-                "data.source = 'synthetic' is an endless stream; set train.steps instead"
+                f"data.source = {self.data.source!r} is an endless stream; set train.steps "
+                "instead"
             )
-        if self.train.eval_every == "epoch" and self.data.source == "synthetic":
+        if self.train.eval_every == "epoch" and endless:
             raise ValueError(
-                "train.eval_every = 'epoch', but data.source = 'synthetic' is an endless stream "
-                "without epochs; give train.eval_every a number of steps"
+                f"train.eval_every = 'epoch', but data.source = {self.data.source!r} is an "
+                "endless stream without epochs; give train.eval_every a number of steps"
             )
         periodic = self.train.eval_every != 0
         if self.train.early_stopping.patience and not periodic:

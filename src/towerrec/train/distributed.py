@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from towerrec.build.models import tower_transform
+from towerrec.build.planning import build_plan, plan_tower_layouts
 from towerrec.config import Config
 from towerrec.distributed.block_exchange import GroupExchange
 from towerrec.distributed.comm import CommCodecs, CommStats
@@ -34,7 +36,6 @@ from towerrec.memory import peak_rss_mb
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.modules.interfaces import CachingCollection
 from towerrec.modules.table_cache import CacheStats
-from towerrec.train.planning import build_plan, plan_tower_layouts
 
 if TYPE_CHECKING:
     from towerrec.models.dmt import DMT
@@ -114,7 +115,7 @@ class RunContext:
                 self.topology.hosts,
                 self.topology.ranks_per_host,
             )
-        if config.model.name == "dmt" and self.topology.hosts > 1:
+        if tower_transform(config, self.topology):
             if config.optimizer.draws_samples:
                 raise ValueError(
                     f"optimizer.name = {config.optimizer.name!r} is not supported under the "
