@@ -9,7 +9,9 @@ probe:
 
 - FBGEMM moved ``WeightDecayMode`` to ``fbgemm_gpu.tbe.config`` in 1.8 (torch 2.13);
   ``split_table_batched_embeddings_ops_training`` exports it in every release from 1.6
-  (torch 2.11) on: ``fbgemm_weight_decay_mode``.
+  (torch 2.11) on: ``fbgemm_weight_decay_mode``. ``fbgemm-gpu-cpu`` wheels: 1.6.0 for
+  torch 2.11 (tested on 3.12), 1.8.0 for 2.13 (the ``cpu`` extra), 1.9.0 for 2.14
+  (tested on 3.13).
 - Python 3.12 checks a runtime ``Protocol``'s members with ``inspect.getattr_static``,
   which does not see an ``nn.Module``'s submodules (kept in ``_modules``, reached
   through ``__getattr__``): the models' ``sparse`` is a class-level property
