@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from towerrec.bench.common import Benchmark, comma_list, machine_info
-from towerrec.bench.tiers import criteo_rows, zipf_ids
+from towerrec.bench.tiers_data import criteo_rows, zipf_ids
 from towerrec.modules.row_io import RING_ENTRIES, RowIO, available_methods
 from towerrec.modules.ssd_store import HEADER_BYTES, SsdStore
 from towerrec.modules.table_cache import TableCache
