@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from towerrec.build.models import build_model
 from towerrec.config import EmbeddingConfig, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.modules.compact import build_embedding_collection
@@ -15,7 +16,6 @@ from towerrec.modules.compact_config import CompactConfig, TableStorageConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.modules.tiers import Memory, TablePlacement, TableTiers, TierConfig
-from towerrec.build.models import build_model
 
 
 def test_the_config_keys_of_a_tier_are_the_fields_of_tier_config():
