@@ -15,6 +15,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from towerrec.bench.roofline import matmul_peak
 from towerrec.calibration.machine import machine_info
 
 P = ParamSpec("P")
@@ -81,20 +82,11 @@ def matmul_peak_flops(
     seconds: float = 1.0,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Best measured FLOP/s of a dense matmul on this machine (MLP-like shapes).
+    """Best measured FLOP/s of a dense matmul on this CPU (``roofline.matmul_peak``).
 
     ``clock=time.process_time``: per CPU second of this process (with one
     intra-op thread, the peak of one core however busy the machine is)."""
-    best = 0.0
-    for m, k, n in ((2048, 512, 512), (2048, 1024, 1024), (4096, 1024, 1024)):
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        torch.mm(a, b)
-        reps, start = 0, clock()
-        while (elapsed := clock() - start) < seconds / 3:
-            torch.mm(a, b)
-            reps += 1
-        best = max(best, 2 * m * k * n * reps / elapsed)
-    return best
+    return matmul_peak("cpu", dtype, seconds, clock)
 
 
 def time_interleaved(
@@ -103,6 +95,7 @@ def time_interleaved(
     steps_per_round: int,
     warmup: int,
     cpu_seconds: dict[str, float] | None = None,
+    sync: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Median seconds per step of each system, timed round-robin.
 
@@ -111,11 +104,15 @@ def time_interleaved(
     tenants, clocks) hits all systems alike instead of whichever ran last.
     ``cpu_seconds``, when given, receives the median CPU seconds of this process
     per step: with one intra-op thread, the compute itself, less sensitive than
-    wall time to other tenants taking the cores away.
+    wall time to other tenants taking the cores away. ``sync`` (an accelerator's
+    ``synchronize``) ends each system's round: its steps are timed to their end on
+    the device, not to their launch.
     """
+    sync = sync or (lambda: None)
     for step in steps.values():
         for i in range(warmup):
             step(i)
+    sync()
     samples: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}
     counter = warmup
@@ -124,6 +121,7 @@ def time_interleaved(
             start, cpu_start = time.perf_counter(), time.process_time()
             for i in range(steps_per_round):
                 step(counter + i)
+            sync()
             samples[name].append((time.perf_counter() - start) / steps_per_round)
             cpu[name].append((time.process_time() - cpu_start) / steps_per_round)
         counter += steps_per_round

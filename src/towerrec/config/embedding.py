@@ -21,7 +21,7 @@ from towerrec.modules.tables import (
     check_init_scale,
     resolve_init,
 )
-from towerrec.modules.tiers import Backing, CachePolicy, Memory, TableTiers, TierConfig
+from towerrec.modules.tiers import Backing, CacheMaps, CachePolicy, Memory, TableTiers, TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.utils import at_least, positive
 
@@ -70,6 +70,9 @@ class EmbeddingConfig:
     backing_path: str = ""  # ssd: directory of the tables' row files
     cache_min_rows: int = 0  # cached: only tables with more rows are cached
     cache_slots: int = 0  # cached: the cache's rows (0: cache_fraction); kv needs it
+    # cached: where the id -> slot maps and victim choice run: auto (device on a GPU, else
+    # host) | host | device (beside the slot tables: only missed and evicted rows cross)
+    cache_maps: CacheMaps = CacheMaps.AUTO
     prefetch: bool = True  # cached: read the next batch's misses while this step computes
     # (sharded runs: under the pipelined input_dist, which this turns on)
     # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*, dim, memory,

@@ -1,7 +1,7 @@
 """The config sections: one frozen dataclass per component, each validating its own
 values (``ConfigError`` names the key and the fix; the training sections are in
-``training.py``, ``[embedding]`` in ``embedding.py``), the whole ``Config`` with the checks across sections, and
-``RESUME_SAFE_KEYS``."""
+``training.py``, ``[embedding]`` in ``embedding.py``), the whole ``Config`` with the
+checks across sections, and ``RESUME_SAFE_KEYS``."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ RESUME_SAFE_KEYS = (
     "train.eval_batch_size",
     "train.checkpoint_every",
     "train.keep_checkpoints",
+    "train.verify_checkpoints",  # how a checkpoint is read, not what it holds
     "train.progress",
     "train.tensorboard",
     "train.threads",

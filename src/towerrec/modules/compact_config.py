@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.tables import TableConfig, canonical_init, check_init_scale
-from towerrec.modules.tiers import Backing, CachePolicy, Memory, TierConfig
+from towerrec.modules.tiers import Backing, CacheMaps, CachePolicy, Memory, TierConfig
 from towerrec.utils import above, at_least, parse_enum
 
 __all__ = ["Combine", "CompactConfig", "EmbeddingKind", "TableStorageConfig"]
@@ -58,6 +58,7 @@ class TableStorageConfig:
     backing: Backing | None = None
     backing_path: str | None = None
     cache_slots: int | None = None
+    cache_maps: CacheMaps | None = None
     # How the table's rows start (``modules/tables.py``, ``INIT_RULES``): any kind.
     init: str | None = None
     init_scale: float | None = None
@@ -77,7 +78,12 @@ class TableStorageConfig:
             object.__setattr__(
                 self, "qr_scheme", parse_enum(PartitionScheme, self.qr_scheme, "qr_scheme")
             )
-        for name, cls in (("memory", Memory), ("cache_policy", CachePolicy), ("backing", Backing)):
+        for name, cls in (
+            ("memory", Memory),
+            ("cache_policy", CachePolicy),
+            ("backing", Backing),
+            ("cache_maps", CacheMaps),
+        ):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, parse_enum(cls, value, name))
@@ -116,6 +122,7 @@ _TIER_FIELDS = (
     "backing",
     "backing_path",
     "cache_slots",
+    "cache_maps",
 )
 
 
