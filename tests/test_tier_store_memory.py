@@ -1,5 +1,6 @@
 """The SSD store keeps its rows out of the process: initialised with chunked ``pwrite``
-(the same rows as the in-memory init), its mapped pages dropped past ``mapped_limit``
+(the same rows as the in-memory init), rows read and written with ``pread`` / ``pwrite``
+or io_uring (no page of the file mapped), pages of ``records`` dropped by ``release``
 without losing a row."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from towerrec.modules import ssd_store as tier_store
+from towerrec.modules.row_io import available_methods
 from towerrec.modules.ssd_store import HEADER_BYTES, SsdStore
 from towerrec.modules.tables import TableConfig, fill_table_block
 from towerrec.modules.tier_store import HostStore, RowLayout, StoreError
@@ -54,8 +56,9 @@ def test_chunked_init_writes_the_rows_of_the_in_memory_init(tmp_path, monkeypatc
     assert host.records[:, 8].eq(0).all() and host.records[:, :8].ne(0).any()
 
 
-def test_dropped_pages_lose_no_row(tmp_path):
-    store = SsdStore(LAYOUT, tmp_path / "t.tstore", mapped_limit=64 << 10)
+@pytest.mark.parametrize("io", available_methods())
+def test_reads_and_writes_lose_no_row(tmp_path, io):
+    store = SsdStore(LAYOUT, tmp_path / "t.tstore", io=io)
     store.initialize(fill)
     expected = store.records.clone()
     gen = torch.Generator().manual_seed(0)
@@ -65,25 +68,27 @@ def test_dropped_pages_lose_no_row(tmp_path):
         store.write(rows, records)
         expected[rows] = records
         assert torch.equal(store.read(rows), records)
+        store.records[rows[:10]] += 1.0  # through the mapping: one page cache
+        expected[rows[:10]] += 1.0
+        store.release()
+        assert torch.equal(store.read(rows), expected[rows])
     assert torch.equal(store.records, expected)
     store.flush()
     assert np.array_equal(file_rows(store.path), expected.numpy())
 
 
-def test_pages_past_the_limit_leave_the_process(tmp_path):
-    store = SsdStore(LAYOUT, tmp_path / "t.tstore", mapped_limit=2 << 20)  # one row's worth
+def test_reads_and_writes_map_no_page(tmp_path):
+    store = SsdStore(LAYOUT, tmp_path / "t.tstore")
     store.initialize(fill)
     assert mapped_kib(store.path) == 0  # written with pwrite, not through the mapping
     rows = torch.arange(0, 40_000, 16)
     assert np.array_equal(store.read(rows).numpy(), file_rows(store.path)[rows.numpy()])
-    assert mapped_kib(store.path) == 0  # reads (preadv) map nothing
-    store.write(rows, torch.randn(rows.numel(), LAYOUT.record_width))  # dropped every 2nd row
-    assert mapped_kib(store.path) <= 4 * 1024
+    store.write(rows, torch.randn(rows.numel(), LAYOUT.record_width))
+    assert mapped_kib(store.path) == 0  # reads and writes map nothing
+    assert torch.equal(store.records[7], store.read(torch.tensor([7]))[0])
+    assert mapped_kib(store.path) > 0  # ``records`` maps what it touches
     store.release()
     assert mapped_kib(store.path) == 0
-    store.write(torch.tensor([7]), torch.ones(1, LAYOUT.record_width))  # within the limit
-    assert mapped_kib(store.path) > 0
-    assert torch.equal(store.read(torch.tensor([7])), torch.ones(1, LAYOUT.record_width))
 
 
 def test_a_truncated_store_is_refused_on_read(tmp_path):

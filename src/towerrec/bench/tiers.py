@@ -8,9 +8,9 @@ variant in turn:
 - ``device``: every table in memory (the reference);
 - ``host``: tables with more than ``--min-rows`` rows cached (``--cache-fraction``
   of their rows in the slot table) over a full copy in host memory;
-- ``ssd``: the same over memory-mapped row files under ``--path``; with
-  ``--cold`` the files' pages are dropped from the page cache first
-  (``posix_fadvise``), so misses read the disk until the page cache warms;
+- ``ssd``: the same over row files under ``--path`` (read and written in batches by
+  ``row_io`` in the output); with ``--cold`` the files' pages are dropped from the page
+  cache first (``posix_fadvise``), so misses read the disk until the page cache warms;
 - ``host-sync``, ``ssd-sync``: ``host``, ``ssd`` without the background prefetch of the
   next batch's rows;
 - ``kv``: the same caches (each table's slots as ``host``'s) over LMDB stores of rows
@@ -98,6 +98,7 @@ from towerrec.distributed.parallelize import parallelize, uniform_plan
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, fused_embedding_modules
 from towerrec.modules.interfaces import CachingCollection
+from towerrec.modules.row_io import available_methods
 from towerrec.modules.ssd_store import SsdStore
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.pipeline import pipelined
@@ -475,6 +476,7 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
         "rounds": args.rounds,
         "nproc": args.nproc,
         "sharding": args.sharding if args.nproc > 1 else None,
+        "row_io": available_methods()[0],
         "cache_maps": args.cache_maps,
         "link": {k: round(v / 1e9, 3) for k, v in link.items()},  # GB/s
         "results": results,

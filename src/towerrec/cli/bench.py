@@ -156,6 +156,10 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
         "cached tables over host memory and SSD against all tables in memory (JSON)",
         "towerrec.bench.tiers",
     ),
+    "row-io": BenchmarkEntry(
+        "the SSD store's reads and writes of missed rows, per row, by method (JSON)",
+        "towerrec.bench.row_io",
+    ),
     "temporal": BenchmarkEntry(
         "next-period log-loss of batch, incremental and fgd updates on drifting (random and "
         "trend) and stationary synthetic periods",

@@ -18,18 +18,16 @@ never trusted across runs; the check guards against two runs sharing a path.
 
 Memory: the SSD store's rows are never all in the process. ``initialize`` writes the
 file with ``pwrite`` in chunks of ``INIT_CHUNK_BYTES`` (the kernel's page cache takes
-them, not the process's mapping); ``read`` takes each row's record with ``preadv``,
-which maps nothing (a fault through the mapping would map the large folio around the
-row, below, only for the next drop to unmap it again); and the pages
-a training run's write-backs map are dropped from the mapping (``madvise(MADV_DONTNEED)``: a shared
-file mapping keeps its data in the page cache, dirty pages included) once about
-``mapped_limit`` bytes of them may be resident, counting ``ROW_MAP_BYTES`` a row: a
-fault maps the page-cache folio around the row, and with transparent huge pages the
-page cache holds large folios (about 512 KiB a row was measured on a file written
-with ``pwrite``; ``MADV_RANDOM``, set on the mapping, stops read-ahead from disk but
-not this). Writes go in chunks within the limit. The process's resident
-memory thus holds the cache's slots and about ``mapped_limit`` of the file at most,
-whatever the table's size; the page cache, which the kernel reclaims, holds what it can of the rest.
+them, not the process's mapping); ``read`` and ``write`` move a batch's records with
+``pread`` / ``pwrite`` or io_uring (``row_io.py``: sorted rows coalesced into runs of
+adjacent rows, one transfer a run, the GIL released for the whole batch), which map
+nothing: a fault through the mapping would map the large folio around the row (about
+512 KiB a row was measured with transparent huge pages), only for a drop to unmap it
+again. The read descriptor is advised ``POSIX_FADV_RANDOM`` (no read-ahead from disk
+around a missed row). The mapping serves the full-table views of ``records``
+(checkpoints); ``release`` drops the pages those touched. The process's resident memory
+thus holds the cache's slots and a batch's records, whatever the table's size; the
+page cache, which the kernel reclaims, holds what it can of the file.
 """
 
 from __future__ import annotations
@@ -43,11 +41,13 @@ import struct
 import weakref
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from towerrec.modules.row_io import RowIO
 from towerrec.modules.tables import INIT_BLOCK_ROWS
 from towerrec.modules.tier_store import (
     BackingStore,
@@ -65,20 +65,16 @@ VERSION = 1
 HEADER_BYTES = 4096
 SUFFIX = ".tstore"
 INIT_CHUNK_BYTES = 64 << 20  # initialize's write size (whole init blocks of rows)
-MAPPED_LIMIT_BYTES = 256 << 20  # store pages a process may hold mapped (module doc)
-ROW_MAP_BYTES = 2 << 20  # what one row's page fault may map (module doc)
 
 
 class SsdStore(BackingStore):
-    """A memory-mapped file of fixed-size rows (module doc), created if missing."""
+    """A file of fixed-size rows (module doc), created if missing. ``io``: how a batch's
+    records move (``row_io.METHODS``; default the best that works here)."""
 
-    def __init__(
-        self, layout: RowLayout, path: Path, mapped_limit: int = MAPPED_LIMIT_BYTES
-    ) -> None:
+    def __init__(self, layout: RowLayout, path: Path, io: str | None = None) -> None:
         super().__init__(layout)
         self.path = Path(path)
-        self.mapped_limit = mapped_limit
-        self._mapped = 0  # bytes of pages touched through the mapping since the last drop
+        self.io = RowIO(io)
         check_writable(self.path)
         size = HEADER_BYTES + layout.num_embeddings * layout.record_width * 4
         if self.path.exists():
@@ -103,60 +99,106 @@ class SsdStore(BackingStore):
             offset=HEADER_BYTES,
             shape=(layout.num_embeddings, layout.record_width),
         )
-        # Random access: no read-ahead from disk for a missed row.
+        # Random access: no read-ahead from disk for a page of ``records``.
         self._map._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
         self._records = torch.from_numpy(self._map)
-        self._fd = os.open(self.path, os.O_RDONLY)  # ``read``'s; the page cache is shared
+        # ``read``'s and ``write``'s descriptor; one page cache with the mapping.
+        self._fd = os.open(self.path, os.O_RDWR)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
         weakref.finalize(self, os.close, self._fd)
+        self._writer: ThreadPoolExecutor | None = None  # ``write_behind``'s thread
+        self._writes_sent = self._writes_landed = 0
+        self._write_error: BaseException | None = None
 
     @property
     def records(self) -> torch.Tensor:
+        self._landed()
         return self._records
 
+    def write_behind(self) -> None:
+        """Later ``write`` calls return at once; their rows land in a thread of this
+        store's own, in order, and ``read``, ``records``, ``flush`` and ``initialize`` wait
+        for them first (a failed write raises there)."""
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="towerrec-write")
+
+    def _landed(self) -> None:
+        """Wait until every write sent to the writer thread has landed."""
+        if self._writer is not None and self._writes_landed != self._writes_sent:
+            self._writer.submit(_nothing).result()  # one thread, in order: the rest are done
+        if self._write_error is not None:
+            error, self._write_error = self._write_error, None
+            raise error
+
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        """Records ``[n, W]`` of ``rows``, each read from the file with ``preadv`` (module
-        doc): it sees the mapping's writes (one page cache) and maps nothing."""
-        width = self.layout.record_width
-        size = 4 * width
-        out = torch.empty(rows.numel(), width)
-        view = out.numpy().data.cast("B")
-        for i, row in enumerate(rows.tolist()):
-            offset = HEADER_BYTES + row * size
-            if os.preadv(self._fd, [view[i * size : (i + 1) * size]], offset) != size:
-                raise StoreError(
-                    f"backing store {self.path} ends before row {row} of table "
-                    f"{self.layout.table!r} (a truncated file?); delete it and resume from the "
-                    "last checkpoint"
-                )
-        return out
+        """Records ``[n, W]`` of ``rows`` (any order, repeats allowed), read in runs of
+        adjacent rows (module doc)."""
+        rows = self._checked(rows)
+        self._landed()
+        unique, inverse = _sorted_unique(rows)
+        out = torch.empty(unique.numel(), self.layout.record_width)
+        short = self.io.read(self._fd, unique, out, HEADER_BYTES)
+        if short >= 0:
+            raise StoreError(
+                f"backing store {self.path} ends before row {int(unique[short])} of table "
+                f"{self.layout.table!r} (a truncated file?); delete it and resume from the "
+                "last checkpoint"
+            )
+        return out if inverse is None else out.index_select(0, inverse)
 
     def write(self, rows: torch.Tensor, records: torch.Tensor) -> None:
-        step = self._chunk_rows()
-        for lo in range(0, rows.numel(), step):
-            super().write(rows[lo : lo + step], records[lo : lo + step])
-            self._touched(min(step, rows.numel() - lo))
+        """Store ``records [n, W]`` at ``rows [n]`` (distinct), written in runs of adjacent
+        rows (module doc); in the writer thread after ``write_behind``."""
+        rows, records = self._checked(rows), records.to(torch.float32)
+        if rows.numel() > 1:
+            order = torch.argsort(rows)
+            rows, records = rows[order], records.index_select(0, order)  # copies
+        elif self._writer is not None:
+            rows, records = rows.clone(), records.clone()  # the caller may change its own
+        records = records.contiguous()
+        if self._writer is None:
+            self._write_now(rows, records)
+            return
+        self._writes_sent += 1
+        self._writer.submit(self._write_in_thread, rows, records)
 
-    def _chunk_rows(self) -> int:
-        """Rows one write maps at most between two checks of the limit."""
-        return max(1, self.mapped_limit // (2 * ROW_MAP_BYTES))
+    def _write_in_thread(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        try:
+            self._write_now(rows, records)
+        except BaseException as e:  # raised where the next read or flush waits
+            self._write_error = self._write_error or e
+        finally:
+            self._writes_landed += 1
 
-    def _touched(self, rows: int) -> None:
-        """Count the bytes ``rows`` random rows may have mapped (``ROW_MAP_BYTES`` each);
-        past ``mapped_limit``, drop the mapping's pages (module doc)."""
-        self._mapped += rows * ROW_MAP_BYTES
-        if self._mapped > self.mapped_limit:
-            self.release()
+    def _write_now(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+        short = self.io.write(self._fd, rows, records, HEADER_BYTES)
+        if short >= 0:  # a write that moved nothing (not seen on a regular file)
+            raise StoreError(
+                f"backing store {self.path} took no bytes of row {int(rows[short])} of table "
+                f"{self.layout.table!r}; check its disk, then resume from the last checkpoint"
+            )
+
+    def _checked(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.reshape(-1).to(torch.int64)
+        n = self.layout.num_embeddings
+        if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < n:
+            raise IndexError(
+                f"rows {int(rows.min())}..{int(rows.max())} outside table "
+                f"{self.layout.table!r} of {self.layout.num_embeddings} rows"
+            )
+        return rows
 
     def release(self) -> None:
-        """Unmap the file's resident pages from this process; the data stays in the page
-        cache (dirty pages are written back by the kernel, or by ``flush``)."""
+        """Unmap the file's resident pages from this process (those ``records`` touched);
+        the data stays in the page cache (dirty pages are written back by the kernel, or by
+        ``flush``)."""
         self._map._mmap.madvise(mmap.MADV_DONTNEED)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
-        self._mapped = 0
 
     @torch.no_grad()
     def initialize(self, fill_weights: Callable[[torch.Tensor, int, int], None]) -> None:
         """As ``BackingStore.initialize``, written with ``pwrite`` in large chunks (module
         doc): the file's pages go to the page cache, not into this process."""
+        self._landed()
         self.release()
         rows, dim = self.layout.num_embeddings, self.layout.embedding_dim
         width = self.layout.record_width
@@ -177,7 +219,22 @@ class SsdStore(BackingStore):
             os.close(fd)
 
     def flush(self) -> None:
-        self._map.flush()
+        self._landed()
+        self._map.flush()  # ``records``' writes
+        os.fdatasync(self._fd)  # ``write``'s
+
+
+def _nothing() -> None:
+    """The writer thread's marker: done once every earlier write is."""
+
+
+def _sorted_unique(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``rows`` sorted without repeats, and the index of each row in them (``None`` when
+    ``rows`` already were: a cache's misses are)."""
+    if rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all()):
+        return rows, None
+    unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+    return unique, inverse
 
 
 def _create(path: Path, header: bytes, size: int) -> None:

@@ -93,6 +93,12 @@ class BackingStore(ABC):
         """Store ``records [n, W]`` at ``rows [n]``."""
         self.records.index_copy_(0, rows, records)
 
+    def write_behind(self) -> None:
+        """Let later ``write`` calls return before their rows land, where the store can
+        (the SSD store: ``ssd_store.py``); its reads, ``records`` and ``flush`` still see
+        every write. Others write at once."""
+        return None
+
     def weight(self) -> torch.Tensor:
         """The table's weights ``[rows, D]`` (a view)."""
         return self.records[:, : self.layout.embedding_dim]

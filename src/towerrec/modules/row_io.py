@@ -1,0 +1,170 @@
+"""Batched reads and writes of a store file's fixed-size records (``ssd_store.py``).
+
+A batch's rows are moved in runs: rows that follow each other in the order given and
+in the file (``r, r + 1, ...``, at most ``max_run_rows``) are one transfer into or out
+of consecutive records of the caller's buffer. Callers pass sorted unique rows, so
+every run of adjacent rows is one transfer. Three ways move the runs, all to the same
+bytes:
+
+- ``uring``: io_uring requests, many runs per system call and up to the ring's
+  entries in flight (a cold file's reads wait on the disk together, not one by one);
+  the native extension ``_rowio`` (``_rowio.c``, built by ``pip install`` where a C
+  compiler is found), one ring per thread;
+- ``pread``: the native extension's loop of one ``pread`` / ``pwrite`` per run;
+- ``python``: the same loop in Python (``os.preadv`` / ``os.pwritev``), the fallback
+  where the extension is not built or io_uring is refused.
+
+The native ways release the GIL for the whole batch, so a background thread's reads
+overlap the step. ``RowIO(method)`` picks one (default: the first of ``uring``,
+``pread``, ``python`` that works here); ``available_methods()`` says which work.
+A transfer returns ``-1`` when every record moved, else the index of the first row
+the file ends before (a truncated file), which the store reports.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import ModuleType
+from typing import Protocol
+
+import numpy as np
+import torch
+
+__all__ = ["MAX_RUN_ROWS", "METHODS", "RowIO", "available_methods", "runs"]
+
+METHODS = ("uring", "pread", "python")
+MAX_RUN_ROWS = 4096  # rows in one transfer at most (bounds one call's size)
+RING_ENTRIES = 256  # io_uring requests in flight at most
+
+_native: ModuleType | None
+try:
+    from towerrec.modules import _rowio as _native  # type: ignore[attr-defined,no-redef,unused-ignore]
+except ImportError:  # not built here: the Python path serves
+    _native = None
+
+
+class _Ring(Protocol):
+    """The native extension's io_uring (``_rowio.Ring``)."""
+
+    def transfer(
+        self, fd: int, rows: np.ndarray, data: np.ndarray, record: int, base: int, run: int, w: bool
+    ) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def runs(rows: torch.Tensor, max_run_rows: int = MAX_RUN_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(starts, lengths)`` of the runs of ``rows`` (int64): indices into ``rows`` where
+    each run begins, and its row count (module doc)."""
+    n = rows.numel()
+    if n == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty
+    new = torch.ones(n, dtype=torch.bool)
+    new[1:] = rows[1:] != rows[:-1] + 1
+    starts = torch.nonzero(new).flatten()
+    lengths = torch.diff(starts, append=torch.tensor([n]))
+    if int(lengths.max()) > max_run_rows:  # split the long runs at the limit
+        pieces = (lengths + max_run_rows - 1) // max_run_rows
+        first = torch.repeat_interleave(starts, pieces)
+        run_of = torch.repeat_interleave(torch.arange(starts.numel()), pieces)
+        within = torch.arange(first.numel()) - torch.repeat_interleave(
+            torch.cumsum(pieces, 0) - pieces, pieces
+        )
+        starts = first + within * max_run_rows
+        lengths = torch.minimum(lengths[run_of] - within * max_run_rows, torch.tensor(max_run_rows))
+    return starts, lengths
+
+
+def available_methods() -> tuple[str, ...]:
+    """The methods that work in this process (module doc), best first."""
+    out = []
+    if _native is not None:
+        if hasattr(_native, "Ring"):
+            try:
+                _native.Ring(8).close()
+                out.append("uring")
+            except OSError:  # io_uring refused (an old kernel, a seccomp filter)
+                pass
+        out.append("pread")
+    out.append("python")
+    return tuple(out)
+
+
+class RowIO:
+    """Reads and writes of records ``[n, W]`` float32 at ``base + row * 4W`` of a file."""
+
+    def __init__(self, method: str | None = None, max_run_rows: int = MAX_RUN_ROWS) -> None:
+        usable = available_methods()
+        if method is None:
+            method = usable[0]
+        elif method not in METHODS:
+            raise ValueError(f"row io method {method!r} unknown; choose from {', '.join(METHODS)}")
+        elif method not in usable:
+            raise ValueError(
+                f"row io method {method!r} does not work here (the native extension is "
+                f"{'not built' if _native is None else 'built, io_uring refused'}); "
+                f"use one of {', '.join(usable)}"
+            )
+        if max_run_rows < 1:
+            raise ValueError(f"max_run_rows must be >= 1, got {max_run_rows}")
+        self.method = method
+        self.max_run_rows = max_run_rows
+        self._rings = threading.local()
+
+    def read(self, fd: int, rows: torch.Tensor, out: torch.Tensor, base: int) -> int:
+        """Read the records of ``rows [n]`` into ``out [n, W]`` (contiguous float32)."""
+        return self._transfer(fd, rows, out, base, write=False)
+
+    def write(self, fd: int, rows: torch.Tensor, records: torch.Tensor, base: int) -> int:
+        """Write ``records [n, W]`` (contiguous float32) at ``rows [n]``."""
+        return self._transfer(fd, rows, records, base, write=True)
+
+    def _transfer(
+        self, fd: int, rows: torch.Tensor, data: torch.Tensor, base: int, write: bool
+    ) -> int:
+        if rows.numel() == 0:
+            return -1
+        rows = rows.contiguous().to(torch.int64)
+        record = data.shape[1] * data.element_size()
+        if self.method == "python":
+            return self._python(fd, rows, data, record, base, write)
+        row_buf: np.ndarray = rows.numpy()
+        data_buf: np.ndarray = data.numpy()
+        if self.method == "pread":
+            assert _native is not None  # checked in __init__
+            result: int = _native.transfer(
+                fd, row_buf, data_buf, record, base, self.max_run_rows, write
+            )
+            return result
+        return int(
+            self._ring().transfer(fd, row_buf, data_buf, record, base, self.max_run_rows, write)
+        )
+
+    def _ring(self) -> _Ring:
+        """This thread's ring (made on first use; a forked child makes its own)."""
+        held = getattr(self._rings, "ring", None)
+        if held is None or held[0] != os.getpid():
+            assert _native is not None  # checked in __init__
+            held = (os.getpid(), _native.Ring(RING_ENTRIES))
+            self._rings.ring = held
+        ring: _Ring = held[1]
+        return ring
+
+    def _python(
+        self, fd: int, rows: torch.Tensor, data: torch.Tensor, record: int, base: int, write: bool
+    ) -> int:
+        view = data.numpy().data.cast("B")
+        starts, lengths = runs(rows, self.max_run_rows)
+        move = os.pwritev if write else os.preadv
+        offsets = (base + rows[starts] * record).tolist()
+        firsts, sizes = (starts * record).tolist(), (lengths * record).tolist()
+        for lo, size, offset in zip(firsts, sizes, offsets, strict=True):
+            moved = move(fd, [view[lo : lo + size]], offset)
+            while moved < size:  # a partial transfer: go on, or the file ended
+                more = move(fd, [view[lo + moved : lo + size]], offset + moved)
+                if more == 0:
+                    return int((lo + moved) // record)
+                moved += more
+        return -1
