@@ -176,11 +176,12 @@ class TowerParallelDMT(SparseArchModel):
         topology: Topology,
         sparse: ShardedEmbeddingBagCollection,
         peer: Comm,
-        codecs: CommCodecs,
+        tower_codecs: CommCodecs,
         wire: IdWire | None = None,
     ) -> None:
         super().__init__()
-        self.topology, self.peer, self.codecs = topology, peer, codecs
+        # the codecs of the floats that cross hosts: tower outputs, x and their gradients
+        self.topology, self.peer, self.tower_codecs = topology, peer, tower_codecs
         self.wire = wire or IdWire()
         self.capacity = 0  # payload bytes per peer message (``_PeerInput``)
         self.tower_index = topology.host
@@ -302,7 +303,11 @@ class TowerParallelDMT(SparseArchModel):
         hosts, batch, dim = self.topology.hosts, x.shape[0], x.shape[1]
         flat = x.reshape(-1).repeat(hosts) if hosts > 1 else x.reshape(-1)
         got = self.peer.all_to_all(
-            flat, [batch * dim] * hosts, [b * dim for b in batches], "tower_dense", self.codecs
+            flat,
+            [batch * dim] * hosts,
+            [b * dim for b in batches],
+            "tower_dense",
+            self.tower_codecs,
         )
         return _scale_grad(got.view(-1, dim), float(hosts))
 
@@ -335,7 +340,7 @@ class TowerParallelDMT(SparseArchModel):
             [b * width for b in batches],
             [batch * k * dim for k in self.num_outputs],
             "tower_outputs",
-            self.codecs,
+            self.tower_codecs,
         )
         parts = received.split([batch * k * dim for k in self.num_outputs])
         return [p.view(batch, k, dim) for p, k in zip(parts, self.num_outputs)]
@@ -404,6 +409,7 @@ def parallelize_towers(
     *,
     sharding: ShardingType | str = ShardingType.ROW_WISE,
     codecs: CommCodecs | None = None,
+    tower_codecs: CommCodecs | None = None,
     stats: CommStats | None = None,
     dense_stats: CommStats | None = None,
     dense: str = "ddp",
@@ -418,8 +424,10 @@ def parallelize_towers(
     given (the planner's layout, ``train.planning.plan_tower_layouts``); weights and optimizer state are copied from ``model``
     (or, when its collection is not materialized, the shards initialise themselves).
     ``dense``: the bottom, top and tower replicated (``"ddp"``) or sharded (``"fsdp"``).
-    ``codecs`` encode the tower outputs, x and their gradients on the wire, and the host
-    lookup's pooled rows; ``id_wire`` the ids of the peer and host all-to-alls.
+    ``tower_codecs`` encode what crosses hosts as floats, the tower outputs, x and their
+    gradients (default fp32: exactly the single-process DMT; ``towerrec train`` passes
+    ``distributed.tower_codec``, bf16 by default), ``codecs`` the host lookup's pooled rows
+    inside the host; ``id_wire`` the ids of the peer and host all-to-alls.
     ``dense_allreduce``: the bottom's and top's DDP all-reduce over all ranks, ``ring`` or
     ``hierarchical`` (``dense_allreduce.py``); the tower's, inside its host, is the ring.
     """
@@ -466,7 +474,7 @@ def parallelize_towers(
         id_wire=id_wire,
         total_embedding_parameters=ebc.num_embedding_parameters,
     )
-    parallel = TowerParallelDMT(model, topology, sparse, peer, codecs, id_wire)
+    parallel = TowerParallelDMT(model, topology, sparse, peer, tower_codecs or CommCodecs(), id_wire)
     if topology.world_size > 1 and dense == "fsdp":
         # Bottom and top sharded over every rank, the tower over its host's ranks; each
         # of them is its own FSDP root (TowerParallelDMT's forward is not one module's).
