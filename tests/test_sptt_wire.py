@@ -48,9 +48,7 @@ def _one_step(topology, tower_codecs, wire):
     each rank received and the gradients of its tower's outputs, per step."""
     mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
     stats = CommStats()
-    model = parallelize_towers(
-        _dmt(), mesh, tower_codecs=tower_codecs, stats=stats, id_wire=wire
-    )
+    model = parallelize_towers(_dmt(), mesh, tower_codecs=tower_codecs, stats=stats, id_wire=wire)
     received, grads = [], []
     output_dist = model.output_dist
 
@@ -118,7 +116,7 @@ def test_bf16_tower_outputs_and_gradients_are_within_their_bound(wire_results):
 @pytest.mark.multiprocess
 def test_tower_outputs_use_the_codecs_and_dedup_is_exact(wire_results):
     for rank, cases in enumerate(wire_results):
-        logits32, bytes32, received32, _ = cases["fp32"]
+        logits32, bytes32, _, _ = cases["fp32"]
         for codec in ("fp16", "bf16"):
             logits16, bytes16, _, _ = cases[codec]
             for name in ("tower_outputs", "tower_outputs_grad"):

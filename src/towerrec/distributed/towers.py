@@ -474,7 +474,9 @@ def parallelize_towers(
         id_wire=id_wire,
         total_embedding_parameters=ebc.num_embedding_parameters,
     )
-    parallel = TowerParallelDMT(model, topology, sparse, peer, tower_codecs or CommCodecs(), id_wire)
+    parallel = TowerParallelDMT(
+        model, topology, sparse, peer, tower_codecs or CommCodecs(), id_wire
+    )
     if topology.world_size > 1 and dense == "fsdp":
         # Bottom and top sharded over every rank, the tower over its host's ranks; each
         # of them is its own FSDP root (TowerParallelDMT's forward is not one module's).
