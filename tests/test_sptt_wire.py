@@ -182,5 +182,9 @@ def test_one_peer_message_per_step(wire_results):
         }
         assert peer[0] == {**steady, "tower_input_overflow": 1}, (rank, peer[0])
         assert peer[1] == peer[2] == steady, (rank, peer)
-        # the host lookup's collectives are the same every step
+        # the host lookup's collectives are the same every step: its ids in one message
+        # too (sized_exchange.py; the first step's payloads follow in a second one)
         assert steps[1] == steps[2], (rank, steps)
+        host = [{n: c for n, c in step.items() if not n.startswith("tower_")} for step in steps]
+        assert host[0]["input_overflow"] == 1 and host[1]["input_ids"] == 1, (rank, host)
+        assert "input_overflow" not in host[1] and "input_counts" not in host[1], (rank, host)

@@ -21,7 +21,7 @@ Bottom MLP, interaction and top run data-parallel over the whole world (DDP);
 only tower t's module and tables exist on host t. With ``tower_dense`` the
 bottom output x follows the ids in (a) once the bottom has run (differentiably).
 The step's collectives of the transform: the ids (one message per peer, and a
-second for payloads over the agreed capacity: ``_PeerInput``), x (with
+second for payloads over the agreed capacity: ``sized_exchange.py``), x (with
 ``tower_dense``), the host lookup's, the tower outputs. Every collective
 is counted by ``CommStats``: the peer all-to-alls as cross-host bytes, the
 lookup's as intra-host bytes (one stats object for the whole model).
@@ -43,7 +43,6 @@ G = N L B samples when every parameter's gradient is ``(1/NL) sum_r grad loss_r`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -51,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from towerrec.distributed.comm import Comm, CommCodecs, CommStats, Pending
+from towerrec.distributed.comm import Comm, CommCodecs, CommStats
 from towerrec.distributed.embedding_bag import ScaleGrad, ShardedEmbeddingBagCollection
 from towerrec.distributed.fsdp import apply_fsdp, dense_mesh
 from towerrec.distributed.id_wire import IdWire
@@ -65,6 +64,7 @@ from towerrec.distributed.parallelize import (
     topology_of,
     uniform_plan,
 )
+from towerrec.distributed.sized_exchange import SizedExchange, SizedFlight
 from towerrec.models.dmt import DMT, TowerModule
 from towerrec.models.interfaces import SparseArchModel
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
@@ -113,41 +113,6 @@ def _scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return ScaleGrad.apply(x, scale) if x.requires_grad and scale != 1.0 else x
 
 
-# The fixed head of a peer message: int64 [batch, payload bytes, weighted, any payload of
-# the sender over capacity, the sender's largest payload].
-_PREFIX_BYTES = 5 * 8
-
-
-def _capacity_for(largest: int) -> int:
-    """Payload bytes a peer message carries in the next step: the peer group's largest
-    payload of this step and an eighth more (batches vary), rounded up to 64 bytes."""
-    return 64 * -(-(largest * 9 // 8) // 64)
-
-
-@dataclass
-class _PeerInput:
-    """An input exchange of the tower transform in flight.
-
-    Each rank sends every peer one chunk of ``_PREFIX_BYTES + capacity`` bytes: the
-    head (batch, payload size, ...) and the payload's first ``capacity`` bytes, zero
-    padded. The peer group agrees on the capacity without a message of its own: each
-    chunk carries the sender's largest payload, every rank receives them all and
-    derives the next step's capacity alike (``_capacity_for``). A payload over the
-    capacity sends its rest in a second all-to-all; every chunk says whether its
-    sender has such a rest, so every rank of the group starts that second one or
-    none. The first step (capacity 0) is the old counts exchange and payload
-    all-to-all; steady steps need one message per peer.
-    """
-
-    pending: Pending
-    payloads: list[torch.Tensor]
-    capacity: int
-    batches: list[int] | None = None
-    sizes: list[int] = field(default_factory=list)
-    bodies: list[torch.Tensor] = field(default_factory=list)
-    overflow: Pending | None = None
-
-
 class TowerEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """Tower t's tables sharded over host t; counts every tower's tables as the model's."""
 
@@ -183,7 +148,8 @@ class TowerParallelDMT(SparseArchModel):
         # the codecs of the floats that cross hosts: tower outputs, x and their gradients
         self.topology, self.peer, self.tower_codecs = topology, peer, tower_codecs
         self.wire = wire or IdWire()
-        self.capacity = 0  # payload bytes per peer message (``_PeerInput``)
+        # the ids' peer exchange: one message per peer once sizes settle
+        self.peer_ids = SizedExchange(peer, "tower_input_ids", "tower_input_overflow")
         self.tower_index = topology.host
         self.partition = [list(g) for g in model.partition]
         self.embedding_dim = model.embedding_dim
@@ -217,12 +183,12 @@ class TowerParallelDMT(SparseArchModel):
         return self._num_dense
 
     # ------------------------------------------------------------- (a) input
-    def input_dist_start(self, features: KeyedJaggedTensor) -> _PeerInput:
-        """Start sending each tower's features to its host: one message per peer, a
-        fixed-size chunk (``_PeerInput``) of the payload of ids, lengths and per-id
-        weights (``id_wire.py``). ``input_dist_batches`` then gives ``B_h`` per host and
-        ``input_dist_finish`` the features of the peer batch."""
-        batch, hosts, capacity = features.stride(), self.topology.hosts, self.capacity
+    def input_dist_start(self, features: KeyedJaggedTensor) -> SizedFlight:
+        """Start sending each tower's features to its host: one message per peer once the
+        payload sizes settle (``sized_exchange.py``), the payload of ids, lengths and
+        per-id weights (``id_wire.py``). ``input_dist_batches`` then gives ``B_h`` per host
+        and ``input_dist_finish`` the features of the peer batch."""
+        batch = features.stride()
         weights = features.weights_or_none()
         payloads = []
         for group in self.partition:
@@ -234,66 +200,27 @@ class TowerParallelDMT(SparseArchModel):
                     part.weights() if weights is not None else None,
                 )
             )
-        largest = max(p.numel() for p in payloads)
-        device = features.values().device
-        chunks = []
-        for p in payloads:
-            head = [batch, p.numel(), int(weights is not None), int(largest > capacity), largest]
-            body = p[:capacity]
-            pad = torch.zeros(capacity - body.numel(), dtype=torch.uint8, device=device)
-            chunks += [torch.tensor(head, dtype=torch.int64, device=device).view(torch.uint8)]
-            chunks += [body, pad]
-        width = _PREFIX_BYTES + capacity
-        pending = self.peer.all_to_all_async(
-            torch.cat(chunks), [width] * hosts, [width] * hosts, "tower_input_ids"
-        )
-        return _PeerInput(pending, payloads, capacity)
+        fields = [[batch, int(weights is not None)]] * len(payloads)
+        return self.peer_ids.start(payloads, fields)
 
-    def input_dist_batches(self, flight: _PeerInput) -> list[int]:
-        """``B_h`` per host of an input exchange: waits for its chunks and starts the
-        overflow all-to-all where a payload did not fit (any rank of the peer group
-        says so in its chunks, so every rank of it starts one or none)."""
-        if flight.batches is not None:
-            return flight.batches
-        hosts, capacity = self.topology.hosts, flight.capacity
-        got = flight.pending.wait().view(hosts, _PREFIX_BYTES + capacity)
-        head = got[:, :_PREFIX_BYTES].contiguous().view(torch.int64).cpu()
-        batches, sizes = head[:, 0].tolist(), head[:, 1].tolist()
-        weighted = head[:, 2]
+    def input_dist_batches(self, flight: SizedFlight) -> list[int]:
+        """``B_h`` per host of an input exchange: waits for its chunks (and starts the
+        overflow all-to-all where a payload did not fit)."""
+        head = flight.heads()
+        weighted = head[:, 1]
         if bool(weighted.any()) != bool(weighted.all()):
             raise ValueError(
                 "some ranks' batches carry per-id weights and some do not; give every rank "
                 "weighted features or none"
             )
-        # every rank of the peer group received every rank's largest payload: one capacity
-        self.capacity = _capacity_for(int(head[:, 4].max()))
-        flight.bodies = [
-            got[h, _PREFIX_BYTES : _PREFIX_BYTES + min(sizes[h], capacity)] for h in range(hosts)
-        ]
-        flight.sizes = sizes
-        if bool(head[:, 3].any()):
-            send = [max(p.numel() - capacity, 0) for p in flight.payloads]
-            flight.overflow = self.peer.all_to_all_async(
-                torch.cat([p[capacity:] for p in flight.payloads]),
-                send,
-                [max(size - capacity, 0) for size in sizes],
-                "tower_input_overflow",
-            )
-        flight.batches = batches
-        return batches
+        return head[:, 0].tolist()
 
-    def input_dist_finish(self, flight: _PeerInput) -> KeyedJaggedTensor:
+    def input_dist_finish(self, flight: SizedFlight) -> KeyedJaggedTensor:
         """Tower t's features of the peer batch ``[sum_h B_h]`` from an input exchange."""
         batches = self.input_dist_batches(flight)
-        payloads = flight.bodies
-        if flight.overflow is not None:
-            rest = flight.overflow.wait().split(
-                [max(size - flight.capacity, 0) for size in flight.sizes]
-            )
-            payloads = [torch.cat([body, more]) for body, more in zip(payloads, rest)]
         keys = self.partition[self.tower_index]
         parts, got_weights = self.wire.decode_all_weighted(
-            torch.cat(payloads), flight.sizes, len(keys), batches
+            torch.cat(flight.received()), flight.sizes, len(keys), batches
         )
         return assemble(keys, parts, got_weights)
 
