@@ -152,6 +152,9 @@ def predict_step(num_accelerators: int, cluster: Cluster, work: Workload) -> dic
         * _a2a(hosts - 1, b * outputs * peer_share, cluster.cross_latency, cluster.cross_host_bw)
     )
     tower_s = b * work.tower_flops_per_sample / cluster.flops
+    # of the collectives' time, the peers x latency part (3 all-to-alls: ids, rows, grads)
+    flat_latency = 3 * ((g - local) * cluster.cross_latency + (local - 1) * cluster.intra_latency)
+    dmt_latency = 3 * ((hosts - 1) * cluster.cross_latency + (local - 1) * cluster.intra_latency)
 
     flat_step = common + flat_comm
     dmt_step = common + tower_s + dmt_comm
@@ -163,6 +166,7 @@ def predict_step(num_accelerators: int, cluster: Cluster, work: Workload) -> dic
             "intra_host_bytes_per_sample": flat_intra / b,
             "peers_per_collective": {"cross_host": g - local, "intra_host": local - 1},
             "comm_s": flat_comm,
+            "comm_latency_s": flat_latency if hosts > 1 else 0.0,
             "step_s": flat_step,
             "samples_per_s": g * b / flat_step,
         },
@@ -171,6 +175,8 @@ def predict_step(num_accelerators: int, cluster: Cluster, work: Workload) -> dic
             "intra_host_bytes_per_sample": dmt_intra / b,
             "peers_per_collective": {"cross_host": hosts - 1, "intra_host": local - 1},
             "comm_s": dmt_comm,
+            "comm_latency_s": dmt_latency if hosts > 1 else 0.0,
+            "tower_s": tower_s,
             "step_s": dmt_step,
             "samples_per_s": g * b / dmt_step,
         },
