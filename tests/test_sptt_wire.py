@@ -50,14 +50,13 @@ def _one_step(topology, tower_codecs, wire):
     stats = CommStats()
     model = parallelize_towers(_dmt(), mesh, tower_codecs=tower_codecs, stats=stats, id_wire=wire)
     received, grads = [], []
-    output_dist = model.output_dist
+    interact = model.interact
 
-    def recording_output_dist(out, batches):
-        got = output_dist(out, batches)
-        received.append(torch.cat([g.detach().reshape(-1) for g in got]))
-        return got
+    def recording_interact(x, outputs):  # every tower's outputs, as received
+        received.append(torch.cat([o.detach().reshape(-1) for o in outputs]))
+        return interact(x, outputs)
 
-    model.output_dist = recording_output_dist
+    model.interact = recording_interact
     model.tower.register_full_backward_hook(
         lambda _m, _gin, gout: grads.append(gout[0].detach().clone())
     )

@@ -35,6 +35,7 @@ from towerrec.planner.dmt_scale import (
     Cluster,
     MeasuredStep,
     Workload,
+    evaluate_fit,
     fit_link_constants,
     predict_step,
     scale_sweep,
@@ -57,19 +58,23 @@ def measured_steps(paths: Sequence[Path]) -> list[MeasuredStep]:
             report = json.loads(Path(path).read_text())
             network, hosts, local = report["network"], report["hosts"], report["ranks_per_host"]
             # one case per (dim, link); reports before cases were one case at the top
-            cases = [(c["link_gbit"], c["variants"]) for c in report.get("cases", [report])]
+            cases = [
+                (c["link_gbit"], c["variants"], c.get("embedding_dim", 16))
+                for c in report.get("cases", [report])
+            ]
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise ValueError(
                 f"--measured {path}: not a towerrec bench dmt --json report ({err}); give the "
                 "JSON that bench dmt printed"
             ) from err
-        for gbit, rows in cases:
-            steps += _case_steps(rows, network, hosts, local, gbit if network == "netns" else None)
+        for gbit, rows, dim in cases:
+            rate = gbit if network == "netns" else None
+            steps += _case_steps(rows, network, hosts, local, rate, dim)
     return steps
 
 
 def _case_steps(
-    rows: Sequence[dict], network: str, hosts: int, local: int, rate: float | None
+    rows: Sequence[dict], network: str, hosts: int, local: int, rate: float | None, dim: int
 ) -> list[MeasuredStep]:
     """The measured steps of one case's variant rows (``rate``: its link, None unshaped)."""
     steps = []
@@ -89,6 +94,7 @@ def _case_steps(
                 calls_per_step=row.get("collective_calls_per_step", {}),
                 link_bytes_per_s=rate * 1e9 / 8 if rate else None,
                 network=network,
+                embedding_dim=dim,
             )
         )
     return steps
@@ -106,6 +112,7 @@ def run_scale_model(
     paper: bool = False,
     paper_plot: Path | None = None,
     gpu_steps: Path | None = None,
+    validate: Sequence[Path] = (),
 ) -> dict:
     """The sweep at each cross-host bandwidth (GB/s per accelerator); with ``measured``
     reports, the links' constants fitted to them (module doc), the cross-host bandwidth
@@ -130,6 +137,13 @@ def run_scale_model(
     }
     if fit is not None:
         result["fit"] = {**fit, "measured": [str(p) for p in measured]}
+    if validate:
+        if fit is None:
+            raise ValueError(
+                "--validate evaluates the links fitted to --measured reports: give those"
+            )
+        held_out = evaluate_fit(fit, measured_steps(validate))
+        result["validation"] = {**held_out, "reports": [str(p) for p in validate]}
     if plot is not None:
         plot_sweeps(sweeps, plot, fitted=fit is not None)
         result["plot"] = str(plot)
@@ -316,6 +330,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "latency and bandwidth to their steps instead of the assumed constants",
     )
     parser.add_argument(
+        "--validate",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="more bench dmt reports: the model fitted to --measured predicts their steps "
+        "(residuals), without fitting to them",
+    )
+    parser.add_argument(
         "--paper",
         action="store_true",
         help="also predict the DMT paper's configurations (V100, A100, H100 hosts of 8, "
@@ -341,6 +363,7 @@ def _run(args: argparse.Namespace) -> dict:
         paper=args.paper,
         paper_plot=args.paper_plot,
         gpu_steps=args.gpu_steps,
+        validate=args.validate,
     )
 
 

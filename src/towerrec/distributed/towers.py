@@ -8,12 +8,14 @@
         │ split by tower: tower t's features ─► peer (t, l)                         │
         ▼ (a) peer all-to-all across hosts, rank l <-> rank l only: one message per │
         │     peer, lengths + ids + per-id weights (narrow types, deduplicated:     │
-        │     id_wire.py), in flight while the bottom MLP runs                      │
+        │     id_wire.py); x with tower_dense (bottom run first)                    │
     rank (t, l): tower t's features of the peer batch P = sum_h B_{h,l}             │
         ▼ (b) host-local sharded lookup of tower t's tables (row-wise, ... inside   │
         │     host t: ShardedEmbeddingBagCollection on the host's L ranks)          │
       E_t [P, T_t, D] ─► (c) tower t (DDP over the L ranks of host t) ─► O_t [P, K_t, D]
-        ▼ (d) peer all-to-all back: each sample's O_t to the rank that owns it      │
+        ▼ (d) peer all-to-all back: each sample's O_t to the rank that owns it,     │
+        │     in flight while the bottom MLP runs (its gradient: while the bottom's │
+        │     backward and the dense all-reduce run)                                │
     rank (h, l): O_0 .. O_{N-1} [B, K_t, D], in tower order ─► interact(x, O) ◄─────┘
                                                                 ─► logits [B]
 
@@ -50,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from towerrec.distributed.comm import Comm, CommCodecs, CommStats
+from towerrec.distributed.comm import Comm, CommCodecs, CommStats, Pending
 from towerrec.distributed.embedding_bag import ScaleGrad, ShardedEmbeddingBagCollection
 from towerrec.distributed.fsdp import apply_fsdp, dense_mesh
 from towerrec.distributed.id_wire import IdWire
@@ -260,33 +262,48 @@ class TowerParallelDMT(SparseArchModel):
     # ------------------------------------------------------------ (d) output
     def output_dist(self, out: torch.Tensor, batches: Sequence[int]) -> list[torch.Tensor]:
         """Tower outputs ``[sum_h B_h, K_t, D]`` -> every tower's ``[B, K_u, D]`` for our samples."""
+        return self.output_dist_start(out, batches).wait()
+
+    def output_dist_start(self, out: torch.Tensor, batches: Sequence[int]) -> Pending:
+        """``output_dist`` begun: ``.wait()`` gives its result. In the backward the outputs'
+        gradients fly while what ran between start and wait runs (``Comm.all_to_all_start``)."""
         batch, dim = batches[self.topology.host], self.embedding_dim
         width = out.shape[1] * dim
-        received = self.peer.all_to_all(
+        in_flight = self.peer.all_to_all_start(
             out.reshape(-1),
             [b * width for b in batches],
             [batch * k * dim for k in self.num_outputs],
             "tower_outputs",
             self.tower_codecs,
         )
-        parts = received.split([batch * k * dim for k in self.num_outputs])
-        return [p.view(batch, k, dim) for p, k in zip(parts, self.num_outputs)]
+
+        def finish() -> list[torch.Tensor]:
+            parts = in_flight.wait().split([batch * k * dim for k in self.num_outputs])
+            return [p.view(batch, k, dim) for p, k in zip(parts, self.num_outputs)]
+
+        return Pending(None, finish)
 
     def interact(self, x: torch.Tensor | None, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
         """``DMT.interact``: x ``[B, D]`` (or None) and every tower's ``[B, K_t, D]`` -> ``[B]``."""
         return self._interact(x, outputs)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        # The peer all-to-all of the ids is in flight while the bottom MLP runs.
         flight = self.input_dist_start(sparse)
-        x = self.bottom(dense) if self.bottom is not None else None
+        # With tower_dense the towers need x: the bottom MLP runs while the ids fly.
+        # Else it runs while the tower outputs fly, and in the backward (last created,
+        # first run) the bottom's backward and the dense all-reduce run while the
+        # outputs' gradients fly back.
+        x = self.bottom(dense) if self.bottom is not None and self.use_dense else None
         batches = self.input_dist_batches(flight)
         x_peer = self._peer_dense(x, batches)
         local = self.input_dist_finish(flight)
         embeddings = self.sparse(local).stacked().index_select(1, self.tower_order)
         out = self.tower(embeddings, x_peer)  # [sum_h B_h, K_t, D]
         out = _scale_grad(out, 1.0 / self.topology.hosts)
-        return self.interact(x, self.output_dist(out, batches))
+        outputs = self.output_dist_start(out, batches)
+        if self.bottom is not None and not self.use_dense:
+            x = self.bottom(dense)
+        return self.interact(x, outputs.wait())
 
 
 def tower_tables(
