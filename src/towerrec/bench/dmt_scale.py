@@ -294,7 +294,11 @@ def plot_paper(paper: dict, path: Path) -> None:
                 color=color,
                 label=f"paper, {row['generation'].upper()} ({row['reported_speedup']:g}x)",
             )
+    at_most = paper["paper"]["speedup_at_most"]
+    ax.axhline(at_most, ls=":", color="gray", label=f"paper: at most {at_most:g}x anywhere")
     ax.set_xscale("log", base=2)
+    scales = [p["accelerators"] for p in next(iter(paper["sweeps"].values()))["points"]]
+    ax.set_xticks(scales, [str(g) for g in scales])
     ax.set_xlabel("GPUs (8 per host)")
     ax.set_ylabel("speed-up of DMT over flat")
     work = paper["workload"]
