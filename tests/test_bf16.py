@@ -1,11 +1,13 @@
 import pytest
 import torch
 
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.modules.embedding_bag import dense_parameters
-from towerrec.train import step, trainer
-from towerrec.train.build import build_dense_optimizer, build_model
+from towerrec.train import step
+from towerrec.workflows import training as trainer
 
 QUICK = ["train.progress=false", "train.eval_every=0"]
 
@@ -25,7 +27,7 @@ def test_bf16_step_keeps_fp32_master_weights(name):
     assert not torch.equal(bf16.float(), fp32)
     torch.testing.assert_close(bf16.float(), fp32, rtol=0.05, atol=0.05)
     before = {n: p.detach().clone() for n, p in dense_parameters(model)}
-    loss = trainer.train_step(model, optimizer, batch, torch.bfloat16)
+    loss = step.train_step(model, optimizer, batch, torch.bfloat16)
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     for n, p in dense_parameters(model):
         assert p.dtype == torch.float32, n

@@ -11,10 +11,10 @@ import torch
 
 from towerrec.config import load_config
 from towerrec.modules.cached import CachedEmbeddingBagCollection
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.table_cache import CacheStats, TableCache
 from towerrec.modules.tables import TableConfig
-from towerrec.train import trainer
+from towerrec.modules.tiers import TierConfig
+from towerrec.workflows import training as trainer
 
 
 class LruList:

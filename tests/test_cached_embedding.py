@@ -14,18 +14,19 @@ import pytest
 import torch
 from conftest import ROOT, needs_fbgemm, run_cli
 
+from towerrec.build.models import build_model
 from towerrec.config import ConfigError, load_config
 from towerrec.modules.cached import CachedEmbeddingBagCollection
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.compact_config import CompactConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.ssd_store import HEADER_BYTES
 from towerrec.modules.tables import TableConfig
-from towerrec.modules.tier_store import HEADER_BYTES, StoreError
+from towerrec.modules.tier_store import StoreError
+from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train import trainer
-from towerrec.train.build import build_model
+from towerrec.workflows import training as trainer
 
 TABLES = [
     TableConfig("a", 1000, 8, ("f0", "f1")),  # two features share it
@@ -210,8 +211,8 @@ KILLED_IN_WRITE_BACK = """
 import os, signal, sys, traceback
 from pathlib import Path
 from towerrec.config import load_config
-from towerrec.modules.tier_store import SsdStore
-from towerrec.train import trainer
+from towerrec.modules.ssd_store import SsdStore
+from towerrec.workflows import training as trainer
 
 run, where, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 real_write = SsdStore.write
@@ -335,7 +336,7 @@ def test_read_only_backing_path_is_refused(tmp_path):
 
 
 def test_a_disk_without_room_for_the_table_is_refused_before_training(tmp_path, monkeypatch):
-    from towerrec.modules import tier_store
+    from towerrec.modules import ssd_store as tier_store
 
     real = tier_store.shutil.disk_usage
     monkeypatch.setattr(
@@ -439,7 +440,7 @@ def test_sharded_runs_build_lazy_tables_that_remember_their_tiers():
     model = build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
     sparse = model.sparse
     assert isinstance(sparse, EmbeddingBagCollection) and not sparse.is_materialized
-    assert sparse.tiers is not None and sparse.tiers[1].is_cached
+    assert sparse.tiers is not None and sparse.tiers["cat_1"].is_cached
 
 
 @pytest.mark.slow
@@ -513,13 +514,13 @@ def test_bench_tiers_gives_each_rank_its_slice_of_the_global_batch():
 
 def test_cached_tables_asked_for_but_none_large_enough_is_warned():
     tables = [TableConfig("a", 100, 4), TableConfig("b", 60, 4)]
-    cached = TierConfig(memory="cached", min_rows=100)
+    cached = TierConfig(memory="cached", cache_min_rows=100)
     with pytest.warns(UserWarning, match=r"the largest, 'a', has 100: every table stays"):
         collection = build_embedding_collection(tables, CompactConfig(), default_tier=cached)
     assert isinstance(collection, EmbeddingBagCollection)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one row more than the threshold: cached, no warning
         build_embedding_collection(
-            tables, CompactConfig(), default_tier=TierConfig(memory="cached", min_rows=99)
+            tables, CompactConfig(), default_tier=TierConfig(memory="cached", cache_min_rows=99)
         )
         build_embedding_collection(tables, CompactConfig())  # nothing asked: nothing said

@@ -69,7 +69,7 @@ def test_fbgemm_refuses_and_auto_picks_torch():
 
 
 def test_cf_sgd_resume_equals_uninterrupted(tmp_path):
-    from towerrec.train import trainer
+    from towerrec.workflows import training as trainer
 
     config = load_config(
         "configs/quick.toml",

@@ -94,11 +94,11 @@ def test_the_benchmark_table_shows_each_module_s_help_line():
 
 
 def test_the_values_the_help_shows_are_the_library_s():
+    from towerrec.config.nas import SearchSpaceKind
     from towerrec.data.profile import DEFAULT_MAX_IDS, PROFILE_NAME
-    from towerrec.nas.config import SearchSpaceKind
     from towerrec.serve.export import TableDtype
     from towerrec.serve.predict import SPLITS
-    from towerrec.train.pu_prior import FOLDS, TOP_FRACTION
+    from towerrec.workflows.pu.prior import FOLDS, TOP_FRACTION
 
     assert tuple(d.value for d in TableDtype) == choices.EXPORT_TABLE_DTYPES
     assert TableDtype.FP32.value == choices.EXPORT_TABLE_DTYPES[0]  # export's default

@@ -235,7 +235,7 @@ def test_mixed_dimensions_rule():
 
 # ------------------------------------------------------------ config, backends
 def test_config_builds_compact_tables_and_trains(tmp_path):
-    from towerrec.train import trainer
+    from towerrec.workflows import training as trainer
 
     config = load_config(
         "configs/quick.toml",
@@ -297,7 +297,7 @@ def test_backends_agree_on_compact_tables():
 
 @pytest.mark.parametrize("kind", ["qr", "md"])
 def test_resume_equals_uninterrupted(tmp_path, kind):
-    from towerrec.train import trainer
+    from towerrec.workflows import training as trainer
 
     config = load_config(
         "configs/quick.toml",

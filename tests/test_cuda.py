@@ -12,15 +12,17 @@ import test_kv_store as kv_tests
 import torch
 from test_embedding import TABLES, random_batch, train_steps
 
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import load_config
 from towerrec.data.batch import Batch
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.train import trainer
-from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.pipeline import pipelined
+from towerrec.train.step import train_step
+from towerrec.workflows import training as trainer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
@@ -104,7 +106,7 @@ def test_dlrm_step_on_cuda_matches_cpu():
         optimizer = build_dense_optimizer(config.optimizer, model)
         batches = source.train_batches(256)
         losses[name] = [
-            float(trainer.train_step(model, optimizer, next(batches).to(device))) for _ in range(5)
+            float(train_step(model, optimizer, next(batches).to(device))) for _ in range(5)
         ]
     torch.testing.assert_close(losses["cpu"], losses["cuda"], rtol=1e-4, atol=1e-5)
 

@@ -173,7 +173,7 @@ def test_movielens_on_2_ranks_follows_one_process(tmp_path, name):
         "--out", str(tmp_path / "two"), *sets, OMP_NUM_THREADS="1",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    from towerrec.train import trainer
+    from towerrec.workflows import training as trainer
 
     one = trainer.train(load_config("configs/movielens.toml", overrides), tmp_path / "one")
     two = json.loads((tmp_path / "two" / "summary.json").read_text())

@@ -11,8 +11,8 @@ from towerrec.cli import main
 from towerrec.config import load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
-from towerrec.train import trainer
 from towerrec.train.summary import warn_worse_than_base_rate
+from towerrec.workflows import training as trainer
 
 
 def towerrec(*args):

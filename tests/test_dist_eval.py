@@ -12,14 +12,17 @@ import pytest
 import torch
 from conftest import run_cli
 
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
+from towerrec.build.sources import build_source
 from towerrec.config import load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.distributed.launch import spawn_world
-from towerrec.train import trainer
-from towerrec.train.build import build_dense_optimizer, build_model, build_source
 from towerrec.train.checkpoint import CheckpointManager
 from towerrec.train.distributed import start_distributed
+from towerrec.train.step import evaluate
+from towerrec.workflows import training as trainer
 
 EVAL_ROWS = 1001  # odd: uneven over 2 and over 4 ranks
 
@@ -118,7 +121,7 @@ def _evaluate_checkpoint(topology, overrides, checkpoint_dir):
     manager = CheckpointManager(checkpoint_dir)
     manager.load(manager.latest(), model, optimizer, {"step": 0})
     local = ctx.local_batch(config.train.eval_batch_size)
-    metrics = trainer.evaluate(
+    metrics = evaluate(
         model,
         source.eval_batches(local, ctx.rank, ctx.world_size),
         device,

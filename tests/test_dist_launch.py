@@ -85,7 +85,7 @@ def test_a_rank_that_died_before_returning_fails_the_world():
 @pytest.mark.multiprocess
 def test_train_nproc_hosts_matches_single_process(tmp_path):
     from towerrec.config import load_config
-    from towerrec.train.trainer import train
+    from towerrec.workflows.training import train
 
     result = _cli(*QUICK, "--nproc", "2", "--hosts", "2", "--out", str(tmp_path / "dist"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -107,9 +107,9 @@ def test_train_nproc_hosts_matches_single_process(tmp_path):
 @pytest.mark.multiprocess
 def test_train_with_the_planners_plan(tmp_path):
     """plan.strategy = auto: every rank plans from the data's statistics, the same plan."""
+    from towerrec.build.planning import build_plan
     from towerrec.config import load_config
-    from towerrec.train.planning import build_plan
-    from towerrec.train.trainer import train
+    from towerrec.workflows.training import train
 
     overrides = ["--set", "plan.strategy=auto", "--set", "plan.stats_batches=2"]
     result = _cli(*QUICK, *overrides, "--nproc", "2", "--out", str(tmp_path / "dist"))
@@ -118,7 +118,7 @@ def test_train_with_the_planners_plan(tmp_path):
     summary = json.loads((tmp_path / "dist" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["completed"]
     config = load_config(REPO / "configs" / "quick.toml", QUICK[3::2] + overrides[1::2])
-    from towerrec.train.build import build_source
+    from towerrec.build.sources import build_source
 
     plan = build_plan(config, build_source(config.data), 2)
     assert {s.rank for tp in plan.tables.values() for s in tp.shards} == {0, 1}
@@ -147,8 +147,8 @@ def test_worker_user_error_prints_one_line_and_exits_2(tmp_path):
 def _crash_once(config_path, overrides, out):
     """First attempt: train 4 steps (checkpoint), then crash; the restart resumes."""
     from towerrec.config import load_config
-    from towerrec.train.trainer import train
-    from towerrec.train.worker import train_worker
+    from towerrec.workflows.training import train
+    from towerrec.workflows.worker import train_worker
 
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         train(load_config(config_path, overrides), out, stop_after=4)
@@ -177,7 +177,7 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
     # Weight for weight: the restarted run ends where an uninterrupted 2-rank run ends.
     from test_trainer import final_state
 
-    from towerrec.train.worker import train_worker
+    from towerrec.workflows.worker import train_worker
 
     full_summary = launch(
         train_worker, (config_path, overrides, tmp_path / "full", False), nproc=2
@@ -198,11 +198,11 @@ def _sigterm_rank_1_at(step, config_path, overrides, out):
     """A worker of ``towerrec train --nproc 2`` in which rank 1 alone receives SIGTERM,
     from inside its training step ``step``: the stop request reaches one process only,
     at a known step, whatever the speed of the machine."""
-    from towerrec.train import trainer
-    from towerrec.train.worker import train_worker
+    from towerrec.train import loop
+    from towerrec.workflows.worker import train_worker
 
     if os.environ["RANK"] == "1":
-        real_step, calls = trainer.train_step, [0]
+        real_step, calls = loop.train_step, [0]
 
         def train_step(*args, **kwargs):
             calls[0] += 1
@@ -210,7 +210,7 @@ def _sigterm_rank_1_at(step, config_path, overrides, out):
                 os.kill(os.getpid(), signal.SIGTERM)
             return real_step(*args, **kwargs)
 
-        trainer.train_step = train_step
+        loop.train_step = train_step
     return train_worker(config_path, overrides, out, resume=False)
 
 

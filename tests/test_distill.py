@@ -11,26 +11,22 @@ import torch
 import torch.nn.functional as F
 
 from towerrec.bench.streaming import recovered_share
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.cli.app import main
 from towerrec.config import ConfigError, config_to_toml, load_config
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.distributed.launch import launch
+from towerrec.models.distill_heads import distill_heads
 from towerrec.serve.export import export_run
 from towerrec.serve.predict import predict
-from towerrec.train import replay as replay_module
-from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.checkpoint import CheckpointManager, capture_rng
-from towerrec.train.distill import (
-    Distillation,
-    TeacherPeriods,
-    distill_heads,
-    fit_adapter,
-    grad_scale,
-    with_distillation,
-)
 from towerrec.train.loss import BCE
-from towerrec.train.replay import run_replay
 from towerrec.train.step import train_step
+from towerrec.workflows.distill.loss import Distillation, fit_adapter, grad_scale, with_distillation
+from towerrec.workflows.distill.teacher import TeacherPeriods
+from towerrec.workflows.replay import replay as replay_module
+from towerrec.workflows.replay.replay import run_replay
 
 SMALL = [
     "data.synthetic.num_embeddings=[40, 60, 90]",

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from towerrec.build.sources import build_source
 from towerrec.cli import main
 from towerrec.config import load_config
 from towerrec.data.augmented import (
@@ -33,10 +34,9 @@ from towerrec.data.period_files import SPLIT, open_period, read_stream, write_pe
 from towerrec.data.periods import PeriodSource
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.serve.artefact import ArtefactError, load_artefact
-from towerrec.serve.augment import COUNTERS, CRASH_ENV, AugmentService
 from towerrec.serve.export import export_run
-from towerrec.train import trainer
-from towerrec.train.build import build_source
+from towerrec.workflows import training as trainer
+from towerrec.workflows.distill.augment import COUNTERS, CRASH_ENV, AugmentService
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 ROWS = 300  # per period

@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from towerrec.config import load_config
-from towerrec.data.synthetic import SyntheticSource
-from towerrec.models.dmt import DMT
-from towerrec.planner.towers import cross_tower_mass, random_partition
-from towerrec.train.build import build_model
-from towerrec.train.towers import (
+from towerrec.build.models import build_model
+from towerrec.build.towers import (
     learn_feature_representations,
     learn_interaction_strength,
     resolve_partition,
 )
-from towerrec.train.trainer import train
+from towerrec.config import load_config
+from towerrec.data.synthetic import SyntheticSource
+from towerrec.models.dmt import DMT
+from towerrec.planner.towers import cross_tower_mass, random_partition
+from towerrec.workflows.training import train
 
 REPO = Path(__file__).parent.parent
 QUICK = REPO / "configs" / "quick.toml"
@@ -116,7 +116,7 @@ def test_embedding_partition_is_learned_and_deterministic():
     assert sorted(len(g) for g in groups) == [2, 2]  # count balance, tolerance 0
     assert resolve_partition(config, schema) == groups
     with pytest.raises(ValueError, match="'embedding' is learned by a pilot run"):
-        from towerrec.train.build import partition_groups
+        from towerrec.build.models import partition_groups
 
         partition_groups(config, schema)
 

@@ -6,14 +6,17 @@ import pytest
 import torch
 from conftest import run_cli
 
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
+from towerrec.build.sources import build_source
 from towerrec.cli import main
 from towerrec.config import ConfigError, load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
-from towerrec.train import trainer
-from towerrec.train.build import build_dense_optimizer, build_model, build_source
 from towerrec.train.checkpoint import CheckpointManager, capture_rng
 from towerrec.train.early_stopping import EarlyStopping
+from towerrec.train.step import evaluate
+from towerrec.workflows import training as trainer
 
 # ------------------------------------------------------------------ pure logic
 
@@ -121,7 +124,7 @@ def _evaluate_checkpoint(run, step, split_batches):
     CheckpointManager(run / "best").load(
         run / "best" / f"step_{step:08d}", model, optimizer, placeholder
     )
-    return trainer.evaluate(model, split_batches(source), torch.device("cpu")).as_dict()
+    return evaluate(model, split_batches(source), torch.device("cpu")).as_dict()
 
 
 def test_early_stopping_stops_restores_the_best_weights_and_reports_them(cache, tmp_path):

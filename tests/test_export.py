@@ -16,6 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
+from towerrec.build.sources import build_source
 from towerrec.cli import main
 from towerrec.config import load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
@@ -26,10 +29,9 @@ from towerrec.serve import artefact as artefact_module
 from towerrec.serve.artefact import ArtefactError, load_artefact
 from towerrec.serve.export import export_run, quantize_rowwise
 from towerrec.serve.predict import predict
-from towerrec.train import trainer
-from towerrec.train.build import build_dense_optimizer, build_model, build_source
 from towerrec.train.checkpoint import CheckpointManager
-from towerrec.train.worker import train_worker
+from towerrec.workflows import training as trainer
+from towerrec.workflows.worker import train_worker
 
 SMALL = [
     "train.batch_size=128",

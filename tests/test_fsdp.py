@@ -28,6 +28,7 @@ from dist_cases import gather_tables, local_slice, make_batch, plan_mixed
 from test_parallelize import FEATURES, NUM_DENSE, ROWS, TABLES
 from torch.distributed.device_mesh import init_device_mesh
 
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import OptimizerConfig, load_config
 from towerrec.distributed.fsdp import (
     apply_fsdp,
@@ -45,9 +46,8 @@ from towerrec.models.dmt import DMT
 from towerrec.models.wukong import Wukong, WukongConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.train import trainer
-from towerrec.train.build import build_dense_optimizer
 from towerrec.train.checkpoint import CheckpointManager
+from towerrec.workflows import training as trainer
 
 TOL = 1e-6
 BATCH, STEPS = 8, 5

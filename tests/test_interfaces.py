@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from towerrec.build.models import build_model
 from towerrec.config import load_config
 from towerrec.data.loader import ColumnSource
 from towerrec.data.movielens import bundled_movielens_path, load_movielens
@@ -20,6 +21,7 @@ from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import uniform_plan
 from towerrec.distributed.towers import TowerEmbeddingBagCollection, TowerParallelDMT
 from towerrec.models.interfaces import RecommendationModel, RepresentationModel
+from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.compact import CompactConfig, CompactEmbeddingCollection
 from towerrec.modules.embedding_bag import (
     EmbeddingBagCollection,
@@ -27,13 +29,14 @@ from towerrec.modules.embedding_bag import (
     fused_embedding_modules,
 )
 from towerrec.modules.interfaces import (
+    CachingCollection,
     FusedEmbeddingCollection,
     PooledEmbeddingCollection,
     PrefetchingCollection,
 )
 from towerrec.modules.tables import TableConfig
+from towerrec.modules.tiers import TierConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.build import build_model
 
 SRC = Path(__file__).parent.parent / "src" / "towerrec"
 TABLES = [TableConfig("t0", 40, 4, ("f0",)), TableConfig("t1", 60, 4, ("f1",))]
@@ -70,6 +73,13 @@ def _compact(kind: str) -> CompactEmbeddingCollection:
     return CompactEmbeddingCollection(TABLES, config, backend="torch", seed=3)
 
 
+def _cached() -> CachedEmbeddingBagCollection:
+    """Half of each table's rows cached over host memory."""
+    return CachedEmbeddingBagCollection(
+        TABLES, backend="torch", seed=3, default=TierConfig("cached", 0.5)
+    )
+
+
 def _sharded() -> ShardedEmbeddingBagCollection:
     """A one-rank sharded collection: its collectives need no process group."""
     topology = Topology(1, 1, 0)
@@ -83,6 +93,7 @@ COLLECTIONS = {
     "hash": lambda: _compact("hash"),
     "qr": lambda: _compact("qr"),
     "md": lambda: _compact("md"),
+    "cached": _cached,
     "sharded": _sharded,
 }
 
@@ -114,6 +125,40 @@ def test_fused_and_prefetching_collections():
     assert plain.collisions() is None and sharded.collisions() is None
     assert sharded.describe() == plain.describe()
     assert compact.collisions() == {}
+
+
+def test_collections_that_cache_rows():
+    cached, sharded = _cached(), _sharded()
+    for collection in (cached, sharded):
+        assert conforms(collection, CachingCollection)
+        assert isinstance(collection, FusedEmbeddingCollection)
+    for collection in (_plain(), _compact("qr")):
+        assert not isinstance(collection, CachingCollection)
+    assert cached.cached_tables == ["t0", "t1"] and cached.read_rows_ahead(True)
+    assert set(cached.cache_stats()) == {"t0", "t1"} and not cached.kv_stores
+    # A sharded collection without cached tables has nothing to read ahead, count or save.
+    assert not sharded.read_rows_ahead(True) and sharded.prefetch_rows
+    assert sharded.cached_shards is None and sharded.cache_stats() == {}
+    assert not sharded.kv_stores
+    # Tower collections route ids themselves: they never read rows ahead.
+    assert not TowerEmbeddingBagCollection.read_rows_ahead(sharded, True)
+    assert not sharded.prefetch_rows
+
+
+def test_the_layers_above_reach_cached_collections_through_the_protocol():
+    """No switch on the concrete cached class in train/ or distributed/ (the sharded
+    collection builds its shards' cached collection, and names it only there)."""
+    found = []
+    for path in sorted([*(SRC / "train").rglob("*.py"), *(SRC / "distributed").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("isinstance", "issubclass")
+                and "CachedEmbeddingBagCollection" in ast.unparse(node.args[1])
+            ):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert found == []
 
 
 def test_a_prefetched_input_is_taken_by_key_by_the_next_forward_only():
@@ -184,8 +229,12 @@ NO_PROBES = [
     *sorted((SRC / "models").glob("*.py")),
     SRC / "modules/embedding_bag.py",
     SRC / "modules/compact.py",
+    SRC / "modules/cached.py",
+    SRC / "distributed/embedding_bag.py",
     SRC / "train/pipeline.py",
-    SRC / "train/trainer.py",
+    SRC / "train/loop.py",
+    SRC / "train/hooks.py",
+    SRC / "train/checkpoint.py",
 ]
 
 

@@ -16,9 +16,10 @@ import torch
 from conftest import ROOT, run_cli
 
 from towerrec.modules.cached import CachedEmbeddingBagCollection, TableBlock
-from towerrec.modules.cached_config import TierConfig
+from towerrec.modules.kv_store import KvStore
 from towerrec.modules.tables import TableConfig, init_rows
-from towerrec.modules.tier_store import KvStore, RowLayout, StoreError
+from towerrec.modules.tier_store import RowLayout, StoreError
+from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 
@@ -259,7 +260,7 @@ _KILLED = """
 import os, signal, sys, torch
 sys.path.insert(0, {tests!r})
 from test_kv_store import ROWS2, TABLES, batches, collection, train_step
-from towerrec.modules.tier_store import KvStore
+from towerrec.modules.kv_store import KvStore
 sparse = collection("kv", {path!r}, tables=TABLES[:2])
 stream = list(batches(20, rows=ROWS2))
 for f in stream[:10]:
@@ -303,8 +304,8 @@ def test_kv_run_killed_during_write_back_resumes_from_its_checkpoint(tmp_path):
 
 
 def test_kv_config_keys_and_planner_refusal(tmp_path):
+    from towerrec.build.planning import kv_tables, refuse_kv_tables
     from towerrec.config import ConfigError, load_config
-    from towerrec.train.planning import kv_tables, refuse_kv_tables
 
     kv = ["embedding.memory=cached", "embedding.backing=kv", f"embedding.backing_path={tmp_path}"]
     with pytest.raises(ConfigError, match=r"needs embedding\.cache_slots"):

@@ -1,6 +1,7 @@
 """The import ladder of docs/architecture.md: imports only point down."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,9 @@ FORBIDDEN = {
         "towerrec.distributed",
         "towerrec.planner",
         "towerrec.calibration",
+        "towerrec.config",
+        "towerrec.build",
+        "towerrec.workflows",
     ],
     "optim": [
         "torch.distributed",
@@ -41,6 +45,9 @@ FORBIDDEN = {
     ],
     "models": [
         "torch.distributed",
+        "towerrec.config",
+        "towerrec.build",
+        "towerrec.workflows",
         "towerrec.train",
         "towerrec.distributed",
         "towerrec.data",
@@ -81,17 +88,39 @@ FORBIDDEN = {
         "towerrec.cli",
         "towerrec.bench",
     ],
-    "config": ["torch.distributed", "towerrec.train", "towerrec.cli", "towerrec.bench"],
-    "train": ["towerrec.cli", "towerrec.bench"],
+    # The run config: below the build layer and everything that builds or trains; it
+    # holds the search's settings as its own leaf (config/nas.py), never the search.
+    "config": [
+        "torch.distributed",
+        "towerrec.build",
+        "towerrec.train",
+        "towerrec.workflows",
+        "towerrec.serve",
+        "towerrec.cli",
+        "towerrec.bench",
+    ],
+    "config/nas.py": ["torch", "towerrec."],
+    # The build layer: between the config and the engine. Of the engine it uses the
+    # step primitives only (test_the_build_layer_uses_only_the_step_primitives).
+    "build": ["towerrec.workflows", "towerrec.serve", "towerrec.cli", "towerrec.bench"],
+    # The engine: no workflow, lazily or not; the workflows plug in as hooks and step
+    # strategies.
+    "train": ["towerrec.workflows", "towerrec.serve", "towerrec.cli", "towerrec.bench"],
+    # The workflows: above the engine and the build layer, below the command line; of
+    # serve/ they read the artefact loader alone (the augmentation service's teacher).
+    "workflows": [
+        "towerrec.serve.export",
+        "towerrec.serve.predict",
+        "towerrec.cli",
+        "towerrec.bench",
+    ],
+    "workflows/nas": ["torch.distributed", "towerrec.cli", "towerrec.bench"],
     "bench": ["towerrec.cli"],
-    # Export and predict sit on train/ (the run's model and checkpoint), below the command
-    # line; the artefact loader is standalone: torch and numpy only, never towerrec.
-    "serve": ["towerrec.cli", "towerrec.bench"],
+    # Export and predict sit on the build layer and the engine (the run's model and
+    # checkpoint), below the command line and beside the workflows; the artefact loader is
+    # standalone: torch and numpy only, never towerrec.
+    "serve": ["towerrec.workflows", "towerrec.cli", "towerrec.bench"],
     "serve/artefact.py": ["towerrec."],
-    # Above train/ (it builds the DLRM and runs train_step); the run config holds its leaf
-    # nas/config.py, which imports nothing of towerrec.
-    "nas": ["torch.distributed", "towerrec.cli", "towerrec.bench"],
-    "nas/config.py": ["torch", "towerrec."],
 }
 
 
@@ -145,7 +174,7 @@ def import_graph() -> dict[str, set[str]]:
         deps = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and node.lineno not in skip:
-                for alias in node.names:  # `from towerrec.train import trainer` is a module
+                for alias in node.names:  # `from towerrec.train import loop` is a module
                     full = f"{node.module}.{alias.name}"
                     deps.add(full if full in paths else node.module)
             elif isinstance(node, ast.Import):
@@ -193,7 +222,7 @@ def test_no_import_cycles():
 def test_the_cycle_check_finds_a_cycle_hidden_in_a_function():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
-    assert "towerrec.train.trainer" in import_graph()["towerrec.train.worker"]
+    assert "towerrec.workflows.training" in import_graph()["towerrec.workflows.worker"]
 
 
 def test_only_the_command_line_imports_the_benchmarks():
@@ -236,3 +265,86 @@ def test_the_calibration_is_used_from_above():
         and not any(_in(m, p) for p in ("towerrec.calibration", "towerrec.cli", "towerrec.bench"))
     }
     assert users == set()
+
+
+# The engine's floor: the step primitives that the build layer's pilot run uses too.
+STEP_PRIMITIVES = {"towerrec.train.step", "towerrec.train.loss", "towerrec.train.metrics"}
+
+
+def test_the_engine_imports_no_workflow():
+    """The loop speaks to hooks and step strategies; the workflows supply them."""
+    graph = import_graph()
+    found = {
+        (m, d)
+        for m, deps in graph.items()
+        if _in(m, "towerrec.train")
+        for d in deps
+        if _in(d, "towerrec.workflows")
+    }
+    assert found == set()
+
+
+def test_the_config_imports_no_search():
+    """The run config holds the search's settings (config/nas.py), not the search."""
+    graph = import_graph()
+    found = {
+        (m, d)
+        for m, deps in graph.items()
+        if _in(m, "towerrec.config")
+        for d in deps
+        if _in(d, "towerrec.workflows")
+    }
+    assert found == set()
+
+
+def test_the_step_primitives_stand_alone():
+    """train/step.py, loss.py and metrics.py import nothing else of the engine, so that
+    the build layer below the rest of it can use them."""
+    graph = import_graph()
+    for module in STEP_PRIMITIVES:
+        engine = {d for d in graph[module] if _in(d, "towerrec.train")}
+        assert engine <= STEP_PRIMITIVES, (module, engine - STEP_PRIMITIVES)
+
+
+def test_the_build_layer_uses_only_the_step_primitives():
+    """build/ sits below the engine: of towerrec.train it imports the step primitives."""
+    graph = import_graph()
+    found = {
+        (m, d)
+        for m, deps in graph.items()
+        if _in(m, "towerrec.build")
+        for d in deps
+        if _in(d, "towerrec.train") and d not in STEP_PRIMITIVES
+    }
+    assert found == set()
+
+
+# Where a source or a model is chosen by its name: their registries.
+REGISTRIES = {"data/registry.py", "build/models.py"}
+CHAIN = re.compile(
+    r"""(\bsource|\bmodel\.name|\bmodel_config\.name)\s*(==|!=|(not\s+)?in\s*[(\[{])\s*["']"""
+)
+
+
+def test_no_string_chain_over_the_source_or_the_model_name():
+    """``data.source`` and ``model.name`` are looked up in their registries
+    (``SOURCES``, ``MODELS``), not compared with names written out in if-chains."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if str(path.relative_to(SRC)) in REGISTRIES:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if CHAIN.search(line.split("#")[0]):
+                found.append(f"{path.relative_to(SRC)}:{number}: {line.strip()}")
+    assert found == []
+
+
+def test_the_chain_check_finds_a_chain():
+    for line in (
+        'if data.source == "synthetic":',
+        "if config.data.source in ('criteo', 'cache'):",
+        'if config.model.name != "dmt":',
+        'elif model.name == "dcn":',
+    ):
+        assert CHAIN.search(line), line
+    assert not CHAIN.search("entry = SOURCES[config.data.source]")

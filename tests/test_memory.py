@@ -34,7 +34,7 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.trainer import train_step
+from towerrec.train.step import train_step
 
 pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)"),

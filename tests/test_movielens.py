@@ -12,7 +12,7 @@ import pytest
 from towerrec.config import load_config
 from towerrec.data.loader import ColumnSource, LoaderConfig
 from towerrec.data.movielens import MovieLensConfig, bundled_movielens_path, load_movielens
-from towerrec.train import trainer
+from towerrec.workflows import training as trainer
 
 PATH = bundled_movielens_path()
 ROOT = Path(__file__).parent.parent

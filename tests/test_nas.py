@@ -8,13 +8,15 @@ import json
 import pytest
 import torch
 
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
+from towerrec.build.sources import build_source
 from towerrec.cli.app import main
 from towerrec.config import ConfigError, load_config
-from towerrec.nas.config import SearchSpaceKind
-from towerrec.nas.search import search
-from towerrec.nas.supernet import build_supernet
-from towerrec.train.build import build_dense_optimizer, build_model, build_source
+from towerrec.config.nas import SearchSpaceKind
 from towerrec.train.step import train_step
+from towerrec.workflows.nas.search import search
+from towerrec.workflows.nas.supernet import build_supernet
 
 SMALL = [
     "data.synthetic.num_embeddings=[600,300,80,40]",

@@ -181,8 +181,8 @@ def test_plan_command_with_neuroshard(tmp_path, capsys):
 
 
 def test_a_policy_for_another_kernel_is_named(caplog):
+    from towerrec.build.planning import plan_source
     from towerrec.config import load_config
-    from towerrec.train.planning import plan_source
 
     kernel = load_policy().info["kernel"]
     other = "torch" if kernel == "fbgemm" else "fbgemm"

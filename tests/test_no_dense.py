@@ -10,6 +10,7 @@ from conftest import run_cli as towerrec
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from towerrec.build.models import build_model
 from towerrec.config import load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dlrm import DLRM
@@ -17,7 +18,6 @@ from towerrec.models.dmt import DMT
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.tables import TableConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.build import build_model
 
 MODELS = ("dlrm", "dcn", "wukong", "dmt")
 NO_DENSE = [

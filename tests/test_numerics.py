@@ -10,8 +10,9 @@ import torch
 from conftest import run_cli
 from test_trainer import QUICK, final_state, quick_config
 
-from towerrec.train import trainer
+from towerrec.train import loop
 from towerrec.train.numerics import available_cores, pinned, resolve_threads
+from towerrec.workflows import training as trainer
 
 
 def test_threads_resolve_from_the_config_then_the_declared_cores(monkeypatch):
@@ -28,13 +29,13 @@ def test_threads_resolve_from_the_config_then_the_declared_cores(monkeypatch):
 def _recording_threads(monkeypatch) -> list[int]:
     """The intra-op thread count at each training step of ``trainer.train``."""
     seen: list[int] = []
-    step = trainer.train_step
+    step = loop.train_step
 
     def recording(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "train_step", recording)
+    monkeypatch.setattr(loop, "train_step", recording)
     return seen
 
 
@@ -55,13 +56,13 @@ def test_a_run_sets_its_own_threads_and_gives_the_process_its_settings_back(tmp_
     torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     seen.clear()
     precision: list[str] = []
-    set_rates = trainer.set_learning_rates
+    set_rates = loop.set_learning_rates
 
     def recording_precision(*args):
         precision.append(torch.backends.mkldnn.matmul.fp32_precision)
         return set_rates(*args)
 
-    monkeypatch.setattr(trainer, "set_learning_rates", recording_precision)
+    monkeypatch.setattr(loop, "set_learning_rates", recording_precision)
     try:
         summary = trainer.train(config, tmp_path / "b")
         assert (torch.get_num_threads(), torch.backends.mkldnn.matmul.fp32_precision) == (

@@ -18,7 +18,7 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_paramet
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.train.pipeline import pipelined
-from towerrec.train.trainer import train_step
+from towerrec.train.step import train_step
 
 TABLES = [
     TableConfig("t0", 40, 8),

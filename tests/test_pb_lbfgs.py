@@ -220,7 +220,7 @@ def _final_weights(run):
 def test_a_run_stopped_and_resumed_ends_bit_for_bit_like_the_whole_run(tmp_path, name):
     """The checkpoint holds the history or stage and the sample's chunks; the resumed
     run draws those chunks again and goes on in the stream where the optimizer was."""
-    from towerrec.train import trainer
+    from towerrec.workflows import training as trainer
 
     overrides = [
         f"optimizer.name={name}",
@@ -261,7 +261,7 @@ def test_a_run_stopped_and_resumed_ends_bit_for_bit_like_the_whole_run(tmp_path,
 
 
 def test_the_batch_pipeline_is_refused_with_the_fix(tmp_path):
-    from towerrec.train import trainer
+    from towerrec.workflows import training as trainer
 
     config = load_config(
         None,
@@ -282,7 +282,7 @@ def test_the_batch_pipeline_is_refused_with_the_fix(tmp_path):
 def test_a_criteo_format_cache_on_2_ranks_follows_one_process(tmp_path):
     from towerrec.data.criteo import CriteoOptions, preprocess_criteo
     from towerrec.data.criteo_gen import generate_criteo_files
-    from towerrec.train import trainer
+    from towerrec.workflows import training as trainer
 
     days = generate_criteo_files(tmp_path / "raw", files=2, rows_per_file=801, seed=3)
     cache = tmp_path / "cache"

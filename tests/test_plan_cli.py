@@ -7,11 +7,11 @@ import torch
 import torch.multiprocessing as mp
 from conftest import run_cli as towerrec
 
+from towerrec.build.planning import build_plan
 from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.modules.tables import TableConfig
 from towerrec.sharding import ShardingPlan
-from towerrec.train.planning import build_plan
 
 
 def _tables(config, source):

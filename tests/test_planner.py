@@ -293,8 +293,8 @@ def test_planning_is_deterministic():
 def test_planned_memory_counts_the_configured_optimizers_state(optimizer, state_bytes):
     """A shard holds its rows and the optimizer state they carry: Adam's two moments per
     element make a shard 3x a row-wise Adagrad one's weights, not 1x plus a float."""
+    from towerrec.build.planning import build_cost_model
     from towerrec.config import load_config
-    from towerrec.train.planning import build_cost_model
 
     config = load_config(None, [f"embedding.optimizer={optimizer}"])
     model = build_cost_model(config, world_size=2)

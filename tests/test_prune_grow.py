@@ -13,8 +13,8 @@ from torch import nn
 from towerrec.config import ConfigError, config_from_dict, load_config
 from towerrec.modules.mlp import MLP
 from towerrec.modules.mlp_width import hidden_widths, keep_by_score, unit_scores
-from towerrec.train import trainer
-from towerrec.train.prune_grow import PruneGrow
+from towerrec.workflows import training as trainer
+from towerrec.workflows.prune_grow import PruneGrow
 
 SCHEDULE = {"mlps": ["top"], "keep": 0.5, "prune_at": [4], "grow_at": [8], "unit": "step"}
 
@@ -254,7 +254,7 @@ MOVIELENS = [
 
 
 def _train_movielens(out):
-    from towerrec.train.trainer import train
+    from towerrec.workflows.training import train
 
     return train(load_config(None, MOVIELENS), out)
 
@@ -279,7 +279,9 @@ def test_two_ranks_follow_one_process_on_movielens(tmp_path):
 
 
 def _movielens_state(out_dir, config):
-    from towerrec.train.build import build_dense_optimizer, build_model, build_source
+    from towerrec.build.models import build_model
+    from towerrec.build.optimizers import build_dense_optimizer
+    from towerrec.build.sources import build_source
     from towerrec.train.checkpoint import CheckpointManager
 
     model = build_model(config, build_source(config.data).schema, torch.device("cpu"))

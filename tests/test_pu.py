@@ -21,7 +21,6 @@ from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train import trainer
 from towerrec.train.loss import (
     BCE,
     LossKind,
@@ -29,8 +28,9 @@ from towerrec.train.loss import (
     pu_bce,
     punce_contrastive,
 )
-from towerrec.train.pu_prior import estimate_class_prior, estimate_prior
 from towerrec.train.step import train_step
+from towerrec.workflows import training as trainer
+from towerrec.workflows.pu.prior import estimate_class_prior, estimate_prior
 
 
 def _softplus(x: float) -> float:

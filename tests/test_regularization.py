@@ -6,14 +6,15 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.mlp import MLP
 from towerrec.modules.tables import TableConfig
-from towerrec.train.build import build_dense_optimizer, build_model
-from towerrec.train.trainer import evaluate
+from towerrec.train.step import evaluate
 
 MODELS = ("dlrm", "dcn", "wukong", "dmt")
 BASE = [

@@ -9,9 +9,9 @@ import torch
 from towerrec.cli.app import main
 from towerrec.config import load_config
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train import trainer
-from towerrec.train.replay import run_replay
 from towerrec.train.step import evaluate
+from towerrec.workflows import training as trainer
+from towerrec.workflows.replay.replay import run_replay
 
 SMALL = [
     "data.synthetic.num_embeddings=[40, 60, 90]",

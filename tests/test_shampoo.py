@@ -13,7 +13,7 @@ from scipy.linalg import fractional_matrix_power
 from towerrec.config import load_config
 from towerrec.distributed.launch import spawn_world
 from towerrec.optim.shampoo import Shampoo, ShampooSettings, block_slices
-from towerrec.train import trainer
+from towerrec.workflows import training as trainer
 
 EPS = 1e-6
 GRAFT_EPS = 1e-8

@@ -23,14 +23,14 @@ from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.mesh import Topology
 from towerrec.modules.cached import CachedEmbeddingBagCollection
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.compact import CompactConfig, build_embedding_collection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
+from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sharding import ShardingPlan, ShardingType, plan_table
+from towerrec.train.loop import _prefetches_rows
 from towerrec.train.pipeline import pipelined
-from towerrec.train.trainer import _prefetches_rows
 
 # "big" and "pair" run cached (more than MIN_ROWS rows), "small" stays in device memory.
 TABLES = [
@@ -50,7 +50,11 @@ def _tier(path, backing="ssd") -> TierConfig:
     # (24 of big, 48 of pair), so few that rows are evicted (and written back to the
     # SSD file) every step once the cache is full.
     return TierConfig(
-        "cached", cache_fraction=0.1, backing=backing, backing_path=str(path), min_rows=MIN_ROWS
+        "cached",
+        cache_fraction=0.1,
+        backing=backing,
+        backing_path=str(path),
+        cache_min_rows=MIN_ROWS,
     )
 
 

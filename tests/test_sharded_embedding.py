@@ -21,6 +21,7 @@ from dist_cases import (
     plan_mixed,
 )
 
+from towerrec.build.planning import build_plan
 from towerrec.config import load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.distributed.comm import Comm
@@ -32,7 +33,6 @@ from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.planning import build_plan
 
 BATCH = 6  # per rank
 STEPS = 5

@@ -21,9 +21,9 @@ from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.mesh import Topology
 from towerrec.modules.cached import CachedEmbeddingBagCollection
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.compact import CompactConfig, build_embedding_collection
 from towerrec.modules.tables import TableConfig, init_rows
+from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sharding import ShardingPlan, ShardingType, plan_table
 from towerrec.train.checkpoint import CheckpointManager
@@ -40,7 +40,11 @@ ADAM = EmbeddingOptimizerConfig(kind="adam", lr=0.05)
 
 def _tier(path, backing="kv") -> TierConfig:
     return TierConfig(
-        "cached", cache_slots=SLOTS, backing=backing, backing_path=str(path), min_rows=MIN_ROWS
+        "cached",
+        cache_slots=SLOTS,
+        backing=backing,
+        backing_path=str(path),
+        cache_min_rows=MIN_ROWS,
     )
 
 
@@ -266,9 +270,9 @@ def test_a_plan_splitting_a_kv_table_is_refused(tmp_path, kind):
 
 
 def test_planner_places_kv_tables_whole_at_their_cache_size(tmp_path):
+    from towerrec.build.planning import plan_source
     from towerrec.config import load_config
     from towerrec.planner.stats import TableStats
-    from towerrec.train.planning import plan_source
 
     config = load_config(
         None,
@@ -304,10 +308,10 @@ def test_planner_places_kv_tables_whole_at_their_cache_size(tmp_path):
 
 
 def test_planner_refuses_a_kv_cache_larger_than_a_device_by_name(tmp_path):
+    from towerrec.build.planning import plan_source
     from towerrec.config import load_config
     from towerrec.planner.placement import PlanningError
     from towerrec.planner.stats import TableStats
-    from towerrec.train.planning import plan_source
 
     sets = ["embedding.memory=cached", "embedding.backing=kv", f"embedding.backing_path={tmp_path}"]
     config = load_config(

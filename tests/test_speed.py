@@ -141,8 +141,8 @@ def test_auto_resolves_by_this_machines_capability():
 
 
 def test_dense_optimizers_are_fused_on_cpu():
+    from towerrec.build.optimizers import build_dense_optimizer
     from towerrec.config import OptimizerConfig
-    from towerrec.train.build import build_dense_optimizer
 
     model = tiny_dlrm()
     for name in ("adam", "adagrad", "sgd"):

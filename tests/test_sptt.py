@@ -13,6 +13,7 @@ from conftest import run_cli
 from dist_cases import make_batch
 from torch.distributed.device_mesh import init_device_mesh
 
+from towerrec.build.models import check_towers_fit_hosts
 from towerrec.config import load_config
 from towerrec.distributed.comm import CommStats
 from towerrec.distributed.id_wire import IdWire
@@ -27,7 +28,6 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_paramet
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import Jagged, KeyedJaggedTensor
-from towerrec.train.build import check_towers_fit_hosts
 from towerrec.train.checkpoint import CheckpointManager
 from towerrec.train.distributed import RunContext
 

@@ -9,8 +9,8 @@ from conftest import run_cli
 
 from towerrec.config import load_config
 from towerrec.distributed.launch import WorkerError
-from towerrec.train import sweep
-from towerrec.train.sweep import read_runs, run_sweep, sweep_points
+from towerrec.workflows import sweep
+from towerrec.workflows.sweep import read_runs, run_sweep, sweep_points
 
 REPO = Path(__file__).parent.parent
 

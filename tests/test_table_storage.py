@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import run_cli
 
+from towerrec.build.models import build_model
 from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train.build import build_model
 
 REPO = Path(__file__).parent.parent
 QUICK = REPO / "configs" / "quick.toml"  # tables cat_0..cat_3: 100, 50, 200, 20 rows; cat_2 2-hot
@@ -59,7 +59,7 @@ def test_unknown_table_name_lists_the_tables():
 
 
 def test_mixed_kinds_parameters_flops_and_training(tmp_path):
-    from towerrec.train.trainer import train
+    from towerrec.workflows.training import train
 
     model = quick_model(MIXED)
     full = quick_model([])
@@ -83,7 +83,7 @@ def test_mixed_kinds_parameters_flops_and_training(tmp_path):
 
 @pytest.mark.parametrize("kind", ["qr", "hash"])
 def test_override_on_every_table_equals_the_global_setting(tmp_path, kind):
-    from towerrec.train.trainer import train
+    from towerrec.workflows.training import train
 
     settings = {"kind": kind, "compression": 3}
     if kind == "qr":
@@ -105,7 +105,7 @@ def test_override_on_every_table_equals_the_global_setting(tmp_path, kind):
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    from towerrec.train.trainer import train
+    from towerrec.workflows.training import train
 
     config = load_config(
         QUICK, ["train.steps=6", "train.eval_every=0", "train.progress=false", *MIXED]
@@ -137,7 +137,7 @@ def test_cli_set_with_an_unknown_table_is_one_error_line(tmp_path):
 
 @pytest.mark.multiprocess
 def test_two_processes_match_one_with_per_table_storage(tmp_path):
-    from towerrec.train.trainer import train
+    from towerrec.workflows.training import train
 
     overrides = [*SHORT, "train.steps=6", "data.synthetic.eval_samples=2048", *MIXED]
     args = [a for o in overrides for a in ("--set", o)]

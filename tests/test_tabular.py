@@ -142,7 +142,7 @@ def test_missing_column_and_bad_values(tmp_path, frame):
 
 def test_a_csv_cache_trains(tmp_path):
     from towerrec.config import load_config
-    from towerrec.train import trainer
+    from towerrec.workflows import training as trainer
 
     rng = np.random.default_rng(0)
     users, items = rng.integers(0, 50, 3000), rng.integers(0, 80, 3000)

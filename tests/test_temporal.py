@@ -7,17 +7,18 @@ import pytest
 import torch
 
 from towerrec.bench.temporal import _NextPeriod
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.cli.app import main
 from towerrec.config import TemporalConfig, load_config
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train import replay as replay_module
-from towerrec.train import trainer
-from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.metrics import auc
-from towerrec.train.pu_prior import resolve_objective
-from towerrec.train.replay import run_replay
 from towerrec.train.step import evaluate, train_step
-from towerrec.train.temporal import FutureGradient, GeneratorNet, training_periods
+from towerrec.workflows import training as trainer
+from towerrec.workflows.pu.prior import resolve_objective
+from towerrec.workflows.replay import replay as replay_module
+from towerrec.workflows.replay.replay import run_replay
+from towerrec.workflows.replay.temporal import FutureGradient, GeneratorNet, training_periods
 
 SMALL = [
     "data.synthetic.num_embeddings=[40, 60, 90]",

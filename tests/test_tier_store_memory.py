@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from towerrec.modules import tier_store
+from towerrec.modules import ssd_store as tier_store
+from towerrec.modules.ssd_store import HEADER_BYTES, SsdStore
 from towerrec.modules.tables import TableConfig, fill_table_block
-from towerrec.modules.tier_store import HEADER_BYTES, HostStore, RowLayout, SsdStore, StoreError
+from towerrec.modules.tier_store import HostStore, RowLayout, StoreError
 
 LAYOUT = RowLayout("t", 40_000, 8, (("momentum", 1),))
 TABLE = TableConfig("t", 40_000, 8)

@@ -2,6 +2,8 @@
 
 import pytest
 
+from towerrec.build.planning import plan_tower_layouts
+from towerrec.build.sources import build_source
 from towerrec.config import load_config
 from towerrec.modules.tables import TableConfig
 from towerrec.planner.cost import CostModel
@@ -9,8 +11,6 @@ from towerrec.planner.stats import TableStats
 from towerrec.planner.topology import topology_preset
 from towerrec.planner.tower_layout import choose_tower_layout
 from towerrec.sharding import ShardingType
-from towerrec.train.build import build_source
-from towerrec.train.planning import plan_tower_layouts
 
 
 def _model(ranks: int = 2, hosts: int = 1) -> CostModel:

@@ -8,8 +8,9 @@ from conftest import run_cli
 from towerrec.config import ConfigError, config_from_dict, config_to_toml, load_config
 from towerrec.data.batch import Batch
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train import session, trainer
+from towerrec.train import loop, session
 from towerrec.train.checkpoint import embedding_optimizer_state_dict
+from towerrec.workflows import training as trainer
 
 QUICK = [
     "data.synthetic.num_embeddings=[60, 30, 90]",
@@ -29,7 +30,8 @@ def quick_config(*extra):
 
 def final_state(out_dir, config):
     """Weights and optimizer state of the run's last checkpoint, loaded into a fresh model."""
-    from towerrec.train.build import build_dense_optimizer, build_model
+    from towerrec.build.models import build_model
+    from towerrec.build.optimizers import build_dense_optimizer
     from towerrec.train.checkpoint import CheckpointManager
 
     source = SyntheticSource(config.data.synthetic)
@@ -207,7 +209,7 @@ def test_batch_validation_errors():
 
 
 def test_lr_schedule():
-    from towerrec.train.build import lr_factor
+    from towerrec.train.step import lr_factor
 
     cfg = load_config(
         None, ["optimizer.warmup_steps=10", "optimizer.decay=linear", "optimizer.min_lr_ratio=0.0"]
@@ -238,7 +240,7 @@ class _Rows:
 
 
 def test_steps_are_resolved_from_the_source_unless_set():
-    from towerrec.train.build import resolve_steps
+    from towerrec.build.resolve import resolve_steps
 
     real = ["data.source=criteo", "data.path=cache", "train.batch_size=1000"]
     assert resolve_steps(load_config(), None)[0] == 2500  # synthetic: the fixed default
@@ -255,7 +257,7 @@ def test_steps_are_resolved_from_the_source_unless_set():
 def test_a_run_sized_from_its_data_scales_the_default_warm_up():
     """One epoch of a small cache is shorter than the default 100-step warm-up: the run
     gets a tenth of its steps instead, unless steps or warm-up were chosen."""
-    from towerrec.train.build import resolve_run_config
+    from towerrec.build.resolve import resolve_run_config
 
     real = ["data.source=criteo", "data.path=cache", "train.batch_size=1000"]
     config, why = resolve_run_config(load_config(None, real), _Rows(15_000))
@@ -310,7 +312,7 @@ def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch)
 def test_a_model_that_predicts_one_value_for_every_example_is_warned_about(
     tmp_path, monkeypatch, caplog
 ):
-    real = trainer.evaluate
+    real = loop.evaluate
 
     def dead(model, *args, **kwargs):  # the model's output no longer depends on its input
         last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
@@ -318,12 +320,12 @@ def test_a_model_that_predicts_one_value_for_every_example_is_warned_about(
             last.weight.zero_()
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(trainer, "evaluate", dead)
+    monkeypatch.setattr(loop, "evaluate", dead)
     with caplog.at_level("WARNING", logger="towerrec"):
         trainer.train(quick_config("train.steps=4", "train.eval_every=2"), tmp_path / "dead")
     warned = [r.getMessage() for r in caplog.records if "same prediction" in r.getMessage()]
     assert len(warned) == 1 and "step 2:" in warned[0], warned  # once, at the first evaluation
-    monkeypatch.setattr(trainer, "evaluate", real)
+    monkeypatch.setattr(loop, "evaluate", real)
     caplog.clear()
     with caplog.at_level("WARNING", logger="towerrec"):
         trainer.train(quick_config("train.steps=4", "train.eval_every=2"), tmp_path / "alive")

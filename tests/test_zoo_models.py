@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from towerrec.build.models import build_model
 from towerrec.config import ConfigError, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dcn import DCN, CrossNetwork, DCNConfig
@@ -12,7 +13,6 @@ from towerrec.modules.compact import CompactConfig, CompactEmbeddingCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.build import build_model
 
 
 def collection(num_tables=3, dim=4):

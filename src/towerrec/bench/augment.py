@@ -28,9 +28,9 @@ from towerrec.config import load_config
 from towerrec.data.augmented import AugmentedPeriods
 from towerrec.data.period_files import write_periods
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.serve.augment import AugmentService
 from towerrec.serve.export import export_run
-from towerrec.train.trainer import train
+from towerrec.workflows.distill.augment import AugmentService
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK"]
 

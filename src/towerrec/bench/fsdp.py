@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from towerrec.bench.common import Benchmark, machine_info, time_interleaved
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import OptimizerConfig
 from towerrec.data.batch import Batch
 from towerrec.distributed.fsdp import dense_memory, dense_units
@@ -40,7 +41,6 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_paramet
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.build import build_dense_optimizer
 from towerrec.train.step import train_step
 
 __all__ = ["BENCHMARK", "WIDE_WUKONG", "run_fsdp_benchmark"]

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from towerrec.bench.common import Benchmark, add_overrides_argument, machine_info
+from towerrec.build.sources import build_source
 from towerrec.config import load_config
 from towerrec.distributed.id_wire import IdWire
-from towerrec.train.build import build_source
 
 __all__ = ["BENCHMARK", "run_id_wire_benchmark"]
 

@@ -41,10 +41,10 @@ from towerrec.bench.common import (
     machine_info,
     peak_rss_mb,
 )
+from towerrec.build.sources import build_source
 from towerrec.config import load_config
 from towerrec.data.locality import stack_distances
-from towerrec.train.build import build_source
-from towerrec.train.trainer import train
+from towerrec.workflows.training import train
 
 __all__ = [
     "BENCHMARK",

@@ -39,13 +39,14 @@ from typing import Any
 import torch
 
 from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list, machine_info
+from towerrec.build.models import build_model
+from towerrec.build.sources import build_source
 from towerrec.config import Config, load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.models.dlrm import DLRM
-from towerrec.nas.search import search
-from towerrec.train.build import build_model, build_source
-from towerrec.train.trainer import train
+from towerrec.workflows.nas.search import search
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK"]
 

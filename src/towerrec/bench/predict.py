@@ -28,7 +28,7 @@ from towerrec.config import load_config
 from towerrec.serve.artefact import load_artefact
 from towerrec.serve.export import TableDtype, export_run
 from towerrec.serve.predict import predict
-from towerrec.train.trainer import train
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK"]
 

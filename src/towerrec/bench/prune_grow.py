@@ -41,13 +41,16 @@ from towerrec.bench.common import (
     set_threads,
     time_interleaved,
 )
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
+from towerrec.build.resolve import resolve_steps
+from towerrec.build.sources import build_source
 from towerrec.config import Config, load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
-from towerrec.train.build import build_dense_optimizer, build_model, build_source, resolve_steps
-from towerrec.train.prune_grow import PruneGrow
 from towerrec.train.step import train_step
-from towerrec.train.trainer import train
+from towerrec.workflows.prune_grow import PruneGrow
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK"]
 

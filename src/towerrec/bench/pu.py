@@ -10,7 +10,7 @@
         ├─► pu_true   loss.kind = "pu_bce"   class_prior = the true share of positives
         │                                    among the unlabelled training examples
         ├─► pu_est    loss.kind = "pu_bce"   class_prior estimated from the PU training
-        │                                    data (train/pu_prior.py)
+        │                                    data (workflows/pu/prior.py)
         └─► full      loss.kind = "bce" on the true labels (nothing hidden): the reference
 
 Each variant trains the same model, steps and seed; reported on the test split
@@ -34,8 +34,8 @@ import numpy as np
 from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list, machine_info
 from towerrec.config import Config, LossConfig, load_config
 from towerrec.data.movielens import bundled_movielens_path, load_movielens
-from towerrec.train.pu_prior import FOLDS, estimate_class_prior
-from towerrec.train.trainer import train
+from towerrec.workflows.pu.prior import FOLDS, estimate_class_prior
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK", "run_pu"]
 

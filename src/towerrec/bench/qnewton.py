@@ -46,12 +46,13 @@ from towerrec.bench.common import (
     machine_info,
     set_threads,
 )
+from towerrec.build.models import build_model
+from towerrec.build.sources import build_source
 from towerrec.config import load_config
 from towerrec.models.dlrm import DLRM
 from towerrec.optim.dance import Dance, DanceSettings
 from towerrec.optim.pb_lbfgs import PBLBFGSSettings, ProgressiveBatchLBFGS
 from towerrec.optim.sampled import TensorSamples
-from towerrec.train.build import build_model, build_source
 
 __all__ = ["BENCHMARK"]
 

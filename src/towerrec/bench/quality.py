@@ -52,12 +52,13 @@ from towerrec.bench.quality_reference import (
     ReferenceSettings,
     train_reference,
 )
+from towerrec.build.sources import build_source
 from towerrec.config import Config, load_config
 from towerrec.data.batch import Batch
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
-from towerrec.train.build import build_source
-from towerrec.train.trainer import train
+from towerrec.data.loader import ColumnSource
+from towerrec.workflows.training import train
 
 __all__ = [
     "BENCHMARK",
@@ -113,6 +114,11 @@ def _plain(batch: Batch, sizes: list[int]) -> PlainData:
 def plain_data(config: Config) -> tuple[PlainData, PlainData]:
     """The train and validation (eval) rows of ``config.data`` as plain tensors."""
     source = build_source(config.data)
+    if not isinstance(source, ColumnSource):
+        raise ValueError(
+            f"the plain-PyTorch references read a data set's rows, but data.source = "
+            f"{config.data.source!r} is a stream; use a cache or MovieLens"
+        )
     sizes = [f.num_embeddings for f in source.schema.sparse]
     train_rows = source.train_batch(0, source.train_rows)  # epoch 0: every row once
     valid = list(source.eval_batches(source.eval_rows))

@@ -56,14 +56,15 @@ from towerrec.bench.common import (
     keeps_process_threads,
     machine_info,
 )
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import Config, load_config
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.periods import PeriodSource
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train.build import build_dense_optimizer, build_model, lr_factor
-from towerrec.train.distill import TeacherPeriods
-from towerrec.train.replay import period_steps, run_replay
-from towerrec.train.step import evaluate, set_learning_rates, train_step
+from towerrec.train.step import evaluate, lr_factor, set_learning_rates, train_step
+from towerrec.workflows.distill.teacher import TeacherPeriods
+from towerrec.workflows.replay.replay import period_steps, run_replay
 
 __all__ = ["BENCHMARK", "UnionPeriods", "WindowPeriods"]
 

@@ -37,7 +37,7 @@ from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list,
 from towerrec.config import Config, load_config
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.synthetic import SyntheticSource
-from towerrec.train.replay import run_replay
+from towerrec.workflows.replay.replay import run_replay
 
 __all__ = ["BENCHMARK"]
 

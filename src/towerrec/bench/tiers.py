@@ -48,11 +48,10 @@ crossing to and from the GPU); each step is timed to its end on the GPU
 (``torch.cuda.synchronize``), batches are copied to the GPU as the trainer does, and
 ``gpu_peak_mb`` is each variant's peak of GPU memory allocated.
 
-The variants run one after another (holding every layout at once would need
-several copies of the tables), ``--rounds`` times in turn; each reports its
-best round (on a shared machine other tenants only slow a round down; the
-first variant of a process is often slowed too) with every round's samples/s
-beside it, and the load average at start and end belongs in the record.
+The variants run one after another (holding every layout at once would need several copies of
+the tables), ``--rounds`` times in turn; each reports its best round (on a shared machine other
+tenants only slow a round down; the first variant of a process is often slowed too) with every
+round's samples/s beside it, and the load average at start and end belongs in the record.
 """
 
 from __future__ import annotations
@@ -81,6 +80,8 @@ from towerrec.bench.common import (
     peak_rss_mb,
     set_threads,
 )
+from towerrec.build.models import build_model
+from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import load_config
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.criteo_gen import CARDINALITIES
@@ -91,10 +92,10 @@ from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import parallelize, uniform_plan
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, fused_embedding_modules
+from towerrec.modules.interfaces import CachingCollection
+from towerrec.modules.ssd_store import SsdStore
 from towerrec.modules.tables import INIT_BLOCK_ROWS, TableConfig, fill_table_block
-from towerrec.modules.tier_store import SsdStore
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.build import build_dense_optimizer, build_model
 from towerrec.train.pipeline import pipelined
 from towerrec.train.step import train_step
 
@@ -207,10 +208,8 @@ def _run_variant(
                 module.prefetch_rows = reads_ahead  # the cached shards' misses read ahead
     elif reads_ahead:
         stream = pipelined(model, stream)  # read the next batch's misses ahead
-    caches = [
-        m
-        for _, m in fused_embedding_modules(model)
-        if isinstance(m, CachedEmbeddingBagCollection | ShardedEmbeddingBagCollection)
+    caches: list[CachingCollection] = [
+        m for _, m in fused_embedding_modules(model) if isinstance(m, CachingCollection)
     ]
     times, counts, rss = [], None, current_rss_mb()
     for step, batch in enumerate(stream):
@@ -438,9 +437,7 @@ def zipf_ids(rows: int, count: int, alpha: float, gen: torch.Generator) -> torch
     return (rank * step) % rows
 
 
-def _counters(
-    caches: list[CachedEmbeddingBagCollection | ShardedEmbeddingBagCollection],
-) -> tuple[int, int, int, int]:
+def _counters(caches: list[CachingCollection]) -> tuple[int, int, int, int]:
     stats = [s for c in caches for s in c.cache_stats().values()]
     return (
         sum(s.lookups for s in stats),

@@ -37,6 +37,10 @@ from towerrec.bench.common import (
     machine_info,
     time_interleaved,
 )
+from towerrec.build.models import build_model, feature_stats
+from towerrec.build.optimizers import build_dense_optimizer
+from towerrec.build.sources import build_source
+from towerrec.build.towers import learn_interaction_strength, learn_pilot_signals
 from towerrec.config import Config, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dmt import TowerKind
@@ -49,15 +53,8 @@ from towerrec.planner.towers import (
     partition_features,
     random_partition,
 )
-from towerrec.train.build import (
-    build_dense_optimizer,
-    build_model,
-    build_source,
-    feature_stats,
-)
 from towerrec.train.step import train_step
-from towerrec.train.towers import learn_interaction_strength, learn_pilot_signals
-from towerrec.train.trainer import train
+from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK", "compare_partitioners", "run_towers_benchmark", "step_time_ratios"]
 
@@ -246,9 +243,9 @@ def compare_partitioners(
             *overrides,
         ],
     )
-    synthetic = base.data.source == "synthetic"
-    source = SyntheticSource(base.data.synthetic) if synthetic else None
-    schema = source.schema if source is not None else build_source(base.data).schema
+    data = build_source(base.data)
+    source = data if isinstance(data, SyntheticSource) else None  # with a planted truth
+    schema = data.schema
     runs: list[dict] = []
     for seed in range(seeds):
         config = dataclasses.replace(base, train=dataclasses.replace(base.train, seed=seed))
@@ -282,7 +279,7 @@ def compare_partitioners(
             "auc": _mean_std([r["auc"] for r in mine]),
             "logloss": _mean_std([r["logloss"] for r in mine]),
         }
-        if synthetic:
+        if source is not None:
             summary[name]["planted_cross_mass"] = _mean_std([r["planted_cross_mass"] for r in mine])
     by_seed = {(r["seed"], r["partitioner"]): r for r in runs}
     paired = [

@@ -9,7 +9,7 @@
 - ``precision``: bf16 autocast against fp32: training samples/s on the
   Criteo-Kaggle shape (timed round-robin in one process) and AUC on planted data.
 
-Every variant trains with ``towerrec.train.trainer.train`` on the same data
+Every variant trains with ``towerrec.workflows.training.train`` on the same data
 stream and seed, so AUC differences come from the variant alone. With
 ``seeds = N`` every variant trains N times, run s with model-init seed s
 (``train.seed``) and data-order seed s (``data.loader.seed`` for file data;
@@ -41,13 +41,14 @@ from towerrec.bench.common import (
     time_interleaved,
 )
 from towerrec.bench.train import CRITEO_SHAPE, DENSE_LR, EMB_LR, build_tables, make_batches
+from towerrec.build.models import build_model
+from towerrec.build.sources import build_source
 from towerrec.config import load_config
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.train.build import build_model, build_source
 from towerrec.train.step import train_step
-from towerrec.train.trainer import train
+from towerrec.workflows.training import train
 
 __all__ = [
     "BENCHMARKS",

@@ -21,11 +21,11 @@ __all__ = [
 EXPORT_TABLE_DTYPES = ("fp32", "fp16", "int8")
 # towerrec.serve.predict.SPLITS: `towerrec predict --split`.
 PREDICT_SPLITS = ("validation", "test", "train", "all")
-# towerrec.nas.config.SearchSpaceKind: `towerrec nas search --space`.
+# towerrec.config.nas.SearchSpaceKind: `towerrec nas search --space`.
 NAS_SPACES = ("mlp", "emb_dim", "emb_card")
 # towerrec.data.profile.DEFAULT_MAX_IDS and PROFILE_NAME: `towerrec data profile`.
 PROFILE_MAX_IDS = 4_000_000
 PROFILE_NAME = "locality_profile.json"
-# towerrec.train.pu_prior.FOLDS and TOP_FRACTION: `towerrec data pu-prior`.
+# towerrec.workflows.pu.prior.FOLDS and TOP_FRACTION: `towerrec data pu-prior`.
 PU_FOLDS = 5
 PU_TOP_FRACTION = 0.02

@@ -12,8 +12,9 @@ __all__ = ["add_commands"]
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    from towerrec.build.resolve import resolve_run_config
+    from towerrec.build.sources import build_source
     from towerrec.config import config_to_toml, load_config
-    from towerrec.train.build import build_source, resolve_run_config
 
     config = load_config(args.config, args.overrides)
     config, _ = resolve_run_config(config, build_source(config.data))

@@ -1,7 +1,7 @@
 """``towerrec distill serve``: the augmentation service of external distillation.
 
 towerrec distill serve --teacher EXPORT_DIR --watch STUDENT_DIR [--watch ...] --out OUT
-    the augmentation service (serve/augment.py): follows the students' period files
+    the augmentation service (workflows/distill/augment.py): follows the students' period files
     (``towerrec data periods``, cli/data/periods.py), scores each unique example once
     with the teacher, writes OUT/<student>/ shards that ``data.source = "augmented"``,
     ``data.augmented.dir = OUT/<student>`` reads
@@ -20,7 +20,7 @@ log = logging.getLogger("towerrec")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from towerrec.serve.augment import AugmentService
+    from towerrec.workflows.distill.augment import AugmentService
 
     service = AugmentService(args.teacher, args.watch, args.out, args.batch_size)
     try:

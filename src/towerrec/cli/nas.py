@@ -16,7 +16,7 @@ log = logging.getLogger("towerrec")
 
 def _cmd_search(args: argparse.Namespace) -> int:
     from towerrec.config import load_config
-    from towerrec.nas.search import search
+    from towerrec.workflows.nas.search import search
 
     overrides = list(args.overrides)
     if args.space:
@@ -42,7 +42,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
 def _cmd_retrain(args: argparse.Namespace) -> int:
     from towerrec.config import load_config
     from towerrec.train.run_dir import default_run_dir
-    from towerrec.train.trainer import train
+    from towerrec.workflows.training import train
 
     config = load_config(args.arch, args.overrides)
     out = Path(args.out or default_run_dir())

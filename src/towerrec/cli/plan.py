@@ -98,12 +98,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from towerrec import calibration
+    from towerrec.build.planning import plan_source
+    from towerrec.build.sources import build_source
     from towerrec.config import load_config
     from towerrec.planner.report import device_table, write_bar_chart
     from towerrec.planner.stats import load_stats, save_stats, stats_from_source
     from towerrec.planner.suites import dlrm_like_suite
-    from towerrec.train.build import build_source
-    from towerrec.train.planning import plan_source
 
     config = load_config(args.config, args.overrides)
     if args.world_size < 1:
@@ -208,9 +208,9 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec(config: Config, args: argparse.Namespace, world_size: int) -> TierSpec:
+    from towerrec.build.planning import build_cost_model
     from towerrec.planner.tier_spec import tier_spec_for
     from towerrec.planner.topology import GiB
-    from towerrec.train.planning import build_cost_model
 
     topology = build_cost_model(config, world_size).topology
     storage = None
@@ -230,7 +230,7 @@ def _spec(config: Config, args: argparse.Namespace, world_size: int) -> TierSpec
 
 
 def _row_bytes(config: Config, world_size: int) -> int:
-    from towerrec.train.planning import build_cost_model
+    from towerrec.build.planning import build_cost_model
 
     c = build_cost_model(config, world_size).constants
     dim = config.model.embedding_dim

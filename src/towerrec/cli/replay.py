@@ -14,7 +14,7 @@ __all__ = ["add_commands"]
 def _cmd_replay(args: argparse.Namespace) -> int:
     from towerrec.config import load_config
     from towerrec.distributed.launch import WorkerError, launch
-    from towerrec.train.replay import check_out_dir, replay, replay_worker
+    from towerrec.workflows.replay.replay import check_out_dir, replay, replay_worker
 
     config = load_config(args.config, args.overrides)  # checked before any worker starts
     out = args.out or Path("runs") / datetime.now().strftime("replay-%Y%m%d-%H%M%S")

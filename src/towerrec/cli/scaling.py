@@ -16,7 +16,7 @@ METRICS = ("ne", "logloss")
 
 def _cmd_fit(args: argparse.Namespace) -> int:
     from towerrec.scaling import fit_power_law, fit_relative, plot_fits
-    from towerrec.train.sweep import read_runs
+    from towerrec.workflows.sweep import read_runs
 
     runs = [r for r in read_runs(args.runs) if r.get("status") == "ok"]
     if args.where:

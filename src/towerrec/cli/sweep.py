@@ -1,4 +1,4 @@
-"""``towerrec sweep``: train every point of a grid into one runs file (train/sweep.py);
+"""``towerrec sweep``: train every point of a grid into one runs file (workflows/sweep.py);
 ``towerrec scaling fit`` (cli/scaling.py) fits its runs."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ __all__ = ["add_commands"]
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from towerrec.train.sweep import run_sweep
+    from towerrec.workflows.sweep import run_sweep
 
     records = run_sweep(
         args.config, args.overrides, args.grid, args.out, nproc=args.nproc, hosts=args.hosts

@@ -16,10 +16,10 @@ log = logging.getLogger("towerrec")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from towerrec.build.planning import load_plan_file
     from towerrec.config import load_config
-    from towerrec.train.planning import load_plan_file
     from towerrec.train.run_dir import RunDir, default_run_dir
-    from towerrec.train.trainer import train
+    from towerrec.workflows.training import train
 
     out = Path(args.out or default_run_dir())
     if args.resume:  # the run's saved config; a conflicting --set is refused before launching
@@ -78,7 +78,7 @@ def _discard_unstarted_run(out: Path) -> None:
 def _launch_train(args: argparse.Namespace, out: Path) -> dict:
     """``--nproc N``: N local workers through torch.distributed's elastic launcher."""
     from towerrec.distributed.launch import WorkerError, launch
-    from towerrec.train.worker import train_worker
+    from towerrec.workflows.worker import train_worker
 
     try:
         results = launch(

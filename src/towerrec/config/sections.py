@@ -6,10 +6,11 @@ values (``ConfigError`` names the key and the fix; the training sections are in
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from towerrec.config.errors import ConfigError
 from towerrec.config.errors import choice as _choice
+from towerrec.config.nas import NASConfig
 from towerrec.config.training import (
     EarlyStoppingConfig,
     LossConfig,
@@ -21,11 +22,12 @@ from towerrec.config.training import (
 from towerrec.data.augmented import AugmentedConfig
 from towerrec.data.loader import LoaderConfig
 from towerrec.data.movielens import MovieLensConfig
+from towerrec.data.registry import SOURCES
 from towerrec.data.synthetic import SyntheticConfig
 from towerrec.models.dcn import DCNConfig
 from towerrec.models.dmt import DMTConfig
+from towerrec.models.names import REPRESENTATION_MODELS, ModelName
 from towerrec.models.wukong import WukongConfig
-from towerrec.modules.cached_config import Backing, CachePolicy, Memory, TierConfig
 from towerrec.modules.compact import (
     Combine,
     CompactConfig,
@@ -36,7 +38,7 @@ from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
-from towerrec.nas.config import NASConfig
+from towerrec.modules.tiers import Backing, CachePolicy, Memory, TableTiers, TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
 from towerrec.utils import at_least, positive
@@ -112,25 +114,8 @@ class DataConfig:
     augmented: AugmentedConfig = field(default_factory=AugmentedConfig)
 
     def __post_init__(self) -> None:
-        _choice(
-            self.source, ("synthetic", "movielens", "criteo", "cache", "augmented"), "data.source"
-        )
-        if self.source == "augmented" and not self.augmented.dir:
-            raise ValueError(
-                "data.source = 'augmented' needs data.augmented.dir, a student's directory "
-                "under the --out of `towerrec distill serve` (--set data.augmented.dir=OUT/NAME)"
-            )
-        if self.source == "synthetic" and self.path:
-            warnings.warn(
-                f"data.path = {self.path!r} is ignored: data.source is 'synthetic' "
-                "(set data.source to movielens, criteo or cache to read files)",
-                stacklevel=2,
-            )
-        if self.source in ("criteo", "cache") and not self.path:
-            raise ValueError(
-                f"data.source = {self.source!r} needs data.path, the directory written by "
-                "`towerrec data criteo INPUT... --out DIR` (--set data.path=DIR)"
-            )
+        _choice(self.source, tuple(SOURCES), "data.source")
+        SOURCES[self.source].check(self)  # what this source needs of the section
 
 
 @dataclass(frozen=True)
@@ -160,7 +145,8 @@ class EmbeddingConfig:
     # Of the rows a batch touches: rowwise_adagrad (decoupled or l2), adam (decoupled).
     weight_decay: float = 0.0
     weight_decay_mode: WeightDecayMode = WeightDecayMode.DECOUPLED
-    # Memory tier (modules/cached.py): device | cached (a cache over a backing store).
+    # Memory tier (modules/cached.py): device | cached (a cache over a backing store). These
+    # keys are the fields of modules/tiers.py's TierConfig, by name (``tiers``).
     memory: Memory = Memory.DEVICE
     cache_fraction: float = 0.05  # cached: share of a table's rows in the fast tier
     cache_policy: CachePolicy = CachePolicy.LRU  # cached: lru | lfu
@@ -180,7 +166,7 @@ class EmbeddingConfig:
         positive("embedding.eps", self.eps)
         _choice(self.init, ("uniform", "normal"), "embedding.init")
         self.compact()
-        self.table_tiers()
+        self.tiers()
         at_least("embedding.counter_halflife", self.counter_halflife, 0)
         if len(self.adam_betas) != 2:
             raise ValueError(
@@ -206,24 +192,13 @@ class EmbeddingConfig:
             weight_decay_mode=self.weight_decay_mode,
         )
 
-    def tier_config(self) -> TierConfig:
-        """The collection-wide memory tier (``[embedding.tables.<t>]`` may override it)."""
-        return TierConfig(
-            memory=self.memory,
-            cache_fraction=self.cache_fraction,
-            cache_policy=self.cache_policy,
-            backing=self.backing,
-            backing_path=self.backing_path,
-            min_rows=self.cache_min_rows,
-            cache_slots=self.cache_slots,
-        )
-
-    def table_tiers(self) -> dict[str, TierConfig]:
-        """The memory tier of each table named in ``tables`` (the others: ``tier_config``);
-        refuses a cached table that is not stored in full."""
-        base = self.tier_config()
-        tiers = {name: table.tiers(base) for name, table in self.tables.items()}
-        if base.is_cached and self.kind is not EmbeddingKind.FULL:
+    def tiers(self) -> TableTiers:
+        """Every table's memory tier (``modules/tiers.py``): the tier keys of this section
+        (``TierConfig``'s fields), over which ``[embedding.tables.<t>]`` sets a table's
+        own; refuses a cached table that is not stored in full."""
+        base = TierConfig(**{f.name: getattr(self, f.name) for f in fields(TierConfig)})
+        tiers = {name: table.tier(base) for name, table in self.tables.items()}
+        if base.asks_for_cache and self.kind is not EmbeddingKind.FULL:
             raise ValueError(
                 f"embedding.memory = 'cached' caches full tables, but embedding.kind = "
                 f"{self.kind.value!r}; set embedding.kind = 'full', or cache single tables "
@@ -232,14 +207,14 @@ class EmbeddingConfig:
         for name, tier in tiers.items():
             table = self.tables[name]
             kind = table.kind or self.kind
-            if tier.is_cached and (kind is not EmbeddingKind.FULL or table.dim is not None):
+            if tier.asks_for_cache and (kind is not EmbeddingKind.FULL or table.dim is not None):
                 raise ValueError(
                     f"embedding.tables.{name}: memory = 'cached' caches a full table, but it is "
                     f"stored as kind = {kind.value!r}"
                     + (f" with dim = {table.dim}" if table.dim is not None else "")
                     + "; set memory = 'device' or store it in full"
                 )
-        return tiers
+        return TableTiers(base, tiers)
 
     def compact(self) -> CompactConfig:
         return CompactConfig(
@@ -272,7 +247,7 @@ class ModelConfig:
     dmt: DMTConfig = field(default_factory=DMTConfig)  # model.name = "dmt"
 
     def __post_init__(self) -> None:
-        _choice(self.name, ("dlrm", "dcn", "wukong", "dmt"), "model.name")
+        _choice(self.name, tuple(n.value for n in ModelName), "model.name")
         at_least("model.embedding_dim", self.embedding_dim, 1)
         if not 0 <= self.dropout < 1:
             raise ValueError(
@@ -401,7 +376,7 @@ class DistributedConfig:
 @dataclass(frozen=True)
 class DistillConfig:
     """``distill``: external distillation from a foundation model's logits carried by the
-    batches (``Batch.teacher_logits``; ``train/distill.py``, docs/exfm.md "Students").
+    batches (``Batch.teacher_logits``; ``workflows/distill/loss.py``, docs/exfm.md "Students").
 
     ``weight`` (w): the distillation loss's weight, 0 = off (then every other key is
     ignored, unless ``adapter``). ``head``: ``shared`` (the distillation loss on the serving
@@ -502,7 +477,11 @@ class Config:
 
     def __post_init__(self) -> None:
         distill = self.distill
-        if distill.enabled and distill.head == "auxiliary" and self.model.name != "dlrm":
+        if (
+            distill.enabled
+            and distill.head == "auxiliary"
+            and self.model.name not in REPRESENTATION_MODELS
+        ):
             raise ValueError(
                 f"distill.head = 'auxiliary' needs a model with a representation; model.name "
                 f"= {self.model.name!r} has none (the DLRM's is its top MLP's input): set "
@@ -513,21 +492,23 @@ class Config:
                 f"distill.weight > 0 with optimizer.name = {self.optimizer.name!r}: it "
                 "evaluates the plain log-loss on its samples; use adam, adagrad or sgd"
             )
-        if self.loss.kind == "punce" and self.model.name != "dlrm":
+        if self.loss.kind == "punce" and self.model.name not in REPRESENTATION_MODELS:
             raise ValueError(
                 f"loss.kind = 'punce' needs a model with a representation; model.name = "
                 f"{self.model.name!r} has none (the DLRM's is its top MLP's input): set "
                 "model.name = 'dlrm' or loss.kind = 'pu_bce'"
             )
-        if self.train.epochs is not None and self.data.source == "synthetic":
+        endless = SOURCES[self.data.source].endless
+        if self.train.epochs is not None and endless:
             raise ValueError(
                 "train.epochs counts passes over a data set's training rows, but "
-                "data.source = 'synthetic' is an endless stream; set train.steps instead"
+                f"data.source = {self.data.source!r} is an endless stream; set train.steps "
+                "instead"
             )
-        if self.train.eval_every == "epoch" and self.data.source == "synthetic":
+        if self.train.eval_every == "epoch" and endless:
             raise ValueError(
-                "train.eval_every = 'epoch', but data.source = 'synthetic' is an endless stream "
-                "without epochs; give train.eval_every a number of steps"
+                f"train.eval_every = 'epoch', but data.source = {self.data.source!r} is an "
+                "endless stream without epochs; give train.eval_every a number of steps"
             )
         periodic = self.train.eval_every != 0
         if self.train.early_stopping.patience and not periodic:

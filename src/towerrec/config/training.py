@@ -85,7 +85,7 @@ class EarlyStoppingConfig:
 @dataclass(frozen=True)
 class PruneGrowConfig:
     """``train.prune_grow``: alternate pruned and full-width phases of the hidden layers of
-    the MLPs named in ``mlps`` (``train/prune_grow.py``). Pruned phase ``i`` runs from
+    the MLPs named in ``mlps`` (``workflows/prune_grow.py``). Pruned phase ``i`` runs from
     ``prune_at[i]`` to ``grow_at[i]`` (fractions of ``train.steps``, or steps with
     ``unit = "step"``) and keeps ``keep`` of each hidden layer's units; every pruned phase
     ends in growth, so the run ends full-size. ``mlps`` empty: off."""
@@ -148,7 +148,7 @@ GENERATORS = ("mlp", "linear", "none")
 @dataclass(frozen=True)
 class TemporalConfig:
     """``train.temporal``: how ``towerrec replay`` trains through time-ordered periods
-    (``train/temporal.py``, docs/temporal.md).
+    (``workflows/replay/temporal.py``, docs/temporal.md).
 
     ``strategy``: ``incremental`` (one pass over each new period, from the previous
     model), ``batch`` (at period t, one pass over periods ``t-window+1 .. t``; ``window``
@@ -231,7 +231,7 @@ class TemporalConfig:
 class TrainConfig:
     """``steps`` global batches, or ``epochs`` passes over a data set's training rows
     (one of the two). Neither set: 2,500 steps on synthetic data, one epoch on real
-    data (``train.build.resolve_steps``)."""
+    data (``build/resolve.py``, ``resolve_steps``)."""
 
     steps: int | None = None
     epochs: float | None = None

@@ -1,6 +1,6 @@
 """A student's augmented stream: its periods with the teacher's logit on every row.
 
-``towerrec distill serve`` (``serve/augment.py``) writes, per watched student, a
+``towerrec distill serve`` (``workflows/distill/augment.py``) writes, per watched student, a
 directory in the towerrec cache format whose parts are the student's periods with two
 more columns::
 

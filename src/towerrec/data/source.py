@@ -55,7 +55,7 @@ class DataSource(Protocol):
 @runtime_checkable
 class RowAccessSource(Protocol):
     """A source whose training rows can be read by id (``ColumnSource``): what a
-    cross-fitted estimate over the training split (``train/pu_prior.py``) needs."""
+    cross-fitted estimate over the training split (``workflows/pu/prior.py``) needs."""
 
     @property
     def train_rows(self) -> int: ...

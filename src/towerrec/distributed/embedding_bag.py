@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import count
+from pathlib import Path
 
 import torch
 
@@ -66,9 +67,9 @@ from towerrec.distributed.lookup import (
 )
 from towerrec.distributed.output_dist import OutputDist, ScaleGrad
 from towerrec.distributed.state import load_tensor, state_tensors
-from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
-from towerrec.modules.interfaces import FusedEmbeddingCollection
+from towerrec.modules.interfaces import CachingCollection, FusedEmbeddingCollection
+from towerrec.modules.kv_store import KvStore
 from towerrec.modules.table_cache import CacheStats
 from towerrec.sharding import ShardingPlan, strategy_for
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
@@ -90,11 +91,13 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
     ``id_wire`` is the encoding of the ids on the wire (``id_wire.py``; default:
     narrow integer types, deduplicated).
 
-    A ``PooledEmbeddingCollection``, a ``FusedEmbeddingCollection`` and a
-    ``PrefetchingCollection`` (``modules/interfaces.py``).
+    A ``PooledEmbeddingCollection``, a ``FusedEmbeddingCollection``, a
+    ``PrefetchingCollection`` and a ``CachingCollection`` (``modules/interfaces.py``;
+    its cached tables are those of its rank's shards, ``cached_shards``).
     """
 
     _local: Local | None
+    _cached_shards: CachingCollection | None
     _replica: EmbeddingBagCollection | None
 
     def __init__(
@@ -144,6 +147,8 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
         local = build_local(ebc, sharded_tables, plan, self._router.slots[comm.rank], comm.rank)
         replica = build_replica(ebc, replicated_tables)
         object.__setattr__(self, "_local", local)
+        cached_shards = local if isinstance(local, CachingCollection) else None
+        object.__setattr__(self, "_cached_shards", cached_shards)
         object.__setattr__(self, "_replica", replica)
         split = ColumnRowwiseSync.split_tables(plan, sharded_tables, self.optimizer.kind)
         self._rowwise = ColumnRowwiseSync(comm, plan, split, self.device) if split else None
@@ -192,16 +197,41 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
         return kernel_steps(self._local, self._replica)
 
     @property
-    def cached_shards(self) -> CachedEmbeddingBagCollection | None:
+    def cached_shards(self) -> CachingCollection | None:
         """The collection of this rank's shards when some run cached (their caches and
         stores), else None."""
-        return self._local if isinstance(self._local, CachedEmbeddingBagCollection) else None
+        return self._cached_shards
+
+    def read_rows_ahead(self, on: bool) -> bool:
+        """Read the next prefetched batch's missing rows of this rank's cached shards
+        ahead (module doc) when ``on``; returns whether some table runs cached, on any
+        rank (the pipeline runs on every rank or none)."""
+        self.prefetch_rows = on
+        return bool(self.cached_tables)
 
     def cache_stats(self) -> dict[str, CacheStats]:
         """The counts of this rank's cached shards, by table (``CacheStats``)."""
-        if isinstance(self._local, CachedEmbeddingBagCollection):
-            return self._local.cache_stats()
-        return {}
+        return {} if self._cached_shards is None else self._cached_shards.cache_stats()
+
+    @property
+    def kv_stores(self) -> dict[str, KvStore]:
+        """The stores of the kv tables this rank owns (a kv table is whole on one rank)."""
+        return {} if self._cached_shards is None else dict(self._cached_shards.kv_stores)
+
+    def save_stores(self, directory: str | Path) -> None:
+        """Save this rank's kv tables' stores (``CachedEmbeddingBagCollection``)."""
+        if self._cached_shards is not None:
+            self._cached_shards.save_stores(directory)
+
+    def load_stores(self, directory: str | Path) -> None:
+        """Load this rank's kv tables' stores (``CachedEmbeddingBagCollection``)."""
+        if self._cached_shards is not None:
+            self._cached_shards.load_stores(directory)
+
+    def invalidate(self) -> None:
+        """Empty the caches of this rank's cached shards."""
+        if self._cached_shards is not None:
+            self._cached_shards.invalidate()
 
     def set_learning_rate(self, lr: float) -> None:
         for module in (self._local, self._replica):
@@ -245,8 +275,7 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
 
     def _loaded(self) -> None:
         """Cached shards were loaded into their stores: their caches hold stale rows."""
-        if isinstance(self._local, CachedEmbeddingBagCollection):
-            self._local.invalidate()
+        self.invalidate()
 
     # ------------------------------------------------------------- forward
     def input_dist(self, features: KeyedJaggedTensor, settle: bool = False) -> Pending:
@@ -300,10 +329,10 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
     def _prefetch_next_rows(self) -> None:
         """Start the cache's background read of the next prefetched batch's missing rows
         of this rank's shards (module doc); waits for that batch's input_dist."""
-        local = self._local
-        if not (self.prefetch_rows and isinstance(local, CachedEmbeddingBagCollection)):
+        local = self._cached_shards
+        if not self.prefetch_rows or local is None:
             return
-        if not local.caches or not self._prefetched:
+        if not local.cached_tables or not self._prefetched:
             return
         upcoming = self._prefetched[min(self._prefetched)]  # keys count up: the next batch
         if upcoming.rows_key is not None:
@@ -320,8 +349,8 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
         total = sum(dist_input.batches)
         fence = self._rowwise.start() if self._rowwise is not None else None
         if self._local is not None and dist_input.local is not None:
-            if rows_key is not None and isinstance(self._local, CachedEmbeddingBagCollection):
-                self._local.use_prefetched(rows_key)
+            if rows_key is not None and self._cached_shards is not None:
+                self._cached_shards.use_prefetched(rows_key)
             pooled = self._local(dist_input.local)
             order = [s.feature for s in self._router.slots[self.comm.rank]]
             values = pooled.values()

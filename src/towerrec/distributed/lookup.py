@@ -12,7 +12,8 @@ A shard is filled from the full collection when it holds its tables, else from
 the tables' seeded init one block at a time (``fill_table_block``), so no rank
 ever holds a full table (replicas excepted).
 
-Cached tables (``ebc.tiers``, ``modules/cached.py``): this rank's shards are one
+Cached tables (``ebc.tiers``: each table's ``TablePlacement``, decided on the full
+tables when the collection was built; ``modules/cached.py``): this rank's shards are one
 ``CachedEmbeddingBagCollection`` whose cached shard tables keep their rows in a
 backing store of the shard's own (``<table>.shard<k>.tstore``), initialised as
 the block of the full table; table-wise and row-wise shards only. A kv table
@@ -22,17 +23,16 @@ store (``<table>.kvstore``), rows created on first touch as in one process.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from towerrec.distributed.input_dist import Slot
-from towerrec.modules.cached import CachedEmbeddingBagCollection, TableBlock, cached_tables
-from towerrec.modules.cached_config import Backing, TierConfig
+from towerrec.modules.cached import CachedEmbeddingBagCollection, TableBlock
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy
 from towerrec.modules.kernels import Backend
+from towerrec.modules.table_state import table_key, table_states
 from towerrec.modules.tables import TableConfig, fill_table_block
 from towerrec.sharding import Shard, ShardingPlan, ShardingType, strategy_for
 
@@ -68,13 +68,12 @@ Local = EmbeddingBagCollection | CachedEmbeddingBagCollection
 def cached_shard_tables(
     ebc: EmbeddingBagCollection, tables: Sequence[TableConfig], plan: ShardingPlan
 ) -> set[str]:
-    """The tables of ``ebc`` whose shards run cached; an error names a cached table
-    that ``plan`` shards in a way that cannot be cached, and the types that can."""
+    """The tables of ``tables`` whose shards run cached (``ebc.tiers``: the same on every
+    rank); an error names a cached table that ``plan`` shards in a way that cannot be
+    cached, and the types that can."""
     if ebc.tiers is None:
         return set()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # decided on the full tables; the shards warn
-        cached = set(cached_tables(tables, *ebc.tiers))
+    cached = {t.name for t in tables if ebc.tiers[t.name].is_cached}
     kv = kv_shard_tables(ebc, cached)
     for name in sorted(cached):
         kind = plan.tables[name].sharding
@@ -100,8 +99,7 @@ def kv_shard_tables(ebc: EmbeddingBagCollection, cached: set[str]) -> set[str]:
     """The tables of ``cached`` (``cached_shard_tables``) that are kv tables."""
     if ebc.tiers is None:
         return set()
-    tiers, default = ebc.tiers
-    return {name for name in cached if tiers.get(name, default).backing is Backing.KV}
+    return {name for name in cached if ebc.tiers[name].is_kv}
 
 
 def copy_tables(
@@ -209,7 +207,7 @@ def build_local(
             (r0, r1), (c0, c1) = view.shard.rows, view.shard.cols
             view.weight.copy_(weights[view.table][r0:r1, c0:c1])
             for name, s in view.state.items():
-                full = states[f"embedding_bags.{view.table}.{name}"]
+                full = states[table_key("", view.table, name)]
                 if full.dim() == 2:
                     full = full[r0:r1, c0:c1]
                 elif full.dim() == 1:
@@ -229,7 +227,6 @@ def _cached_local(
     """This rank's shards with the ``cached`` tables' shards in backing stores; every
     shard initialised as the block of its table (``ebc`` holds no tables)."""
     assert ebc.tiers is not None and not ebc.is_materialized  # distributed runs' build
-    tiers, default = ebc.tiers
     by_name = {t.name: t for t in tables}
     blocks, shard_tiers = {}, {}
     for table in shard_tables:
@@ -239,12 +236,11 @@ def _cached_local(
             by_name[table.name], shard.rows, shard.cols, f"{table.name}.shard{k}"
         )
         if table.name in cached:  # cached as its table is, whatever the shard's size
-            shard_tiers[table.name] = replace(tiers.get(table.name, default), min_rows=0)
+            shard_tiers[table.name] = replace(ebc.tiers[table.name].tier, cache_min_rows=0)
     return CachedEmbeddingBagCollection(
         shard_tables,
         ebc.optimizer,
         tiers=shard_tiers,
-        default=TierConfig(),
         backend=ebc.backend,
         device=ebc.device,
         id_policy=IdPolicy.ERROR,
@@ -260,15 +256,9 @@ def shard_views(local: Local | None, plan: ShardingPlan, rank: int) -> Iterator[
     if local is None:
         return
     states = local.optimizer_state_dict()
-    if isinstance(local, CachedEmbeddingBagCollection):
-        weights = local.dense_table_weights()
-    else:
-        weights = local.table_weights()
-    for name, weight in weights.items():
+    for name, weight in local.dense_table_weights().items():
         shard = next(s for s in plan.tables[name].shards if s.rank == rank)
-        prefix = f"embedding_bags.{name}."
-        state = {k[len(prefix) :]: v for k, v in states.items() if k.startswith(prefix)}
-        yield ShardView(name, shard, weight, state)
+        yield ShardView(name, shard, weight, table_states(states, name))
 
 
 def kernel_steps(*modules: Local | None) -> list[torch.Tensor]:
@@ -290,10 +280,9 @@ def replica_views(replica: EmbeddingBagCollection | None, rank: int) -> Iterator
         return
     states = replica.optimizer_state_dict()
     for table in replica.tables:
-        prefix = f"embedding_bags.{table.name}."
         yield ShardView(
             table.name,
             Shard(rank, (0, table.num_embeddings), (0, table.embedding_dim)),
             replica.table_weights()[table.name],
-            {k[len(prefix) :]: v for k, v in states.items() if k.startswith(prefix)},
+            table_states(states, table.name),
         )

@@ -126,6 +126,11 @@ class TowerEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     def num_embedding_parameters(self) -> int:
         return self.total_embedding_parameters
 
+    def read_rows_ahead(self, on: bool) -> bool:
+        """Never: the tower transform routes ids itself, without the pipeline."""
+        self.prefetch_rows = False
+        return False
+
 
 class TowerParallelDMT(SparseArchModel):
     """The DMT of this rank under SPTT (module doc); ``forward(dense [B, F], sparse) -> [B]``.

@@ -1,8 +1,8 @@
 """Embedding tables larger than memory: a cache of rows in front of the fused kernel.
 
 A cached table keeps all its rows, with their optimizer state, in a backing store
-(host memory or an SSD file, ``tier_store.py``); the fused kernel holds only a slot
-table of ``cache_rows`` rows and runs unchanged on it::
+(host memory or an SSD file: ``tier_store.py``, ``ssd_store.py``); the fused kernel
+holds only a slot table of ``cache_rows`` rows and runs unchanged on it::
 
     ids of table t ─► apply id policy ─► TableCache.slots(ids)
                                            hit:  id -> slot map
@@ -23,7 +23,7 @@ then name the store's rows under the same keys and shapes as an
 store and empties the cache.
 
 A kv table (``backing = "kv"``) keys its rows by 64-bit id in an LMDB store and
-creates each on first touch (``tier_store.KvStore``), so its ``num_embeddings`` may be
+creates each on first touch (``kv_store.KvStore``), so its ``num_embeddings`` may be
 2**40: its map is sorted keys, not an array of the table, and it never appears as a
 dense table. ``state_dict`` and ``optimizer_state_dict`` leave it out;
 ``save_stores`` / ``load_stores`` copy its store into and out of a checkpoint
@@ -42,7 +42,6 @@ store (``<table>.kvstore``), the same as one process would.
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -52,7 +51,6 @@ from typing import Any, Self
 
 import torch
 
-from towerrec.modules.cached_config import Backing, TierConfig
 from towerrec.modules.embedding_bag import (
     EmbeddingBagCollection,
     IdPolicy,
@@ -61,14 +59,26 @@ from towerrec.modules.embedding_bag import (
 )
 from towerrec.modules.interfaces import FusedEmbeddingCollection, Ready
 from towerrec.modules.kernels import Backend
+from towerrec.modules.kv_store import KV_SUFFIX, KvStore
+from towerrec.modules.ssd_store import SUFFIX, SsdStore
 from towerrec.modules.table_cache import CacheStats, TableCache
+from towerrec.modules.table_state import (
+    check_keys,
+    copy_checked,
+    load_table_weights,
+    other_entries,
+    save_table_weights,
+    table_key,
+    table_states,
+)
 from towerrec.modules.tables import TableConfig, fill_table_block
-from towerrec.modules.tier_store import KvStore, RowLayout, StoreError, build_store
+from towerrec.modules.tier_store import BackingStore, HostStore, RowLayout, StoreError
+from towerrec.modules.tiers import Backing, TablePlacement, TableTiers, TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum
 
-__all__ = ["CachedEmbeddingBagCollection", "TableBlock", "cached_tables"]
+__all__ = ["CachedEmbeddingBagCollection", "TableBlock", "build_store"]
 
 
 @dataclass(frozen=True)
@@ -81,33 +91,13 @@ class TableBlock:
     store_name: str
 
 
-def cached_tables(
-    tables: Sequence[TableConfig], tiers: Mapping[str, TierConfig], default: TierConfig
-) -> dict[str, int]:
-    """``{table: cache_rows}`` of the tables that run cached; a table whose cache would
-    hold all its rows stays in device memory, with a warning."""
-    out = {}
-    for table in tables:
-        tier = tiers.get(table.name, default)
-        if not tier.caches(table.num_embeddings):
-            continue
-        rows = tier.cache_rows(table.num_embeddings)
-        if rows >= table.num_embeddings:
-            warnings.warn(
-                f"table {table.name!r}: a cache of {tier.cache_fraction:g} of its "
-                f"{table.num_embeddings} rows holds the whole table; it is kept in device "
-                "memory (memory = 'device')",
-                stacklevel=3,
-            )
-            continue
-        out[table.name] = rows
-    return out
-
-
 class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
     """An ``EmbeddingBagCollection`` whose cached tables live in backing stores (module doc).
 
-    ``tiers`` maps table names to their tier; the others take ``default``.
+    ``placements``: each table's, as ``TableTiers.place`` decided them
+    (``build_embedding_collection`` does); without them, they are decided here from
+    ``tiers``, which maps table names to their tier, the others taking ``default``.
+    A ``CachingCollection`` (``modules/interfaces.py``).
     """
 
     def __init__(
@@ -117,6 +107,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         *,
         tiers: Mapping[str, TierConfig] | None = None,
         default: TierConfig | None = None,
+        placements: Mapping[str, TablePlacement] | None = None,
         backend: Backend | str = Backend.AUTO,
         device: torch.device | str | None = None,
         id_policy: IdPolicy | str = IdPolicy.ERROR,
@@ -129,8 +120,12 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         self.blocks = dict(blocks or {})
         self.id_policy = parse_enum(IdPolicy, id_policy, "embedding id_policy")
         self._inner: EmbeddingBagCollection
-        tiers, default = dict(tiers or {}), default or TierConfig()
-        self.cache_rows = cached_tables(self.tables, tiers, default)
+        if placements is None:
+            placements = TableTiers(default or TierConfig(), dict(tiers or {})).place_tables(
+                self.tables
+            )
+        self.placements = {t.name: placements[t.name] for t in self.tables}
+        self.cache_rows = {n: p.cache_rows for n, p in self.placements.items() if p.is_cached}
         inner_tables = [
             replace(t, num_embeddings=self.cache_rows[t.name]) if t.name in self.cache_rows else t
             for t in self.tables
@@ -160,8 +155,8 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
                 table.embedding_dim,
                 tuple((n, s[1] if len(s) > 1 else 1) for n, s in state_shapes.items() if s),
             )
-            tier = tiers.get(table.name, default)
-            kv = tier.backing is Backing.KV
+            tier = self.placements[table.name].tier
+            kv = self.placements[table.name].is_kv
             block = self.blocks.get(table.name)
             if kv and block is not None and not _whole(block):
                 raise StoreError(
@@ -224,6 +219,15 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         return out
 
     @property
+    def cached_tables(self) -> list[str]:
+        return list(self.caches)
+
+    def read_rows_ahead(self, on: bool) -> bool:
+        """Whether there are cached tables whose rows ``prefetch`` reads ahead: the
+        pipeline that calls it runs when ``on`` (the trainer's choice)."""
+        return bool(self.caches)
+
+    @property
     def kv_stores(self) -> dict[str, KvStore]:
         """``{table: store}`` of the kv tables (module doc)."""
         return {n: c.store for n, c in self.caches.items() if isinstance(c.store, KvStore)}
@@ -235,12 +239,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         return self._inner.table_weights()[table]
 
     def _slot_states(self, table: str) -> dict[str, torch.Tensor]:
-        prefix = f"embedding_bags.{table}."
-        return {
-            k[len(prefix) :]: v
-            for k, v in self._inner.optimizer_state_dict().items()
-            if k.startswith(prefix)
-        }
+        return table_states(self._inner.optimizer_state_dict(), table)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -396,13 +395,13 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         kv = self.kv_stores
         for name, store in kv.items():
             for state_name in store.layout.state_columns():
-                del state[f"{prefix}embedding_bags.{name}.{state_name}"]  # the slots'
+                del state[table_key(prefix, name, state_name)]  # the slots'
 
         for name, cache in self.caches.items():
             if name in kv:
                 continue
             for key, value in cache.store.states().items():
-                state[f"{prefix}embedding_bags.{name}.{key}"] = value
+                state[table_key(prefix, name, key)] = value
         return state
 
     def save_stores(self, directory: str | Path) -> None:
@@ -422,16 +421,9 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
     @torch.no_grad()
     def load_optimizer_state_dict(self, state: dict[str, torch.Tensor], prefix: str = "") -> None:
         expected = self.optimizer_state_dict(prefix)  # flushes: slots and stores agree
-        missing = sorted(set(expected) - set(state))
-        extra = sorted(set(state) - set(expected))
-        if missing or extra:
-            raise ValueError(
-                f"embedding optimizer state does not match the model: missing {missing[:5]}, "
-                f"unexpected {extra[:5]}; was it saved from a model with other tables or "
-                "another optimizer?"
-            )
+        check_keys(expected, state, "embedding optimizer state")
         for key, target in expected.items():  # views: the stores' rows, the kernels' state
-            _copy_checked(target, state[key], key)
+            copy_checked(target, state[key], key)
         self._invalidate()
 
     def invalidate(self) -> None:
@@ -447,8 +439,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name, weight in self.dense_table_weights().items():
-            destination[f"{prefix}embedding_bags.{name}.weight"] = weight
+        save_table_weights(destination, prefix, self.dense_table_weights())
 
     def _load_from_state_dict(
         self,
@@ -460,24 +451,17 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        ours = f"{prefix}embedding_bags."
-        others = {k: v for k, v in state_dict.items() if not k.startswith(ours)}
         super()._load_from_state_dict(
-            others, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            other_entries(state_dict, prefix),
+            prefix,
+            local_metadata,
+            strict,
+            missing_keys,
+            unexpected_keys,
+            error_msgs,
         )
-        own = set()
-        with torch.no_grad():
-            for name, weight in self.dense_table_weights().items():  # flushes first
-                key = f"{ours}{name}.weight"
-                own.add(key)
-                if key not in state_dict:
-                    missing_keys.append(key)
-                    continue
-                try:
-                    _copy_checked(weight, state_dict[key], key)
-                except ValueError as e:
-                    error_msgs.append(str(e))
-        unexpected_keys.extend(k for k in state_dict if k.startswith(ours) and k not in own)
+        weights = self.dense_table_weights()  # flushes first
+        load_table_weights(weights, state_dict, prefix, missing_keys, unexpected_keys, error_msgs)
         self._invalidate()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
@@ -505,6 +489,27 @@ class _HostIds:
         return int(self.offsets[feature * b]), int(self.offsets[(feature + 1) * b])
 
 
+def build_store(
+    layout: RowLayout,
+    tier: TierConfig,
+    name: str | None = None,
+    table: TableConfig | None = None,
+    seed: int = 0,
+) -> BackingStore:
+    """The backing store ``tier`` asks for (one file per table: ``<path>/<name>.tstore``,
+    ``name`` defaulting to the table's; a shard's store names its shard). A kv store
+    needs ``table`` and ``seed``: it initialises rows from them on first touch."""
+    if tier.backing is Backing.HOST:
+        return HostStore(layout)
+    if tier.backing is Backing.KV:
+        if table is None:
+            raise ValueError(f"table {layout.table!r}: a kv store needs its TableConfig")
+        return KvStore(
+            layout, Path(tier.backing_path) / f"{name or layout.table}{KV_SUFFIX}", table, seed
+        )
+    return SsdStore(layout, Path(tier.backing_path) / f"{name or layout.table}{SUFFIX}")
+
+
 def _whole(block: TableBlock) -> bool:
     """Whether ``block`` is all of its table (a table-wise shard)."""
     table = block.table
@@ -529,12 +534,3 @@ def _sample_slice(
         None if weights is None else torch.cat([weights[lo:hi] for lo, hi in spans]),
         validate=False,
     )
-
-
-def _copy_checked(target: torch.Tensor, source: torch.Tensor, key: str) -> None:
-    if tuple(source.shape) != tuple(target.shape):
-        raise ValueError(
-            f"size mismatch for {key}: checkpoint has {tuple(source.shape)}, model has "
-            f"{tuple(target.shape)}"
-        )
-    target.copy_(source)

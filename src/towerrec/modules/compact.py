@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -48,8 +47,7 @@ import torch
 from torch import nn
 
 from towerrec.memory import physical_memory_bytes
-from towerrec.modules.cached import CachedEmbeddingBagCollection, cached_tables
-from towerrec.modules.cached_config import TierConfig
+from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.compact_config import (
     Combine,
     CompactConfig,
@@ -72,6 +70,7 @@ from towerrec.modules.interfaces import Ready
 from towerrec.modules.kernels import Backend, resolve_backend
 from towerrec.modules.mixed_dim import mixed_dimensions
 from towerrec.modules.tables import Pooling, TableConfig
+from towerrec.modules.tiers import TableTiers, TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum, stable_seed
@@ -405,63 +404,37 @@ def build_embedding_collection(
     **kwargs: Any,
 ) -> EmbeddingBagCollection | CompactEmbeddingCollection | CachedEmbeddingBagCollection:
     """A plain ``EmbeddingBagCollection`` for full tables, the cached collection when some
-    run cached (``tiers`` per table, else ``default_tier``), else the compact collection.
+    run cached (``tiers`` per table, else ``default_tier``: ``TableTiers.place`` decides),
+    else the compact collection.
 
     ``materialize=False`` leaves full tables unallocated (their shards initialise
     themselves when sharded; cached tables' shards are cached on their ranks, the
-    collection keeps the tiers for them: ``EmbeddingBagCollection.tiers``); compact
-    collections are always built whole: their init is not a per-block function of the
-    logical tables (mult factors, projections) and their tables are small by design.
+    collection carries the tables' placements for them: ``EmbeddingBagCollection.tiers``);
+    compact collections are always built whole: their init is not a per-block function
+    of the logical tables (mult factors, projections) and their tables are small by design.
     """
     config.check_table_names(tables)
-    tiers, default_tier = dict(tiers or {}), default_tier or TierConfig()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cached = cached_tables(tables, tiers, default_tier)
-    if not cached:  # a cached collection warns itself
-        for w in caught:
-            warnings.warn(w.message, stacklevel=2)
-        _warn_if_nothing_cached(tables, tiers, default_tier)
+    table_tiers = TableTiers(default_tier or TierConfig(), dict(tiers or {}))
+    placements = table_tiers.place_tables(tables)
+    cached = sorted(name for name, placement in placements.items() if placement.is_cached)
+    if not cached:
+        table_tiers.warn_if_nothing_cached(tables)
     if cached and not config.is_full:
         raise ValueError(
-            f"tables {sorted(cached)} run cached (memory = 'cached'), which needs every "
+            f"tables {cached} run cached (memory = 'cached'), which needs every "
             "table stored in full; set embedding.kind = 'full' or memory = 'device'"
         )
     if cached and not materialize:  # sharded: each rank caches its own shards
         lazy = EmbeddingBagCollection(tables, optimizer, materialize=False, **kwargs)
-        lazy.tiers = (tiers, default_tier)
+        lazy.tiers = placements
         return lazy
     if cached:
-        return CachedEmbeddingBagCollection(
-            tables, optimizer, tiers=tiers, default=default_tier, **kwargs
-        )
+        return CachedEmbeddingBagCollection(tables, optimizer, placements=placements, **kwargs)
     if config.is_full:
         if materialize:
             check_tables_fit(tables, optimizer, kwargs.get("device"))
         return EmbeddingBagCollection(tables, optimizer, materialize=materialize, **kwargs)
     return CompactEmbeddingCollection(tables, config, optimizer, **kwargs)
-
-
-def _warn_if_nothing_cached(
-    tables: list[TableConfig], tiers: Mapping[str, TierConfig], default: TierConfig
-) -> None:
-    """Cached tables asked for (``embedding.memory = "cached"``) and none large enough:
-    say so, with the threshold and the largest table, rather than train all in memory
-    unannounced."""
-    asked = [t for t in tables if tiers.get(t.name, default).is_cached]
-    if not asked:
-        return
-    largest = max(asked, key=lambda t: t.num_embeddings)
-    threshold = tiers.get(largest.name, default).min_rows
-    if largest.num_embeddings > threshold:
-        return  # its cache would hold it whole: cached_tables warned
-    warnings.warn(
-        f"embedding.memory = 'cached' caches tables of more than embedding.cache_min_rows = "
-        f"{threshold:,} rows, and the largest, {largest.name!r}, has "
-        f"{largest.num_embeddings:,}: every table stays in memory; lower "
-        "embedding.cache_min_rows to cache them",
-        stacklevel=3,
-    )
 
 
 def device_memory_bytes(device: torch.device | str | None) -> int | None:

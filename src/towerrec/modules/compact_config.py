@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 
-from towerrec.modules.cached_config import Backing, CachePolicy, Memory, TierConfig
 from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.tables import TableConfig
+from towerrec.modules.tiers import Backing, CachePolicy, Memory, TierConfig
 from towerrec.utils import above, at_least, parse_enum
 
 __all__ = ["Combine", "CompactConfig", "EmbeddingKind", "TableStorageConfig"]
@@ -50,7 +50,8 @@ class TableStorageConfig:
     # A full table stored at this narrower dim, projected to the common dim (as md does
     # for every table); what ``towerrec nas search --space emb_dim`` writes.
     dim: int | None = None
-    # The table's memory tier (``modules/cached_config.py``); kind = 'full' tables only.
+    # The table's memory tier (``modules/tiers.py``, ``TierConfig``'s fields of the same
+    # names); kind = 'full' tables only.
     memory: Memory | None = None
     cache_fraction: float | None = None
     cache_policy: CachePolicy | None = None
@@ -92,18 +93,14 @@ class TableStorageConfig:
     def set_fields(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
 
-    def tiers(self, base: TierConfig) -> TierConfig:
-        """This table's memory tier: its settings over the collection's ``base``."""
-        return TierConfig(
-            memory=self.memory or base.memory,
-            cache_fraction=self.cache_fraction or base.cache_fraction,
-            cache_policy=self.cache_policy or base.cache_policy,
-            backing=self.backing or base.backing,
-            backing_path=self.backing_path if self.backing_path is not None else base.backing_path,
-            # a table named with its own memory tier takes it whatever its size
-            min_rows=0 if self.memory is not None else base.min_rows,
-            cache_slots=self.cache_slots if self.cache_slots is not None else base.cache_slots,
-        )
+    def tier(self, base: TierConfig) -> TierConfig:
+        """This table's memory tier: the tier fields it sets over the collection's ``base``
+        (a table given its own ``memory`` takes it whatever its size)."""
+        values = {name: getattr(self, name) for name in _TIER_FIELDS}
+        overrides = {name: value for name, value in values.items() if value is not None}
+        if self.memory is not None:
+            overrides["cache_min_rows"] = 0
+        return replace(base, **overrides)
 
 
 _TIER_FIELDS = (

@@ -13,8 +13,9 @@
 The weights and optimizer state are not ``nn.Parameter``s of the model: the
 dense optimizer never sees them. They appear in ``state_dict()`` under
 canonical per-table names, ``embedding_bags.<table>.weight``, and in
-``optimizer_state_dict()`` as ``embedding_bags.<table>.<state>``, the same for
-every backend and (in the sharded twin) every layout.
+``optimizer_state_dict()`` as ``embedding_bags.<table>.<state>``
+(``table_state.py``), the same for every backend and (in the sharded twin)
+every layout.
 
 ``materialize=False`` builds the collection without allocating its tables: it
 knows its features, dims and init (``seed``) but holds no weights. That is how
@@ -32,7 +33,6 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from towerrec.modules.cached_config import TierConfig
 from towerrec.modules.interfaces import FusedEmbeddingCollection, Ready
 from towerrec.modules.kernels import (
     Backend,
@@ -43,7 +43,16 @@ from towerrec.modules.kernels import (
     build_kernel,
     resolve_backend,
 )
+from towerrec.modules.table_state import (
+    check_keys,
+    copy_checked,
+    load_table_weights,
+    other_entries,
+    save_table_weights,
+    table_key,
+)
 from towerrec.modules.tables import Pooling, TableConfig, fill_table_block
+from towerrec.modules.tiers import TablePlacement
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum
@@ -119,12 +128,12 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
     A ``PooledEmbeddingCollection`` and a ``FusedEmbeddingCollection``
     (``modules/interfaces.py``).
 
-    ``tiers``: the memory tiers (per table, default) its tables take when a sharded
-    collection stores their shards (``distributed/lookup.py``); set by
+    ``tiers``: each table's memory tier, decided on the full tables, that a sharded
+    collection stores their shards by (``distributed/lookup.py``); set by
     ``build_embedding_collection`` on an unmaterialized collection with cached tables.
     """
 
-    tiers: tuple[dict[str, TierConfig], TierConfig] | None = None
+    tiers: dict[str, TablePlacement] | None = None
 
     def __init__(
         self,
@@ -250,6 +259,11 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
         self._require_tables()
         return {t.name: w for t, w in self._table_weights()}
 
+    def dense_table_weights(self) -> dict[str, torch.Tensor]:
+        """``table_weights``: every table here is a dense array (a cached collection's kv
+        tables are not)."""
+        return self.table_weights()
+
     @property
     def num_embedding_parameters(self) -> int:
         return sum(t.num_parameters for t in self.tables)
@@ -271,7 +285,7 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
     def optimizer_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
         self._require_tables()
         return {
-            f"{prefix}embedding_bags.{t.name}.{name}": s
+            table_key(prefix, t.name, name): s
             for t, states in self._table_optimizer_states()
             for name, s in states.items()
         }
@@ -279,9 +293,9 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
     @torch.no_grad()
     def load_optimizer_state_dict(self, state: dict[str, torch.Tensor], prefix: str = "") -> None:
         expected = self.optimizer_state_dict(prefix)
-        _check_keys(expected, state, "embedding optimizer state")
+        check_keys(expected, state, "embedding optimizer state")
         for key, target in expected.items():
-            _copy_checked(target, state[key], key)
+            copy_checked(target, state[key], key)
 
     # ---------------------------------------------------------- state dict
     def _save_to_state_dict(
@@ -289,8 +303,7 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
     ) -> None:
         self._require_tables()
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for table, weight in self._table_weights():
-            destination[f"{prefix}embedding_bags.{table.name}.weight"] = weight
+        save_table_weights(destination, prefix, self.table_weights())
 
     def _load_from_state_dict(
         self,
@@ -303,26 +316,18 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
         error_msgs: list[str],
     ) -> None:
         self._require_tables()
-        ours = f"{prefix}embedding_bags."
-        others = {k: v for k, v in state_dict.items() if not k.startswith(ours)}
         super()._load_from_state_dict(
-            others, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            other_entries(state_dict, prefix),
+            prefix,
+            local_metadata,
+            strict,
+            missing_keys,
+            unexpected_keys,
+            error_msgs,
         )
-        own = set()
-        with torch.no_grad():
-            for table, weight in self._table_weights():
-                key = f"{prefix}embedding_bags.{table.name}.weight"
-                own.add(key)
-                if key not in state_dict:
-                    missing_keys.append(key)
-                    continue
-                try:
-                    _copy_checked(weight, state_dict[key], key)
-                except ValueError as e:
-                    error_msgs.append(str(e))
-        for key in state_dict:
-            if key.startswith(ours) and key not in own:
-                unexpected_keys.append(key)
+        load_table_weights(
+            self.table_weights(), state_dict, prefix, missing_keys, unexpected_keys, error_msgs
+        )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # .to(device) / .cuda(): rebuild the kernels on the new device, keeping state.
@@ -376,25 +381,6 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
             f"optimizer={self.optimizer.kind.value}"
             + ("" if self._kernels else ", not materialized")
         )
-
-
-def _check_keys(expected: dict[str, Any], got: dict[str, Any], what: str) -> None:
-    missing = sorted(set(expected) - set(got))
-    extra = sorted(set(got) - set(expected))
-    if missing or extra:
-        raise ValueError(
-            f"{what} does not match the model: missing {missing[:5]}, unexpected {extra[:5]}; "
-            "was it saved from a model with other tables or another optimizer?"
-        )
-
-
-def _copy_checked(target: torch.Tensor, source: torch.Tensor, key: str) -> None:
-    if tuple(source.shape) != tuple(target.shape):
-        raise ValueError(
-            f"size mismatch for {key}: checkpoint has {tuple(source.shape)}, model has "
-            f"{tuple(target.shape)}"
-        )
-    target.copy_(source)
 
 
 def fused_embedding_modules(model: nn.Module) -> Iterator[tuple[str, FusedEmbeddingCollection]]:

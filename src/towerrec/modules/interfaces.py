@@ -9,22 +9,27 @@
     checkpoints                             learning rate, optimizer state, parameter count
     pipeline    PrefetchingCollection       prefetch a later batch's input, then say
                                             which prefetched input the next forward takes
+    trainer,    CachingCollection           tables cached over backing stores: read rows
+    run context,                            ahead or not, cache counts, the kv tables'
+    checkpoints                             stores to save and load, caches to empty
 
 Implementations:
 
-=====================================  ======  =====  ==========
-collection                             pooled  fused  prefetches
-=====================================  ======  =====  ==========
-``EmbeddingBagCollection``             yes     yes    no
-``CompactEmbeddingCollection``         yes     no     no
-``CachedEmbeddingBagCollection``      yes     yes    yes (rows)
-``ShardedEmbeddingBagCollection``      yes     yes    yes (ids)
-=====================================  ======  =====  ==========
+=====================================  ======  =====  ==========  ======
+collection                             pooled  fused  prefetches  caches
+=====================================  ======  =====  ==========  ======
+``EmbeddingBagCollection``             yes     yes    no          no
+``CompactEmbeddingCollection``         yes     no     no          no
+``CachedEmbeddingBagCollection``       yes     yes    yes (rows)  yes
+``ShardedEmbeddingBagCollection``      yes     yes    yes (ids)   yes (its shards)
+=====================================  ======  =====  ==========  ======
 
 A cached collection prefetches the next batch's missing rows from its backing
 store (``modules/cached.py``); a sharded one prefetches the input_dist, and with
-cached shards their rows too (``distributed/embedding_bag.py``). A compact collection is not fused itself: it holds one (``inner``), which is
-found and counted once. The fused interface is an abstract base class rather
+cached shards their rows too (``distributed/embedding_bag.py``); both are caching
+collections, the sharded one through the collection of its rank's shards (with no
+table cached, it has nothing to read ahead, count or save). A compact collection is
+not fused itself: it holds one (``inner``), which is found and counted once. The fused interface is an abstract base class rather
 than a protocol because it is found at run time, on every module of a model,
 every step (``fused_embedding_modules``): a nominal check costs a fraction of
 a microsecond, a structural one some 15.
@@ -33,16 +38,21 @@ a microsecond, a structural one some 15.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
 from towerrec.modules.compact_config import EmbeddingKind
 from towerrec.modules.kernels import Backend
+from towerrec.modules.kv_store import KvStore
+from towerrec.modules.table_cache import CacheStats
 from towerrec.modules.tables import TableConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 __all__ = [
+    "CachingCollection",
     "FusedEmbeddingCollection",
     "PooledEmbeddingCollection",
     "PooledHandle",
@@ -172,3 +182,49 @@ class PrefetchingCollection(Protocol):
     def prefetch(self, features: KeyedJaggedTensor) -> int: ...
 
     def use_prefetched(self, key: int) -> None: ...
+
+
+@runtime_checkable
+class CachingCollection(PrefetchingCollection, Protocol):
+    """A collection whose cached tables keep their rows in a cache over a backing store
+    (``modules/cached.py``; a sharded collection: the cached shards of its rank).
+
+    ``prefetch`` reads a later batch's missing rows in the background; the trainer
+    asks ``read_rows_ahead`` whether to run the pipeline that calls it; the run
+    context sums ``cache_stats`` over the ranks; checkpoints save and load the stores
+    of the kv tables (``kv_stores``: rows keyed by id, no dense array to save), and a
+    load from outside the caches empties them (``invalidate``).
+    """
+
+    @property
+    def cached_tables(self) -> Collection[str]:
+        """The tables that run cached (a sharded collection: on some rank, the same on
+        every rank)."""
+        ...
+
+    def read_rows_ahead(self, on: bool) -> bool:
+        """Have each next batch's missing rows read ahead under the pipeline
+        (``train/pipeline.py``) when ``on`` (``embedding.prefetch``); returns whether
+        there are cached rows to read (the same answer on every rank)."""
+        ...
+
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """The counts of each cached table's cache (a sharded collection: this rank's)."""
+        ...
+
+    @property
+    def kv_stores(self) -> Mapping[str, KvStore]:
+        """``{table: store}`` of the kv tables held here (each whole on one rank)."""
+        ...
+
+    def save_stores(self, directory: str | Path) -> None:
+        """Flush, then copy each kv table's store into ``directory/<table>``."""
+        ...
+
+    def load_stores(self, directory: str | Path) -> None:
+        """Replace each kv table's store by its copy in ``directory/<table>``."""
+        ...
+
+    def invalidate(self) -> None:
+        """Empty the caches (their stores were written from outside)."""
+        ...

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from towerrec.modules.cached_config import CachePolicy
 from towerrec.modules.tables import TableConfig
 from towerrec.modules.tier_store import BackingStore
+from towerrec.modules.tiers import CachePolicy
 
 __all__ = ["CacheStats", "DenseSlotMap", "RecencyQueue", "SortedSlotMap", "TableCache"]
 

@@ -35,9 +35,11 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from towerrec.build.run import build_run
 from towerrec.config import Config, config_to_toml, load_config
 from towerrec.data.batch import DataSchema
-from towerrec.data.cache import read_manifest as read_cache_manifest
+from towerrec.data.registry import SOURCES
+from towerrec.models.distill_heads import detach_distill_heads
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.interfaces import Ready
 from towerrec.serve.artefact import (
@@ -49,10 +51,7 @@ from towerrec.serve.artefact import (
     table_files,
 )
 from towerrec.sparse import KeyedTensor
-from towerrec.train.build import build_dense_optimizer, build_model, build_source
 from towerrec.train.checkpoint import CheckpointManager, capture_rng
-from towerrec.train.distill import detach_distill_heads
-from towerrec.train.towers import with_learned_partition
 
 __all__ = [
     "RUN_CONFIG",
@@ -155,29 +154,17 @@ def load_run_model(run: str | Path) -> tuple[Config, DataSchema, nn.Module, int]
     that wrote it; and that checkpoint's step."""
     run = Path(run)
     path, step = _pick_checkpoint(run)
-    config = load_config(base=run / "config.toml")
-    schema = build_source(config.data).schema
-    config = with_learned_partition(config, schema)
-    model = build_model(config, schema, torch.device("cpu"))
-    optimizer = build_dense_optimizer(config.optimizer, model)
+    built = build_run(load_config(base=run / "config.toml"), device=torch.device("cpu"))
+    config, model, optimizer = built.config, built.model, built.optimizer
     train_state = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
     CheckpointManager(path.parent).load(path, model, optimizer, train_state)
-    return config, schema, model.eval(), step
+    return config, built.schema, model.eval(), step
 
 
 def _data_mapping(config: Config) -> dict[str, Any]:
     """How the run's data turned raw values into ids, for scoring raw files alike."""
     data = config.data
-    out: dict[str, Any] = {"source": data.source, "path": data.path}
-    if data.source == "movielens":
-        out["movielens"] = {
-            k: getattr(data.movielens, k) for k in data.movielens.__dataclass_fields__
-        }
-    elif data.source in ("criteo", "cache") and data.path:
-        cache = read_cache_manifest(data.path)
-        out["cache_source"] = cache.get("source")
-        out["options"] = cache.get("options")  # criteo: hashing sizes or min_count vocabulary
-    return out
+    return {"source": data.source, "path": data.path, **SOURCES[data.source].export_mapping(data)}
 
 
 def export_run(

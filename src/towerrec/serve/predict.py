@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
+from towerrec.build.sources import build_source
 from towerrec.config import DataConfig, load_config
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.cache import ColumnStore, open_cache
@@ -42,7 +43,6 @@ from towerrec.data.movielens import MovieLensConfig, load_movielens
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.serve.artefact import ArtefactError, InferenceArtefact, load_artefact
 from towerrec.serve.export import RUN_CONFIG, towerrec_version
-from towerrec.train.build import build_source
 from towerrec.train.metrics import compute_metrics
 
 __all__ = ["SPLITS", "ScoringInput", "check_schema", "open_data", "predict", "score"]

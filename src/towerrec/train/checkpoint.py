@@ -43,9 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
-from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import fused_embedding_modules
+from towerrec.modules.interfaces import CachingCollection
 
 __all__ = [
     "CheckpointManager",
@@ -78,15 +77,13 @@ def load_embedding_optimizer_state_dict(model: nn.Module, state: dict[str, Any])
 KV_DIR = "kv"
 
 
-def _kv_collections(model: nn.Module) -> list[tuple[str, CachedEmbeddingBagCollection]]:
+def _kv_collections(model: nn.Module) -> list[tuple[str, CachingCollection]]:
     """``(directory name, collection)`` of this process's collections holding kv tables:
     a sharded collection's are those of this rank's shards (a kv table is whole on
     its owner rank, so every table's store is saved and loaded by one rank only)."""
-    out = []
+    out: list[tuple[str, CachingCollection]] = []
     for name, module in fused_embedding_modules(model):
-        if isinstance(module, ShardedEmbeddingBagCollection):
-            module = module.cached_shards
-        if isinstance(module, CachedEmbeddingBagCollection) and module.kv_stores:
+        if isinstance(module, CachingCollection) and module.kv_stores:
             out.append((name or "sparse", module))
     return out
 

@@ -22,20 +22,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from towerrec.build.models import tower_transform
+from towerrec.build.planning import build_plan, plan_tower_layouts
 from towerrec.config import Config
 from towerrec.distributed.block_exchange import GroupExchange
 from towerrec.distributed.comm import CommCodecs, CommStats
 from towerrec.distributed.dense_allreduce import uses_hierarchical
-from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, rebuild_ddp, uniform_plan
 from towerrec.distributed.towers import TowerParallelDMT, parallelize_towers, tower_tables
 from towerrec.memory import peak_rss_mb
-from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import fused_embedding_modules
+from towerrec.modules.interfaces import CachingCollection
 from towerrec.modules.table_cache import CacheStats
-from towerrec.train.planning import build_plan, plan_tower_layouts
 
 if TYPE_CHECKING:
     from towerrec.models.dmt import DMT
@@ -115,7 +115,7 @@ class RunContext:
                 self.topology.hosts,
                 self.topology.ranks_per_host,
             )
-        if config.model.name == "dmt" and self.topology.hosts > 1:
+        if tower_transform(config, self.topology):
             if config.optimizer.draws_samples:
                 raise ValueError(
                     f"optimizer.name = {config.optimizer.name!r} is not supported under the "
@@ -264,7 +264,7 @@ class RunContext:
         collective: every rank calls it); empty when no table runs cached."""
         local: dict[str, list[int]] = {}
         for module in model.modules():
-            if isinstance(module, CachedEmbeddingBagCollection | ShardedEmbeddingBagCollection):
+            if isinstance(module, CachingCollection):
                 for name, stats in module.cache_stats().items():
                     counts = local.setdefault(name, [0] * len(CacheStats.FIELDS))
                     local[name] = [a + b for a, b in zip(counts, stats.counts(), strict=True)]

@@ -174,7 +174,7 @@ class Objective:
 
 class TrainObjective(Protocol):
     """What a train step needs of its objective: ``Objective``, or ``Distillation``
-    (``distill.py``), which adds terms on the batch's teacher logits."""
+    (``towerrec.workflows.distill.loss``), which adds terms on the batch's teacher logits."""
 
     def check_model(self, model: nn.Module) -> None: ...
 

@@ -1,40 +1,38 @@
 """What a run is made of before its first step: the resolved config, the process's
-run context, data source, model, optimizer, run directory, checkpoint managers and
-early stopper (``set_up``), and the state a ``--resume`` restores (``Session.resume``)."""
+run context, data source, model and optimizer (``towerrec.build.run.build_run``), run
+directory, checkpoint managers, early stopper and the workflow's hooks (``set_up``), and
+the state a ``--resume`` restores (``Session.resume``)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from towerrec.build.models import check_towers_fit_hosts, tower_transform
+from towerrec.build.planning import refuse_kv_tables
+from towerrec.build.resolve import resolve_device, resolve_eval_every, resolve_run_config
+from towerrec.build.run import build_run
+from towerrec.build.sources import build_source
 from towerrec.config import Config
+from towerrec.data.batch import Batch
+from towerrec.data.registry import SOURCES
 from towerrec.data.source import DataSource
 from towerrec.models.interfaces import RecommendationModel
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.optim.shampoo import Shampoo
-from towerrec.train.build import (
-    build_dense_optimizer,
-    build_model,
-    build_source,
-    check_towers_fit_hosts,
-    resolve_device,
-    resolve_eval_every,
-    resolve_run_config,
-)
 from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
 from towerrec.train.distributed import RunContext, start_distributed
 from towerrec.train.early_stopping import EarlyStopping
+from towerrec.train.hooks import Hooks, StepHook
 from towerrec.train.metrics import auc, normalized_entropy
 from towerrec.train.numerics import local_processes, resolve_threads
-from towerrec.train.planning import refuse_kv_tables
-from towerrec.train.prune_grow import PruneGrow
 from towerrec.train.run_dir import RunDir
-from towerrec.train.towers import with_learned_partition
 
 __all__ = ["Session", "set_up"]
 
@@ -63,7 +61,15 @@ class Session:
     num_dense: int
     num_embedding: int
     threads: int = 1  # this rank's intra-op threads (numerics.py: the run's numbers depend on it)
-    prune_grow: PruneGrow | None = None  # train.prune_grow's schedule, when on
+    eval_batch: int = 0  # this rank's share of train.eval_batch_size
+    padding: Batch | None = None  # what a rank out of eval batches forwards (several ranks)
+    hooks: Hooks = field(default_factory=Hooks)  # the workflow's (hooks.py)
+    lr_factor: float = 1.0  # the learning-rate factor of the current step
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        """The dense part's autocast dtype (``train.precision``; None: fp32)."""
+        return torch.bfloat16 if self.config.train.precision == "bf16" else None
 
     @property
     def recommender(self) -> RecommendationModel:
@@ -86,8 +92,7 @@ class Session:
         counters and the early stopper; the run's records after its step are dropped."""
         path = self.checkpoints.latest()
         assert path is not None  # checked in set_up
-        if self.prune_grow is not None:  # the model takes the checkpoint step's widths
-            self.prune_grow.restore_widths(int(path.name.split("_")[-1]), self.optimizer)
+        self.hooks.on_restore(int(path.name.split("_")[-1]))  # e.g. the step's MLP widths
         self.state = self.checkpoints.load(path, self.model, self.optimizer, self.state)
         if self.state["step"] >= self.steps:
             raise ValueError(
@@ -109,9 +114,16 @@ class Session:
         log.info("resumed from %s at step %d", path, self.state["step"])
 
 
-def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None = None) -> Session:
+def set_up(
+    config: Config,
+    out_dir: str | Path,
+    resume: bool,
+    hosts: int | None = None,
+    hooks: Sequence[StepHook] = (),
+) -> Session:
     """Everything before the first step (module doc); resumed if ``resume``. ``hosts``:
-    how many hosts the ranks stand for (``None``: as the environment says)."""
+    how many hosts the ranks stand for (``None``: as the environment says); ``hooks``:
+    the workflow's, set up before a resumed run's checkpoint is loaded."""
     device = resolve_device(config.train.device)
     ctx = start_distributed(config, device, hosts)
     run = RunDir(out_dir, writer=ctx.is_main, tensorboard=config.train.tensorboard)
@@ -119,11 +131,7 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
     threads = _run_threads(config, ctx, checkpoints if resume else None)
     torch.set_num_threads(threads)  # before any numbers are made (a synthetic teacher's too)
     source: DataSource = build_source(config.data)
-    periods = {
-        "synthetic": config.data.synthetic.periods,
-        "movielens": config.data.movielens.periods,
-    }
-    if periods.get(config.data.source, 0) > 1:
+    if SOURCES[config.data.source].configured_periods(config.data) > 1:
         log.warning(
             "data.%s.periods is read by `towerrec replay`; `towerrec train` trains on the "
             "stream as one (the synthetic data's period 0)",
@@ -170,24 +178,16 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
     # Distributed: no rank allocates the full tables; each builds only its shards.
     # Kv tables shard table-wise (each whole on its owner rank); the tower transform
     # splits every table over a host's ranks, which a kv table cannot take.
-    if ctx.world_size > 1 and config.model.name == "dmt" and ctx.topology.hosts > 1:
+    if tower_transform(config, ctx.topology):
         refuse_kv_tables(
             config,
             [(f.name, f.num_embeddings) for f in source.schema.sparse],
             f"the tower transform (a DMT on {ctx.topology.hosts} hosts)",
         )
-    model = build_model(
-        with_learned_partition(config, source.schema),
-        source.schema,
-        device,
-        materialize_embeddings=ctx.world_size == 1,
-    )
-    model = ctx.parallelize(model, config, source)
+    built = build_run(config, source=source, device=device, layout=ctx)
+    model = built.model
     if not isinstance(model, RecommendationModel):  # every model build_model makes is one
         raise TypeError(f"{type(model).__name__} is not a RecommendationModel")
-    exchange, local = (
-        ctx.block_exchange(model) if config.optimizer.name == "shampoo" else (None, [])
-    )
     oracle_auc = oracle_ne = None
     if (oracle := source.eval_oracle()) is not None:  # a planted truth's probabilities
         labels, probs = oracle
@@ -205,19 +205,19 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         eval_every=eval_every,
         stopper=stopper,
         model=model,
-        optimizer=build_dense_optimizer(config.optimizer, model, exchange, local),
+        optimizer=built.optimizer,
         state={"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()},
         threads=threads,
         oracle_auc=oracle_auc,
         oracle_ne=oracle_ne,
         num_dense=model.num_dense_parameters(),
         num_embedding=sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model)),
+        hooks=Hooks(hooks),
     )
-    if isinstance(session.optimizer, Shampoo) and exchange is not None:
+    if isinstance(session.optimizer, Shampoo) and ctx.world_size > 1:
         mine, total = session.optimizer.block_counts()
         log.info("Shampoo: this rank preconditions %d of %d blocks", mine, total)
-    if config.train.prune_grow.enabled:
-        session.prune_grow = PruneGrow(config, steps, model, session.optimizer)
+    session.hooks.setup(session)
     if resume:
         session.resume(changed)
     log.info(
@@ -227,6 +227,9 @@ def set_up(config: Config, out_dir: str | Path, resume: bool, hosts: int | None 
         model.sparse.backend.value,
         device,
     )
+    session.eval_batch = ctx.local_batch(config.train.eval_batch_size, "train.eval_batch_size")
+    # A rank out of eval batches forwards this one (eval row 0) while the others finish.
+    session.padding = next(iter(source.eval_batches(1))) if ctx.world_size > 1 else None
     return session
 
 

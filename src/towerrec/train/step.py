@@ -1,28 +1,58 @@
-"""One training step and one evaluation, on any layout of the model.
+"""The step primitives: one training step and one evaluation, on any layout of the model,
+and the learning-rate schedule around them.
 
 ``train_step``: forward to logits, the loss (outside the model: BCE by default, or
 another ``loss.kind``'s ``Objective`` from ``loss.py``), backward (the
 fused embedding optimizer updates the looked-up rows inside backward), dense
 optimizer step. ``evaluate``: metrics over this rank's batches, or over every
-rank's when a run context is given. The loop around them is ``trainer.py``;
-the DMT pilot run (``towers.py``) uses them too.
+rank's when a group of ranks is given. ``lr_factor`` and ``set_learning_rates``:
+the schedule. ``fit_steps``: a short run of plain steps.
+
+The bottom of the engine: the loop (``loop.py``) runs them, and so do the build
+layer's DMT pilot (``towerrec.build.towers``) and the workflows; this module, the
+objective (``loss.py``) and the metrics (``metrics.py``) import nothing else of
+``towerrec.train`` (tests/test_layering.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from towerrec.config import Config
+from towerrec.config import Config, OptimizerConfig
 from towerrec.data.batch import Batch
 from towerrec.modules.embedding_bag import fused_embedding_modules
-from towerrec.train.distributed import RunContext
 from towerrec.train.loss import BCE, TrainObjective
 from towerrec.train.metrics import EvalMetrics, compute_metrics
 
-__all__ = ["autocast", "evaluate", "set_learning_rates", "train_step"]
+__all__ = [
+    "RankGroup",
+    "autocast",
+    "evaluate",
+    "fit_steps",
+    "lr_factor",
+    "set_learning_rates",
+    "train_step",
+]
+
+
+class RankGroup(Protocol):
+    """The ranks an evaluation spans (``RunContext``, ``train/distributed.py``)."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank (a collective)."""
+        ...
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The concatenation over ranks of 1-D tensors, in rank order (a collective)."""
+        ...
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
@@ -54,7 +84,7 @@ def evaluate(
     batches: Iterable[Batch],
     device: torch.device,
     autocast_dtype: torch.dtype | None = None,
-    ctx: RunContext | None = None,
+    ctx: RankGroup | None = None,
     padding: Batch | None = None,
 ) -> EvalMetrics:
     """Metrics over ``batches`` of this rank, or of every rank of ``ctx``.
@@ -100,3 +130,34 @@ def set_learning_rates(
         group["lr"] = group.get("base_lr", config.optimizer.lr) * factor
     for _, module in fused_embedding_modules(model):
         module.set_learning_rate(config.embedding.lr * factor)
+
+
+def lr_factor(config: OptimizerConfig, step: int, total_steps: int) -> float:
+    """Multiplier of the base learning rates at 1-based ``step``: linear warm-up, then decay
+    (``plateau``: 1 here; the trainer multiplies in the factor its validations set)."""
+    if config.warmup_steps and step <= config.warmup_steps:
+        return step / config.warmup_steps
+    if config.decay in ("none", "plateau"):
+        return 1.0
+    span = max(total_steps - config.warmup_steps, 1)
+    progress = min(max(step - config.warmup_steps, 0) / span, 1.0)
+    floor = config.min_lr_ratio
+    if config.decay == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def fit_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config,
+    batches: Iterator[Batch],
+    steps: int,
+    device: torch.device,
+) -> None:
+    """``steps`` plain steps (BCE) on the next ``steps`` of ``batches``, at the schedule of
+    ``config.optimizer`` over those steps: the short runs of the DMT pilot and of the PU
+    prior's classifiers."""
+    for step in range(1, steps + 1):
+        set_learning_rates(model, optimizer, config, lr_factor(config.optimizer, step, steps))
+        train_step(model, optimizer, next(batches).to(device))

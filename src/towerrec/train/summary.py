@@ -1,7 +1,7 @@
 """A run's summary.json: the returned weights' validation and test metrics, the best
-step, throughput, model size, traffic and memory, the caches of cached tables, and a
-warning when the final normalized entropy says the model predicts worse than the
-click rate alone."""
+step, throughput, model size, traffic and memory, the caches of cached tables (hooks
+add theirs: ``StepHook.on_summary``), and a warning when the final normalized entropy
+says the model predicts worse than the click rate alone."""
 
 from __future__ import annotations
 
@@ -57,11 +57,6 @@ def run_summary(
         "train_s": state["train_s"],
         **s.ctx.comm_per_sample(state["samples"]),
         **s.ctx.memory_summary(),
-        **(
-            {"prune_grow": s.prune_grow.summary(step, s.config.train.batch_size)}
-            if s.prune_grow
-            else {}
-        ),
         **({"cache": cache_summary(caches)} if caches else {}),
     }
 

@@ -30,15 +30,16 @@ def _window(text: str) -> tuple[int, int | None]:
 
 
 def _cmd_periods(args: argparse.Namespace) -> int:
+    from towerrec.build.sources import build_periods
     from towerrec.config import load_config
     from towerrec.data.period_files import write_periods
-    from towerrec.train.replay import build_periods
+    from towerrec.data.registry import SOURCES
 
     config = load_config(args.config, args.overrides)
-    if config.data.source == "augmented":
+    if not SOURCES[config.data.source].raw:
         raise ValueError(
-            "data.source = 'augmented' is the service's output; write period files from a "
-            "raw source (synthetic, movielens, criteo or cache)"
+            f"data.source = {config.data.source!r} is the service's output; write period "
+            "files from a raw source (synthetic, movielens, criteo or cache)"
         )
     source = build_periods(config.data)
     start, stop = args.periods

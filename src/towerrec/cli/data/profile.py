@@ -61,22 +61,16 @@ def _save(profile: LocalityProfile, out: Path | None, cache_dir: Path | None) ->
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from towerrec.data.cache import open_cache
-    from towerrec.data.loader import ColumnSource
+    from towerrec.build.resolve import resolve_steps
     from towerrec.data.profile import profile_source, report_table, write_plot
-    from towerrec.train.build import build_source, resolve_steps
+    from towerrec.data.registry import SOURCES
 
     config = _config(args.target, args.overrides)
     data = config.data
-    if data.source in ("criteo", "cache"):
-        # Profiling needs no validation split: the loader as training reads the train split.
-        source = ColumnSource(open_cache(data.path, verify=data.loader.verify), data.loader)
-        description = f"cache {data.path}"
-    else:
-        source = build_source(data)
-        description = (
-            f"MovieLens {data.path or 'bundled'}" if data.source == "movielens" else data.source
-        )
+    entry = SOURCES[data.source]
+    # Profiling needs no validation split: the loader as training reads the train split.
+    source = entry.build(data, require_eval=False)
+    description = entry.describe(data)
     batch_size = args.batch_size or config.train.batch_size
     samples = args.samples
     if samples is None and source.train_rows is None:
@@ -89,7 +83,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         description=description,
         progress=not args.no_progress,
     )
-    out = _save(profile, args.out, Path(data.path) if data.source in ("criteo", "cache") else None)
+    out = _save(profile, args.out, entry.cache_dir(data))
     if args.plot:
         write_plot(profile, args.plot)
     if args.json:

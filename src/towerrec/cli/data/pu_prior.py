@@ -7,7 +7,7 @@
 Labels 1 are labelled positives, labels 0 unlabelled. Prints JSON: ``prior``
 (P(positive)), ``unlabelled_prior`` (P(positive | unlabelled), the value for
 ``loss.class_prior``), the label frequency and how it was found
-(``train/pu_prior.py``; docs/pu_learning.md).
+(``workflows/pu/prior.py``; docs/pu_learning.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ __all__ = ["add_commands"]
 
 
 def _cmd_pu_prior(args: argparse.Namespace) -> int:
-    from towerrec.train.pu_prior import estimate_class_prior
+    from towerrec.workflows.pu.prior import estimate_class_prior
 
     config = config_of(args.target, args.overrides)
     estimate = estimate_class_prior(config, folds=args.folds, top_fraction=args.top_fraction)

@@ -12,7 +12,8 @@
     bottom = [[64, 32], [32, 16, 0]]    # candidate widths per hidden layer, 0 = skip it
     top = [[256, 128], [128, 64, 0]]
 
-This module is a leaf: the run config (``config/sections.py``) holds a ``NASConfig``.
+The run config (``config/sections.py``) holds a ``NASConfig``; the search that reads it is
+``towerrec.workflows.nas``. A leaf: it imports nothing of towerrec.
 """
 
 from __future__ import annotations

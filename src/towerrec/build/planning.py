@@ -15,7 +15,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from towerrec.config import Config
-from towerrec.modules.cached_config import Backing
 from towerrec.optim.sparse import EmbeddingOptimizer
 from towerrec.planner.cost import CostConstants, CostModel
 from towerrec.planner.placement import PlanningError, TableConstraint
@@ -74,22 +73,15 @@ def build_cost_model(config: Config, world_size: int) -> CostModel:
 def kv_tables(config: Config, tables: Sequence[tuple[str, int]]) -> list[str]:
     """The names of ``tables`` (``(name, rows)``) that run as kv tables (rows keyed by
     64-bit id in an LMDB store, ``embedding.backing = 'kv'``)."""
-    tiers, default = config.embedding.table_tiers(), config.embedding.tier_config()
-    out = []
-    for name, rows in tables:
-        tier = tiers.get(name, default)
-        if tier.backing is Backing.KV and tier.caches(rows) and tier.cache_rows(rows) < rows:
-            out.append(name)
-    return out
+    tiers = config.embedding.tiers()
+    return [name for name, rows in tables if tiers.place(name, rows, warn=False).is_kv]
 
 
 def kv_table_slots(config: Config, tables: Sequence[tuple[str, int]]) -> dict[str, int]:
     """``{name: cache slots}`` of the kv tables among ``tables`` (``kv_tables``)."""
-    tiers, default = config.embedding.table_tiers(), config.embedding.tier_config()
-    rows = dict(tables)
-    return {
-        name: tiers.get(name, default).cache_rows(rows[name]) for name in kv_tables(config, tables)
-    }
+    tiers = config.embedding.tiers()
+    placements = {name: tiers.place(name, rows, warn=False) for name, rows in tables}
+    return {name: p.cache_rows for name, p in placements.items() if p.is_kv}
 
 
 def _as_cache(stats: TableStats, slots: int) -> TableStats:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from towerrec.modules.mlp import MLP, padded_linear, padding_for
-from towerrec.nas.choice import Decision
+from towerrec.workflows.nas.choice import Decision
 
 __all__ = ["SearchableMLP"]
 

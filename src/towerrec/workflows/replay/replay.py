@@ -14,7 +14,7 @@ production. Each result has AUC, log-loss, NE and, on the synthetic data, the
 oracle AUC of that period's teacher; the mean over periods closes the summary.
 
 What each period trains on, and how, is ``train.temporal.strategy``
-(``train/temporal.py``): ``incremental`` (the loop above), ``batch`` (one pass over
+(``temporal.py``): ``incremental`` (the loop above), ``batch`` (one pass over
 periods ``0..t``, or the last ``window``, at period t) or ``fgd`` (period t, dense
 steps on a meta-learned forecast of the next period's gradient).
 
@@ -46,30 +46,22 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from towerrec.config import Config, ConfigFiles, DataConfig, OptimizerConfig, load_config
-from towerrec.data.augmented import AugmentedPeriods
-from towerrec.data.cache import open_cache
-from towerrec.data.movielens import bundled_movielens_path, movielens_periods
-from towerrec.data.periods import PeriodSource, cache_periods
-from towerrec.data.synthetic import SyntheticSource
-from towerrec.train.build import (
-    build_dense_optimizer,
-    build_model,
-    lr_factor,
-    resolve_device,
-)
-from towerrec.train.distill import fit_adapter, with_distillation
+from towerrec.build.resolve import resolve_device
+from towerrec.build.run import build_run
+from towerrec.build.sources import build_periods
+from towerrec.config import Config, ConfigFiles, OptimizerConfig, load_config
+from towerrec.data.periods import PeriodSource
+from towerrec.data.registry import SOURCES
 from towerrec.train.distributed import start_distributed
 from towerrec.train.metrics import EvalMetrics, auc
 from towerrec.train.numerics import local_processes, pinned, resolve_threads
-from towerrec.train.pu_prior import resolve_objective
-from towerrec.train.step import evaluate, set_learning_rates, train_step
-from towerrec.train.temporal import FutureGradient, training_periods
-from towerrec.train.towers import with_learned_partition
+from towerrec.train.step import evaluate, lr_factor, set_learning_rates, train_step
+from towerrec.workflows.distill.loss import fit_adapter, with_distillation
+from towerrec.workflows.pu.prior import resolve_objective
+from towerrec.workflows.replay.temporal import FutureGradient, training_periods
 
 __all__ = [
     "PeriodResult",
-    "build_periods",
     "check_out_dir",
     "period_steps",
     "replay",
@@ -79,13 +71,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("towerrec")
-
-_HOW = {
-    "synthetic": "set data.synthetic.periods = N (N >= 2; with drift and id_turnover to move)",
-    "movielens": "set data.movielens.periods = N (N >= 2)",
-    "criteo": "convert two or more day files into the cache (each file is a period)",
-    "augmented": "write two or more periods (towerrec data periods) and augment them",
-}
 
 
 @dataclass(frozen=True)
@@ -101,23 +86,9 @@ class PeriodResult:
     oracle_auc: float | None = None
 
 
-def build_periods(data: DataConfig) -> PeriodSource:
-    """The periods of ``data`` (``data/periods.py``)."""
-    if data.source == "synthetic":
-        return SyntheticSource(data.synthetic)
-    if data.source == "movielens":
-        return movielens_periods(data.path or bundled_movielens_path(), data.movielens)
-    if data.source in ("criteo", "cache"):
-        return cache_periods(open_cache(data.path, verify=data.loader.verify))
-    if data.source == "augmented":
-        augmented = data.augmented
-        return AugmentedPeriods(augmented.dir, augmented.wait_s, augmented.poll_s)
-    raise ValueError(f"unknown data.source {data.source!r}")
-
-
 def _check(config: Config, periods: PeriodSource) -> None:
     if periods.num_periods < 2:
-        how = _HOW["criteo" if config.data.source == "cache" else config.data.source]
+        how = SOURCES[config.data.source].periods_hint
         raise ValueError(
             f"towerrec replay needs at least 2 periods, data.source = {config.data.source!r} "
             f"has {periods.num_periods}: {how}"
@@ -217,17 +188,8 @@ def _run_replay(
     steps = sum(counts[q] for plan in trains for q in plan)
     config = replace(config, optimizer=_warmup_for(config.optimizer, steps))
     amp_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
-    model = build_model(
-        with_learned_partition(config, periods.schema),
-        periods.schema,
-        device,
-        materialize_embeddings=world == 1,
-    )
-    model = ctx.parallelize(model, config, periods)
-    exchange, local = (
-        ctx.block_exchange(model) if config.optimizer.name == "shampoo" else (None, [])
-    )
-    optimizer = build_dense_optimizer(config.optimizer, model, exchange, local)
+    built = build_run(config, source=periods, device=device, layout=ctx)
+    model, optimizer = built.model, built.optimizer
     base, _ = resolve_objective(config)
     objective = with_distillation(base, config.distill)
     objective.check_model(model)

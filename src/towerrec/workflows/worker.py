@@ -1,8 +1,8 @@
 """One worker process of ``towerrec train --nproc N`` (what the elastic launcher runs).
 
 It sets up logging for its rank, resumes after an elastic restart
-(``--max-restarts``) when a checkpoint exists, trains, and leaves the process
-group; ``train/distributed.py`` holds the run context the trainer uses inside.
+(``--max-restarts``) when a checkpoint exists, trains (``training.train``), and leaves
+the process group; ``train/distributed.py`` holds the run context the engine uses inside.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from towerrec.config import ConfigFiles, load_config
 from towerrec.train.checkpoint import CheckpointManager
 from towerrec.train.run_dir import RunDir
-from towerrec.train.trainer import train
+from towerrec.workflows.training import train
 
 __all__ = ["train_worker"]
 

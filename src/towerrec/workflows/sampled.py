@@ -1,5 +1,6 @@
-"""The training stream as a ``SampleSet`` (``optim/sampled.py``), for the dense
-optimizers that draw their own samples (``optimizer.name = "pb_lbfgs" | "dance"``).
+"""The step strategy of the dense optimizers that draw their own samples
+(``optimizer.name = "pb_lbfgs" | "dance"``): ``SampledSteps``, over the training stream
+as a ``SampleSet`` (``optim/sampled.py``, ``BatchSamples``).
 
 A chunk is one global batch of ``train.batch_size`` (this rank holds its slice), drawn
 from the loader in order and kept in memory until the optimizer releases it. What
@@ -29,9 +30,12 @@ from torch import nn
 
 from towerrec.data.batch import Batch
 from towerrec.optim.sampled import ChunkEvaluation, SampledOptimizer, hessian_operator
+from towerrec.train.loop import train_batches
+from towerrec.train.run_dir import RunDir
+from towerrec.train.session import Session
 from towerrec.train.step import autocast
 
-__all__ = ["BatchSamples", "sampled_train_step"]
+__all__ = ["BatchSamples", "SampledSteps", "sampled_train_step"]
 
 
 class BatchSamples:
@@ -144,3 +148,36 @@ def sampled_train_step(
     before = samples.rows_drawn
     report = optimizer.iterate(samples)
     return torch.tensor(report["loss"]), samples.rows_drawn - before, report
+
+
+class SampledSteps:
+    """The loop's ``StepStrategy`` for a ``SampledOptimizer``: one iteration per step on
+    the stream's chunks (one global batch each), its report logged as an ``optimizer``
+    record. A resumed optimizer's held chunks are drawn again first; the stream goes on
+    at its next chunk."""
+
+    optimizer: SampledOptimizer
+    samples: BatchSamples
+    run: RunDir
+
+    def start(self, session: Session) -> None:
+        optimizer = session.optimizer
+        assert isinstance(optimizer, SampledOptimizer)  # optimizer.draws_samples
+        held, next_chunk = optimizer.chunk_position()
+        start = held[0] if held else next_chunk  # one chunk is one batch of the stream
+        batches = train_batches(session, start)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        rows, batch_size = session.source.train_rows, session.config.train.batch_size
+        epoch = -(-rows // batch_size) if rows else None  # no sample beyond one pass
+        samples = BatchSamples(
+            session.model, params, batches, session.amp_dtype, epoch, first=start
+        )
+        if held and held[-1] + 1 != next_chunk:
+            raise AssertionError(f"held chunks {held} do not end before chunk {next_chunk}")
+        samples.redraw(held)  # a resumed optimizer's sample; the stream goes on at next_chunk
+        self.optimizer, self.samples, self.run = optimizer, samples, session.run
+
+    def step(self, step: int) -> tuple[torch.Tensor, int]:
+        loss, rows, report = sampled_train_step(self.optimizer, self.samples)
+        self.run.log({"kind": "optimizer", "step": step, **report})
+        return loss, rows

@@ -22,48 +22,32 @@ The batches carry the teacher's logit ``z_T [B]`` (``Batch.teacher_logits``, wri
        it (``fit_adapter``, called by replay)
 
 ``alpha`` (``label_scale``) scales the teacher's logit before the sigmoid: > 1 sharpens
-the soft label, < 1 softens it. The auxiliary head and adapter are ``DistillHeads``, a
-submodule of the model (``distill_heads``): checkpoints hold them, data parallelism
-replicates them like any dense layer, the model's forward never calls them, and export
-drops them (``detach_distill_heads``). They are drawn from their own generator, so the
-student's own initial weights are those of a run without distillation; w = 0 builds no
-heads and trains bit for bit as without distillation.
+the soft label, < 1 softens it. The auxiliary head and adapter are ``DistillHeads``
+(``towerrec.models.distill_heads``), a submodule of the model that the build layer
+attaches when ``[distill]`` asks (``towerrec.build.models.attach_distill_heads``); they
+are drawn from their own generator, so the student's own initial weights are those of a
+run without distillation; w = 0 builds no heads and trains bit for bit as without
+distillation. Teacher logits come from the augmentation service (``augment.py``) or, in
+process, from ``TeacherPeriods`` (``teacher.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from towerrec.config import Config, DistillConfig
-from towerrec.data.batch import Batch, DataSchema
-from towerrec.data.periods import PeriodSource
+from towerrec.config import DistillConfig
+from towerrec.data.batch import Batch
+from towerrec.models.distill_heads import distill_heads
 from towerrec.models.interfaces import RepresentationModel
-from towerrec.modules.mlp import MLP
 from towerrec.train.loss import LossKind, Objective
 
-__all__ = [
-    "HEADS",
-    "DistillHeads",
-    "DistillTerms",
-    "Distillation",
-    "TeacherPeriods",
-    "attach_distill_heads",
-    "detach_distill_heads",
-    "distill_heads",
-    "fit_adapter",
-    "split_adapter_group",
-    "with_distillation",
-]
-
-HEADS = "distill_heads"  # the submodule's name in the model
-_SEED_OFFSET = 7919  # the heads' own generator: train.seed + this
+__all__ = ["DistillTerms", "Distillation", "fit_adapter", "grad_scale", "with_distillation"]
 
 
 _NO_TEACHER = (
@@ -89,101 +73,6 @@ class _GradScale(torch.autograd.Function):
 def grad_scale(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``x``, with the gradient flowing back through it multiplied by ``scale``."""
     return x if scale == 1.0 else _GradScale.apply(x, scale)
-
-
-class _Adapter(nn.Module):
-    """``a = z + MLP([z, x])``: the teacher's logit ``z [B]`` corrected, from it and (with
-    ``num_dense`` > 0) the dense features ``x [B, F_d]``; the identity at start."""
-
-    def __init__(self, width: int, num_dense: int = 0) -> None:
-        super().__init__()
-        self.num_dense = num_dense
-        self.mlp = MLP(1 + num_dense, [width, 1], final_activation=False)
-        last = self.mlp[-1]
-        assert isinstance(last, nn.Linear)
-        nn.init.zeros_(last.weight)
-        nn.init.zeros_(last.bias)
-
-    def forward(self, teacher: torch.Tensor, dense: torch.Tensor | None = None) -> torch.Tensor:
-        parts = [teacher.unsqueeze(1)]
-        if self.num_dense:
-            assert dense is not None and dense.shape[1] == self.num_dense
-            parts.append(dense.float())
-        return teacher + self.mlp(torch.cat(parts, dim=1)).squeeze(1)
-
-
-class DistillHeads(nn.Module):
-    """The auxiliary head (``aux``, over the representation) and the adapter, either may
-    be None; dense parameters of the model (module docstring)."""
-
-    def __init__(self, aux: MLP | None, adapter: _Adapter | None, adapter_lr: float) -> None:
-        super().__init__()
-        self.aux = aux
-        self.adapter = adapter
-        self.adapter_lr = adapter_lr
-
-
-def attach_distill_heads(
-    model: nn.Module, config: Config, schema: DataSchema, device: torch.device
-) -> nn.Module:
-    """``model`` with the heads ``config.distill`` asks for as its ``distill_heads``
-    (none when distillation is off or needs none); drawn from their own generator."""
-    distill = config.distill
-    auxiliary = distill.enabled and distill.head == "auxiliary"
-    if not (auxiliary or distill.adapter):
-        return model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(config.train.seed + _SEED_OFFSET)
-        aux = None
-        if auxiliary:
-            if not isinstance(model, RepresentationModel):
-                raise ValueError(
-                    f"distill.head = 'auxiliary' needs a model with a representation, but "
-                    f"{type(model).__name__} has none; use model.name = 'dlrm' or "
-                    "distill.head = 'shared'"
-                )
-            top = model.representation_module
-            assert isinstance(top, MLP)  # the DLRM's top MLP
-            sizes = [m.out_features for m in top if isinstance(m, nn.Linear)]
-            aux = MLP(top.in_features, sizes, final_activation=False)
-        num_dense = schema.num_dense if distill.adapter_features else 0
-        adapter = _Adapter(distill.adapter_width, num_dense) if distill.adapter else None
-    model.add_module(HEADS, DistillHeads(aux, adapter, distill.adapter_lr).to(device))
-    return model
-
-
-def distill_heads(model: nn.Module) -> DistillHeads | None:
-    """The model's ``DistillHeads``, if it has them."""
-    heads = dict(model.named_children()).get(HEADS)
-    assert heads is None or isinstance(heads, DistillHeads)
-    return heads
-
-
-def detach_distill_heads(model: nn.Module) -> nn.Module:
-    """``model`` without its distillation heads: the serving model alone (export)."""
-    if distill_heads(model) is not None:
-        delattr(model, HEADS)
-    return model
-
-
-def split_adapter_group(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
-    """Move the adapter's parameters into a param group of their own at
-    ``distill.adapter_lr`` (its ``base_lr``, which ``set_learning_rates`` scales); called
-    by ``build_dense_optimizer`` before any step."""
-    heads = distill_heads(model)
-    if heads is None or heads.adapter is None:
-        return
-    if not isinstance(optimizer, torch.optim.Adam | torch.optim.Adagrad | torch.optim.SGD):
-        raise ValueError(
-            f"distill.adapter trains at its own learning rate in a parameter group of its "
-            f"own, which {type(optimizer).__name__} does not take; use optimizer.name = "
-            "adam, adagrad or sgd"
-        )
-    lr = heads.adapter_lr
-    mine = {id(p) for p in heads.adapter.parameters()}
-    for group in optimizer.param_groups:
-        group["params"] = [p for p in group["params"] if id(p) not in mine]
-    optimizer.add_param_group({"params": list(heads.adapter.parameters()), "lr": lr, "base_lr": lr})
 
 
 @dataclass
@@ -299,48 +188,3 @@ def fit_adapter(
 def with_distillation(objective: Objective, config: DistillConfig) -> Objective | Distillation:
     """``objective`` itself when distillation is off (w = 0), else its ``Distillation``."""
     return Distillation(objective, config) if config.enabled else objective
-
-
-class TeacherPeriods:
-    """A ``PeriodSource`` whose batches carry a teacher's logits: ``teacher(period)``
-    (a model, e.g. one trained some periods before) scores every batch of ``period``
-    in eval mode. The in-process stand-in for the augmentation service."""
-
-    def __init__(
-        self,
-        source: PeriodSource,
-        teacher: Callable[[int], nn.Module],
-        device: torch.device | None = None,
-    ) -> None:
-        self.source = source
-        self.teacher = teacher
-        self.device = device or torch.device("cpu")
-
-    @property
-    def schema(self) -> DataSchema:
-        return self.source.schema
-
-    @property
-    def num_periods(self) -> int:
-        return self.source.num_periods
-
-    def period_rows(self, period: int) -> int:
-        return self.source.period_rows(period)
-
-    @torch.no_grad()
-    def period_batches(
-        self, period: int, batch_size: int, rank: int = 0, world_size: int = 1
-    ) -> Iterator[Batch]:
-        model = self.teacher(period)
-        was_training = model.training
-        model.eval()
-        try:
-            for batch in self.source.period_batches(period, batch_size, rank, world_size):
-                on = batch.to(self.device)
-                logits = model(on.dense, on.sparse).float().cpu()
-                yield replace(batch, teacher_logits=logits, validate=False)
-        finally:
-            model.train(was_training)
-
-    def period_oracle(self, period: int) -> tuple[np.ndarray, np.ndarray] | None:
-        return self.source.period_oracle(period)

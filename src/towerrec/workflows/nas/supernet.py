@@ -1,7 +1,7 @@
 """The supernet of a search space on the DLRM backbone, its cost, and the configs of
 its architectures.
 
-``build_supernet(config, schema, device)`` builds the run's DLRM (``train/build.py``)
+``build_supernet(config, schema, device)`` builds the run's DLRM (``towerrec.build.models``)
 and applies the space to it: ``mlp`` replaces the searched MLPs by
 ``SearchableMLP``s, ``emb_dim`` and ``emb_card`` replace the embedding collection by
 a search collection. The result's ``decisions`` are the architecture choices; a
@@ -16,22 +16,23 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from towerrec.build.models import build_model, build_tables
 from towerrec.config import Config
+from towerrec.config.nas import SearchSpaceKind
 from towerrec.data.batch import DataSchema
 from towerrec.models.dlrm import DLRM
+from towerrec.models.names import ModelName
 from towerrec.modules.compact import EmbeddingKind, TableStorageConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.mlp import MLP
-from towerrec.nas.choice import Decision
-from towerrec.nas.config import SearchSpaceKind
-from towerrec.nas.embedding import (
+from towerrec.workflows.nas.choice import Decision
+from towerrec.workflows.nas.embedding import (
     CardinalitySearchCollection,
     DimSearchCollection,
     FreezableCollection,
     SearchCollection,
 )
-from towerrec.nas.mlp import SearchableMLP
-from towerrec.train.build import build_model, build_tables
+from towerrec.workflows.nas.mlp import SearchableMLP
 
 __all__ = ["Supernet", "build_supernet"]
 
@@ -184,7 +185,7 @@ def _check_tables(named: Mapping[str, object], tables: list[str], key: str) -> N
 def build_supernet(config: Config, schema: DataSchema, device: torch.device) -> Supernet:
     """The supernet of ``config.nas.space`` over the run's DLRM (module docstring)."""
     nas, model_config = config.nas, config.model
-    if model_config.name != "dlrm":
+    if model_config.name != ModelName.DLRM:
         raise ValueError(
             f"towerrec nas searches the DLRM backbone, but model.name = {model_config.name!r}; "
             "set model.name = 'dlrm'"

@@ -35,7 +35,8 @@ Resume: a checkpoint saved in a pruned phase holds the narrowed tensors under th
 usual names; ``restore_widths`` narrows the freshly built model to the widths of the
 checkpoint's step before it is loaded (the loaded values replace the placeholder
 units). After every change of shape the caller rebuilds DDP's gradient buckets
-(``RunContext.rebuild_dense_replicas``).
+(``RunContext.rebuild_dense_replicas``). In a run, ``PruneGrowHook`` does both: it is
+the loop's step hook (``towerrec.train.hooks``).
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ from towerrec.modules.mlp_width import (
     widen_hidden,
 )
 from towerrec.optim.reshape import check_reshapable, narrow_state, widen_state
+from towerrec.train.hooks import StepHook
+from towerrec.train.session import Session
 from towerrec.utils import stable_seed
 
-__all__ = ["PruneGrow", "phase_steps"]
+__all__ = ["PruneGrow", "PruneGrowHook", "phase_steps"]
 
 log = logging.getLogger("towerrec")
 
@@ -234,3 +237,27 @@ def _apply(optimizer: torch.optim.Optimizer, changes: list[Narrowed | Widened]) 
             narrow_state(optimizer, change.param, change.dim, change.index, change.before)
         else:
             widen_state(optimizer, change.param, change.dim, change.added, change.before)
+
+
+class PruneGrowHook(StepHook):
+    """``train.prune_grow`` in a run: the schedule made once the session is built, the
+    checkpoint step's widths before a resumed run loads it, pruning or growth before
+    each step (DDP rebuilt after a change of shape), the FLOPs it saved in the summary."""
+
+    session: Session
+    schedule: PruneGrow
+
+    def setup(self, session: Session) -> None:
+        self.session = session
+        self.schedule = PruneGrow(session.config, session.steps, session.model, session.optimizer)
+
+    def on_restore(self, step: int) -> None:
+        self.schedule.restore_widths(step, self.session.optimizer)
+
+    def before_step(self, step: int) -> None:
+        if self.schedule.before_step(step, self.session.optimizer):
+            self.session.ctx.rebuild_dense_replicas(self.session.model)
+
+    def on_summary(self, summary: dict[str, Any]) -> None:
+        batch_size = self.session.config.train.batch_size
+        summary["prune_grow"] = self.schedule.summary(summary["steps"], batch_size)

@@ -34,10 +34,10 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, IdPolicy, app
 from towerrec.modules.interfaces import Ready
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import TableConfig
-from towerrec.nas.choice import Decision
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import stable_seed
+from towerrec.workflows.nas.choice import Decision
 
 __all__ = [
     "CardinalitySearchCollection",

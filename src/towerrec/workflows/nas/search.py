@@ -29,21 +29,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
+from towerrec.build.resolve import resolve_device
+from towerrec.build.run import build_run
 from towerrec.config import Config, config_to_toml
-from towerrec.data.batch import Batch
+from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.source import DataSource
-from towerrec.nas.choice import temperature
-from towerrec.nas.supernet import Supernet, build_supernet
-from towerrec.train.build import (
-    build_dense_optimizer,
-    build_source,
-    lr_factor,
-    resolve_device,
-)
 from towerrec.train.numerics import pinned, resolve_threads
-from towerrec.train.step import evaluate, set_learning_rates, train_step
+from towerrec.train.step import evaluate, lr_factor, set_learning_rates, train_step
+from towerrec.workflows.nas.choice import temperature
+from towerrec.workflows.nas.supernet import Supernet, build_supernet
 
 __all__ = ["search", "search_steps"]
 
@@ -93,6 +90,24 @@ def _architectures(supernet: Supernet, count: int, seed: int) -> list[list[int]]
     return choices
 
 
+class _SupernetFactory:
+    """``build_run``'s model factory for a search: the supernet over the run's DLRM
+    (``build_supernet``), kept for the search; one process holds the whole model."""
+
+    supernet: Supernet | None = None
+
+    def __call__(
+        self,
+        config: Config,
+        schema: DataSchema,
+        device: torch.device,
+        *,
+        materialize_embeddings: bool = True,
+    ) -> nn.Module:
+        self.supernet = build_supernet(config, schema, device)
+        return self.supernet.model
+
+
 @pinned()  # the run's thread count and matmul precision; the process's come back after
 def search(config: Config, out: Path, *, progress: bool = True) -> dict[str, Any]:
     """Run the search of ``config.nas`` and write ``out`` (module docstring); returns
@@ -103,11 +118,11 @@ def search(config: Config, out: Path, *, progress: bool = True) -> dict[str, Any
     nas, cfg = config.nas, config.train
     torch.set_num_threads(resolve_threads(cfg.threads))
     torch.manual_seed(cfg.seed)
-    source = build_source(config.data)
-    device = resolve_device(cfg.device)
-    supernet = build_supernet(config, source.schema, device)
+    supernets = _SupernetFactory()
+    run = build_run(config, device=resolve_device(cfg.device), model=supernets)
+    assert supernets.supernet is not None  # build_run called the factory
+    source, device, supernet, weights = run.source, run.device, supernets.supernet, run.optimizer
     model = supernet.model
-    weights = build_dense_optimizer(config.optimizer, model)
     arch = torch.optim.Adam([d.logits for d in supernet.decisions], lr=nas.arch_lr)
     steps = search_steps(config, source)
     per_epoch = source.train_rows / cfg.batch_size if source.train_rows else float(steps)

@@ -33,8 +33,8 @@ from typing import Any
 
 from towerrec.config import Config, ConfigFiles, load_config
 from towerrec.distributed.launch import WorkerError, launch
-from towerrec.train.trainer import train
-from towerrec.train.worker import train_worker
+from towerrec.workflows.training import train
+from towerrec.workflows.worker import train_worker
 
 __all__ = ["parse_axis", "read_runs", "run_sweep", "sweep_points"]
 

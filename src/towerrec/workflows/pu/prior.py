@@ -36,20 +36,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from towerrec.build.resolve import resolve_device, resolve_run_config
+from towerrec.build.run import build_run
+from towerrec.build.sources import build_source
 from towerrec.config import Config
 from towerrec.data.batch import Batch
 from towerrec.data.source import DataSource, RowAccessSource
-from towerrec.train.build import (
-    build_dense_optimizer,
-    build_model,
-    build_source,
-    lr_factor,
-    resolve_device,
-    resolve_run_config,
-)
 from towerrec.train.loss import Objective, build_objective, check_prior
 from towerrec.train.numerics import pinned, resolve_threads
-from towerrec.train.step import set_learning_rates, train_step
+from towerrec.train.step import fit_steps
 
 __all__ = [
     "PriorEstimate",
@@ -153,16 +148,13 @@ def _predict(model: torch.nn.Module, batches: Iterable[Batch], device: torch.dev
     return torch.cat(probs), torch.cat(labels)
 
 
-def _fit(config: Config, schema, batches: Iterator[Batch], device: torch.device):
+def _fit(config: Config, source: DataSource, batches: Iterator[Batch], device: torch.device):
     """``config``'s model trained with BCE for its ``train.steps`` on ``batches``."""
     steps = config.train.steps
     assert steps is not None  # resolved
-    model = build_model(config, schema, device)
-    optimizer = build_dense_optimizer(config.optimizer, model)
-    for step in range(1, steps + 1):
-        set_learning_rates(model, optimizer, config, lr_factor(config.optimizer, step, steps))
-        train_step(model, optimizer, next(batches).to(device))
-    return model
+    run = build_run(config, source=source, device=device)
+    fit_steps(run.model, run.optimizer, config, batches, steps, device)
+    return run.model
 
 
 def _row_batches(source: RowAccessSource, rows: np.ndarray, batch_size: int, seed: int):
@@ -195,9 +187,8 @@ def held_out_scores(
     source = source if source is not None else build_source(config.data)
     config, _ = resolve_run_config(config, source)
     batch_size, eval_size = config.train.batch_size, config.train.eval_batch_size
-    schema = source.schema
     if not isinstance(source, RowAccessSource):
-        model = _fit(config, schema, source.train_batches(batch_size), device)
+        model = _fit(config, source, source.train_batches(batch_size), device)
         probs, observed = _predict(model, source.eval_batches(eval_size), device)
         return probs, observed, torch.zeros(len(probs), dtype=torch.long)
     n = source.train_rows
@@ -213,7 +204,7 @@ def held_out_scores(
     ):
         rest, held = np.nonzero(fold_of != fold)[0], np.nonzero(fold_of == fold)[0]
         batches = _row_batches(source, rest, batch_size, config.train.seed + fold)
-        model = _fit(config, schema, batches, device)
+        model = _fit(config, source, batches, device)
         pieces = (held[i : i + eval_size] for i in range(0, len(held), eval_size))
         probs, observed = _predict(model, (source.gather_train(r) for r in pieces), device)
         scores[held], labels[held] = probs, observed

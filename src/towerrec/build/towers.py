@@ -20,18 +20,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from towerrec.build.models import MODELS, build_model, feature_stats, partition_groups
+from towerrec.build.optimizers import build_dense_optimizer
+from towerrec.build.sources import build_source
 from towerrec.config import Config
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.planner.towers import cluster_features, feature_costs, partition_features
-from towerrec.train.build import (
-    build_dense_optimizer,
-    build_model,
-    build_source,
-    feature_stats,
-    lr_factor,
-    partition_groups,
-)
-from towerrec.train.step import set_learning_rates, train_step
+from towerrec.train.step import fit_steps
 
 if TYPE_CHECKING:
     from towerrec.models.dlrm import DLRM
@@ -92,14 +87,13 @@ def _pilot(config: Config, steps: int, attribution_samples: int) -> tuple[DLRM, 
         model=dataclasses.replace(config.model, name="dlrm", concat_embeddings=False),
         train=dataclasses.replace(config.train, steps=steps),
     )
+    # The pilot's DLRM from the build layer's parts: build_run would resolve a learned
+    # partition, which is what runs this pilot.
     source = build_source(pilot.data)
     device = torch.device("cpu")
     model = build_model(pilot, source.schema, device)
     optimizer = build_dense_optimizer(pilot.optimizer, model)
-    batches = source.train_batches(pilot.train.batch_size)
-    for step in range(1, steps + 1):
-        set_learning_rates(model, optimizer, pilot, lr_factor(pilot.optimizer, step, steps))
-        train_step(model, optimizer, next(batches))
+    fit_steps(model, optimizer, pilot, source.train_batches(pilot.train.batch_size), steps, device)
     count = min(attribution_samples, pilot.data.synthetic.eval_samples)
     held_out = next(iter(source.eval_batches(count)))
     return cast("DLRM", model), held_out  # built with model.name = "dlrm"
@@ -153,7 +147,7 @@ def learn_pilot_signals(
 def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:
     """The feature groups of ``model.dmt.partition``: learned by a pilot run for ``auto``
     (interaction strength) and ``embedding`` (clustered embeddings), else as
-    ``build.partition_groups`` gives them."""
+    ``models.partition_groups`` gives them."""
     dmt = config.model.dmt
     if dmt.partition not in LEARNED_PARTITIONS:
         return partition_groups(config, schema)
@@ -207,7 +201,7 @@ def with_learned_partition(config: Config, schema: DataSchema) -> Config:
     """``config`` with a DMT's learned (``auto`` or ``embedding``) partition replaced by the
     groups its pilot run learns (``build_model`` builds explicit partitions only); other
     configs unchanged."""
-    if config.model.name != "dmt" or config.model.dmt.partition not in LEARNED_PARTITIONS:
+    if not MODELS[config.model.name].towers or config.model.dmt.partition not in LEARNED_PARTITIONS:
         return config
     groups = resolve_partition(config, schema)
     dmt = dataclasses.replace(config.model.dmt, partition=tuple(tuple(g) for g in groups))

@@ -1,0 +1,186 @@
+"""Memory tiers of embedding tables (``modules/cached.py``): all rows in device memory,
+or a cache of a share of them in front of a backing store in host memory, on SSD or
+in a key-value store.
+
+One table's settings are a ``TierConfig``; a collection's, a ``TableTiers`` (the
+collection-wide tier and the tables that set their own), which the run config
+resolves once from ``[embedding]`` and ``[embedding.tables.<t>]``
+(``EmbeddingConfig.tiers``). With the tables' sizes known, ``TableTiers.place``
+decides each table's ``TablePlacement`` (the one place that decides whether a table
+runs cached, and with how many slots)::
+
+    EmbeddingConfig.tiers() ─► TableTiers ─► place(table) ─► TablePlacement
+                                                              cache_rows > 0: cached
+                                                              0: device memory
+    build_embedding_collection: a CachedEmbeddingBagCollection of the placements when
+    some table runs cached; a sharded run's unmaterialized collection carries them
+    (``EmbeddingBagCollection.tiers``) and each rank caches its shards of those tables.
+
+Settings, as the run config writes them::
+
+    memory = "cached", cache_fraction = 0.05, cache_policy = "lru",
+    backing = "ssd", backing_path = "/mnt/nvme/tables"
+        5% of the table's rows in the kernel's slot table, all rows in
+        /mnt/nvme/tables/<table>.tstore
+
+    memory = "cached", cache_slots = 1_000_000, backing = "kv", backing_path = "/mnt/nvme/kv"
+        a table of sparse 64-bit ids (num_embeddings may be 2**40): a million rows in
+        the slot table, the rows ever trained in an LMDB store
+        /mnt/nvme/kv/<table>.kvstore, each created from its id on first touch
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from towerrec.modules.tables import TableConfig
+from towerrec.utils import at_least, parse_enum
+
+__all__ = ["Backing", "CachePolicy", "Memory", "TablePlacement", "TableTiers", "TierConfig"]
+
+
+class Memory(StrEnum):
+    DEVICE = "device"  # every row in the kernel's memory (the default)
+    CACHED = "cached"  # a cache of cache_fraction of the rows over a backing store
+
+
+class CachePolicy(StrEnum):
+    LRU = "lru"  # evict the row used longest ago
+    LFU = "lfu"  # evict the row used least often since it was fetched (ties: LRU)
+
+
+class Backing(StrEnum):
+    HOST = "host"  # a full-size array in host memory
+    SSD = "ssd"  # a file of fixed-size rows under backing_path, memory-mapped
+    KV = "kv"  # an LMDB store under backing_path keyed by row id; rows made on first touch
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Where one table's rows live (module doc); validated on construction. The fields
+    are the run config's ``[embedding]`` keys of the same names."""
+
+    memory: Memory = Memory.DEVICE
+    cache_fraction: float = 0.05  # cached: share of a table's rows in the fast tier
+    cache_policy: CachePolicy = CachePolicy.LRU  # cached: lru | lfu
+    # cached: host (array in host memory) | ssd (row file) | kv (LMDB keyed by 64-bit id)
+    backing: Backing = Backing.HOST
+    backing_path: str = ""  # ssd, kv: directory of the tables' stores
+    cache_min_rows: int = 0  # cached: only tables with more rows are cached
+    cache_slots: int = 0  # cached: the cache's rows (0: cache_fraction); kv needs it
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "memory", parse_enum(Memory, self.memory, "embedding.memory"))
+        object.__setattr__(
+            self,
+            "cache_policy",
+            parse_enum(CachePolicy, self.cache_policy, "embedding.cache_policy"),
+        )
+        object.__setattr__(self, "backing", parse_enum(Backing, self.backing, "embedding.backing"))
+        at_least("embedding.cache_min_rows", self.cache_min_rows, 0)
+        if not (math.isfinite(self.cache_fraction) and self.cache_fraction > 0):
+            raise ValueError(
+                f"embedding.cache_fraction must be > 0 (the share of a table's rows kept in "
+                f"the fast tier, e.g. 0.05), got {self.cache_fraction}"
+            )
+        at_least("embedding.cache_slots", self.cache_slots, 0, hint="0: use cache_fraction")
+        remote = self.memory is Memory.CACHED and self.backing is not Backing.HOST
+        if remote and not self.backing_path:
+            raise ValueError(
+                f"embedding.backing = '{self.backing.value}' needs embedding.backing_path, "
+                "a writable directory for the tables' stores (e.g. --set "
+                "embedding.backing_path=/mnt/nvme/towerrec)"
+            )
+        if self.memory is Memory.CACHED and self.backing is Backing.KV and not self.cache_slots:
+            raise ValueError(
+                "embedding.backing = 'kv' needs embedding.cache_slots (or [embedding.tables."
+                "<table>] cache_slots), the number of rows the cache holds (a kv table's "
+                "num_embeddings may be 2**40, so a fraction of it is no size for a cache; "
+                "e.g. --set embedding.cache_slots=1000000)"
+            )
+
+    @property
+    def asks_for_cache(self) -> bool:
+        """``memory = "cached"``: whether a table of this tier runs cached is
+        ``TableTiers.place``'s decision (its size)."""
+        return self.memory is Memory.CACHED
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """Where one table's rows live, decided for its size (``TableTiers.place``): a cache
+    of ``cache_rows`` slots over the backing store ``tier`` names, or (``cache_rows``
+    0) every row in device memory."""
+
+    tier: TierConfig
+    cache_rows: int = 0
+
+    @property
+    def is_cached(self) -> bool:
+        return self.cache_rows > 0
+
+    @property
+    def is_kv(self) -> bool:
+        """Cached over a kv store: rows keyed by 64-bit id, created on first touch."""
+        return self.is_cached and self.tier.backing is Backing.KV
+
+
+@dataclass(frozen=True)
+class TableTiers:
+    """The memory tier of every table of a collection: ``tables`` holds the tiers of the
+    tables that set their own, every other table takes ``default``."""
+
+    default: TierConfig = field(default_factory=TierConfig)
+    tables: Mapping[str, TierConfig] = field(default_factory=dict)
+
+    def of(self, table: str) -> TierConfig:
+        """The tier settings of the table named ``table``."""
+        return self.tables.get(table, self.default)
+
+    def place(self, table: str, num_embeddings: int, *, warn: bool = True) -> TablePlacement:
+        """Whether table ``table`` of ``num_embeddings`` rows runs cached, and its cache's
+        slots: when its tier asks for a cache and it has more than ``cache_min_rows``
+        rows, ``cache_slots`` or ``cache_fraction`` of its rows (at least one); a cache
+        that would hold every row leaves the table in device memory, with a warning
+        (``warn``)."""
+        tier = self.of(table)
+        if not (tier.asks_for_cache and num_embeddings > tier.cache_min_rows):
+            return TablePlacement(tier)
+        rows = tier.cache_slots or max(1, math.ceil(tier.cache_fraction * num_embeddings))
+        if rows < num_embeddings:
+            return TablePlacement(tier, rows)
+        if warn:
+            warnings.warn(
+                f"table {table!r}: a cache of {tier.cache_fraction:g} of its "
+                f"{num_embeddings} rows holds the whole table; it is kept in device "
+                "memory (memory = 'device')",
+                stacklevel=4,
+            )
+        return TablePlacement(tier)
+
+    def place_tables(self, tables: Sequence[TableConfig]) -> dict[str, TablePlacement]:
+        """``{table: placement}`` of every table of ``tables`` (``place``)."""
+        return {t.name: self.place(t.name, t.num_embeddings) for t in tables}
+
+    def warn_if_nothing_cached(self, tables: Sequence[TableConfig]) -> None:
+        """Cached tables asked for and none large enough (``cache_min_rows``): say so,
+        with the threshold and the largest table, rather than train all in memory
+        unannounced."""
+        asked = [t for t in tables if self.of(t.name).asks_for_cache]
+        if not asked:
+            return
+        largest = max(asked, key=lambda t: t.num_embeddings)
+        threshold = self.of(largest.name).cache_min_rows
+        if largest.num_embeddings > threshold:
+            return  # its cache would hold it whole: ``place`` warned
+        warnings.warn(
+            f"embedding.memory = 'cached' caches tables of more than embedding.cache_min_rows "
+            f"= {threshold:,} rows, and the largest, {largest.name!r}, has "
+            f"{largest.num_embeddings:,}: every table stays in memory; lower "
+            "embedding.cache_min_rows to cache them",
+            stacklevel=3,
+        )

@@ -1,0 +1,103 @@
+"""The memory-tier setting: declared once (``TierConfig``), resolved once from the run
+config (``EmbeddingConfig.tiers``), decided once per table (``TableTiers.place``) and
+carried as ``TablePlacement`` values into sharded runs."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+from towerrec.build.models import build_model
+from towerrec.config import EmbeddingConfig, load_config
+from towerrec.data.synthetic import SyntheticSource
+from towerrec.modules.compact import build_embedding_collection
+from towerrec.modules.compact_config import CompactConfig, TableStorageConfig
+from towerrec.modules.embedding_bag import EmbeddingBagCollection
+from towerrec.modules.tables import TableConfig
+from towerrec.modules.tiers import Memory, TablePlacement, TableTiers, TierConfig
+
+
+def test_the_config_keys_of_a_tier_are_the_fields_of_tier_config():
+    embedding = {f.name: f for f in dataclasses.fields(EmbeddingConfig)}
+    for f in dataclasses.fields(TierConfig):
+        assert f.name in embedding, f"[embedding] has no key {f.name!r} of TierConfig"
+        assert embedding[f.name].default == f.default, f.name
+    per_table = {f.name for f in dataclasses.fields(TableStorageConfig)}
+    tier_fields = {f.name for f in dataclasses.fields(TierConfig)}
+    # A table sets its own tier by the same names (a size threshold is per collection).
+    assert tier_fields - per_table == {"cache_min_rows"}
+
+
+def test_the_run_config_resolves_every_tables_tier_once():
+    config = load_config(
+        None,
+        [
+            "embedding.memory=cached",
+            "embedding.cache_min_rows=400",
+            "embedding.cache_fraction=0.25",
+            "embedding.tables.cat_3.memory=device",
+            "embedding.tables.cat_1.cache_slots=7",
+        ],
+    )
+    tiers = config.embedding.tiers()
+    assert isinstance(tiers, TableTiers)
+    assert tiers.default == TierConfig("cached", 0.25, cache_min_rows=400)
+    assert tiers.of("cat_0") is tiers.default
+    assert tiers.of("cat_3").memory is Memory.DEVICE
+    # Its own settings over the collection's; the collection's threshold still holds.
+    assert tiers.of("cat_1") == TierConfig("cached", 0.25, cache_min_rows=400, cache_slots=7)
+
+
+def test_a_table_given_its_own_memory_is_cached_whatever_its_size():
+    config = load_config(
+        None, ["embedding.cache_min_rows=1000", "embedding.tables.cat_3.memory=cached"]
+    )
+    tiers = config.embedding.tiers()
+    assert tiers.of("cat_3").cache_min_rows == 0
+    assert tiers.place("cat_3", 50) == TablePlacement(tiers.of("cat_3"), 3)
+    assert not tiers.place("cat_0", 5000).is_cached  # the collection's tier: device
+
+
+def test_the_one_decision_of_a_tables_placement():
+    kv = TierConfig("cached", backing="kv", backing_path="/tmp/x", cache_slots=10)
+    tiers = TableTiers(
+        TierConfig("cached", 0.1, cache_min_rows=100), {"ids": kv, "cold": TierConfig()}
+    )
+    assert tiers.place("a", 1000) == TablePlacement(tiers.default, 100)
+    assert not tiers.place("a", 100).is_cached  # not more than cache_min_rows
+    assert not tiers.place("cold", 10**6).is_cached  # memory = "device"
+    big = tiers.place("ids", 2**40)
+    assert big.is_cached and big.is_kv and big.cache_rows == 10
+    with pytest.warns(UserWarning, match="holds the whole table"):
+        small = tiers.place("ids", 10)
+    assert small == TablePlacement(kv) and not small.is_kv
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not tiers.place("ids", 10, warn=False).is_cached
+
+
+def test_a_lazy_collection_carries_its_tables_placements():
+    tables = [TableConfig("a", 1000, 4), TableConfig("b", 10, 4)]
+    lazy = build_embedding_collection(
+        tables,
+        CompactConfig(),
+        materialize=False,
+        default_tier=TierConfig("cached", 0.5, cache_min_rows=100),
+        backend="torch",
+    )
+    assert isinstance(lazy, EmbeddingBagCollection) and not lazy.is_materialized
+    assert lazy.tiers == {
+        "a": TablePlacement(TierConfig("cached", 0.5, cache_min_rows=100), 500),
+        "b": TablePlacement(TierConfig("cached", 0.5, cache_min_rows=100)),
+    }
+
+
+def test_build_model_places_tables_as_the_config_says():
+    config = load_config(None, ["embedding.memory=cached", "embedding.cache_fraction=0.5"])
+    schema = SyntheticSource(config.data.synthetic).schema
+    model = build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
+    placements = model.sparse.tiers
+    assert set(placements) == {f.name for f in schema.sparse}
+    for feature in schema.sparse:
+        assert placements[feature.name].cache_rows == (feature.num_embeddings + 1) // 2
