@@ -2,6 +2,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,13 @@ HAS_TORCHREC = importlib.util.find_spec("torchrec") is not None and HAS_FBGEMM
 needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm_gpu is not installed")
 needs_torchrec = pytest.mark.skipif(not HAS_TORCHREC, reason="torchrec is not installed")
 
+
+# `auto` settings resolve by their fixed rules, not by timing (a test's numbers must not
+# depend on how busy the machine is), and measured choices never reach the user's cache;
+# the tests of the measurement (test_choices.py) turn it on with monkeypatch. Set before
+# the baseline below, so that every test and every process it starts inherits both.
+os.environ["TOWERREC_MEASURE"] = "0"
+os.environ["TOWERREC_CACHE_DIR"] = tempfile.mkdtemp(prefix="towerrec-test-cache-")
 
 # Set by pytest for each test, by torch the first time it needs its compile cache, and by
 # scikit-learn's import (OpenMP settings of its own).

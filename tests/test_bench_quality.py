@@ -1,70 +1,139 @@
-"""``towerrec bench quality``: the JSON of a tiny run, the reference's independence from
-towerrec, and that the reference is a real model (it learns a plain signal)."""
+"""``towerrec bench quality``: the JSON of a tiny run, the references' independence from
+towerrec, their recipes (row-wise Adagrad, early stopping, the selection rules), their
+architectures against towerrec's, and the synthetic data set's cache."""
 
 import ast
 import inspect
 import json
 import types
 
+import numpy as np
 import pytest
 import torch
 from conftest import run_cli
 
-from towerrec.bench import quality_reference
-from towerrec.bench.quality import early_stopped
-from towerrec.bench.quality_reference import Architecture, Bag, PlainData, train_reference
+from towerrec.bench import quality_models, quality_reference
+from towerrec.bench.quality import _architecture
+from towerrec.bench.quality_data import plain_data, write_synthetic_cache
+from towerrec.bench.quality_models import Architecture, Bag, PlainData, build_reference_model
+from towerrec.bench.quality_reference import (
+    RECIPES,
+    RowwiseAdagrad,
+    selections,
+    train_reference,
+    with_overrides,
+)
+from towerrec.build.models import build_model
+from towerrec.build.sources import build_source
+from towerrec.config import load_config
+from towerrec.data.synthetic import SyntheticSource
 
 
 def test_tiny_run_json(tmp_path):
     result = run_cli(
         "bench", "quality", "--json", "--datasets", "criteo", "--models", "dlrm",
-        "--seeds", "1", "--epochs", "1", "--criteo-files", "1", "--criteo-rows", "3000",
+        "--seeds", "1", "--epochs", "2", "--criteo-files", "1", "--criteo-rows", "3000",
         "--criteo-num-embeddings", "500", "--data-dir", str(tmp_path),
-        "--set", "train.batch_size=256",
+        "--set", "train.batch_size=256", "--set", "train.epochs=2",
+        OMP_NUM_THREADS="1",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)  # stdout holds nothing but the JSON
-    assert out["benchmark"] == "quality" and out["seeds"] == 1 and out["epochs"] == 1
+    assert out["benchmark"] == "quality" and out["seeds"] == 1
+    assert set(out["recipes"]) == {"fuxictr", "torchrec"}
     criteo = out["datasets"]["criteo"]
-    assert criteo["batch_size"] == 256
-    assert criteo["train_rows"] + criteo["validation_rows"] == 3000
+    assert criteo["batch_size"] == 256 and criteo["test_split"] == "test"
+    assert criteo["train_rows"] + criteo["validation_rows"] + criteo["test_rows"] == 3000
     model = criteo["models"]["dlrm"]
-    for side in ("towerrec", "reference"):
+    for side in ("towerrec", "fuxictr", "torchrec"):
         stats = model[side]
-        assert 0 <= stats["auc"] <= 1 and stats["logloss"] > 0 and stats["auc_std"] == 0
         (run,) = stats["per_seed"]
-        assert run["seed"] == 0 and run["best_epoch"] == 1 and len(run["epochs"]) == 1
-    # the same architecture on both sides
-    assert model["towerrec"]["num_dense_params"] == model["reference"]["num_dense_params"] > 0
-    diff = model["towerrec"]["auc"] - model["reference"]["auc"]
-    assert model["auc_towerrec_minus_reference"] == pytest.approx(diff, abs=1e-5)
-    assert isinstance(model["towerrec_within_one_std_or_above"], bool)
+        assert run["seed"] == 0 and 1 <= run["epochs_trained"] <= 2
+        for rule in ("by_logloss", "by_auc"):
+            assert 0 <= stats[rule]["auc"] <= 1 and stats[rule]["logloss"] > 0
+            assert stats[rule]["auc_std"] == 0
+            epoch = run["selected"][rule[3:]]["epoch"]
+            chosen = run["epochs"][epoch - 1]
+            assert stats[rule]["auc"] == pytest.approx(chosen["test"]["auc"], abs=1e-5)
+    assert len(model["towerrec"]["per_seed"][0]["epochs"]) == 2  # a validation each epoch
+    # the same architecture on every side
+    params = {model[side]["num_dense_params"] for side in ("towerrec", "fuxictr", "torchrec")}
+    assert len(params) == 1 and params.pop() > 0
+    for rule in ("by_logloss", "by_auc"):
+        verdict = model["verdict"][rule]
+        best = verdict["better_reference"]
+        assert model[best][rule]["auc"] == max(model[r][rule]["auc"] for r in RECIPES)
+        diff = model["towerrec"][rule]["auc"] - model[best][rule]["auc"]
+        assert verdict["auc_towerrec_minus_better_reference"] == pytest.approx(diff, abs=1e-5)
 
 
-def test_reference_imports_nothing_from_towerrec():
-    tree = ast.parse(inspect.getsource(quality_reference))
-    imported = set()
-    for node in ast.walk(tree):
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--datasets", "frappe"], "name another with --data NAME=PATH"),
+        (["--data", "frappe"], "--data takes NAME=PATH"),
+        (["--datasets", "frappe", "--data", "frappe=/nonexistent"], "neither a cache directory"),
+        (["--datasets", "criteo", "--config", "movielens=configs/movielens.toml"], "not among"),
+        (["--recipes", "keras"], "--recipes takes some of fuxictr, torchrec"),
+    ],
+)
+def test_bad_arguments_are_refused(args, message):
+    result = run_cli("bench", "quality", *args)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def _imports(module) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
         if isinstance(node, ast.Import):
-            imported.update(alias.name for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            imported.add(node.module or "")
-    assert imported and not any(name.startswith("towerrec") for name in imported), imported
-    own = quality_reference.__name__
-    for name, value in vars(quality_reference).items():  # nor a towerrec object in its globals
+            names.add(node.module or "")
+    return names
+
+
+@pytest.mark.parametrize("module", [quality_models, quality_reference])
+def test_references_import_nothing_from_towerrec(module):
+    allowed = {quality_models.__name__}  # the reference trains the plain models
+    imported = _imports(module)
+    assert imported and not any(
+        name.startswith("towerrec") and name not in allowed for name in imported
+    ), imported
+    for name, value in vars(module).items():  # nor a towerrec object in its globals
         if isinstance(value, types.ModuleType):
-            module = value.__name__
+            owner = value.__name__
         else:
-            module = getattr(value, "__module__", None)
-        if isinstance(module, str) and module != own:
-            assert not module.startswith("towerrec"), (name, module)
+            owner = getattr(value, "__module__", None)
+        if isinstance(owner, str) and owner not in (module.__name__, *allowed):
+            assert not owner.startswith("towerrec"), (name, owner)
 
 
-def test_early_stopping_keeps_the_best_epoch_before_patience_runs_out():
-    losses = [0.6, 0.5, 0.55, 0.56, 0.4]
-    evals = [{"epoch": i + 1, "logloss": x} for i, x in enumerate(losses)]
-    assert early_stopped(evals, patience=2)["epoch"] == 2  # stopped before epoch 5
-    assert early_stopped(evals, patience=3)["epoch"] == 5
+def test_selection_rules_pick_the_best_validation_epoch_of_each_metric():
+    history = [
+        {"epoch": 1, "validation": {"auc": 0.70, "logloss": 0.50}, "test": {}},
+        {"epoch": 2, "validation": {"auc": 0.72, "logloss": 0.49}, "test": {}},
+        {"epoch": 3, "validation": {"auc": 0.73, "logloss": 0.51}, "test": {}},
+    ]
+    chosen = selections(history)
+    assert chosen["logloss"]["epoch"] == 2 and chosen["auc"]["epoch"] == 3
+
+
+def test_rowwise_adagrad_follows_its_formula():
+    weight = torch.nn.Parameter(torch.arange(12.0).view(4, 3))
+    opt = RowwiseAdagrad([weight], lr=0.1, eps=1e-8)
+    grad = torch.tensor([[1.0, 2.0, 2.0], [0.5, 0.5, 1.0]])
+    before = weight.detach().clone()
+    for _ in range(2):  # rows 1 and 3, twice
+        weight.grad = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), grad, (4, 3))
+        opt.step()
+    expected = before.clone()
+    total = torch.zeros(4)
+    for _ in range(2):
+        for row, g in zip((1, 3), grad):
+            total[row] += g.pow(2).mean()
+            expected[row] -= 0.1 * g / (total[row].sqrt() + 1e-8)
+    torch.testing.assert_close(weight.detach(), expected)
+    assert torch.equal(weight.detach()[[0, 2]], before[[0, 2]])  # untouched rows stay
 
 
 def _planted(rows: int, seed: int) -> PlainData:
@@ -84,10 +153,83 @@ def _planted(rows: int, seed: int) -> PlainData:
     )
 
 
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
 @pytest.mark.parametrize("model", ["dlrm", "dcn", "wukong"])
-def test_reference_learns_a_plain_signal(model, one_thread):
+def test_each_recipe_learns_a_plain_signal(model, recipe, one_thread):
     arch = Architecture(model, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(32, 16, 1))
     result = train_reference(
-        arch, _planted(6000, 0), _planted(2000, 1), epochs=4, batch_size=128, patience=2, seed=0
+        arch,
+        _planted(6000, 0),
+        _planted(2000, 1),
+        _planted(2000, 2),
+        recipe=RECIPES[recipe],
+        epochs=4,
+        batch_size=128,
+        seed=0,
     )
-    assert result.auc > 0.9, result.epochs
+    best = selections(result.epochs)["auc"]
+    assert best["test"]["auc"] > 0.9, result.epochs
+
+
+def test_early_stopping_stops_after_patience_epochs_without_improvement(one_thread):
+    """A learning rate of 0 never improves after the first epoch: the run stops after
+    1 + patience epochs, its choice the first."""
+    arch = Architecture("dlrm", embedding_dim=4, bottom_mlp=(4,), top_mlp=(4, 1))
+    frozen = with_overrides(RECIPES["torchrec"], dense_lr=0.0, embedding_lr=0.0, patience=2)
+    data = _planted(500, 0)
+    result = train_reference(
+        arch, data, data, None, recipe=frozen, epochs=10, batch_size=100, seed=0
+    )
+    assert result.stopped_epoch == 3 and result.best_epoch == 1
+    assert result.epochs[0]["test"] == result.epochs[0]["validation"]  # no test split
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.name=dlrm", "model.concat_embeddings=true", "model.self_interaction=true"],
+        ["model.name=dlrm", "model.dropout=0.2", "model.batch_norm=true"],
+        ["model.name=dcn", "model.dcn.rank=4"],
+        ["model.name=wukong", "model.wukong.num_fm=0"],
+        ["model.name=wukong", "model.dropout=0.1", "model.wukong.fm_mlp=[32,16]"],
+    ],
+)
+@pytest.mark.parametrize("num_dense", [13, 0])
+def test_reference_architecture_has_towerrec_s_dense_parameters(overrides, num_dense):
+    bottom = [] if num_dense == 0 else [32, 16]
+    config = load_config(
+        None,
+        [
+            "data.synthetic.num_embeddings=[30,20,10]",
+            "data.synthetic.pooling_factors=[]",
+            f"data.synthetic.num_dense={num_dense}",
+            f"model.bottom_mlp={bottom}",
+            *overrides,
+        ],
+    )
+    schema = SyntheticSource(config.data.synthetic).schema
+    towerrec = build_model(config, schema, torch.device("cpu"))
+    sizes = [f.num_embeddings for f in schema.sparse]
+    reference = build_reference_model(_architecture(config), num_dense, sizes)
+    ours = sum(p.numel() for n, p in reference.named_parameters() if not n.startswith("tables."))
+    assert ours == towerrec.num_dense_parameters()
+
+
+def test_synthetic_cache_holds_the_stream_s_rows(tmp_path):
+    config = load_config(
+        None, ["data.synthetic.num_embeddings=[30,20,10]", "data.synthetic.pooling_factors=[1,1,3]"]
+    )
+    write_synthetic_cache(config, tmp_path, train_rows=300, held_out_rows=100)
+    cached = load_config(None, ["data.source=cache", f"data.path={json.dumps(str(tmp_path))}"])
+    train, valid, test = plain_data(cached)
+    assert (train.rows, valid.rows, test.rows) == (300, 100, 100)
+    source = SyntheticSource(config.data.synthetic)
+    stream = source.samples("train", 0, 400)[0]
+    in_order = build_source(cached.data).gather_train(np.arange(300))  # plain_data shuffles
+    np.testing.assert_array_equal(in_order.labels.numpy(), stream.labels[:300].numpy())
+    np.testing.assert_array_equal(in_order.dense.numpy(), stream.dense[:300].numpy())
+    np.testing.assert_array_equal(test.dense.numpy(), stream.dense[300:].numpy())
+    multi = stream.sparse.to_dict()["cat_2"]
+    assert torch.equal(test.bags[2].values, multi.values[int(multi.offsets()[300]) :].long())
+    held_out = source.samples("eval", 0, 100)[0]
+    np.testing.assert_array_equal(valid.labels.numpy(), held_out.labels.numpy())

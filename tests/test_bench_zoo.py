@@ -89,3 +89,16 @@ def test_flops_are_matched_on_movielens_too(tmp_path):
         assert abs(flops - target) <= 0.01 * target, extra
     # the synthetic schema (13 dense, 9 tables) gives another count: the data's schema is used
     assert Sweep(1, 64, "cpu", tmp_path).flops([*HIGH_ORDER, "model.name=wukong"]) != target
+
+
+def test_the_benchmark_threads_reach_every_run(one_thread):
+    from towerrec.bench.zoo import run_zoo_benchmark
+
+    seen = {}
+
+    def benchmark(sweep):
+        seen["threads"] = sweep.config([]).train.threads
+        return {}
+
+    run_zoo_benchmark("precision", 1, 8, threads=1, benchmark=benchmark)
+    assert seen["threads"] == 1  # not 0, which lets a run take every core

@@ -53,6 +53,6 @@ def test_bf16_training_reaches_the_fp32_auc(tmp_path):
 
 def test_precision_config_error():
     with pytest.raises(
-        ConfigError, match=r"train\.precision = 'fp16' is not one of 'fp32', 'bf16'"
+        ConfigError, match=r"train\.precision = 'fp16' is not one of 'fp32', 'bf16', 'auto'"
     ):
         load_config(None, ["train.precision=fp16"])

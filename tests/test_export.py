@@ -19,6 +19,7 @@ import torch
 from towerrec.build.models import build_model
 from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.build.sources import build_source
+from towerrec.checksums import digests, list_files, read_checksums, write_checksums
 from towerrec.cli import main
 from towerrec.config import load_config
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
@@ -29,7 +30,7 @@ from towerrec.serve import artefact as artefact_module
 from towerrec.serve.artefact import ArtefactError, load_artefact
 from towerrec.serve.export import export_run, quantize_rowwise
 from towerrec.serve.predict import predict
-from towerrec.train.checkpoint import CheckpointManager
+from towerrec.train.checkpoint import CheckpointError, CheckpointManager
 from towerrec.workflows import training as trainer
 from towerrec.workflows.worker import train_worker
 
@@ -256,11 +257,14 @@ def test_the_artefact_loads_without_towerrec(synthetic_run, synthetic_artefact, 
 
 
 def _edited_copy(artefact, tmp_path, **changes):
+    """A copy whose manifest says otherwise, with checksums to match (as another
+    version's export would write it)."""
     copy = tmp_path / "edited"
     shutil.copytree(artefact, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest.update(changes)
     (copy / "manifest.json").write_text(json.dumps(manifest))
+    write_checksums(copy, digests(copy, list_files(copy)))
     return copy
 
 
@@ -281,15 +285,90 @@ def test_missing_artefact_files_are_named(synthetic_artefact, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(synthetic_artefact, copy)
     (copy / "program.pt2").unlink()
-    with pytest.raises(FileNotFoundError, match=r"lacks .*program\.pt2.*export the run again"):
+    with pytest.raises(ArtefactError, match=r"program\.pt2 is missing.*Export the run again"):
         load_artefact(copy)
+    with pytest.raises(FileNotFoundError, match=r"lacks .*program\.pt2.*export the run again"):
+        load_artefact(copy, verify=False)
     table = next((synthetic_artefact / "tables").iterdir())
     shutil.copy(synthetic_artefact / "program.pt2", copy / "program.pt2")
     (copy / "tables" / table.name).unlink()
-    with pytest.raises(FileNotFoundError, match=f"lacks .*{table.name}"):
+    with pytest.raises(ArtefactError, match=f"tables/{table.name} is missing"):
         load_artefact(copy)
+    with pytest.raises(FileNotFoundError, match=f"lacks .*{table.name}"):
+        load_artefact(copy, verify=False)
     with pytest.raises(FileNotFoundError, match="no artefact directory"):
         load_artefact(tmp_path / "nowhere")
+
+
+def _flip(file, count=64):
+    data = bytearray(file.read_bytes())
+    for i in range(len(data) // 2, min(len(data), len(data) // 2 + count)):
+        data[i] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["flipped table", "truncated program", "flipped manifest"])
+def test_a_damaged_artefact_is_refused_naming_the_file(kind, synthetic_artefact, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(synthetic_artefact, copy)
+    table = sorted((copy / "tables").iterdir())[0]
+    if kind == "flipped table":
+        _flip(table)
+        named = f"tables/{table.name} does not match its sha256"
+    elif kind == "truncated program":
+        (copy / "program.pt2").write_bytes((copy / "program.pt2").read_bytes()[:1000])
+        named = r"program\.pt2 has 1000 bytes"
+    else:
+        _flip(copy / "manifest.json", 1)
+        named = r"manifest\.json does not match"
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    with pytest.raises(ArtefactError, match=f"{named}.*Export the run again"):
+        load_artefact(copy)
+    with pytest.raises(ArtefactError, match=named):
+        predict(copy, progress=False)
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+
+
+def test_an_artefact_without_checksums_is_refused_unless_verification_is_off(
+    synthetic_artefact, tmp_path, capsys
+):
+    """As an artefact exported before checksums: refused, naming the fixes."""
+    copy = tmp_path / "old"
+    shutil.copytree(synthetic_artefact, copy)
+    (copy / "checksums.json").unlink()
+    with pytest.raises(
+        ArtefactError, match=r"no checksums\.json.*export the run again.*--no-verify"
+    ):
+        load_artefact(copy)
+    assert load_artefact(copy, verify=False).feature_names
+    assert main(["predict", str(copy), "--no-progress"]) == 2
+    assert "--no-verify" in capsys.readouterr().err
+    assert main(["predict", str(copy), "--no-progress", "--no-verify"]) == 0
+
+
+def test_the_artefact_lists_every_file_in_the_format_of_checkpoints(synthetic_artefact):
+    entries = read_checksums(synthetic_artefact)
+    assert entries is not None and sorted(entries) == list_files(synthetic_artefact)
+    assert {"manifest.json", "program.pt2", "run_config.toml"} <= set(entries)
+    assert any(name.startswith("tables/") for name in entries)
+    artefact_module.verify_files(synthetic_artefact)
+
+
+def test_export_checks_the_runs_checkpoint(synthetic_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(synthetic_run, run)
+    checkpoint = CheckpointManager(run / "checkpoint").latest()
+    assert checkpoint is not None
+    _flip(checkpoint / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp does not match.*nothing was deleted"):
+        export_run(run, tmp_path / "artefact")
+    assert not (tmp_path / "artefact").exists()
+    shutil.copy(synthetic_run / "checkpoint" / checkpoint.name / "__0_0.distcp", checkpoint)
+    (checkpoint / "checksums.json").unlink()  # a run of a towerrec before checksums
+    with pytest.raises(CheckpointError, match="--no-verify"):
+        export_run(run, tmp_path / "artefact")
+    assert main(["export", str(run), "--out", str(tmp_path / "artefact"), "--no-verify"]) == 0
+    load_artefact(tmp_path / "artefact")
 
 
 def test_data_of_another_schema_is_refused(synthetic_artefact, criteo_files, tmp_path):

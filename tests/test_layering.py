@@ -14,6 +14,7 @@ FORBIDDEN = {
     "utils.py": ["torch", "towerrec."],
     "memory.py": ["torch", "towerrec."],
     "scaling.py": ["torch", "towerrec."],
+    "checksums.py": ["torch", "towerrec."],
     "data": [
         "torch.distributed",
         "towerrec.modules",

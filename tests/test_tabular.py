@@ -132,7 +132,7 @@ def test_missing_column_and_bad_values(tmp_path, frame):
     manifest = preprocess_table([tmp_path / "b.csv"], tmp_path / "c2", SCHEMA)
     assert manifest["rows"]["train"] == 2
     assert [p.split(": ")[1] for p in manifest["report"]["first"]] == [
-        "age is not a number",
+        "age is not a finite number",
         "label click is not 0 or 1",
     ]
     assert [p.split(": ")[0].rsplit(":", 1)[1] for p in manifest["report"]["first"]] == ["3", "4"]

@@ -15,6 +15,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from towerrec.bench.roofline import matmul_peak
 from towerrec.calibration.machine import machine_info
 
 P = ParamSpec("P")
@@ -81,20 +82,11 @@ def matmul_peak_flops(
     seconds: float = 1.0,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Best measured FLOP/s of a dense matmul on this machine (MLP-like shapes).
+    """Best measured FLOP/s of a dense matmul on this CPU (``roofline.matmul_peak``).
 
     ``clock=time.process_time``: per CPU second of this process (with one
     intra-op thread, the peak of one core however busy the machine is)."""
-    best = 0.0
-    for m, k, n in ((2048, 512, 512), (2048, 1024, 1024), (4096, 1024, 1024)):
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        torch.mm(a, b)
-        reps, start = 0, clock()
-        while (elapsed := clock() - start) < seconds / 3:
-            torch.mm(a, b)
-            reps += 1
-        best = max(best, 2 * m * k * n * reps / elapsed)
-    return best
+    return matmul_peak("cpu", dtype, seconds, clock)
 
 
 def time_interleaved(

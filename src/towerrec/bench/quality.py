@@ -1,40 +1,34 @@
-"""``towerrec bench quality``: towerrec's DLRM, DCNv2 and Wukong against plain-PyTorch
-references of the same architectures, on real and Criteo-format data.
+"""``towerrec bench quality``: towerrec's DLRM, DCNv2 and Wukong against the recipes CTR
+practitioners train them with, written in plain PyTorch, on the same rows.
 
 ::
 
-    data set ─► towerrec's loader ─► train / validation split (the same rows)
-                    │                              │
-                    ▼                              ▼
-    towerrec: train(config) for E epochs,   reference (quality_reference.py): its own
-    an eval every epoch (metrics.jsonl)     tables, MLPs, interactions, optimizers and
-                    │                       loop on plain tensors, an eval every epoch
-                    └──────────► same early-stopping rule ◄──────────┘
-                                 best epoch by validation log-loss
+    data set (quality_data.py) ─► train / validation / test splits (the same rows)
+         │                                   │
+         ▼                                   ▼
+    towerrec: train(config) as the     references (quality_reference.py, plain torch):
+    named config says; a validation    FuxiCTR's recipe and TorchRec/dlrm's, each with
+    and a test evaluation each epoch   its own init, optimizers and early stopping, a
+         │                             validation and a test evaluation each epoch
+         └────────► both selection rules on every side ◄────────┘
+                    the epoch of best validation log-loss, and of best validation AUC:
+                    that epoch's test AUC and log-loss
 
-Data sets: the bundled MovieLens (its time split: the last 20 % of ratings are the
-validation rows) and Criteo-format files generated here (``gen-criteo``, seeded) and
-converted with a seeded 10 % validation split. The towerrec data loader is used on
-the reference side only to materialise that split as tensors, so both see identical
-rows; the reference imports nothing else of towerrec (and not even that: it gets
-tensors).
+towerrec trains its config (``--config NAME=PATH``; default ``configs/NAME.toml`` when
+there is one, else the built-in defaults) as ``towerrec train`` would, with a validation
+every epoch (``train.eval_every = "epoch"``); ``--set`` changes it on every data set. The
+references get the same features, splits and architecture widths (the model section of
+that config) and the batch size. Seed s sets model init and data order on every side.
 
-Both sides train E epochs at the towerrec config's batch size, evaluate on the
-validation rows after every epoch, and report the epoch of lowest validation
-log-loss among those seen before ``patience`` epochs pass without a lower one. The
-reference stops there; towerrec trains all E epochs (its LR schedule spans them) and
-the rule is applied to its per-epoch evaluations, which gives the same choice.
-Seed s sets model init and data order on both sides (towerrec: ``train.seed``,
-``data.loader.seed``). Verdict per model: towerrec's mean AUC minus the reference's
-is at least ``-max(std_towerrec, std_reference)`` ("within one standard deviation
-or above").
+Verdict per data set, model and selection rule: towerrec's mean test AUC minus the
+better reference's is at least ``-max(std_towerrec, std_reference)`` ("within one
+standard deviation or above").
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import tempfile
@@ -45,111 +39,152 @@ from typing import Any
 import torch
 
 from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list, machine_info
-from towerrec.bench.quality_reference import (
-    Architecture,
-    Bag,
-    PlainData,
-    ReferenceSettings,
-    train_reference,
+from towerrec.bench.quality_data import (
+    BUILT_IN,
+    DataSet,
+    cache_overrides,
+    criteo_cache,
+    movielens_overrides,
+    plain_data,
+    write_synthetic_cache,
 )
-from towerrec.build.sources import build_source
-from towerrec.config import Config, load_config
-from towerrec.data.batch import Batch
-from towerrec.data.criteo import CriteoOptions, preprocess_criteo
-from towerrec.data.criteo_gen import generate_criteo_files
-from towerrec.data.loader import ColumnSource
+from towerrec.bench.quality_models import Architecture, PlainData
+from towerrec.bench.quality_reference import (
+    RECIPES,
+    SELECTION_RULES,
+    Recipe,
+    selections,
+    train_reference,
+    with_overrides,
+)
+from towerrec.config import Config
+from towerrec.train.hooks import StepHook
+from towerrec.train.loop import validate
+from towerrec.train.metrics import EvalMetrics
+from towerrec.train.session import Session
 from towerrec.workflows.training import train
 
-__all__ = [
-    "BENCHMARK",
-    "QualitySettings",
-    "early_stopped",
-    "plain_data",
-    "run_quality_benchmark",
-]
+__all__ = ["BENCHMARK", "QualitySettings", "run_quality_benchmark"]
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MODELS = ("dlrm", "dcn", "wukong")
-DATASETS = ("movielens", "criteo")
 
 
 @dataclass(frozen=True)
 class QualitySettings:
     """What ``towerrec bench quality`` runs (the CLI's flags)."""
 
-    epochs: int = 4
-    patience: int = 1
+    epochs: int = 15  # the references' cap on epochs
     seeds: int = 3
     models: tuple[str, ...] = MODELS
-    datasets: tuple[str, ...] = DATASETS
-    movielens_config: Path = CONFIGS / "movielens.toml"
-    criteo_config: Path | None = None  # None: the built-in defaults (configs/default.toml)
+    datasets: tuple[str, ...] = BUILT_IN
+    configs: dict[str, Path] = field(default_factory=dict)  # data set -> towerrec config
+    data: dict[str, Path] = field(default_factory=dict)  # NAME -> cache / MovieLens dir
+    synthetic_rows: int = 200_000  # training rows written from the stream
+    synthetic_held_out: int = 50_000  # validation rows, and as many test rows
     criteo_files: int = 3
     criteo_rows: int = 30_000  # per file
     criteo_num_embeddings: int = 20_000  # hashed rows per table
-    data_dir: Path | None = None  # where the Criteo files and cache go; None: a temp dir
+    data_dir: Path | None = None  # where generated data goes; None: a temp dir
     movielens_path: str = ""  # empty: the bundled data set
     overrides: tuple[str, ...] = ()  # towerrec config overrides for every run
     threads: int = 1
-    reference: ReferenceSettings = field(default_factory=ReferenceSettings)
+    recipes: tuple[Recipe, ...] = tuple(RECIPES.values())
 
     def __post_init__(self) -> None:
-        for key in ("epochs", "patience", "seeds", "criteo_files", "criteo_rows", "threads"):
+        for key in ("epochs", "seeds", "criteo_files", "criteo_rows", "threads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"bench quality: --{key.replace('_', '-')} must be >= 1")
-        for name, allowed in (("models", MODELS), ("datasets", DATASETS)):
-            unknown = sorted(set(getattr(self, name)) - set(allowed))
-            if unknown or not getattr(self, name):
-                raise ValueError(f"bench quality: --{name} takes some of {', '.join(allowed)}")
+        unknown = sorted(set(self.models) - set(MODELS))
+        if unknown or not self.models:
+            raise ValueError(f"bench quality: --models takes some of {', '.join(MODELS)}")
+        known = (*BUILT_IN, *self.data)
+        unknown = sorted(set(self.datasets) - set(known))
+        if unknown or not self.datasets:
+            raise ValueError(
+                f"bench quality: --datasets {','.join(unknown)}: each is one of "
+                f"{', '.join(known)}; name another with --data NAME=PATH"
+            )
+        for name in self.configs:
+            if name not in self.datasets:
+                raise ValueError(
+                    f"bench quality: --config {name}=...: {name!r} is not among --datasets"
+                )
+
+    def config_of(self, name: str) -> Path | None:
+        if name in self.configs:
+            return self.configs[name]
+        default = CONFIGS / f"{name}.toml"
+        return default if default.is_file() else None
 
 
-# ------------------------------------------------------------------ data
-def _plain(batch: Batch, sizes: list[int]) -> PlainData:
-    bags = []
-    for (_, jagged), size in zip(batch.sparse.to_dict().items(), sizes):
-        bags.append(Bag(jagged.values.long(), jagged.offsets(), size))
-    return PlainData(batch.dense.float(), batch.labels.float(), tuple(bags))
-
-
-def plain_data(config: Config) -> tuple[PlainData, PlainData]:
-    """The train and validation (eval) rows of ``config.data`` as plain tensors."""
-    source = build_source(config.data)
-    if not isinstance(source, ColumnSource):
-        raise ValueError(
-            f"the plain-PyTorch references read a data set's rows, but data.source = "
-            f"{config.data.source!r} is a stream; use a cache or MovieLens"
+# ------------------------------------------------------------------ data sets
+def _data_set(name: str, settings: QualitySettings, root: Path) -> DataSet:
+    config = settings.config_of(name)
+    if name == "movielens":
+        return DataSet(name, config, movielens_overrides(config, settings.movielens_path))
+    if name == "criteo":
+        path = criteo_cache(
+            root / "criteo",
+            settings.criteo_files,
+            settings.criteo_rows,
+            settings.criteo_num_embeddings,
         )
-    sizes = [f.num_embeddings for f in source.schema.sparse]
-    train_rows = source.train_batch(0, source.train_rows)  # epoch 0: every row once
-    valid = list(source.eval_batches(source.eval_rows))
-    assert len(valid) == 1  # one batch of every eval row
-    return _plain(train_rows, sizes), _plain(valid[0], sizes)
+        return DataSet(name, config, cache_overrides(path))
+    if name == "synthetic":
+        base = DataSet(name, config, ("data.source=synthetic",)).load(settings.overrides)
+        path = write_synthetic_cache(
+            base, root / "synthetic", settings.synthetic_rows, settings.synthetic_held_out
+        )
+        return DataSet(name, config, cache_overrides(path))
+    return DataSet(name, config, cache_overrides(settings.data[name]))
 
 
-def _criteo_cache(settings: QualitySettings, root: Path) -> Path:
-    raw = root / "criteo-raw"
-    paths = generate_criteo_files(raw, settings.criteo_files, settings.criteo_rows, seed=0)
-    options = CriteoOptions(
-        num_embeddings=(settings.criteo_num_embeddings,), eval_fraction=0.1, seed=0
+# ------------------------------------------------------------------ towerrec's side
+class _TestEachValidation(StepHook):
+    """After each validation, the test split's metrics too (the validation's, without one)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def setup(self, session: Session) -> None:
+        self.session = session
+
+    def on_validation(self, step: int, metrics: EvalMetrics) -> None:
+        validation = _metrics(metrics.as_dict())
+        test = validation
+        if self.session.source.test_rows:
+            test = _metrics(validate(self.session, "test").as_dict())
+        self.records.append({"step": step, "validation": validation, "test": test})
+
+
+def _metrics(record: dict[str, Any]) -> dict[str, float]:
+    return {"auc": float(record["auc"]), "logloss": float(record["logloss"])}
+
+
+def _towerrec_run(config: Config, train_rows: int, seed: int, root: Path) -> dict:
+    run_config = replace(
+        config,
+        train=replace(
+            config.train,
+            eval_every="epoch",
+            seed=seed,
+            progress=False,
+            device="cpu",
+            threads=0,
+        ),
+        data=replace(config.data, loader=replace(config.data.loader, seed=seed)),
     )
-    with contextlib.redirect_stdout(sys.stderr):
-        preprocess_criteo(paths, root / "criteo-cache", options, progress=False)
-    return root / "criteo-cache"
+    per_epoch = -(-train_rows // config.train.batch_size)
+    hook = _TestEachValidation()
+    out = Path(tempfile.mkdtemp(dir=root))
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is for the JSON result
+        summary = train(run_config, out, hooks=[hook])
+    epochs = [{"epoch": -(-r.pop("step") // per_epoch), **r} for r in hook.records]
+    return {"seed": seed, "num_dense_params": summary["num_dense_params"], "epochs": epochs}
 
 
-# ------------------------------------------------------------------ runs
-def early_stopped(evals: list[dict], patience: int) -> dict:
-    """The epoch record of lowest log-loss seen before ``patience`` epochs pass without a
-    lower one (``evals`` in epoch order)."""
-    best = 0
-    for i in range(1, len(evals)):
-        if evals[i]["logloss"] < evals[best]["logloss"]:
-            best = i
-        elif i - best >= patience:
-            break
-    return evals[best]
-
-
+# ------------------------------------------------------------------ the references' side
 def _architecture(config: Config) -> Architecture:
     m = config.model
     if m.dcn.structure != "stacked" or m.wukong.dense_rows != 1:
@@ -159,6 +194,10 @@ def _architecture(config: Config) -> Architecture:
         embedding_dim=m.embedding_dim,
         bottom_mlp=tuple(m.bottom_mlp),
         top_mlp=tuple(m.top_mlp),
+        self_interaction=m.self_interaction,
+        concat_embeddings=m.concat_embeddings and m.name == "dlrm",
+        dropout=m.dropout,
+        batch_norm=m.batch_norm,
         dcn_layers=m.dcn.num_layers,
         dcn_rank=m.dcn.rank,
         wukong_layers=m.wukong.num_layers,
@@ -169,120 +208,88 @@ def _architecture(config: Config) -> Architecture:
     )
 
 
-def _towerrec_run(
-    config: Config, train_rows: int, seed: int, settings: QualitySettings, root: Path
-) -> dict:
-    per_epoch = -(-train_rows // config.train.batch_size)
-    steps = -(-settings.epochs * train_rows // config.train.batch_size)
-    run_config = replace(
-        config,
-        train=replace(
-            config.train,
-            steps=steps,
-            epochs=None,
-            eval_every=per_epoch,
-            log_every=per_epoch,
-            seed=seed,
-            progress=False,
-            device="cpu",
-            threads=0,
-        ),
-        data=replace(config.data, loader=replace(config.data.loader, seed=seed)),
-    )
-    out = Path(tempfile.mkdtemp(dir=root))
-    with contextlib.redirect_stdout(sys.stderr):  # stdout is for the JSON result
-        summary = train(run_config, out)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [
-        {"epoch": -(-r["step"] // per_epoch), "auc": r["auc"], "logloss": r["logloss"]}
-        for r in records
-        if r.get("kind") == "eval"
-    ]
-    best = early_stopped(evals, settings.patience)
-    return {
-        "seed": seed,
-        "best_epoch": best["epoch"],
-        **_rounded(best),
-        "num_dense_params": summary["num_dense_params"],
-        "epochs": evals,
-    }
-
-
 def _reference_run(
-    config: Config, data: tuple[PlainData, PlainData], seed: int, settings: QualitySettings
+    config: Config,
+    data: tuple[PlainData, PlainData, PlainData | None],
+    recipe: Recipe,
+    seed: int,
+    epochs: int,
 ) -> dict:
     result = train_reference(
         _architecture(config),
         *data,
-        epochs=settings.epochs,
+        recipe=recipe,
+        epochs=epochs,
         batch_size=config.train.batch_size,
-        patience=settings.patience,
         seed=seed,
-        settings=settings.reference,
     )
-    best = {"auc": result.auc, "logloss": result.logloss}
-    return {
-        "seed": seed,
-        "best_epoch": result.best_epoch,
-        **_rounded(best),
-        "num_dense_params": result.num_dense_params,
-        "epochs": result.epochs,
-    }
+    return {"seed": seed, "num_dense_params": result.num_dense_params, "epochs": result.epochs}
 
 
-def _rounded(record: dict) -> dict:
-    return {k: round(record[k], 5) for k in ("auc", "logloss")}
-
-
-def _stats(runs: list[dict]) -> dict:
-    out: dict[str, Any] = {}
-    for key in ("auc", "logloss"):
-        values = [r[key] for r in runs]
-        out[key] = round(statistics.fmean(values), 5)
-        out[f"{key}_std"] = round(statistics.stdev(values), 5) if len(values) > 1 else 0.0
-    out["num_dense_params"] = runs[0]["num_dense_params"]
+# ------------------------------------------------------------------ statistics
+def _side(runs: list[dict]) -> dict:
+    """Mean and standard deviation over seeds of each selection rule's test metrics."""
+    out: dict[str, Any] = {"num_dense_params": runs[0]["num_dense_params"]}
+    for run in runs:
+        chosen = selections(run["epochs"])
+        run["selected"] = {
+            rule: {"epoch": r["epoch"], **{k: round(v, 5) for k, v in r["test"].items()}}
+            for rule, r in chosen.items()
+        }
+        run["epochs_trained"] = run["epochs"][-1]["epoch"]
+    for rule in SELECTION_RULES:
+        stats: dict[str, Any] = {}
+        for key in ("auc", "logloss"):
+            values = [run["selected"][rule][key] for run in runs]
+            stats[key] = round(statistics.fmean(values), 5)
+            stats[f"{key}_std"] = round(statistics.stdev(values), 5) if len(values) > 1 else 0.0
+        stats["epochs"] = [run["selected"][rule]["epoch"] for run in runs]
+        out[f"by_{rule}"] = stats
     out["per_seed"] = runs
     return out
 
 
-def _compare(towerrec: dict, reference: dict) -> dict:
-    diff = towerrec["auc"] - reference["auc"]
-    band = max(towerrec["auc_std"], reference["auc_std"])
-    return {
-        "auc_towerrec_minus_reference": round(diff, 5),
-        "logloss_towerrec_minus_reference": round(towerrec["logloss"] - reference["logloss"], 5),
-        "towerrec_within_one_std_or_above": diff >= -band,
-    }
+def _verdicts(sides: dict[str, dict]) -> dict:
+    """Per selection rule: towerrec's mean test AUC against the better reference's."""
+    out = {}
+    for rule in SELECTION_RULES:
+        key = f"by_{rule}"
+        references = {name: s[key] for name, s in sides.items() if name != "towerrec"}
+        best = max(references, key=lambda name: references[name]["auc"])
+        ours, theirs = sides["towerrec"][key], references[best]
+        diff = ours["auc"] - theirs["auc"]
+        out[key] = {
+            "better_reference": best,
+            "auc_towerrec_minus_better_reference": round(diff, 5),
+            "towerrec_within_one_std_or_above": diff >= -max(ours["auc_std"], theirs["auc_std"]),
+        }
+    return out
 
 
-def _dataset(
-    name: str, base: tuple[Path | None, list[str]], settings: QualitySettings, root: Path
-) -> dict:
-    path, data_overrides = base
-    overrides = [*data_overrides, *settings.overrides]
-    config = load_config(path, overrides)
+def _evaluate_data_set(data_set: DataSet, settings: QualitySettings, root: Path) -> dict:
+    config = data_set.load(settings.overrides)
     data = plain_data(config)
     result: dict[str, Any] = {
-        "config": str(path) if path else "built-in defaults",
-        "overrides": overrides,
+        "config": str(data_set.config) if data_set.config else "built-in defaults",
+        "overrides": [*data_set.overrides, *settings.overrides],
         "batch_size": config.train.batch_size,
         "train_rows": data[0].rows,
         "validation_rows": data[1].rows,
+        "test_rows": data[2].rows if data[2] is not None else 0,
+        "test_split": "test" if data[2] is not None else "validation (the data has no test split)",
         "models": {},
     }
     for model in settings.models:
-        model_config = load_config(path, [*overrides, f"model.name={model}"])
+        model_config = data_set.load([*settings.overrides, f"model.name={model}"])
         seeds = range(settings.seeds)
-        towerrec = _stats(
-            [_towerrec_run(model_config, data[0].rows, s, settings, root) for s in seeds]
-        )
-        reference = _stats([_reference_run(model_config, data, s, settings) for s in seeds])
-        result["models"][model] = {
-            "towerrec": towerrec,
-            "reference": reference,
-            **_compare(towerrec, reference),
+        sides = {
+            "towerrec": _side([_towerrec_run(model_config, data[0].rows, s, root) for s in seeds])
         }
-        print(f"bench quality: {name} {model} done", file=sys.stderr)
+        for recipe in settings.recipes:
+            runs = [_reference_run(model_config, data, recipe, s, settings.epochs) for s in seeds]
+            sides[recipe.name] = _side(runs)
+        result["models"][model] = {**sides, "verdict": _verdicts(sides)}
+        print(f"bench quality: {data_set.name} {model} done", file=sys.stderr)
     return result
 
 
@@ -291,60 +298,87 @@ def run_quality_benchmark(settings: QualitySettings) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         data_root = settings.data_dir or root
-        datasets: dict[str, Any] = {}
-        for name in settings.datasets:
-            if name == "movielens":
-                base: tuple[Path | None, list[str]] = (
-                    settings.movielens_config,
-                    ["data.source=movielens", f"data.path={json.dumps(settings.movielens_path)}"],
-                )
-            else:
-                cache = _criteo_cache(settings, data_root)
-                base = (
-                    settings.criteo_config,
-                    ["data.source=criteo", f"data.path={json.dumps(str(cache))}"],
-                )
-            datasets[name] = _dataset(name, base, settings, root)
+        datasets = {
+            name: _evaluate_data_set(_data_set(name, settings, data_root), settings, root)
+            for name in settings.datasets
+        }
     return {
         "benchmark": "quality",
         "machine": machine_info(),
-        "epochs": settings.epochs,
-        "patience": settings.patience,
         "seeds": settings.seeds,
-        "criteo_data": {
-            "files": settings.criteo_files,
-            "rows_per_file": settings.criteo_rows,
-            "num_embeddings": settings.criteo_num_embeddings,
-            "validation_fraction": 0.1,
+        "reference_max_epochs": settings.epochs,
+        "selection_rules": {
+            "by_logloss": "the epoch of lowest validation log-loss among those trained",
+            "by_auc": "the epoch of highest validation AUC among those trained",
         },
-        "reference_settings": settings.reference.as_dict(),
-        "verdict_rule": "towerrec mean AUC - reference mean AUC >= -max(std_towerrec, std_reference)",
+        "recipes": {r.name: r.as_dict() for r in settings.recipes},
+        "generated_data": {
+            "synthetic": {
+                "train_rows": settings.synthetic_rows,
+                "held_out_rows": settings.synthetic_held_out,
+            },
+            "criteo": {
+                "files": settings.criteo_files,
+                "rows_per_file": settings.criteo_rows,
+                "num_embeddings": settings.criteo_num_embeddings,
+                "validation_fraction": 0.1,
+                "test_fraction": 0.1,
+            },
+        },
+        "verdict_rule": "towerrec mean test AUC - the better reference's >= "
+        "-max(std_towerrec, std_reference), per selection rule",
         "datasets": datasets,
     }
 
 
+# ------------------------------------------------------------------ command line
+def _named_paths(items: list[str], flag: str) -> dict[str, Path]:
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"bench quality: {flag} takes NAME=PATH, got {item!r}")
+        out[name] = Path(path)
+    return out
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = QualitySettings()
-    recipe = defaults.reference
+    fuxictr, torchrec = RECIPES["fuxictr"], RECIPES["torchrec"]
     add = parser.add_argument
-    add("--epochs", type=int, default=defaults.epochs, help="epochs per run (at most)")
-    add(
-        "--patience",
-        type=int,
-        default=defaults.patience,
-        help="stop after this many epochs without a lower validation log-loss",
-    )
+    add("--epochs", type=int, default=defaults.epochs, help="the references' cap on epochs")
     add("--seeds", type=int, default=defaults.seeds, help="runs per model and side")
     add("--models", default=",".join(defaults.models), help="comma-separated")
-    add("--datasets", default=",".join(defaults.datasets), help="comma-separated")
-    add("--movielens-config", type=Path, default=defaults.movielens_config)
-    add("--movielens-path", default="", help="a MovieLens directory (default: the bundled one)")
     add(
-        "--criteo-config",
-        type=Path,
-        default=CONFIGS / "criteo.toml" if (CONFIGS / "criteo.toml").is_file() else None,
-        help="towerrec config for the Criteo-format data (default: configs/criteo.toml)",
+        "--datasets",
+        default=",".join(defaults.datasets),
+        help="comma-separated: synthetic, movielens, criteo and the names given with --data",
     )
+    add(
+        "--data",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="one more data set: a cache directory (`towerrec data ...`, e.g. a libFM one) "
+        "or a MovieLens directory (repeatable); add NAME to --datasets",
+    )
+    add(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="towerrec's config for data set NAME (default: configs/NAME.toml when it "
+        "exists, else the built-in defaults; repeatable)",
+    )
+    add("--recipes", default=",".join(RECIPES), help="the references: fuxictr, torchrec")
+    add("--synthetic-rows", type=int, default=defaults.synthetic_rows, help="training rows")
+    add(
+        "--synthetic-held-out",
+        type=int,
+        default=defaults.synthetic_held_out,
+        help="validation rows, and as many test rows",
+    )
+    add("--movielens-path", default="", help="a MovieLens directory (default: the bundled one)")
     add("--criteo-files", type=int, default=defaults.criteo_files)
     add("--criteo-rows", type=int, default=defaults.criteo_rows, help="rows per file")
     add(
@@ -353,38 +387,65 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.criteo_num_embeddings,
         help="hashed rows per table",
     )
-    add(
-        "--data-dir",
-        type=Path,
-        help="keep the generated Criteo files and cache here (default: temp)",
-    )
+    add("--data-dir", type=Path, help="keep the generated data here (default: temp)")
     add("--threads", type=int, default=defaults.threads, help="torch threads")
     add_overrides_argument(
-        parser, "towerrec config override for every run (the reference has its own recipe)"
+        parser, "towerrec config override for every run (the references have their recipes)"
+    )
+    add("--patience", type=int, help=f"both references' patience (default {fuxictr.patience})")
+    add("--fuxictr-lr", type=float, help=f"its Adam rate (default {fuxictr.dense_lr})")
+    add("--fuxictr-l2", type=float, help=f"its L2 on looked-up rows ({fuxictr.embedding_l2})")
+    add(
+        "--fuxictr-init-std",
+        type=float,
+        help=f"its embedding init std (default {fuxictr.init.std})",
     )
     add(
-        "--reference-dense-lr",
-        type=float,
-        default=recipe.dense_lr,
-        help="the reference's Adam learning rate (dense weights)",
+        "--torchrec-embedding-optimizer",
+        choices=("rowwise_adagrad", "adagrad", "sgd"),
+        help=f"its row optimizer (default {torchrec.embedding_optimizer})",
     )
-    add(
-        "--reference-embedding-lr",
-        type=float,
-        default=recipe.embedding_lr,
-        help="the reference's Adagrad learning rate (embedding rows)",
-    )
+    add("--torchrec-embedding-lr", type=float, help=f"(default {torchrec.embedding_lr})")
+    add("--torchrec-dense-lr", type=float, help=f"its Adam rate (default {torchrec.dense_lr})")
+
+
+def _recipes(args: argparse.Namespace) -> tuple[Recipe, ...]:
+    names = comma_list(args.recipes)
+    unknown = sorted(set(names) - set(RECIPES))
+    if unknown or not names:
+        raise ValueError(f"bench quality: --recipes takes some of {', '.join(RECIPES)}")
+    fuxictr = RECIPES["fuxictr"]
+    if args.fuxictr_init_std is not None:
+        fuxictr = replace(fuxictr, init=replace(fuxictr.init, std=args.fuxictr_init_std))
+    changed = {
+        "fuxictr": with_overrides(
+            fuxictr,
+            patience=args.patience,
+            dense_lr=args.fuxictr_lr,
+            embedding_lr=args.fuxictr_lr,
+            embedding_l2=args.fuxictr_l2,
+        ),
+        "torchrec": with_overrides(
+            RECIPES["torchrec"],
+            patience=args.patience,
+            embedding_optimizer=args.torchrec_embedding_optimizer,
+            embedding_lr=args.torchrec_embedding_lr,
+            dense_lr=args.torchrec_dense_lr,
+        ),
+    }
+    return tuple(changed[name] for name in names)
 
 
 def _run(args: argparse.Namespace) -> dict:
     settings = QualitySettings(
         epochs=args.epochs,
-        patience=args.patience,
         seeds=args.seeds,
         models=comma_list(args.models),
         datasets=comma_list(args.datasets),
-        movielens_config=args.movielens_config,
-        criteo_config=args.criteo_config,
+        configs=_named_paths(args.config, "--config"),
+        data=_named_paths(args.data, "--data"),
+        synthetic_rows=args.synthetic_rows,
+        synthetic_held_out=args.synthetic_held_out,
         criteo_files=args.criteo_files,
         criteo_rows=args.criteo_rows,
         criteo_num_embeddings=args.criteo_num_embeddings,
@@ -392,16 +453,14 @@ def _run(args: argparse.Namespace) -> dict:
         movielens_path=args.movielens_path,
         overrides=tuple(args.overrides),
         threads=args.threads,
-        reference=ReferenceSettings(
-            dense_lr=args.reference_dense_lr, embedding_lr=args.reference_embedding_lr
-        ),
+        recipes=_recipes(args),
     )
     return run_quality_benchmark(settings)
 
 
 BENCHMARK = Benchmark(
-    "AUC and log-loss of towerrec's DLRM, DCNv2, Wukong vs plain-PyTorch references "
-    "(MovieLens, generated Criteo-format data; seeds, early stopping)",
+    "test AUC of towerrec's DLRM, DCNv2, Wukong vs FuxiCTR's and TorchRec's recipes in plain "
+    "PyTorch (synthetic, MovieLens, Criteo-format, libFM caches; seeds, both selection rules)",
     _add_arguments,
     _run,
 )

@@ -1,239 +1,151 @@
-"""Plain-PyTorch DLRM, DCNv2 and Wukong with their own training loop: the reference side
-of ``towerrec bench quality``.
+"""The practitioners' training recipes, in plain PyTorch: the reference side of
+``towerrec bench quality``.
 
 This module imports nothing from towerrec (``tests/test_bench_quality.py`` checks it).
 Its inputs are plain tensors (``PlainData``); the benchmark materialises them from
-towerrec's data loader so that both sides see the same rows of the same split.
-Everything else is written here: ``nn.EmbeddingBag`` tables (sparse gradients, sum
-pooling), MLPs, the three interactions, ``torch.optim.Adam`` for the dense weights,
-``torch.optim.Adagrad`` for the embedding rows, the shuffled mini-batch loop and the
-early-stopping rule; metrics come from scikit-learn.
+towerrec's data loader so that both sides see the same rows of the same splits. The
+models are ``quality_models.py``'s; the recipes, the mini-batch loop, the early stopping
+and the row-wise Adagrad are written here; metrics come from scikit-learn.
 
-Data layout, one ``Bag`` per categorical feature (N samples)::
+Two recipes (``RECIPES``), each as its community writes it::
 
-    values   [nnz]   ids of every sample's bag, sample after sample
-    offsets  [N+1]   sample i's ids are values[offsets[i]:offsets[i+1]]
+                     FuxiCTR (BARS benchmark)           TorchRec / facebookresearch/dlrm
+    embedding init   normal, std 1e-4                   uniform +-sqrt(1/rows)
+    embeddings       Adam 1e-3 with the dense weights   row-wise Adagrad (sparse gradients)
+                     (dense gradients: every row's
+                     moments move every step)
+    dense weights    Adam 1e-3                          Adam 1e-3
+    regulariser      L2 1e-6 x sum of squares of the    none
+                     rows a batch looks up
+    early stopping   validation AUC, patience 2         validation log-loss, patience 2
+    plateau          LR x 0.1 at every epoch without    none
+                     improvement (not below 1e-6)
+    kept weights     the best epoch's                   the best epoch's
 
-Early stopping: evaluate on the validation rows after every epoch; keep the epoch
-of lowest validation log-loss; stop after ``patience`` epochs without a lower one;
-report that epoch's metrics.
+Every epoch ends with an evaluation of the validation and test rows; the run stops when
+the recipe's own metric has not improved for ``patience`` epochs. ``selections`` reads
+both rules off the epochs trained: the epoch of best validation log-loss and the epoch
+of best validation AUC, each with its test metrics.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from towerrec.bench.quality_models import (  # plain torch (no towerrec inside)
+    Architecture,
+    PlainData,
+    ReferenceModel,
+    TableInit,
+    build_reference_model,
+)
+
 __all__ = [
-    "Architecture",
-    "Bag",
-    "PlainData",
-    "ReferenceSettings",
-    "build_reference_model",
+    "RECIPES",
+    "Recipe",
+    "ReferenceResult",
+    "RowwiseAdagrad",
+    "selections",
     "train_reference",
 ]
 
-
-@dataclass(frozen=True)
-class Bag:
-    """One categorical feature of N samples: ``values [nnz]``, ``offsets [N+1]``."""
-
-    values: torch.Tensor
-    offsets: torch.Tensor
-    num_embeddings: int
+SELECTION_RULES = ("logloss", "auc")  # the epoch of best validation log-loss / AUC
 
 
 @dataclass(frozen=True)
-class PlainData:
-    """N samples: ``dense [N, F]`` float32, ``labels [N]`` float32, one ``Bag`` per feature."""
+class Recipe:
+    """A training recipe (module doc): init, optimizers, regulariser, stopping."""
 
-    dense: torch.Tensor
-    labels: torch.Tensor
-    bags: tuple[Bag, ...]
-
-    @property
-    def rows(self) -> int:
-        return int(self.labels.shape[0])
-
-    def take(
-        self, rows: torch.Tensor
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """``dense [B, F]``, per feature ``(values, offsets [B+1])``, ``labels [B]`` of ``rows``."""
-        bags = []
-        for bag in self.bags:
-            starts, ends = bag.offsets[rows], bag.offsets[rows + 1]
-            lengths = ends - starts
-            offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
-            torch.cumsum(lengths, 0, out=offsets[1:])
-            # index of every id: its bag's start plus its position inside the bag
-            within = torch.arange(int(offsets[-1])) - torch.repeat_interleave(offsets[:-1], lengths)
-            bags.append((bag.values[torch.repeat_interleave(starts, lengths) + within], offsets))
-        return self.dense[rows], bags, self.labels[rows]
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """Layer widths, the same numbers as towerrec's model config (no towerrec types)."""
-
-    model: str  # dlrm | dcn | wukong
-    embedding_dim: int
-    bottom_mlp: tuple[int, ...]
-    top_mlp: tuple[int, ...]
-    dcn_layers: int = 3
-    dcn_rank: int = 0  # 0: full-rank cross weights
-    wukong_layers: int = 2
-    wukong_fm: int = 8
-    wukong_lcb: int = 8
-    wukong_rank: int = 8
-    wukong_fm_mlp: tuple[int, ...] = (64,)
-
-
-@dataclass(frozen=True)
-class ReferenceSettings:
-    """The reference's training recipe: fixed textbook choices, not tuned per data set.
-
-    Embedding rows start uniform in +-sqrt(1/rows) (facebookresearch/dlrm's init);
-    dense layers keep PyTorch's default init; constant learning rates.
-    """
-
+    name: str
+    init: TableInit
+    embedding_optimizer: str  # adam (with the dense weights) | rowwise_adagrad | adagrad | sgd
+    embedding_lr: float
     dense_lr: float = 1e-3  # torch.optim.Adam
-    embedding_lr: float = 0.05  # torch.optim.Adagrad on the sparse embedding gradients
+    embedding_l2: float = 0.0  # x sum of squares of the looked-up rows, added to the loss
+    monitor: str = "logloss"  # early stopping's validation metric: auc | logloss
+    patience: int = 2  # epochs without improvement before stopping
+    plateau_factor: float | None = None  # LR x this at each epoch without improvement
+    min_lr: float = 1e-6
     eval_batch_size: int = 16384
 
-    def as_dict(self) -> dict:
+    def __post_init__(self) -> None:
+        if self.embedding_optimizer not in ("adam", "rowwise_adagrad", "adagrad", "sgd"):
+            raise ValueError(
+                f"recipe {self.name}: embedding optimizer {self.embedding_optimizer!r} is not "
+                "adam, rowwise_adagrad, adagrad or sgd"
+            )
+        if self.monitor not in SELECTION_RULES:
+            raise ValueError(f"recipe {self.name}: monitor {self.monitor!r} is not auc or logloss")
+        if self.patience < 1:
+            raise ValueError(f"recipe {self.name}: patience must be >= 1")
+
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _mlp(in_features: int, widths: tuple[int, ...], last_relu: bool) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i, width in enumerate(widths):
-        layers.append(nn.Linear(in_features, width))
-        if last_relu or i < len(widths) - 1:
-            layers.append(nn.ReLU())
-        in_features = width
-    return nn.Sequential(*layers)
+RECIPES: dict[str, Recipe] = {
+    "fuxictr": Recipe(
+        "fuxictr",
+        TableInit("normal", 1e-4),
+        embedding_optimizer="adam",
+        embedding_lr=1e-3,
+        embedding_l2=1e-6,
+        monitor="auc",
+        plateau_factor=0.1,
+    ),
+    "torchrec": Recipe(
+        "torchrec",
+        TableInit("uniform_rows"),
+        embedding_optimizer="rowwise_adagrad",
+        embedding_lr=0.05,
+        monitor="logloss",
+    ),
+}
 
 
-class _Tables(nn.Module):
-    """One sum-pooled ``nn.EmbeddingBag`` per feature -> ``[B, T, D]``."""
+class RowwiseAdagrad(torch.optim.Optimizer):
+    """FBGEMM's and TorchRec's row-wise Adagrad on sparse gradients: per touched row r,
+    ``m[r] += mean_j g[r, j]^2``, ``w[r] -= lr g[r] / (sqrt(m[r]) + eps)``."""
 
-    def __init__(self, sizes: list[int], dim: int) -> None:
-        super().__init__()
-        self.bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode="sum", sparse=True) for n in sizes)
-        for n, table in zip(sizes, self.bags):
-            assert isinstance(table, nn.EmbeddingBag)
-            nn.init.uniform_(table.weight, -math.sqrt(1 / n), math.sqrt(1 / n))
+    def __init__(self, params: Any, lr: float, eps: float = 1e-8) -> None:
+        super().__init__(params, {"lr": lr, "eps": eps})
 
-    def forward(self, bags: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        pooled = [table(v, o[:-1]) for table, (v, o) in zip(self.bags, bags)]
-        return torch.stack(pooled, dim=1)
-
-
-class PlainDLRM(nn.Module):
-    """bottom MLP -> x [B, D]; pairwise dots of [x, E] (upper triangle); top MLP on [x, dots]."""
-
-    def __init__(self, arch: Architecture, num_dense: int, sizes: list[int]) -> None:
-        super().__init__()
-        self.tables = _Tables(sizes, arch.embedding_dim)
-        self.bottom = _mlp(num_dense, arch.bottom_mlp, last_relu=True)
-        n = len(sizes) + 1
-        rows, cols = torch.triu_indices(n, n, offset=1)
-        self.pairs: torch.Tensor
-        self.register_buffer("pairs", rows * n + cols)
-        self.top = _mlp(arch.embedding_dim + len(rows), arch.top_mlp, last_relu=False)
-
-    def forward(self, dense: torch.Tensor, bags: list) -> torch.Tensor:
-        x = self.bottom(dense)
-        stacked = torch.cat([x.unsqueeze(1), self.tables(bags)], dim=1)  # [B, T+1, D]
-        gram = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1)  # [B, (T+1)^2]
-        return self.top(torch.cat([x, gram[:, self.pairs]], dim=1)).squeeze(1)
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad.coalesce()
+                rows, values = grad.indices()[0], grad.values()
+                state = self.state[p]
+                if "sum" not in state:
+                    state["sum"] = torch.zeros(p.shape[0], dtype=p.dtype)
+                state["sum"].index_add_(0, rows, values.pow(2).mean(1))
+                scale = group["lr"] / (state["sum"][rows].sqrt() + group["eps"])
+                p.index_add_(0, rows, -values * scale.unsqueeze(1))
 
 
-class PlainDCN(nn.Module):
-    """x0 = [bottom(dense), E] [B, N]; x_{l+1} = x0 * (W_l x_l + b_l) + x_l; deep MLP."""
-
-    def __init__(self, arch: Architecture, num_dense: int, sizes: list[int]) -> None:
-        super().__init__()
-        self.tables = _Tables(sizes, arch.embedding_dim)
-        self.bottom = _mlp(num_dense, arch.bottom_mlp, last_relu=True)
-        width = arch.embedding_dim * (len(sizes) + 1)
-        if arch.dcn_rank:
-            self.cross = nn.ModuleList(
-                nn.Sequential(
-                    nn.Linear(width, arch.dcn_rank, bias=False), nn.Linear(arch.dcn_rank, width)
-                )
-                for _ in range(arch.dcn_layers)
-            )
-        else:
-            self.cross = nn.ModuleList(nn.Linear(width, width) for _ in range(arch.dcn_layers))
-        self.deep = _mlp(width, arch.top_mlp, last_relu=False)
-
-    def forward(self, dense: torch.Tensor, bags: list) -> torch.Tensor:
-        x0 = torch.cat([self.bottom(dense), self.tables(bags).flatten(1)], dim=1)
-        x = x0
-        for layer in self.cross:
-            x = x0 * layer(x) + x
-        return self.deep(x).squeeze(1)
-
-
-class _WukongLayer(nn.Module):
-    """[B, n, D] -> [B, n_F + n_L, D]: FM block (X (X^T Y) -> LayerNorm -> MLP) next to a
-    linear compression (W X), plus a (projected) residual, then LayerNorm over D."""
-
-    def __init__(self, n: int, dim: int, arch: Architecture) -> None:
-        super().__init__()
-        self.dim, self.num_fm = dim, arch.wukong_fm
-        out = arch.wukong_fm + arch.wukong_lcb
-        self.y = nn.Parameter(torch.randn(n, arch.wukong_rank) / math.sqrt(n))
-        self.fm_norm = nn.LayerNorm(n * arch.wukong_rank)
-        self.fm_mlp = _mlp(n * arch.wukong_rank, (*arch.wukong_fm_mlp, arch.wukong_fm * dim), False)
-        self.lcb = nn.Parameter(torch.randn(arch.wukong_lcb, n) / math.sqrt(n))
-        self.project = nn.Parameter(torch.randn(out, n) / math.sqrt(n)) if out != n else None
-        self.norm = nn.LayerNorm(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch = x.shape[0]
-        fm = torch.bmm(x, torch.matmul(x.transpose(1, 2), self.y))  # [B, n, k]
-        fm = self.fm_mlp(self.fm_norm(fm.flatten(1))).view(batch, self.num_fm, self.dim)
-        lcb = torch.matmul(self.lcb, x)  # [B, n_L, D]
-        skip = x if self.project is None else torch.matmul(self.project, x)
-        return self.norm(torch.cat([fm, lcb], dim=1) + skip)
-
-
-class PlainWukong(nn.Module):
-    """X0 = [bottom(dense) as one row, E] [B, T+1, D] -> Wukong layers -> flatten -> top MLP."""
-
-    def __init__(self, arch: Architecture, num_dense: int, sizes: list[int]) -> None:
-        super().__init__()
-        if arch.wukong_fm < 1 or arch.wukong_lcb < 1:
-            raise ValueError("the reference Wukong needs wukong_fm >= 1 and wukong_lcb >= 1")
-        self.tables = _Tables(sizes, arch.embedding_dim)
-        self.bottom = _mlp(num_dense, arch.bottom_mlp, last_relu=True)
-        layers, n = [], len(sizes) + 1
-        for _ in range(arch.wukong_layers):
-            layers.append(_WukongLayer(n, arch.embedding_dim, arch))
-            n = arch.wukong_fm + arch.wukong_lcb
-        self.layers = nn.Sequential(*layers)
-        self.top = _mlp(n * arch.embedding_dim, arch.top_mlp, last_relu=False)
-
-    def forward(self, dense: torch.Tensor, bags: list) -> torch.Tensor:
-        x = torch.cat([self.bottom(dense).unsqueeze(1), self.tables(bags)], dim=1)
-        return self.top(self.layers(x).flatten(1)).squeeze(1)
-
-
-_MODELS: dict[str, type[nn.Module]] = {"dlrm": PlainDLRM, "dcn": PlainDCN, "wukong": PlainWukong}
-
-
-def build_reference_model(arch: Architecture, num_dense: int, sizes: list[int]) -> nn.Module:
-    if arch.model not in _MODELS:
-        raise ValueError(f"reference model {arch.model!r} is not one of {', '.join(_MODELS)}")
-    return _MODELS[arch.model](arch, num_dense, sizes)
+def _optimizers(model: ReferenceModel, recipe: Recipe) -> list[torch.optim.Optimizer]:
+    tables = [p for n, p in model.named_parameters() if n.startswith("tables.")]
+    dense = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
+    if recipe.embedding_optimizer == "adam":  # one Adam over every weight, tables included
+        return [torch.optim.Adam([*dense, *tables], lr=recipe.dense_lr)]
+    rows: torch.optim.Optimizer
+    if recipe.embedding_optimizer == "rowwise_adagrad":
+        rows = RowwiseAdagrad(tables, lr=recipe.embedding_lr)
+    elif recipe.embedding_optimizer == "adagrad":
+        rows = torch.optim.Adagrad(tables, lr=recipe.embedding_lr)
+    else:
+        rows = torch.optim.SGD(tables, lr=recipe.embedding_lr)
+    return [torch.optim.Adam(dense, lr=recipe.dense_lr), rows]
 
 
 @torch.no_grad()
@@ -259,38 +171,55 @@ def _evaluate(model: nn.Module, data: PlainData, batch_size: int) -> dict[str, f
     }
 
 
+def _better(metric: str, value: float, best: float | None) -> bool:
+    if best is None:
+        return True
+    return value > best if metric == "auc" else value < best
+
+
+def selections(history: list[dict]) -> dict[str, dict]:
+    """Per selection rule (``logloss``, ``auc``): the epoch record of the best validation
+    value among ``history``'s (``{"epoch", "validation": {...}, "test": {...}}``)."""
+    chosen = {}
+    for rule in SELECTION_RULES:
+        best = history[0]
+        for record in history[1:]:
+            if _better(rule, record["validation"][rule], best["validation"][rule]):
+                best = record
+        chosen[rule] = best
+    return chosen
+
+
 @dataclass
 class ReferenceResult:
-    best_epoch: int
-    auc: float
-    logloss: float
     num_dense_params: int
-    epochs: list[dict] = field(default_factory=list)  # per epoch: epoch, auc, logloss
+    stopped_epoch: int  # the last epoch trained
+    best_epoch: int  # the recipe's own choice (its monitor)
+    epochs: list[dict] = field(default_factory=list)  # epoch, validation, test
 
 
 def train_reference(
     arch: Architecture,
     train: PlainData,
     valid: PlainData,
+    test: PlainData | None,
     *,
+    recipe: Recipe,
     epochs: int,
     batch_size: int,
-    patience: int,
     seed: int,
-    settings: ReferenceSettings | None = None,
 ) -> ReferenceResult:
-    """Train from seed ``seed`` (init and shuffling) with early stopping (module docstring)."""
-    settings = settings or ReferenceSettings()
+    """Train ``recipe`` from seed ``seed`` (init and shuffling) for at most ``epochs``
+    (module doc); ``test`` None: the validation rows stand in for it."""
     torch.manual_seed(seed)
     sizes = [bag.num_embeddings for bag in train.bags]
-    model = build_reference_model(arch, train.dense.shape[1], sizes)
-    tables = [p for n, p in model.named_parameters() if n.startswith("tables.")]
-    dense = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
-    dense_opt = torch.optim.Adam(dense, lr=settings.dense_lr)
-    sparse_opt = torch.optim.Adagrad(tables, lr=settings.embedding_lr)
+    sparse = recipe.embedding_optimizer != "adam"
+    model = build_reference_model(arch, train.dense.shape[1], sizes, recipe.init, sparse)
+    optimizers = _optimizers(model, recipe)
     order = torch.Generator().manual_seed(seed)
     history: list[dict] = []
-    best = -1
+    best_value: float | None = None
+    best_epoch, since_best = 0, 0
     # torch's sparse Adagrad warns on every step that it skips its sparse-tensor checks.
     warnings.filterwarnings("ignore", message="Sparse invariant checks", category=UserWarning)
     for epoch in range(1, epochs + 1):
@@ -298,16 +227,36 @@ def train_reference(
         for start in range(0, train.rows, batch_size):
             x, bags, y = train.take(permutation[start : start + batch_size])
             loss = F.binary_cross_entropy_with_logits(model(x, bags), y)
-            dense_opt.zero_grad(set_to_none=True)
-            sparse_opt.zero_grad(set_to_none=True)
+            if recipe.embedding_l2:
+                loss = loss + recipe.embedding_l2 * model.tables.squared_rows(bags)
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
             loss.backward()
-            dense_opt.step()
-            sparse_opt.step()
-        history.append({"epoch": epoch, **_evaluate(model, valid, settings.eval_batch_size)})
-        if best < 0 or history[-1]["logloss"] < history[best]["logloss"]:
-            best = len(history) - 1
-        elif len(history) - 1 - best >= patience:
+            for opt in optimizers:
+                opt.step()
+        record: dict[str, Any] = {
+            "epoch": epoch,
+            "validation": _evaluate(model, valid, recipe.eval_batch_size),
+        }
+        record["test"] = (
+            _evaluate(model, test, recipe.eval_batch_size) if test else record["validation"]
+        )
+        history.append(record)
+        value = record["validation"][recipe.monitor]
+        if _better(recipe.monitor, value, best_value):
+            best_value, best_epoch, since_best = value, epoch, 0
+            continue
+        since_best += 1
+        if recipe.plateau_factor is not None:
+            for opt in optimizers:
+                for group in opt.param_groups:
+                    group["lr"] = max(group["lr"] * recipe.plateau_factor, recipe.min_lr)
+        if since_best >= recipe.patience:
             break
-    chosen = history[best]
-    num_dense = sum(p.numel() for p in dense)
-    return ReferenceResult(chosen["epoch"], chosen["auc"], chosen["logloss"], num_dense, history)
+    num_dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("tables."))
+    return ReferenceResult(num_dense, history[-1]["epoch"], best_epoch, history)
+
+
+def with_overrides(recipe: Recipe, **changes: Any) -> Recipe:
+    """``recipe`` with the fields in ``changes`` that are not None replaced."""
+    return replace(recipe, **{k: v for k, v in changes.items() if v is not None})

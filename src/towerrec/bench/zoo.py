@@ -6,8 +6,7 @@
   full, hashed, quotient-remainder (2x, 4x, 16x fewer rows) and
   mixed-dimension (alpha 0.2 to 0.4) tables.
 - ``optimizers``: CF-SGD against row-wise Adagrad.
-- ``precision``: bf16 autocast against fp32: training samples/s on the
-  Criteo-Kaggle shape (timed round-robin in one process) and AUC on planted data.
+(``precision``, bf16 against fp32, is in ``precision.py`` on this module's sweep.)
 
 Every variant trains with ``towerrec.workflows.training.train`` on the same data
 stream and seed, so AUC differences come from the variant alone. With
@@ -26,6 +25,7 @@ import contextlib
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,17 +37,10 @@ from towerrec.bench.common import (
     add_overrides_argument,
     comma_list,
     machine_info,
-    matmul_peak_flops,
-    time_interleaved,
 )
-from towerrec.bench.train import CRITEO_SHAPE, DENSE_LR, EMB_LR, build_tables, make_batches
 from towerrec.build.models import build_model
 from towerrec.build.sources import build_source
 from towerrec.config import load_config
-from towerrec.models.dlrm import DLRM
-from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
-from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.train.step import train_step
 from towerrec.workflows.training import train
 
 __all__ = [
@@ -55,8 +48,11 @@ __all__ = [
     "EMBEDDINGS_MEMORY",
     "MODELS",
     "OPTIMIZERS",
-    "PRECISION",
+    "Sweep",
+    "add_sweep_arguments",
+    "paired_difference",
     "run_zoo_benchmark",
+    "seed_stats",
 ]
 
 # Labels mostly from 3-way interactions: what Wukong's stacked FMs are for.
@@ -91,6 +87,7 @@ class Sweep:
     extra: tuple[str, ...] = ()
     only: tuple[str, ...] = ()  # variant names to run; empty: all
     seeds: int = 1
+    base: Path | None = None  # the config file every variant starts from; None: the defaults
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
@@ -104,7 +101,7 @@ class Sweep:
         return {n: o for n, o in variants.items() if not self.only or n in self.only}
 
     def config(self, overrides: list[str]):
-        return load_config(None, [*overrides, *self.extra])
+        return load_config(self.base, [*overrides, *self.extra])
 
     def flops(self, overrides: list[str]) -> int:
         """Forward FLOPs per sample of the model on the configured data's schema."""
@@ -270,53 +267,10 @@ def optimizers_benchmark(sweep: Sweep) -> dict:
     return {"results": {n: sweep.run(o) for n, o in sweep.select(variants).items()}}
 
 
-def precision_benchmark(sweep: Sweep) -> dict:
-    """samples/s of fp32 vs bf16 on the Criteo shape, then AUC of both on planted data."""
-    device = sweep.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    batches = [b.to(dev) for b in make_batches(CRITEO_SHAPE, 2048)]
-    systems = {}
-    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-        ebc = EmbeddingBagCollection(
-            build_tables(CRITEO_SHAPE), EmbeddingOptimizerConfig(lr=EMB_LR), device=dev
-        )
-        torch.manual_seed(0)
-        shape = CRITEO_SHAPE
-        model = DLRM(ebc, shape["num_dense"], shape["bottom_mlp"], shape["top_mlp"]).to(dev)
-        opt = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=DENSE_LR)
-
-        def step(i, m=model, o=opt, dt=dtype):
-            train_step(m, o, batches[i % len(batches)], dt)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-
-        systems[name] = step
-    seconds = time_interleaved(systems, rounds=5, steps_per_round=4, warmup=3)
-    timing = {n: {"samples_per_s": round(2048 / s, 1)} for n, s in seconds.items()}
-    peaks = {}
-    if dev.type == "cpu":
-        peaks = {
-            "fp32": round(matmul_peak_flops(torch.float32, 0.5) / 1e9, 1),
-            "bf16": round(matmul_peak_flops(torch.bfloat16, 0.5) / 1e9, 1),
-        }
-    accuracy = {p: sweep.run([f"train.precision={p}"]) for p in ("fp32", "bf16")}
-    return {
-        "device": str(dev),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "criteo_shape_timing": timing,
-        "bf16_over_fp32_samples_per_s": round(seconds["fp32"] / seconds["bf16"], 3),
-        "matmul_peak_gflops": peaks,
-        "synthetic_accuracy": accuracy,
-    }
-
-
 BENCHMARKS = {
     "models": models_benchmark,
     "embeddings-memory": embeddings_benchmark,
     "optimizers": optimizers_benchmark,
-    "precision": precision_benchmark,
 }
 
 
@@ -329,30 +283,36 @@ def run_zoo_benchmark(
     overrides: list[str] | tuple[str, ...] = (),
     variants: list[str] | tuple[str, ...] = (),
     seeds: int = 1,
+    base: Path | None = None,
+    benchmark: Callable[[Sweep], dict] | None = None,
 ) -> dict:
     """``threads``: torch intra-op threads (1 keeps a shared machine's cores from
     thrashing); ``overrides``: ``section.key=value`` settings for every variant;
-    ``seeds``: runs per variant (module docstring)."""
+    ``seeds``: runs per variant (module docstring); ``base``: the config file every
+    variant starts from; ``benchmark``: what runs on the sweep (default: ``name``'s
+    entry of ``BENCHMARKS``)."""
     if threads:
         torch.set_num_threads(threads)
-    load_config(None, list(overrides))  # a bad override fails now, not after the first run
+    load_config(base, list(overrides))  # a bad override fails now, not after the first run
+    # each run sets its own threads (train.threads; 0: the cores): the same number
+    extra = (*overrides, f"train.threads={threads}") if threads else tuple(overrides)
     with tempfile.TemporaryDirectory() as root:
-        sweep = Sweep(
-            steps, batch_size, device, Path(root), tuple(overrides), tuple(variants), seeds
-        )
-        result = BENCHMARKS[name](sweep)
+        sweep = Sweep(steps, batch_size, device, Path(root), extra, tuple(variants), seeds, base)
+        result = (benchmark or BENCHMARKS[name])(sweep)
     return {
         "benchmark": name,
         "machine": machine_info(),
         "steps": steps,
         "batch_size": batch_size,
         "seeds": seeds,
+        "config": str(base) if base is not None else None,
         "overrides": list(overrides),
         **result,
     }
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of every benchmark on a ``Sweep`` (this module's and ``precision``)."""
     parser.add_argument("--steps", type=int, default=600, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
@@ -361,15 +321,25 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "config override for every variant, e.g. --set data.synthetic.seed=1"
     )
     parser.add_argument(
-        "--variants",
-        default="",
-        help="comma-separated variants of embeddings-memory or optimizers (default: all)",
+        "--config",
+        type=Path,
+        default=None,
+        help="config file every variant starts from (default: the built-in defaults)",
     )
     parser.add_argument(
         "--seeds",
         type=int,
         default=1,
         help="runs per variant (model-init and data-order seeds 0..N-1): mean and std",
+    )
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_sweep_arguments(parser)
+    parser.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated variants of embeddings-memory or optimizers (default: all)",
     )
 
 
@@ -384,6 +354,7 @@ def _declare(name: str, help: str) -> Benchmark:
             args.overrides,
             list(comma_list(args.variants)),
             args.seeds,
+            args.config,
         )
 
     return Benchmark(help, _add_arguments, run)
@@ -394,4 +365,3 @@ EMBEDDINGS_MEMORY = _declare(
     "embeddings-memory", "AUC vs parameters: full, hash, QR and mixed-dimension tables"
 )
 OPTIMIZERS = _declare("optimizers", "CF-SGD vs row-wise Adagrad on the embedding tables")
-PRECISION = _declare("precision", "bf16 autocast vs fp32: samples/s (Criteo shape) and AUC")

@@ -3,6 +3,8 @@
 ::
 
     config ──► source (build_source, or the caller's: a period stream, a resolved run's)
+           ──► config with ``auto`` settings resolved by measurement (choices.py: the
+               embedding kernel, the dense part's precision)
            ──► config with a DMT's learned partition resolved (towers.py: a pilot run)
            ──► model (models.py: MODELS, the distillation heads; full tables only when
                one process holds them)
@@ -24,6 +26,7 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 import torch
 from torch import nn
 
+from towerrec.build.choices import resolve_choices
 from towerrec.build.models import build_model
 from towerrec.build.optimizers import DENSE_OPTIMIZERS, build_dense_optimizer
 from towerrec.build.resolve import resolve_device
@@ -76,9 +79,9 @@ class ModelFactory(Protocol):
 
 @dataclass
 class BuiltRun(Generic[S]):
-    """A run's parts: ``config`` as the model was built from it (a DMT's learned
-    partition filled in), its data ``source``, the ``device``, the ``model`` (laid out
-    over the ranks) and its dense ``optimizer``."""
+    """A run's parts: ``config`` as the model was built from it (``auto`` settings
+    resolved, a DMT's learned partition filled in), its data ``source``, the ``device``,
+    the ``model`` (laid out over the ranks) and its dense ``optimizer``."""
 
     config: Config
     source: S
@@ -127,8 +130,9 @@ def build_run(
     ``model``: what builds the single-device model (default ``build_model``)."""
     device = device if device is not None else resolve_device(config.train.device)
     source = source if source is not None else build_source(config.data)
-    config = with_learned_partition(config, source.schema)
     world_size = layout.world_size if layout is not None else 1
+    config, _ = resolve_choices(config, source.schema, device, world_size)
+    config = with_learned_partition(config, source.schema)
     built = model(config, source.schema, device, materialize_embeddings=world_size == 1)
     exchange: BlockExchange | None = None
     local: list[nn.Parameter] = []

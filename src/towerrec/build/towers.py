@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from towerrec.build.models import MODELS, build_model, feature_stats, partition_groups
 from towerrec.build.optimizers import build_dense_optimizer
+from towerrec.build.ranks import on_first_rank
 from towerrec.build.sources import build_source
 from towerrec.config import Config
 from towerrec.data.batch import Batch, DataSchema
@@ -161,7 +161,7 @@ def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:
     costs = feature_costs(stats, dmt.memory_weight, dmt.count_weight)
     if dmt.partition == "embedding":
         log.info("tower partitioner: learning feature embeddings (%d pilot steps)", dmt.pilot_steps)
-        vectors = _on_first_rank(lambda: learn_feature_representations(config, dmt.pilot_steps))
+        vectors = on_first_rank(lambda: learn_feature_representations(config, dmt.pilot_steps))
         clustered = cluster_features(
             names,
             vectors,
@@ -179,7 +179,7 @@ def resolve_partition(config: Config, schema: DataSchema) -> list[list[str]]:
         )
         return clustered.groups
     log.info("tower partitioner: learning feature interactions (%d pilot steps)", dmt.pilot_steps)
-    strength = _on_first_rank(lambda: learn_interaction_strength(config, dmt.pilot_steps))
+    strength = on_first_rank(lambda: learn_interaction_strength(config, dmt.pilot_steps))
     result = partition_features(
         names,
         strength,
@@ -206,13 +206,3 @@ def with_learned_partition(config: Config, schema: DataSchema) -> Config:
     groups = resolve_partition(config, schema)
     dmt = dataclasses.replace(config.model.dmt, partition=tuple(tuple(g) for g in groups))
     return dataclasses.replace(config, model=dataclasses.replace(config.model, dmt=dmt))
-
-
-def _on_first_rank(compute):
-    """``compute()`` on rank 0 of a distributed run, its result broadcast to every rank (one
-    pilot run instead of one per rank, and every rank gets the same partition)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return compute()
-    box = [compute() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

@@ -10,6 +10,7 @@
     data/       towerrec data: convert.py (criteo | libfm | table | gen-criteo | info),
                 pu_prior.py, profile.py, periods.py
     sweep.py    towerrec sweep (a grid of runs into one runs file)
+    tune.py     towerrec tune (hyperparameter search with Optuna, resumable)
     scaling.py  towerrec scaling fit (a sweep's runs)
     serve.py    towerrec export and towerrec predict
     nas.py      towerrec nas search | retrain

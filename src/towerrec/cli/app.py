@@ -1,5 +1,5 @@
-"""``towerrec`` command line: train | replay | config | plan | bench | data | sweep | scaling |
-export | predict | nas | distill.
+"""``towerrec`` command line: train | replay | config | plan | bench | data | sweep | tune |
+scaling | export | predict | nas | distill.
 
 User errors (bad config, missing files, bad data) print one ``error:`` line
 and exit with status 2; anything else is a bug and shows its traceback. Warnings
@@ -31,6 +31,7 @@ from towerrec.cli import (
     serve,
     sweep,
     train,
+    tune,
 )
 
 __all__ = ["build_parser", "main"]
@@ -47,7 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (train, replay, config, plan, bench, data, sweep, scaling, serve, nas, distill):
+    for group in (
+        train,
+        replay,
+        config,
+        plan,
+        bench,
+        data,
+        sweep,
+        tune,
+        scaling,
+        serve,
+        nas,
+        distill,
+    ):
         group.add_commands(sub)
     return parser
 

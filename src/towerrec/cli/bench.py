@@ -70,7 +70,10 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
         "CF-SGD vs row-wise Adagrad on the embedding tables", "towerrec.bench.zoo", "OPTIMIZERS"
     ),
     "precision": BenchmarkEntry(
-        "bf16 autocast vs fp32: samples/s (Criteo shape) and AUC", "towerrec.bench.zoo", "PRECISION"
+        "bf16 autocast vs fp32: samples/s (Criteo shape) and AUC", "towerrec.bench.precision"
+    ),
+    "choice": BenchmarkEntry(
+        "embedding.backend = auto against the best forced kernel", "towerrec.bench.choice"
     ),
     "data": BenchmarkEntry("Criteo TSV preprocessing and loader throughput", "towerrec.bench.data"),
     "plan": BenchmarkEntry("planners on synthetic DLRM-like table suites", "towerrec.bench.plan"),
@@ -88,8 +91,8 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
         "towerrec.bench.dmt",
     ),
     "quality": BenchmarkEntry(
-        "AUC and log-loss of towerrec's DLRM, DCNv2, Wukong vs plain-PyTorch references "
-        "(MovieLens, generated Criteo-format data; seeds, early stopping)",
+        "test AUC of towerrec's DLRM, DCNv2, Wukong vs FuxiCTR's and TorchRec's recipes in plain "
+        "PyTorch (synthetic, MovieLens, Criteo-format, libFM caches; seeds, both selection rules)",
         "towerrec.bench.quality",
     ),
     "dmt-scale": BenchmarkEntry(
@@ -153,6 +156,20 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
     "augment": BenchmarkEntry(
         "augmentation service: rows/s, teacher calls saved by the memo, student read rows/s",
         "towerrec.bench.augment",
+    ),
+    "faults": BenchmarkEntry(
+        "fault injection on `train --nproc 4 --hosts 2`: kills, SIGTERM, a stall, a dropped "
+        "link, a full disk, a dead loader worker; each run against an uninterrupted one",
+        "towerrec.bench.faults",
+    ),
+    "fuzz": BenchmarkEntry(
+        "Hypothesis fuzzing of every parser and file towerrec reads back: inputs tried, failures",
+        "towerrec.bench.fuzz",
+    ),
+    "soak": BenchmarkEntry(
+        "a long run (20,000 steps, a checkpoint every 200): RSS, descriptors, threads and disk "
+        "sampled every 500 steps, growth after warm-up",
+        "towerrec.bench.soak",
     ),
     "streaming": BenchmarkEntry(
         "ExFM students on a drifting multi-domain stream: no distillation, shared head, "

@@ -14,12 +14,12 @@ __all__ = ["add_commands"]
 def _cmd_export(args: argparse.Namespace) -> int:
     from towerrec.serve.export import export_run
 
-    manifest = export_run(args.run, args.out, args.tables)
+    manifest = export_run(args.run, args.out, args.tables, verify=not args.no_verify)
     tables = manifest["tables"]
     print(
         f"exported {manifest['model']} (step {manifest['step']}) of {args.run} to {args.out}/: "
         f"program.pt2, {len(manifest['schema']['sparse'])} features' tables in "
-        f"{tables['dtype']} ({tables['bytes']:,} bytes), manifest.json"
+        f"{tables['dtype']} ({tables['bytes']:,} bytes), manifest.json, checksums.json"
     )
     return 0
 
@@ -40,6 +40,7 @@ def _cmd_predict(args: argparse.Namespace) -> int:
         split=args.split,
         batch_size=args.batch_size,
         progress=not args.no_progress,
+        verify=not args.no_verify,
     )
     print(json.dumps(result, indent=2))
     return 0
@@ -56,6 +57,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         choices=EXPORT_TABLE_DTYPES,
         default=EXPORT_TABLE_DTYPES[0],
         help="table storage: fp32, fp16, or int8 (row-wise: per-row scale and bias)",
+    )
+    export.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="load the run's checkpoint without checking its checksums (a checkpoint of a "
+        "towerrec before checksums, or a very large one)",
     )
     export.set_defaults(func=_cmd_export)
 
@@ -77,4 +84,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "--threads", type=int, help="intra-op threads for scoring (default: torch's choice)"
     )
     pred.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pred.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="load the artefact without checking its checksums (one exported by a towerrec "
+        "before checksums)",
+    )
     pred.set_defaults(func=_cmd_predict)

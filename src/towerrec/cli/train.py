@@ -22,6 +22,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from towerrec.workflows.training import train
 
     out = Path(args.out or default_run_dir())
+    args.resume = args.resume or args.resume_from is not None
     if args.resume:  # the run's saved config; a conflicting --set is refused before launching
         config = RunDir(out).resume_config(args.config, args.overrides)
     else:
@@ -30,16 +31,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
     fresh = not out.exists()
     try:
         if "WORLD_SIZE" in os.environ:  # already a worker of torchrun: train, don't launch
+            from towerrec.workflows.worker import train_worker
+
             hosts = args.hosts if args.hosts > 1 else None  # else as torchrun says
-            summary = train(config, out, resume=args.resume, hosts=hosts)
-            if os.environ.get("RANK", "0") != "0":
+            # as --nproc's workers: after torchrun --max-restarts restarts it, it resumes
+            result = train_worker(
+                args.config,
+                args.overrides,
+                out,
+                args.resume,
+                resume_from=args.resume_from,
+                hosts=hosts,
+            )
+            if result is None:  # not rank 0
                 return 0
+            summary = result
         elif args.nproc > 1 or args.hosts > 1:
             if config.plan.strategy == "file":  # a wrong plan file: one line, no workers
                 load_plan_file(config, args.nproc)
             summary = _launch_train(args, out)
         else:
-            summary = train(config, out, resume=args.resume)
+            summary = train(config, out, resume=args.resume, resume_from=args.resume_from)
     except BaseException:
         if fresh:
             _discard_unstarted_run(out)
@@ -49,6 +61,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: dict, out: Path) -> None:
+    if "auc" not in summary:  # stopped (a signal) before its first evaluation
+        print(
+            f"stopped after step {summary['steps']}, before the first evaluation: continue "
+            f"with towerrec train --out {out} --resume"
+        )
+        return
     oracle = summary.get("oracle_auc")
     line = f"AUC {summary['auc']:.4f}"
     if oracle is not None:
@@ -83,7 +101,7 @@ def _launch_train(args: argparse.Namespace, out: Path) -> dict:
     try:
         results = launch(
             train_worker,
-            (args.config, args.overrides, out, args.resume),
+            (args.config, args.overrides, out, args.resume, args.resume_from),
             nproc=args.nproc,
             hosts=args.hosts,
             max_restarts=args.max_restarts,
@@ -91,6 +109,17 @@ def _launch_train(args: argparse.Namespace, out: Path) -> dict:
     except WorkerError as e:
         raise ValueError(f"a worker failed: {e}") from None
     return results[0]
+
+
+def _checkpoint_step(text: str) -> int:
+    """``step_N``, ``step_0000000N`` (a checkpoint's directory name) or ``N``."""
+    digits = text.strip().removeprefix("step_")
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a checkpoint step: give step_N (a directory name under the "
+            "run's checkpoint/) or N"
+        )
+    return int(digits)
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -104,6 +133,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="continue the run in --out from its last checkpoint, with its saved config.toml "
         "(--set may change only train.steps, logging, checkpointing, loader and layout settings)",
+    )
+    train.add_argument(
+        "--resume-from",
+        type=_checkpoint_step,
+        metavar="step_N",
+        help="continue the run in --out from the checkpoint of step N (e.g. the intact one "
+        "before a damaged latest): as --resume, and the checkpoints after it are set aside "
+        "(renamed *.superseded, not deleted)",
     )
     train.add_argument(
         "--nproc", type=int, default=1, help="start N local worker processes (gloo on CPU)"

@@ -110,13 +110,17 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 def _parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
-    if not sep or not key:
+    parts = [part.strip() for part in key.split(".")]
+    if not sep or not all(parts):
         raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set train.steps=100")
     try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        parsed = tomllib.loads(f"v = {raw.strip()}")
     except tomllib.TOMLDecodeError:
-        value = raw.strip()  # a bare word: a string
-    return key.split("."), value
+        parsed = {"v": raw.strip()}  # a bare word: a string
+    if len(parsed) > 1:  # "1\nother = 2": the value would silently drop the rest
+        raise ConfigError(f"--set {text!r}: the value after '=' must be one TOML value")
+    value = parsed["v"]
+    return parts, value
 
 
 def _read_toml(path: str | Path) -> dict[str, Any]:
@@ -127,6 +131,10 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {e.start}); TOML files are UTF-8"
+        ) from None
 
 
 def _merge(into: dict[str, Any], data: dict[str, Any]) -> None:

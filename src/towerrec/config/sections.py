@@ -71,6 +71,7 @@ RESUME_SAFE_KEYS = (
     "train.eval_batch_size",
     "train.checkpoint_every",
     "train.keep_checkpoints",
+    "train.verify_checkpoints",  # how a checkpoint is read, not what it holds
     "train.progress",
     "train.tensorboard",
     "train.threads",

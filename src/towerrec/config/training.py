@@ -241,20 +241,23 @@ class TrainConfig:
     log_every: int = 50
     checkpoint_every: int = 0  # 0: only at the end of the run
     keep_checkpoints: int = 2
+    verify_checkpoints: bool = True  # check a checkpoint's checksums before loading it
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = (
         0  # intra-op threads per rank; 0 = the cores (OMP_NUM_THREADS or affinity) / local ranks
     )
     progress: bool = True
-    precision: str = "fp32"  # fp32 | bf16 (autocast of the dense part, fp32 master weights)
+    # fp32 | bf16 (autocast of the dense part, fp32 master weights) | auto: bf16 where the
+    # device has bf16 units and a timed step confirms it is faster (build/choices.py)
+    precision: str = "fp32"
     tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl (extra: tensorboard)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     prune_grow: PruneGrowConfig = field(default_factory=PruneGrowConfig)
     temporal: TemporalConfig = field(default_factory=TemporalConfig)
 
     def __post_init__(self) -> None:
-        _choice(self.precision, ("fp32", "bf16"), "train.precision")
+        _choice(self.precision, ("fp32", "bf16", "auto"), "train.precision")
         if isinstance(self.eval_every, str) and self.eval_every != "epoch":
             raise ValueError(
                 f'train.eval_every = {self.eval_every!r}: give a number of steps or "epoch"'

@@ -43,6 +43,7 @@ from towerrec.data.cache import (
     schema_from_manifest,
     verify_part,
 )
+from towerrec.data.json_shape import COUNT, check_shape
 from towerrec.data.loader import SplitRows
 from towerrec.data.period_files import EXAMPLE_ID, SPLIT
 from towerrec.data.periods import period_rank_batches
@@ -121,6 +122,10 @@ def open_shard(
     return AugmentedShard(int(entry["period"]), SplitRows([columns]), ids, logits)
 
 
+# What a trainer reads of an augmented manifest besides a cache's (data/json_shape.py).
+AUGMENTED_SHAPE = {"stream": {"period_rows": [COUNT]}, "parts": [{"period": COUNT}]}
+
+
 class AugmentedPeriods:
     """``PeriodSource`` over a student's augmented directory (module docstring)."""
 
@@ -135,6 +140,13 @@ class AugmentedPeriods:
                 f"{manifest.get('source')!r}); point data.augmented.dir at OUT/<student> of "
                 f"`{SERVICE_COMMAND}`"
             )
+        try:
+            check_shape(manifest, AUGMENTED_SHAPE)
+        except ValueError as e:
+            raise CacheError(
+                f"{self.path}/manifest.json is damaged ({e}); delete {self.path} and run "
+                f"`{SERVICE_COMMAND}` again"
+            ) from None
         self._schema, self._single, self._multi = schema_from_manifest(manifest["schema"])
         self._rows = [int(n) for n in manifest["stream"]["period_rows"]]
         self._shards: dict[int, AugmentedShard] = {}

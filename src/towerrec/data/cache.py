@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 
 from towerrec.data.batch import DataSchema, SparseFeature
-from towerrec.data.splits import LEGACY_NAMES
+from towerrec.data.json_shape import COUNT, FINITE, FLAG, NAME, ROWS, TEXT, Map, check_shape
+from towerrec.data.splits import LEGACY_NAMES, SPLITS
 from towerrec.utils import parse_enum
 
 __all__ = [
@@ -286,6 +287,26 @@ def write_manifest(cache_dir: Path, manifest: dict[str, Any], fsync: bool = Fals
 
 
 # ------------------------------------------------------------------ reading
+_SPLIT_NAMES = (*SPLITS, *LEGACY_NAMES)
+# What the readers use of a manifest (data/json_shape.py); a manifest has more keys.
+MANIFEST_SHAPE = {
+    "schema": {
+        "num_dense": COUNT,
+        "sparse": [
+            {"name": TEXT, "num_embeddings": ROWS, "pooling_factor": FINITE, "multi_hot": FLAG}
+        ],
+    },
+    "parts": [
+        {
+            "name": NAME,
+            "rows": Map(COUNT, keys=_SPLIT_NAMES),
+            "files": Map(TEXT),
+            "multi_values": Map(Map(COUNT), keys=_SPLIT_NAMES),
+        }
+    ],
+}
+
+
 def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
     cache_dir = Path(cache_dir)
     path = cache_dir / "manifest.json"
@@ -303,11 +324,24 @@ def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CacheError(f"{path} is not valid JSON ({e}); rebuild the cache") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    except UnicodeDecodeError:
+        raise CacheError(f"{path} is not UTF-8 text; rebuild the cache") from None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or manifest.get("version") != VERSION
+    ):
         raise CacheError(
             f"{path} is not a {FORMAT} version {VERSION} manifest; rebuild the cache with this "
             "version of towerrec"
         )
+    try:
+        check_shape(manifest, MANIFEST_SHAPE)
+        names = [f["name"] for f in manifest["schema"]["sparse"]]
+        if len(set(names)) != len(names):
+            raise ValueError(f"schema.sparse names a feature twice: {names}")
+    except ValueError as e:
+        raise CacheError(f"{path} is damaged ({e}); rebuild the cache") from None
     return manifest
 
 

@@ -59,7 +59,9 @@ log = logging.getLogger("towerrec")
 NUM_INTEGER = 13
 NUM_CATEGORICAL = 26
 COLUMNS = ["label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27))]
-_INT_PATTERN = r"^[+-]?[0-9]{1,18}$"
+# An integer field as pyarrow's int64 reader takes it: spaces around, an optional minus.
+_INT_PATTERN = r"^ *-?[0-9]+ *$"
+_NOT_TEXT = "\ufffd".encode()  # the replacement character: no digit, no hex digit
 
 
 @dataclass(frozen=True)
@@ -159,8 +161,24 @@ def _read(data: bytes, types: dict[str, pa.DataType], invalid: list[str]) -> pa.
     )
 
 
-_TYPED = {name: pa.string() if name[0] == "C" else pa.int64() for name in COLUMNS}
+# The label stays text: "01" or "+1" is no label, whichever path reads the chunk.
+_TYPED = {name: pa.int64() if name[0] == "I" else pa.string() for name in COLUMNS}
 _STRINGS = {name: pa.string() for name in COLUMNS}
+
+
+def _integers(column: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """A text column's int64 values (null where missing or wrong) and where it is wrong:
+    what pyarrow's int64 reader would take (``_INT_PATTERN``, within int64's range)."""
+    ok = pc.fill_null(pc.match_substring_regex(column, _INT_PATTERN), True)
+    text = pc.utf8_trim(pc.if_else(ok, column, pa.scalar(None, pa.string())), " ")
+    try:
+        values = pc.cast(text, pa.int64())
+    except pa.ArrowInvalid:  # a value beyond int64: the rare slow path
+        numbers = [None if v is None else int(v) for v in text.to_pylist()]
+        fits = [v is None or -(2**63) <= v < 2**63 for v in numbers]
+        ok = pc.and_(ok, pa.array(fits))
+        values = pa.array([v if f else None for v, f in zip(numbers, fits)], pa.int64())
+    return values, ~ok.to_numpy(zero_copy_only=False)
 
 
 def parse_chunk(chunk_data: bytes, first_line: int, num_lines: int) -> ParsedChunk:
@@ -170,6 +188,10 @@ def parse_chunk(chunk_data: bytes, first_line: int, num_lines: int) -> ParsedChu
     value does not convert, the chunk is parsed again as strings and checked
     column by column, so each bad row is found and named.
     """
+    if not chunk_data.isascii():  # bytes that are not UTF-8 fail the field they are in
+        chunk_data = chunk_data.decode("utf-8", "replace").encode()
+    if b"\r" in chunk_data:  # CRLF ends a line as LF does; a lone CR fails its field
+        chunk_data = chunk_data.replace(b"\r\n", b"\n").replace(b"\r", _NOT_TEXT)
     invalid: list[str] = []
     try:
         table = _read(chunk_data, _TYPED, invalid)
@@ -192,12 +214,8 @@ def parse_chunk(chunk_data: bytes, first_line: int, num_lines: int) -> ParsedChu
     reasons: list[tuple[np.ndarray, str]] = []
 
     label = table.column("label").combine_chunks()
-    if typed:
-        raw = pc.fill_null(label, -1).to_numpy()
-        is_one, is_zero = raw == 1, raw == 0
-    else:
-        is_one = pc.fill_null(pc.equal(label, "1"), False).to_numpy(zero_copy_only=False)
-        is_zero = pc.fill_null(pc.equal(label, "0"), False).to_numpy(zero_copy_only=False)
+    is_one = pc.fill_null(pc.equal(label, "1"), False).to_numpy(zero_copy_only=False)
+    is_zero = pc.fill_null(pc.equal(label, "0"), False).to_numpy(zero_copy_only=False)
     if label.null_count:  # pyarrow reads an empty line as a row of nulls
         empty = label.is_null().to_numpy(zero_copy_only=False)
         for name in COLUMNS[1:]:
@@ -210,9 +228,8 @@ def parse_chunk(chunk_data: bytes, first_line: int, num_lines: int) -> ParsedChu
     for j in range(NUM_INTEGER):
         column = table.column(f"I{j + 1}").combine_chunks()
         if not typed:
-            ok = pc.fill_null(pc.match_substring_regex(column, _INT_PATTERN), True)
-            reasons.append((~ok.to_numpy(zero_copy_only=False), f"I{j + 1} is not an integer"))
-            column = pc.cast(pc.if_else(ok, column, pa.scalar(None, pa.string())), pa.int64())
+            column, wrong = _integers(column)
+            reasons.append((wrong, f"I{j + 1} is not an integer"))
         x = pc.fill_null(column, 0).to_numpy()
         dense[:, j] = np.log1p(np.maximum(x, 0).astype(np.float32))
 

@@ -16,6 +16,7 @@ Like every converter it writes one cache part per input file (resumable like
 from __future__ import annotations
 
 import gzip
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import pairwise
@@ -165,7 +166,7 @@ def _libfm_chunks(fields: FieldMap, chunk_bytes: int):
         for chunk in read_chunks(path, problems, chunk_bytes):
             lines, labels, dense, sparse = [], [], [], []
             bags: dict[int, tuple[list[int], list[int]]] = {f: ([], []) for f in multi}
-            for offset, text in enumerate(chunk.data.decode("utf-8", "replace").splitlines()):
+            for offset, text in enumerate(_lines(chunk.data)):
                 line = chunk.first_line + offset
                 row = _parse_libfm_line(text, fields, single_col, multi, dense_cols)
                 if isinstance(row, str):
@@ -194,15 +195,28 @@ def _libfm_chunks(fields: FieldMap, chunk_bytes: int):
     return chunks, single, multi, len(dense_cols)
 
 
+def _lines(data: bytes) -> list[str]:
+    """The lines of a chunk, split at LF only (as its lines were counted: ``str.splitlines``
+    also splits at form feeds and other separators, which would shift the line numbers);
+    a CR before the LF goes with it."""
+    lines = data.decode("utf-8", "replace").split("\n")
+    if lines and not lines[-1]:
+        lines.pop()  # the chunk's last newline
+    return [line.removesuffix("\r") for line in lines]
+
+
 def _parse_libfm_line(text, fields, single_col, multi, dense_cols):
     """(label, dense, single ids, multi ids) or the reason the line is malformed."""
     tokens = text.split()
     if not tokens:
         return "empty line"
     try:
-        label = 1.0 if float(tokens[0]) > 0 else 0.0
+        number = float(tokens[0])
     except ValueError:
+        number = math.nan
+    if not math.isfinite(number):
         return f"label {tokens[0]!r} is not a number"
+    label = 1.0 if number > 0 else 0.0
     dense = [0.0] * len(dense_cols)
     single = [0] * len(single_col)
     bags: dict[int, list[int]] = {f: [] for f in multi}
@@ -214,6 +228,8 @@ def _parse_libfm_line(text, fields, single_col, multi, dense_cols):
             return f"token {token!r} is not idx:val"
         if not sep:
             return f"token {token!r} is not idx:val"
+        if not math.isfinite(value):
+            return f"token {token!r}: the value is not a finite number"
         f = fields.field_of(index)
         if f < 0:
             return f"index {index} is in no field of the field map"

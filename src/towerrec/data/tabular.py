@@ -51,6 +51,13 @@ class TableSchema:
                 raise ValueError(f"column {name!r}: table size must be >= 2, got {size}")
         if not self.categorical and not self.multi_hot:
             raise ValueError("declare at least one categorical or multi-hot column")
+        roles = [self.label, *self.dense, *self.categorical, *self.multi_hot]
+        twice = sorted({c for c in roles if roles.count(c) > 1})
+        if twice:
+            raise ValueError(
+                f"columns {twice} are declared in two roles (label, --dense, --categorical, "
+                "--multi-hot); give each column one role"
+            )
 
     @property
     def columns(self) -> list[str]:
@@ -97,7 +104,10 @@ def _table_batches(path: Path, schema: TableSchema, batch_rows: int):
         path,
         read_options=pa_csv.ReadOptions(block_size=1 << 22),
         convert_options=pa_csv.ConvertOptions(
-            include_columns=schema.columns, column_types=types, strings_can_be_null=True
+            include_columns=schema.columns,
+            column_types=types,
+            strings_can_be_null=True,
+            null_values=[""],  # only an empty cell is missing ("nan" or "NA" is a bad value)
         ),
     )
     start = 2
@@ -146,16 +156,15 @@ def preprocess_table(
                     values = pc.cast(column, pa.float64()).fill_null(0).to_numpy()
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
                     values = np.array([_float_or_nan(v, 0.0) for v in column.to_pylist()])
-                    for row in np.nonzero(np.isnan(values) & ~bad)[0]:
-                        problems.add(path, _where(unit, start, row), f"{name} is not a number")
-                    bad |= np.isnan(values)
-                dense[:, j] = values
+                for row in np.nonzero(~np.isfinite(values) & ~bad)[0]:  # "nan", "inf", text
+                    problems.add(path, _where(unit, start, row), f"{name} is not a finite number")
+                bad |= ~np.isfinite(values)
+                dense[:, j] = np.where(np.isfinite(values), values, 0.0)
             for row in np.nonzero(bad_label & ~bad)[0]:
                 problems.add(path, _where(unit, start, row), f"label {schema.label} is not 0 or 1")
             bad |= bad_label
-            sparse = np.stack(
-                [_hash_ids(batch.column(c), s) for c, s in schema.categorical.items()], axis=1
-            ).reshape(n, len(schema.categorical))
+            ids = [_hash_ids(batch.column(c), s) for c, s in schema.categorical.items()]
+            sparse = np.stack(ids, axis=1) if ids else np.zeros((n, 0), dtype=np.int32)
             bags = {}
             for name, size in schema.multi_hot.items():
                 column = batch.column(name)

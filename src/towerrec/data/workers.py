@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import signal
 from collections.abc import Iterator
 
 import torch
@@ -36,6 +37,10 @@ _POLL_S = 1.0
 
 def _worker(source, out, stop, worker: int, workers: int, args: tuple) -> None:
     batch_size, start, rank, world_size = args
+    # A forked worker inherits the trainer's handlers (SIGTERM: "finish the step and
+    # checkpoint"); the trainer stops it through ``stop``, and a SIGTERM ends it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     release_parent_only()  # no stale copy of the trainer's tables here (towerrec.memory)
     torch.set_num_threads(1)
     out.cancel_join_thread()  # exit on stop even while batches are still queued

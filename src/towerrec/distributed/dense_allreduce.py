@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from towerrec.distributed.comm import CommStats, ring_allreduce_hook
-from towerrec.distributed.mesh import Topology
+from towerrec.distributed.mesh import Topology, new_group
 
 __all__ = [
     "DENSE_ALLREDUCE",
@@ -70,11 +70,11 @@ class HierarchicalGroups:
         backend = dist.get_backend()
         host = peer = None
         for h in range(hosts):
-            group = dist.new_group(topology.host_ranks(h), backend=backend)
+            group = new_group(topology.host_ranks(h), backend=backend)
             if h == topology.host:
                 host = group
         for local in range(per_host):
-            group = dist.new_group([h * per_host + local for h in range(hosts)], backend=backend)
+            group = new_group([h * per_host + local for h in range(hosts)], backend=backend)
             if local == topology.local_rank:
                 peer = group
         assert host is not None and peer is not None  # every rank is on one host

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from towerrec.distributed.mesh import new_group
 from towerrec.modules.embedding_bag import dense_parameters, fused_embedding_modules
 
 __all__ = [
@@ -104,7 +105,7 @@ def dense_mesh(mesh: DeviceMesh, group: dist.ProcessGroup | None = None) -> Devi
     collectives never interleave with the embeddings' or the trainer's), on ``mesh``'s
     device type."""
     if group is None:
-        group = dist.new_group(backend=dist.get_backend())
+        group = new_group(backend=dist.get_backend())
     return DeviceMesh.from_group(group, mesh.device_type)
 
 

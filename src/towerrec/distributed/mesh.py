@@ -31,6 +31,7 @@ __all__ = [
     "MeshAxis",
     "Topology",
     "init_distributed",
+    "new_group",
     "topology_from_env",
 ]
 
@@ -141,3 +142,21 @@ def _attempt_store(topology: Topology, timeout_s: float) -> dist.Store | None:
         timeout=timedelta(seconds=timeout_s),
     )
     return dist.PrefixStore(f"towerrec/attempt_{attempt}", base)
+
+
+def new_group(ranks: list[int] | None = None, backend: str | None = None) -> dist.ProcessGroup:
+    """``dist.new_group`` whose collectives wait for a peer as long as the world's do
+    (``init_distributed``'s ``timeout_s``, ``distributed.timeout_s``): torch gives a new
+    group its backend's default instead (30 minutes for gloo), so that a stalled peer
+    would hold the others that long."""
+    group = dist.new_group(ranks, timeout=_world_timeout(), backend=backend)
+    assert group is not None  # this process is one of the ranks (every caller's is)
+    return group
+
+
+def _world_timeout() -> timedelta:
+    """The timeout the default process group was started with."""
+    world = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    timeout: timedelta = world._get_backend(device).options._timeout
+    return timeout

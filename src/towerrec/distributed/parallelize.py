@@ -37,7 +37,7 @@ from towerrec.distributed.dense_allreduce import (
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.fsdp import DENSE_LAYOUTS, apply_fsdp, dense_mesh
 from towerrec.distributed.id_wire import IdWire
-from towerrec.distributed.mesh import Topology
+from towerrec.distributed.mesh import Topology, new_group
 from towerrec.modules.embedding_bag import (
     EmbeddingBagCollection,
     dense_parameters,
@@ -211,7 +211,7 @@ def parallelize(
     if dense not in DENSE_LAYOUTS:
         raise ValueError(f"dense = {dense!r} is not one of {', '.join(map(repr, DENSE_LAYOUTS))}")
     topology = topology_of(mesh)
-    group = dist.new_group(backend=dist.get_backend()) if topology.world_size > 1 else None
+    group = new_group(backend=dist.get_backend()) if topology.world_size > 1 else None
     model = apply_sharding(
         model, topology, plan, codecs=codecs, stats=CommStats(), group=group, id_wire=id_wire
     )

@@ -58,7 +58,7 @@ from towerrec.distributed.fsdp import apply_fsdp, dense_mesh
 from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.input_dist import assemble
 from towerrec.distributed.lookup import copy_tables
-from towerrec.distributed.mesh import Topology
+from towerrec.distributed.mesh import Topology, new_group
 from towerrec.distributed.parallelize import (
     check_dense_allreduce,
     dense_groups,
@@ -98,13 +98,13 @@ def tower_groups(
     backend = dist.get_backend()
     peer = None
     for local in range(per_host):
-        group = dist.new_group([h * per_host + local for h in range(hosts)], backend=backend)
+        group = new_group([h * per_host + local for h in range(hosts)], backend=backend)
         if local == topology.local_rank:
             peer = group
     host = []
     for _ in range(2):
         for h in range(hosts):
-            group = dist.new_group(topology.host_ranks(h), backend=backend)
+            group = new_group(topology.host_ranks(h), backend=backend)
             if h == topology.host:
                 host.append(group)
     assert peer is not None  # every rank is local rank l of its host for one l

@@ -280,6 +280,8 @@ class KvStore(BackingStore):
         try:
             meta = json.loads(meta_file.read_text())
             header, crc, size = meta["header"], int(meta["crc32"]), int(meta["bytes"])
+            if not isinstance(header, dict):
+                raise TypeError("the header is not an object")
         except (ValueError, KeyError, TypeError):
             raise StoreError(
                 f"checkpoint store {directory} of table {table!r} has a damaged "

@@ -234,7 +234,7 @@ def read_header(path: Path) -> dict[str, object]:
     if version != VERSION:
         raise StoreError(f"backing store {path} has format version {version}, not {VERSION}{fix}")
     start = len(MAGIC) + 8
-    if start + length + 4 > HEADER_BYTES:
+    if start + length + 4 > min(HEADER_BYTES, len(raw)):
         raise StoreError(f"{damaged} (length {length}){fix}")
     body = raw[start : start + length]
     (crc,) = struct.unpack_from("<I", raw, start + length)

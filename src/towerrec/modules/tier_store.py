@@ -153,7 +153,9 @@ def format_bytes(n: float) -> str:
 def describe_layout(layout: dict[str, object]) -> str:
     """A store header's layout (``RowLayout.to_json``) in words, for error messages."""
     states = layout.get("states") or []
-    names = ", ".join(f"{s[0]}[{s[1]}]" for s in states) if isinstance(states, list) else "?"
+    names = "?"  # a damaged header's states: no name and width each
+    if isinstance(states, list) and all(isinstance(s, list) and len(s) == 2 for s in states):
+        names = ", ".join(f"{s[0]}[{s[1]}]" for s in states)
     return (
         f"table {layout.get('table')!r} of {layout.get('rows')} rows x {layout.get('dim')} "
         f"{layout.get('dtype')} with optimizer state ({names or 'none'})"

@@ -10,6 +10,9 @@ run it without the training code::
 
 An artefact is a directory::
 
+    checksums.json     the size and SHA-256 of every other file (written last; the
+                       format of towerrec/checksums.py, checked here on load unless
+                       ``verify=False``)
     manifest.json      format and towerrec version, the feature schema (dense width;
                        per sparse feature its table, rows, dim, pooling), the id policy
                        and how the run's data mapped raw values to ids
@@ -31,6 +34,7 @@ pooled vectors side by side in the program's feature order and runs the program.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,11 +53,13 @@ __all__ = [
     "InferenceArtefact",
     "TableStore",
     "load_artefact",
+    "verify_files",
 ]
 
 FORMAT = "towerrec-inference"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+CHECKSUMS = "checksums.json"
 PROGRAM = "program.pt2"
 TABLES = "tables"
 TABLE_DTYPES = ("fp32", "fp16", "int8")
@@ -254,6 +260,56 @@ def _required(file: Path) -> Path:
     return file
 
 
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_files(path: str | Path) -> None:
+    """Check every file ``checksums.json`` lists (its size and SHA-256); an
+    ``ArtefactError`` names those damaged or missing, or a missing ``checksums.json``."""
+    path = Path(path)
+    file = path / CHECKSUMS
+    if not file.is_file():
+        raise ArtefactError(
+            f"{path} has no {CHECKSUMS}: it was exported by a towerrec before artefacts "
+            "carried checksums, or is incomplete; export the run again (towerrec export RUN "
+            "--out DIR), or, if you trust it, load it unverified (load_artefact(path, "
+            "verify=False); towerrec predict --no-verify)"
+        )
+    try:
+        body = json.loads(file.read_text())
+        if (body.get("format"), body.get("version"), body.get("hash")) != (
+            "towerrec-checksums",
+            1,
+            "sha256",
+        ):
+            raise ValueError("not a towerrec-checksums file of version 1 with sha256")
+        files = {str(k): (int(v["bytes"]), str(v["sha256"])) for k, v in body["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise ArtefactError(
+            f"{file} is unreadable ({type(e).__name__}: {e}); the artefact is damaged: export "
+            "the run again"
+        ) from None
+    problems = []
+    for name, (size, sha256) in sorted(files.items()):
+        target = path / name
+        if not target.is_file():
+            problems.append(f"{name} is missing")
+        elif target.stat().st_size != size:
+            problems.append(f"{name} has {target.stat().st_size} bytes, {CHECKSUMS} says {size}")
+        elif _sha256(target) != sha256:
+            problems.append(f"{name} does not match its sha256 in {CHECKSUMS}")
+    if problems:
+        raise ArtefactError(
+            f"the artefact in {path} is damaged or incomplete, refused: {'; '.join(problems)}. "
+            "Export the run again (towerrec export RUN --out DIR)"
+        )
+
+
 def read_manifest(path: str | Path, towerrec_version: str | None = None) -> dict[str, Any]:
     """The artefact's manifest, checked: its format, its format version, and (when
     ``towerrec_version`` is given) the towerrec version that exported it."""
@@ -282,7 +338,12 @@ def read_manifest(path: str | Path, towerrec_version: str | None = None) -> dict
     return manifest
 
 
-def load_artefact(path: str | Path, towerrec_version: str | None = None) -> InferenceArtefact:
-    """Load the artefact in ``path`` (see ``read_manifest`` for the version checks)."""
+def load_artefact(
+    path: str | Path, towerrec_version: str | None = None, verify: bool = True
+) -> InferenceArtefact:
+    """Load the artefact in ``path`` (see ``read_manifest`` for the version checks); its
+    files are checked against ``checksums.json`` first unless ``verify`` is False."""
+    if verify and Path(path).is_dir():
+        verify_files(path)
     manifest = read_manifest(path, towerrec_version)
     return InferenceArtefact(Path(path), manifest)

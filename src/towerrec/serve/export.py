@@ -16,7 +16,10 @@ lookup stays outside it, as in serving stacks where tables live apart from the
 network, so tables can be stored in a smaller dtype and looked up by any kernel.
 ``serve/artefact.py`` loads the result with torch and numpy alone. The manifest
 (format in ``artefact.py``) records the feature schema, the id policy and how the
-run's data mapped raw values to ids.
+run's data mapped raw values to ids; ``checksums.json`` (``towerrec/checksums.py``), written
+last before the artefact's directory is renamed into place, the size and SHA-256 of every
+file, which the loader checks. The checkpoint exported from is checked against its own
+checksums first (``verify=False``: not; ``towerrec export --no-verify``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 from torch.export import Dim
 
 from towerrec.build.run import build_run
+from towerrec.checksums import digests, list_files, write_checksums
 from towerrec.config import Config, config_to_toml, load_config
 from towerrec.data.batch import DataSchema
 from towerrec.data.registry import SOURCES
@@ -51,7 +55,7 @@ from towerrec.serve.artefact import (
     table_files,
 )
 from towerrec.sparse import KeyedTensor
-from towerrec.train.checkpoint import CheckpointManager, capture_rng
+from towerrec.train.checkpoint import CheckpointError, CheckpointManager, capture_rng
 
 __all__ = [
     "RUN_CONFIG",
@@ -148,16 +152,29 @@ def _pick_checkpoint(run: Path) -> tuple[Path, int]:
     )
 
 
-def load_run_model(run: str | Path) -> tuple[Config, DataSchema, nn.Module, int]:
+def load_run_model(
+    run: str | Path, verify: bool = True
+) -> tuple[Config, DataSchema, nn.Module, int]:
     """The run's config, data schema and single-device model (eval mode) with the
     returned weights loaded from its checkpoint, whatever the world size and sharding
-    that wrote it; and that checkpoint's step."""
+    that wrote it; and that checkpoint's step. The checkpoint's checksums are checked
+    first unless ``verify`` is False; a damaged one is refused (``CheckpointError``)."""
     run = Path(run)
     path, step = _pick_checkpoint(run)
+    if not verify:
+        log.warning("loading %s without checking its checksums (--no-verify)", path)
     built = build_run(load_config(base=run / "config.toml"), device=torch.device("cpu"))
     config, model, optimizer = built.config, built.model, built.optimizer
     train_state = {"step": 0, "samples": 0, "train_s": 0.0, "rng": capture_rng()}
-    CheckpointManager(path.parent).load(path, model, optimizer, train_state)
+    try:
+        CheckpointManager(path.parent, verify=verify).load(path, model, optimizer, train_state)
+    except CheckpointError as e:
+        raise CheckpointError(
+            e.path,
+            e.problems,
+            f"It holds the weights the run returned (step {step}), which no other checkpoint "
+            "holds; nothing was deleted",
+        ) from None
     return config, built.schema, model.eval(), step
 
 
@@ -168,13 +185,17 @@ def _data_mapping(config: Config) -> dict[str, Any]:
 
 
 def export_run(
-    run: str | Path, out: str | Path, tables: TableDtype | str = TableDtype.FP32
+    run: str | Path,
+    out: str | Path,
+    tables: TableDtype | str = TableDtype.FP32,
+    verify: bool = True,
 ) -> dict[str, Any]:
-    """Write the artefact of ``run`` into ``out`` (module doc); returns its manifest."""
+    """Write the artefact of ``run`` into ``out`` (module doc); returns its manifest.
+    ``verify``: check the run's checkpoint against its checksums first."""
     run, out, dtype = Path(run), Path(out), TableDtype(tables)
     if (out / MANIFEST).exists():
         raise FileExistsError(f"{out} already holds an artefact; choose another --out")
-    config, schema, model, step = load_run_model(run)
+    config, schema, model, step = load_run_model(run, verify)
     detach_distill_heads(model)  # the serving head only: distillation heads stay behind
     sparse = model.sparse
     if not isinstance(sparse, EmbeddingBagCollection):
@@ -213,6 +234,7 @@ def export_run(
         "data": _data_mapping(config),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    write_checksums(tmp, digests(tmp, list_files(tmp)))  # last, before the rename
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     log.info("exported %s (step %d, %s tables, %s bytes) to %s", run, step, dtype, stored, out)

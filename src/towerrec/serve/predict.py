@@ -9,7 +9,9 @@
                           MovieLens data (ids are indexed from the files, so the same data
                           set's version maps alike); its ``--split``
     Criteo TSV files      every line, hashed into the tables as the run's cache hashed
-                          (needs a run on a hashed Criteo cache, not a --min-count one)
+                          (needs a run on a hashed Criteo cache, not a --min-count one);
+                          a malformed line stops it, named by file and line, so that the
+                          predictions stay one per line
 
 The output holds a ``prediction`` column (click probability, float32) and, for
 labelled data, ``label``, one row per sample in data order. The result reports
@@ -83,6 +85,7 @@ def _criteo_cache(files: Sequence[Path], artefact: InferenceArtefact, directory:
     criteo = CriteoOptions(
         num_embeddings=tuple(options["num_embeddings"]),
         feature_prefix=options.get("feature_prefix", "cat_"),
+        strict=True,  # one prediction per line: a malformed line is an error, not a skip
     )
     preprocess_criteo(files, directory, criteo, progress=False)
     return directory
@@ -234,13 +237,15 @@ def predict(
     batch_size: int = 8192,
     progress: bool = True,
     artefact: InferenceArtefact | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Score ``data`` (module doc) with the artefact in ``artefact_dir``; writes ``out``
-    (parquet) when given; returns the counts, throughput and metrics."""
+    (parquet) when given; returns the counts, throughput and metrics. ``verify``: check
+    the artefact's files against its checksums when loading it."""
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if artefact is None:
-        artefact = load_artefact(artefact_dir, towerrec_version=towerrec_version())
+        artefact = load_artefact(artefact_dir, towerrec_version=towerrec_version(), verify=verify)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="towerrec-predict-") as scratch:
         rows = open_data(artefact, data, split, Path(scratch))

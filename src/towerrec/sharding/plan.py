@@ -103,26 +103,31 @@ class ShardingPlan:
         }
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> ShardingPlan:
-        try:
-            tables = {
-                name: TablePlan(
-                    name,
-                    parse_enum(ShardingType, entry["sharding"], f"sharding type of table {name!r}"),
-                    tuple(
-                        Shard(int(s["rank"]), tuple(s["rows"]), tuple(s["cols"]))
-                        for s in entry["shards"]
-                    ),
-                )
-                for name, entry in data["tables"].items()
-            }
-            return ShardingPlan(int(data["world_size"]), int(data.get("hosts", 1)), tables)
-        except (KeyError, TypeError) as e:
-            raise ValueError(
-                f"malformed sharding plan: missing or wrong field {e}; expected "
-                '{"world_size": N, "hosts": H, "tables": {name: {"sharding": ..., "shards": '
-                '[{"rank": r, "rows": [r0, r1], "cols": [c0, c1]}]}}}'
-            ) from None
+    def from_dict(data: Any) -> ShardingPlan:
+        """The plan of ``to_dict``'s JSON; ``ValueError`` naming the first field that is
+        missing or of the wrong type."""
+        if not isinstance(data, dict) or not isinstance(data.get("tables"), dict):
+            raise _malformed("the top level must be an object with a 'tables' object")
+        tables = {}
+        for name, entry in data["tables"].items():
+            where = f"tables.{name}"
+            if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list):
+                raise _malformed(f"{where} must be an object with a 'shards' list")
+            try:
+                sharding = parse_enum(ShardingType, entry.get("sharding"), f"{where}.sharding")
+            except ValueError as e:
+                raise _malformed(str(e)) from None
+            shards = []
+            for i, shard in enumerate(entry["shards"]):
+                at = f"{where}.shards[{i}]"
+                if not isinstance(shard, dict):
+                    raise _malformed(f"{at} must be an object")
+                rank = _whole(shard.get("rank"), f"{at}.rank")
+                rows, cols = (_pair(shard.get(k), f"{at}.{k}") for k in ("rows", "cols"))
+                shards.append(Shard(rank, rows, cols))
+            tables[name] = TablePlan(name, sharding, tuple(shards))
+        world_size = _whole(data.get("world_size"), "world_size")
+        return ShardingPlan(world_size, _whole(data.get("hosts", 1), "hosts"), tables)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -135,6 +140,32 @@ class ShardingPlan:
                 f"plan file {str(path)!r} does not exist; write one with `towerrec plan`"
             )
         try:
-            return ShardingPlan.from_dict(json.loads(path.read_text()))
-        except json.JSONDecodeError as e:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"plan file {str(path)!r} is not valid JSON: {e}") from None
+        try:
+            return ShardingPlan.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"plan file {str(path)!r}: {e}") from None
+
+
+_PLAN_FORMAT = (
+    '{"world_size": N, "hosts": H, "tables": {name: {"sharding": ..., "shards": '
+    '[{"rank": r, "rows": [r0, r1], "cols": [c0, c1]}]}}}'
+)
+
+
+def _malformed(what: str) -> ValueError:
+    return ValueError(f"malformed sharding plan: {what}; expected {_PLAN_FORMAT}")
+
+
+def _whole(value: object, where: str) -> int:
+    if type(value) is not int:  # not a bool, a float or a string of digits
+        raise _malformed(f"{where} must be a whole number, got {value!r}")
+    return value
+
+
+def _pair(value: object, where: str) -> tuple[int, int]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise _malformed(f"{where} must be [start, end], got {value!r}")
+    return _whole(value[0], where), _whole(value[1], where)

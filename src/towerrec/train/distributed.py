@@ -29,7 +29,7 @@ from towerrec.distributed.block_exchange import GroupExchange
 from towerrec.distributed.comm import CommCodecs, CommStats
 from towerrec.distributed.dense_allreduce import uses_hierarchical
 from towerrec.distributed.id_wire import IdWire
-from towerrec.distributed.mesh import Topology, init_distributed, topology_from_env
+from towerrec.distributed.mesh import Topology, init_distributed, new_group, topology_from_env
 from towerrec.distributed.parallelize import comm_stats, parallelize, rebuild_ddp, uniform_plan
 from towerrec.distributed.towers import TowerParallelDMT, parallelize_towers, tower_tables
 from towerrec.memory import peak_rss_mb
@@ -171,7 +171,7 @@ class RunContext:
         if self.world_size == 1:
             return None, []
         local = list(model.tower.parameters()) if isinstance(model, TowerParallelDMT) else []
-        return GroupExchange(dist.new_group()), local
+        return GroupExchange(new_group()), local
 
     def _parallelize_towers(self, model: nn.Module, config: Config, source) -> nn.Module:
         """A DMT on several hosts: the tower transform, tower t on host t

@@ -1,7 +1,8 @@
 """What a run is made of before its first step: the resolved config, the process's
 run context, data source, model and optimizer (``towerrec.build.run.build_run``), run
 directory, checkpoint managers, early stopper and the workflow's hooks (``set_up``), and
-the state a ``--resume`` restores (``Session.resume``)."""
+the state a ``--resume`` restores (``Session.resume``): the latest checkpoint, or the step
+``--resume-from`` names, its checksums checked first (``resume_point``)."""
 
 from __future__ import annotations
 
@@ -14,27 +15,35 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from towerrec.build.choices import Choice, resolve_choices, with_recorded_choices
 from towerrec.build.models import check_towers_fit_hosts, tower_transform
 from towerrec.build.planning import refuse_kv_tables
 from towerrec.build.resolve import resolve_device, resolve_eval_every, resolve_run_config
 from towerrec.build.run import build_run
 from towerrec.build.sources import build_source
-from towerrec.config import Config
+from towerrec.config import Config, load_config
 from towerrec.data.batch import Batch
 from towerrec.data.registry import SOURCES
 from towerrec.data.source import DataSource
 from towerrec.models.interfaces import RecommendationModel
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.optim.shampoo import Shampoo
-from towerrec.train.checkpoint import CheckpointManager, capture_rng, read_meta, restore_rng
+from towerrec.train.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    capture_rng,
+    read_meta,
+    restore_rng,
+)
 from towerrec.train.distributed import RunContext, start_distributed
 from towerrec.train.early_stopping import EarlyStopping
 from towerrec.train.hooks import Hooks, StepHook
 from towerrec.train.metrics import auc, normalized_entropy
 from towerrec.train.numerics import local_processes, resolve_threads
 from towerrec.train.run_dir import RunDir
+from towerrec.train.step import autocast_dtype
 
-__all__ = ["Session", "set_up"]
+__all__ = ["Session", "resume_point", "set_up"]
 
 log = logging.getLogger("towerrec")
 
@@ -65,11 +74,12 @@ class Session:
     padding: Batch | None = None  # what a rank out of eval batches forwards (several ranks)
     hooks: Hooks = field(default_factory=Hooks)  # the workflow's (hooks.py)
     lr_factor: float = 1.0  # the learning-rate factor of the current step
+    choices: dict[str, Choice] = field(default_factory=dict)  # how `auto` settings resolved
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
         """The dense part's autocast dtype (``train.precision``; None: fp32)."""
-        return torch.bfloat16 if self.config.train.precision == "bf16" else None
+        return autocast_dtype(self.config.train.precision)
 
     @property
     def recommender(self) -> RecommendationModel:
@@ -87,13 +97,14 @@ class Session:
         manager = self.best if best else self.checkpoints
         manager.save(step, self.model, self.optimizer, self.state, meta)
 
-    def resume(self, changed: dict[str, Any]) -> None:
-        """Load the latest checkpoint: weights, optimizer states, train state, RNG, byte
-        counters and the early stopper; the run's records after its step are dropped."""
-        path = self.checkpoints.latest()
-        assert path is not None  # checked in set_up
+    def resume(self, path: Path, changed: dict[str, Any]) -> None:
+        """Load the checkpoint at ``path`` (``resume_point``): weights, optimizer states, train
+        state, RNG, byte counters and the early stopper; the run's records after its step are
+        dropped."""
         self.hooks.on_restore(int(path.name.split("_")[-1]))  # e.g. the step's MLP widths
-        self.state = self.checkpoints.load(path, self.model, self.optimizer, self.state)
+        self.state = self.checkpoints.load(  # resume_point checked its checksums
+            path, self.model, self.optimizer, self.state, checked=True
+        )
         if self.state["step"] >= self.steps:
             raise ValueError(
                 f"the run in {self.run.path} already finished step {self.state['step']} of "
@@ -120,15 +131,25 @@ def set_up(
     resume: bool,
     hosts: int | None = None,
     hooks: Sequence[StepHook] = (),
+    resume_from: int | None = None,
 ) -> Session:
-    """Everything before the first step (module doc); resumed if ``resume``. ``hosts``:
-    how many hosts the ranks stand for (``None``: as the environment says); ``hooks``:
-    the workflow's, set up before a resumed run's checkpoint is loaded."""
+    """Everything before the first step (module doc); resumed if ``resume`` (from the
+    latest checkpoint) or ``resume_from`` (from that step's). ``hosts``: how many hosts
+    the ranks stand for (``None``: as the environment says); ``hooks``: the workflow's,
+    set up before a resumed run's checkpoint is loaded."""
     device = resolve_device(config.train.device)
     ctx = start_distributed(config, device, hosts)
     run = RunDir(out_dir, writer=ctx.is_main, tensorboard=config.train.tensorboard)
-    checkpoints = CheckpointManager(run.checkpoint_dir, keep=config.train.keep_checkpoints)
-    threads = _run_threads(config, ctx, checkpoints if resume else None)
+    verify = config.train.verify_checkpoints
+    checkpoints = CheckpointManager(
+        run.checkpoint_dir, keep=config.train.keep_checkpoints, verify=verify
+    )
+    best = CheckpointManager(run.best_dir, keep=1, verify=verify)
+    resume = resume or resume_from is not None
+    start = resume_point(checkpoints, run.path, resume_from) if resume else None
+    if start is not None and resume_from is not None and ctx.is_main:
+        _set_aside_after(resume_from, checkpoints, best)
+    threads = _run_threads(config, ctx, start)
     torch.set_num_threads(threads)  # before any numbers are made (a synthetic teacher's too)
     source: DataSource = build_source(config.data)
     if SOURCES[config.data.source].configured_periods(config.data) > 1:
@@ -138,15 +159,14 @@ def set_up(
             config.data.source,
         )
     config, steps_from = resolve_run_config(config, source)
+    if resume and run.config_path.is_file():  # the kernel and precision it ran with
+        config = with_recorded_choices(config, load_config(base=run.config_path))
+    # `auto` kernel and precision, measured (rank 0) before config.toml records them
+    config, choices = resolve_choices(config, source.schema, device, ctx.world_size)
     steps = config.train.steps
     assert steps is not None  # resolved
-    best = CheckpointManager(run.best_dir, keep=1)
     eval_every = resolve_eval_every(config, source)
     stopper = EarlyStopping.from_config(config)
-    if resume and checkpoints.latest() is None:
-        raise FileNotFoundError(
-            f"--resume: {run.checkpoint_dir} holds no checkpoint to resume from"
-        )
     changed = run.resume_changes(config) if resume else {}
     if ctx.is_main:
         run.start(config, resume=resume)
@@ -213,13 +233,14 @@ def set_up(
         num_dense=model.num_dense_parameters(),
         num_embedding=sum(m.num_embedding_parameters for _, m in fused_embedding_modules(model)),
         hooks=Hooks(hooks),
+        choices=choices,
     )
     if isinstance(session.optimizer, Shampoo) and ctx.world_size > 1:
         mine, total = session.optimizer.block_counts()
         log.info("Shampoo: this rank preconditions %d of %d blocks", mine, total)
     session.hooks.setup(session)
-    if resume:
-        session.resume(changed)
+    if start is not None:
+        session.resume(start, changed)
     log.info(
         "model: %s dense + %s embedding parameters, %s backend, device %s",
         f"{session.num_dense:,}",
@@ -233,14 +254,66 @@ def set_up(
     return session
 
 
-def _run_threads(config: Config, ctx: RunContext, checkpoints: CheckpointManager | None) -> int:
+def resume_point(checkpoints: CheckpointManager, run: Path, step: int | None = None) -> Path:
+    """The checkpoint a resume loads: the latest, or ``step``'s (``--resume-from``), its
+    checksums checked unless ``checkpoints.verify`` is off. A damaged or incomplete one
+    is refused (``CheckpointError``) with the newest intact checkpoint before it offered,
+    never taken silently; nothing is deleted. Collective in a distributed run."""
+    steps = checkpoints.steps()
+    if not steps:
+        raise FileNotFoundError(
+            f"--resume: {checkpoints.directory} holds no checkpoint to resume from"
+        )
+    if step is not None and step not in steps:
+        raise FileNotFoundError(
+            f"--resume-from step_{step}: {checkpoints.directory} holds no checkpoint of step "
+            f"{step}; it holds steps {steps}"
+        )
+    chosen = steps[-1] if step is None else step
+    path = checkpoints.path(chosen)
+    if not checkpoints.verify:
+        log.warning(
+            "resuming from %s without checking its checksums (train.verify_checkpoints = false)",
+            path,
+        )
+        return path
+    try:
+        checkpoints.check(path)
+    except CheckpointError as e:
+        previous = checkpoints.intact_before(chosen)
+        if previous is None:
+            hint = f"No earlier intact checkpoint is left in {checkpoints.directory}"
+        else:
+            hint = (
+                f"The previous intact checkpoint is step {previous} "
+                f"({checkpoints.path(previous)}): resume from it with --resume-from "
+                f"step_{previous} (towerrec train --out {run} --resume-from step_{previous}); "
+                "the steps after it are trained again"
+            )
+        raise CheckpointError(e.path, e.problems, hint + "; nothing was deleted") from None
+    return path
+
+
+def _set_aside_after(step: int, checkpoints: CheckpointManager, best: CheckpointManager) -> None:
+    """A run resumed from ``step`` trains the steps after it again: their checkpoints (and a
+    best checkpoint among them) are renamed, not deleted (``set_aside_after``)."""
+    moved = checkpoints.set_aside_after(step) + best.set_aside_after(step)
+    if moved:
+        log.warning(
+            "resuming from step %d: the later checkpoints are set aside as %s (remove them "
+            "when they are no longer needed)",
+            step,
+            ", ".join(str(p) for p in moved),
+        )
+
+
+def _run_threads(config: Config, ctx: RunContext, checkpoint: Path | None) -> int:
     """This rank's intra-op threads (``numerics.resolve_threads``); a resumed run keeps
     the count its checkpoint records unless ``train.threads`` names one (then a
     different count is warned about: the weights may then differ from an uninterrupted
     run's in the last bits)."""
     threads = resolve_threads(config.train.threads, local_processes(ctx.world_size))
-    latest = checkpoints.latest() if checkpoints is not None else None
-    recorded = read_meta(latest).get("threads") if latest is not None else None
+    recorded = read_meta(checkpoint).get("threads") if checkpoint is not None else None
     if recorded is None or recorded == threads:
         return threads
     if not config.train.threads:

@@ -32,12 +32,16 @@ from towerrec.train.metrics import EvalMetrics, compute_metrics
 __all__ = [
     "RankGroup",
     "autocast",
+    "autocast_dtype",
     "evaluate",
     "fit_steps",
     "lr_factor",
     "set_learning_rates",
     "train_step",
 ]
+
+
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
 
 
 class RankGroup(Protocol):
@@ -53,6 +57,17 @@ class RankGroup(Protocol):
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The concatenation over ranks of 1-D tensors, in rank order (a collective)."""
         ...
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a resolved ``train.precision`` (``fp32``: None, no autocast)."""
+    if precision not in AUTOCAST_DTYPES:
+        raise ValueError(
+            f"train.precision = {precision!r} is not resolved: build the run with "
+            "towerrec.build.run.build_run (or towerrec.build.choices.resolve_choices), "
+            "which resolves 'auto' to fp32 or bf16"
+        )
+    return AUTOCAST_DTYPES[precision]
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

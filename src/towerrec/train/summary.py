@@ -50,6 +50,7 @@ def run_summary(
         "flops_per_sample": model.flops_per_sample(),
         "backend": model.sparse.backend.value,
         "precision": s.config.train.precision,
+        "auto_choices": {name: c.as_dict() for name, c in s.choices.items()},
         "hash_collisions": sum(collisions.values()) if collisions is not None else None,
         "embedding_tables": model.sparse.describe(),
         "device": str(s.device),

@@ -19,6 +19,7 @@ It composes the workflows the config asks for and hands them to the engine
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +43,23 @@ def train(
     resume: bool = False,
     stop_after: int | None = None,
     hosts: int | None = None,
+    hooks: Sequence[StepHook] = (),
+    resume_from: int | None = None,
 ) -> dict[str, Any]:
     """Train ``config`` into ``out_dir``; returns the summary (also in summary.json).
 
-    ``resume`` continues from the directory's latest checkpoint (``config`` may differ
-    from its config.toml only in ``RESUME_SAFE_KEYS``); ``stop_after``
+    ``resume`` continues from the directory's latest checkpoint, ``resume_from`` from that
+    step's (``config`` may differ from its config.toml only in ``RESUME_SAFE_KEYS``); a
+    damaged checkpoint is refused (``train/session.py: resume_point``); ``stop_after``
     ends the run (with a checkpoint) after that step, as a stop signal does. ``hosts``:
     how many hosts a distributed run's ranks stand for (``None``: as its environment says).
+    ``hooks``: the caller's own step hooks (``train/hooks.py``), after the run's (e.g. a
+    tuner reporting each validation: ``towerrec.workflows.tune``).
     The run sets its own thread count and matmul precision (``train/numerics.py``); the
     process has its own back when it returns.
     """
     with pinned():
-        return _train(config, out_dir, resume, stop_after, hosts)
+        return _train(config, out_dir, resume, stop_after, hosts, hooks, resume_from)
 
 
 def _train(
@@ -62,6 +68,8 @@ def _train(
     resume: bool,
     stop_after: int | None,
     hosts: int | None,
+    extra_hooks: Sequence[StepHook],
+    resume_from: int | None = None,
 ) -> dict[str, Any]:
     if config.train.temporal != TemporalConfig():
         warnings.warn(
@@ -71,7 +79,8 @@ def _train(
     hooks: list[StepHook] = []
     if config.train.prune_grow.enabled:
         hooks.append(PruneGrowHook())
-    session = set_up(config, out_dir, resume, hosts, hooks)
+    hooks.extend(extra_hooks)
+    session = set_up(config, out_dir, resume, hosts, hooks, resume_from)
     base, prior_estimate = resolve_objective(session.config)
     objective = with_distillation(base, session.config.distill)
     objective.check_model(session.model)

@@ -25,9 +25,16 @@ log = logging.getLogger("towerrec")
 
 
 def train_worker(
-    config_path: ConfigFiles, overrides: list[str], out: Path, resume: bool
+    config_path: ConfigFiles,
+    overrides: list[str],
+    out: Path,
+    resume: bool,
+    resume_from: int | None = None,
+    hosts: int | None = None,
 ) -> dict[str, Any] | None:
-    """One worker of ``towerrec train --nproc N``: the summary on rank 0, None elsewhere.
+    """One worker of ``towerrec train --nproc N`` or of torchrun: the summary on rank 0,
+    None elsewhere. ``resume_from``: the step ``--resume-from`` names (implies
+    ``resume``); ``hosts``: as ``train``'s.
 
     After an elastic restart (``--max-restarts``) the run resumes from its last
     checkpoint, or starts over if it had none yet.
@@ -42,16 +49,16 @@ def train_worker(
     run = RunDir(out)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         if CheckpointManager(run.checkpoint_dir).latest() is not None:
-            resume = True
+            resume, resume_from = True, None  # the latest: the first attempt's, if it saved
             log.warning("restarted: resuming from the last checkpoint in %s", out)
         elif not resume and int(os.environ.get("RANK", "0")) == 0:
             run.metrics_path.unlink(missing_ok=True)
-    if resume:
+    if resume or resume_from is not None:
         config = run.resume_config(config_path, overrides)
     else:
         config = load_config(config_path, overrides)
     try:
-        summary = train(config, out, resume=resume)
+        summary = train(config, out, resume=resume, resume_from=resume_from, hosts=hosts)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

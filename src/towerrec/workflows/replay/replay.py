@@ -55,7 +55,7 @@ from towerrec.data.registry import SOURCES
 from towerrec.train.distributed import start_distributed
 from towerrec.train.metrics import EvalMetrics, auc
 from towerrec.train.numerics import local_processes, pinned, resolve_threads
-from towerrec.train.step import evaluate, lr_factor, set_learning_rates, train_step
+from towerrec.train.step import autocast_dtype, evaluate, lr_factor, set_learning_rates, train_step
 from towerrec.workflows.distill.loss import fit_adapter, with_distillation
 from towerrec.workflows.pu.prior import resolve_objective
 from towerrec.workflows.replay.temporal import FutureGradient, training_periods
@@ -187,8 +187,8 @@ def _run_replay(
     trains = [training_periods(cfg.temporal, p) for p in range(len(rows))]
     steps = sum(counts[q] for plan in trains for q in plan)
     config = replace(config, optimizer=_warmup_for(config.optimizer, steps))
-    amp_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
     built = build_run(config, source=periods, device=device, layout=ctx)
+    amp_dtype = autocast_dtype(built.config.train.precision)  # resolved (build/choices.py)
     model, optimizer = built.model, built.optimizer
     base, _ = resolve_objective(config)
     objective = with_distillation(base, config.distill)

@@ -1,0 +1,142 @@
+"""What every fuzz target of ``towerrec bench fuzz`` (and tests/test_fuzz.py) shares.
+
+A target (``FuzzTarget``) is a Hypothesis strategy of inputs and a check that
+feeds one input to one of towerrec's readers. The property every check holds
+its reader to: the input is read (and, where a reference reader exists, read
+to the same values: no silent wrong value), or refused with a clear error (a
+``ValueError``, or the reader's own subclass of it, whose message names the
+file, line or key: ``refused``), or its bad lines are skipped and counted. Any
+other exception, an error that names nothing, or an example running past
+``HANG_S`` fails the target; Hypothesis then shrinks the input to a minimal one.
+
+Hypothesis is a development dependency (``pip install 'towerrec[dev]'``); it is
+imported when a target is run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = ["HANG_S", "FuzzFailure", "FuzzTarget", "refused", "run_target"]
+
+HANG_S = 20.0  # one example running longer than this is a hang
+T = TypeVar("T")
+
+
+class FuzzFailure(AssertionError):
+    """A reader broke the property on one input; the message says how."""
+
+
+@dataclass(frozen=True)
+class FuzzTarget:
+    """``check(example, scratch)`` reads one ``strategy()`` example (``scratch``: an empty
+    directory of its own); ``reads``: what it feeds to which reader."""
+
+    name: str
+    reads: str
+    strategy: Callable[[], Any]
+    check: Callable[[Any, Path], None]
+
+
+def refused(
+    read: Callable[[], T], *names: str, errors: tuple[type[BaseException], ...] = (ValueError,)
+) -> T | None:
+    """``read()``'s value, or None when it raised one of ``errors`` naming every one of
+    ``names`` (a path, a key, a line); anything else raises ``FuzzFailure``."""
+    try:
+        return read()
+    except errors as e:
+        text = str(e)
+        missing = [n for n in names if n not in text]
+        if missing:
+            raise FuzzFailure(f"{type(e).__name__} does not name {missing}: {text[:500]!r}") from e
+        return None
+    except FuzzFailure:
+        raise
+    except Exception as e:
+        raise FuzzFailure(f"unhandled {type(e).__name__}: {str(e)[:500]}") from e
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Fail an example running past ``seconds`` (SIGALRM; main thread only, else no limit)."""
+
+    def expired(signum: int, frame: Any) -> None:
+        raise FuzzFailure(f"an example ran past {seconds:g} s: a hang")
+
+    try:
+        previous = signal.signal(signal.SIGALRM, expired)
+    except ValueError:  # not the main thread
+        yield
+        return
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_target(
+    target: FuzzTarget, examples: int, seed: int | None = None, raise_failure: bool = True
+) -> dict[str, Any]:
+    """Run ``examples`` inputs through ``target`` (derandomized unless ``seed`` is given);
+    the count tried (shrinking included) and the seconds taken. A failure is raised
+    (``raise_failure``) or returned as ``failure`` with its minimal example."""
+    import hypothesis
+    from hypothesis import HealthCheck, given, settings
+
+    tried = 0
+    failing: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix=f"towerrec-fuzz-{target.name}-") as tmp:
+        root = Path(tmp)
+
+        @settings(
+            max_examples=examples,
+            derandomize=seed is None,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+            print_blob=False,
+            report_multiple_bugs=False,
+        )
+        @given(target.strategy())
+        def check(example: Any) -> None:
+            nonlocal tried
+            tried += 1
+            scratch = root / str(tried)
+            scratch.mkdir()
+            failing[:] = [example]
+            try:
+                with _time_limit(HANG_S), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # a reader's warnings are not failures
+                    target.check(example, scratch)
+            except FuzzFailure:
+                raise
+            except Exception as e:  # raised outside ``refused``: unhandled all the same
+                raise FuzzFailure(f"unhandled {type(e).__name__}: {str(e)[:500]}") from e
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+        if seed is not None:
+            check = hypothesis.seed(seed)(check)
+        start = time.perf_counter()
+        result: dict[str, Any] = {"reads": target.reads}
+        try:
+            check()
+        except Exception as e:
+            if raise_failure:
+                raise
+            result["failure"] = f"{type(e).__name__}: {str(e)[:1000]}"
+            result["example"] = repr(failing[0])[:2000] if failing else None
+        result.update(examples=tried, seconds=round(time.perf_counter() - start, 2))
+    return result

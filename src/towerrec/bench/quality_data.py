@@ -1,0 +1,162 @@
+"""The data sets of ``towerrec bench quality``, and their rows as plain tensors.
+
+Each data set is a towerrec data config (``DataSet.overrides``) with train, validation
+and test splits; both sides of the benchmark read the same rows of it:
+
+    synthetic   the planted-truth stream written to a cache: the first N training
+                samples, the fixed validation set's first M samples, and as the test
+                split the M training samples after the first N (``write_synthetic_cache``)
+    movielens   the bundled ml-latest-small (or a given directory), its time split with
+                a test split of the latest ratings added when the config has none
+    criteo      Criteo-format files generated here (``gen-criteo``, seeded), converted with
+                seeded 10 % validation and 10 % test splits
+    NAME=PATH   a cache from ``towerrec data ...`` (e.g. a libFM data set) or a MovieLens
+                directory; a cache without a test split is scored on its validation split
+
+``plain_data`` materialises a config's splits through towerrec's loader, once, as the
+tensors the plain references take (``quality_models.PlainData``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from towerrec.bench.quality_models import Bag, PlainData
+from towerrec.build.sources import build_source
+from towerrec.config import Config, load_config
+from towerrec.data.batch import Batch
+from towerrec.data.cache import PartWriter, schema_to_manifest, write_manifest
+from towerrec.data.criteo import CriteoOptions, preprocess_criteo
+from towerrec.data.criteo_gen import generate_criteo_files
+from towerrec.data.loader import ColumnSource
+from towerrec.data.synthetic import SyntheticSource
+
+__all__ = ["BUILT_IN", "DataSet", "plain_data", "write_synthetic_cache"]
+
+BUILT_IN = ("synthetic", "movielens", "criteo")
+
+
+@dataclass(frozen=True)
+class DataSet:
+    """A data set of the benchmark: its name, the towerrec config that trains on it
+    (None: the built-in defaults) and the data overrides that point it at the rows."""
+
+    name: str
+    config: Path | None
+    overrides: tuple[str, ...]
+
+    def load(self, extra: list[str] | tuple[str, ...] = ()) -> Config:
+        return load_config(self.config, [*self.overrides, *extra])
+
+
+# ------------------------------------------------------------------ plain tensors
+def _plain(batch: Batch, sizes: list[int]) -> PlainData:
+    bags = []
+    for (_, jagged), size in zip(batch.sparse.to_dict().items(), sizes):
+        bags.append(Bag(jagged.values.long(), jagged.offsets(), size))
+    return PlainData(batch.dense.float(), batch.labels.float(), tuple(bags))
+
+
+def _one_batch(batches) -> Batch:
+    (batch,) = list(batches)
+    return batch
+
+
+def plain_data(config: Config) -> tuple[PlainData, PlainData, PlainData | None]:
+    """The train, validation and test rows (None: no test split) of ``config.data``."""
+    source = build_source(config.data)
+    if not isinstance(source, ColumnSource):
+        raise ValueError(
+            f"the plain-PyTorch references read a data set's rows, but data.source = "
+            f"{config.data.source!r} is a stream; use a cache or MovieLens"
+        )
+    sizes = [f.num_embeddings for f in source.schema.sparse]
+    train_rows = source.train_batch(0, source.train_rows)  # epoch 0: every row once
+    valid = _one_batch(source.eval_batches(source.eval_rows))
+    test = _one_batch(source.test_batches(source.test_rows)) if source.test_rows else None
+    return (
+        _plain(train_rows, sizes),
+        _plain(valid, sizes),
+        None if test is None else _plain(test, sizes),
+    )
+
+
+# ------------------------------------------------------------------ built-in data sets
+def write_synthetic_cache(config: Config, out: Path, train_rows: int, held_out_rows: int) -> Path:
+    """Write the synthetic stream of ``config.data.synthetic`` as a cache (module doc)."""
+    if (out / "manifest.json").is_file():
+        return out
+    source = SyntheticSource(config.data.synthetic)
+    schema = source.schema
+    multi = [f.name for f in schema.sparse if f.pooling_factor > 1]
+    writer = PartWriter(out, "00000-synthetic", schema.num_dense, multi)
+    splits = {
+        "train": source.samples("train", 0, train_rows)[0],
+        "validation": source.samples("eval", 0, held_out_rows)[0],
+        "test": source.samples("train", train_rows, held_out_rows)[0],
+    }
+    for split, batch in splits.items():
+        jagged = batch.sparse.to_dict()
+        single = [
+            jagged[f.name].values.numpy().reshape(batch.size) for f in schema.sparse
+            if f.name not in multi
+        ]  # fmt: skip
+        bags = {name: (jagged[name].values.numpy(), jagged[name].lengths.numpy()) for name in multi}
+        writer.append(
+            split,
+            batch.labels.numpy(),
+            batch.dense.numpy(),
+            np.stack(single, axis=1) if single else np.zeros((batch.size, 0), np.int32),
+            bags,
+        )
+    entry = writer.finish({"source": "synthetic"})
+    manifest = {
+        "source": "synthetic",
+        "schema": schema_to_manifest(schema, set(multi)),
+        "rows": entry["rows"],
+        "options": {"train_rows": train_rows, "held_out_rows": held_out_rows},
+        "report": {},
+        "parts": [entry],
+    }
+    write_manifest(out, manifest)
+    return out
+
+
+def criteo_cache(out: Path, files: int, rows: int, num_embeddings: int) -> Path:
+    """Generated Criteo-format files, converted with 10 % validation and 10 % test."""
+    if (out / "cache" / "manifest.json").is_file():
+        return out / "cache"
+    paths = generate_criteo_files(out / "raw", files, rows, seed=0)
+    options = CriteoOptions(
+        num_embeddings=(num_embeddings,), eval_fraction=0.1, test_fraction=0.1, seed=0
+    )
+    with contextlib.redirect_stdout(sys.stderr):
+        preprocess_criteo(paths, out / "cache", options, progress=False)
+    return out / "cache"
+
+
+def cache_overrides(path: Path) -> tuple[str, ...]:
+    """The data overrides of a cache directory or a MovieLens directory."""
+    if (path / "ratings.csv").is_file():
+        return ("data.source=movielens", f"data.path={json.dumps(str(path))}")
+    if (path / "manifest.json").is_file():
+        return ("data.source=cache", f"data.path={json.dumps(str(path))}")
+    raise FileNotFoundError(
+        f"bench quality --data: {path} is neither a cache directory (with manifest.json, from "
+        "`towerrec data ...`) nor a MovieLens directory (with ratings.csv)"
+    )
+
+
+def movielens_overrides(config_path: Path | None, path: str) -> tuple[str, ...]:
+    """MovieLens from ``path`` ("": the bundled one), with a test split of the latest 10 %
+    of ratings when the config has none."""
+    overrides = ("data.source=movielens", f"data.path={json.dumps(path)}")
+    if load_config(config_path, list(overrides)).data.movielens.test_fraction == 0:
+        overrides += ("data.movielens.test_fraction=0.1",)
+    return overrides

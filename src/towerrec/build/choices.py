@@ -1,0 +1,362 @@
+"""The settings ``auto`` leaves to the machine, chosen by measurement: the embedding
+kernel (``embedding.backend``) and the dense part's precision (``train.precision``).
+
+::
+
+    config (auto) ──► forced value?  ── yes ──► kept
+                      │ no
+                      ▼
+                 one candidate? (what the hardware and the settings allow) ── yes ──► it
+                      │ no
+                      ▼
+                 choices.json holds this machine + workload? ── yes ──► its choice
+                      │ no
+                      ▼
+                 time a few steps of each candidate, keep the faster, write it down
+
+- Kernel: the candidates are the kernels that support the run's settings
+  (``modules/kernel_timing.py``'s ``supported_backends``: FBGEMM needs fbgemm_gpu, its
+  kernel for the optimizer on the device and dims that are multiples of 4); the
+  workload is the run's tables (rows, dim, pooling factor), batch per rank, pooling,
+  optimizer, device and intra-op threads; a training lookup (forward and the backward
+  with the fused update) of each is timed, round-robin (``time_backends``). Compact
+  tables (``embedding.kind`` other than ``full``) keep the rule of
+  ``modules/kernels/backend.py`` (their kernels' tables are not the data's).
+- Precision: bf16 is a candidate only where the device has bf16 units
+  (``towerrec.hardware.bf16_units``: AMX or AVX-512 BF16 on a CPU, a CUDA GPU with
+  bf16); elsewhere fp32 without timing. The workload is the run's model with small
+  tables (its dense part is the run's) at the batch per rank; forward and backward
+  steps in fp32 and under bf16 autocast are timed round-robin, and bf16 is chosen when
+  its step takes at most ``1 / BF16_MIN_SPEEDUP`` of fp32's. Tables and optimizer
+  states keep their precision; autocast is the only source of bf16
+  (``train/numerics.py`` pins IEEE fp32 matmuls).
+- With ``TOWERREC_MEASURE=0`` nothing is timed: the kernel follows the rule, the
+  precision is fp32 (deterministic; the test suite sets it).
+
+The choice is logged with its reason and the measured times, and written into the
+run's resolved config (``config.toml``), so that ``--resume`` keeps it. In a
+distributed run rank 0 measures or reads the cache and broadcasts the choice, so every
+rank runs the same kernel and precision. Each measurement stops starting timed rounds
+after ``BUDGET_S`` (1 s) of wall time, so a busy machine does not stretch it; on a quiet
+one it takes well under a second (building the timed tables included; the first use
+of FBGEMM also pays its library's import, which the run would pay anyway). The cache
+(``choice_cache.py``) makes it once per machine and workload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from towerrec.build.choice_cache import ChoiceCache
+from towerrec.build.models import build_model, build_tables
+from towerrec.build.ranks import on_first_rank
+from towerrec.build.towers import LEARNED_PARTITIONS
+from towerrec.config import Config, EmbeddingConfig
+from towerrec.data.batch import Batch, DataSchema
+from towerrec.hardware import bf16_units, machine_key
+from towerrec.modules.kernel_timing import (
+    BUDGET_S,
+    KernelWorkload,
+    supported_backends,
+    time_backends,
+)
+from towerrec.modules.kernels import Backend, resolve_backend
+from towerrec.sparse import KeyedJaggedTensor
+from towerrec.train.step import autocast
+
+__all__ = [
+    "BF16_MIN_SPEEDUP",
+    "MEASURE_ENV",
+    "Choice",
+    "choose_backend",
+    "choose_precision",
+    "kernel_workload",
+    "measuring",
+    "resolve_choices",
+    "with_recorded_choices",
+]
+
+log = logging.getLogger("towerrec")
+
+MEASURE_ENV = "TOWERREC_MEASURE"
+# bf16's dense step must be this much faster than fp32's: where the two are near equal
+# (a small MLP), the first steps of a process differ by up to ~1.15x either way
+BF16_MIN_SPEEDUP = 1.2
+TIMING_ROWS = 64  # rows per table of the model whose dense part the precision timing runs
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One resolved setting: its ``value``, ``how`` it was reached (``forced``, ``only``,
+    ``rule``, ``cached``, ``measured``), why, and the seconds per step measured (now or
+    when cached) for each candidate."""
+
+    value: str
+    how: str
+    why: str
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    took_s: float = 0.0  # the measurement's own wall time (0 when nothing was timed)
+
+    def as_dict(self) -> dict:
+        return {
+            "value": self.value,
+            "how": self.how,
+            "why": self.why,
+            "ms_per_step": {k: round(v * 1e3, 3) for k, v in self.seconds.items()},
+            "took_s": round(self.took_s, 3),
+        }
+
+    def describe(self) -> str:
+        times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.seconds.items())
+        return f"{self.value} ({self.how}: {self.why}{'; ' + times if times else ''})"
+
+
+def measuring() -> bool:
+    """Whether ``auto`` settings are timed (``TOWERREC_MEASURE`` unset or not ``0``)."""
+    return os.environ.get(MEASURE_ENV, "1").strip() != "0"
+
+
+def _pick(
+    kind: str,
+    device: torch.device,
+    workload: dict,
+    candidates: list[str],
+    measure: Callable[[], dict[str, float]],
+    decide: Callable[[dict[str, float]], str],
+    cache: ChoiceCache,
+) -> Choice:
+    machine = machine_key(device)
+    workload = json.loads(json.dumps(workload))  # as the file holds it (lists, not tuples)
+    entry = cache.lookup(kind, machine, workload, candidates)
+    if entry is not None:
+        return Choice(entry["choice"], "cached", f"measured {entry['measured']}", entry["seconds"])
+    start = time.perf_counter()
+    seconds = measure()
+    took = time.perf_counter() - start
+    choice = decide(seconds)
+    cache.store(kind, machine, workload, choice, seconds)
+    return Choice(choice, "measured", f"timed in {took:.2f} s", seconds, took)
+
+
+# ------------------------------------------------------------------ kernel
+def kernel_workload(
+    config: Config, schema: DataSchema, device: torch.device, batch: int
+) -> KernelWorkload:
+    tables = build_tables(config, schema)
+    factors = {f.name: f.pooling_factor for f in schema.sparse}
+    return KernelWorkload(
+        tuple(t.num_embeddings for t in tables),
+        tuple(t.embedding_dim for t in tables),
+        tuple(factors[t.name] for t in tables),
+        batch,
+        config.embedding.pooling,
+        config.embedding.optimizer_config(),
+        str(device),
+    )
+
+
+def choose_backend(
+    config: Config, schema: DataSchema, device: torch.device, batch: int, cache: ChoiceCache
+) -> Choice:
+    """``embedding.backend`` resolved for this run (module doc)."""
+    emb = config.embedding
+    if emb.backend is not Backend.AUTO:
+        return Choice(emb.backend.value, "forced", "embedding.backend")
+    workload = kernel_workload(config, schema, device, batch)
+    rule = resolve_backend(Backend.AUTO, device, emb.optimizer, workload.dims, emb.weight_decay)
+    if not emb.compact().is_full:
+        return Choice(
+            rule.value, "rule", "compact tables (their kernels' tables are not the data's)"
+        )
+    candidates = [b.value for b in supported_backends(workload)]
+    if len(candidates) == 1:
+        return Choice(candidates[0], "only", "the one kernel for these settings")
+    if not measuring():
+        return Choice(rule.value, "rule", f"{MEASURE_ENV}=0")
+
+    def measure() -> dict[str, float]:
+        seconds = time_backends(workload, [Backend(c) for c in candidates])
+        return {b.value: s for b, s in seconds.items()}
+
+    key = {**workload.describe(), "threads": torch.get_num_threads()}
+    return _pick(
+        "backend", device, key, candidates, measure, lambda s: min(s, key=s.__getitem__), cache
+    )
+
+
+# ------------------------------------------------------------------ precision
+def _timing_inputs(config: Config, schema: DataSchema) -> tuple[Config, DataSchema]:
+    """The run's config and schema with small full tables (the dense part unchanged) and a
+    DMT's learned partition replaced by a fixed one (no pilot run to time)."""
+    small = DataSchema(
+        schema.num_dense,
+        tuple(
+            dataclasses.replace(f, num_embeddings=min(f.num_embeddings, TIMING_ROWS))
+            for f in schema.sparse
+        ),
+    )
+    emb = config.embedding
+    embedding = EmbeddingConfig(
+        backend=Backend.TORCH, optimizer=emb.optimizer, lr=emb.lr, pooling=emb.pooling
+    )
+    model = config.model
+    if model.dmt.partition in LEARNED_PARTITIONS:
+        dmt = dataclasses.replace(model.dmt, partition="contiguous")
+        model = dataclasses.replace(model, dmt=dmt)
+    return dataclasses.replace(config, embedding=embedding, model=model), small
+
+
+def _random_batch(
+    schema: DataSchema, batch: int, device: torch.device, gen: torch.Generator
+) -> Batch:
+    lengths, values = [], []
+    for f in schema.sparse:
+        ends = torch.floor(torch.arange(batch + 1, dtype=torch.float64) * f.pooling_factor).long()
+        per_bag = ends.diff()
+        lengths.append(per_bag)
+        values.append(torch.randint(0, f.num_embeddings, (int(per_bag.sum()),), generator=gen))
+    sparse = KeyedJaggedTensor(schema.sparse_names, torch.cat(values), torch.cat(lengths))
+    dense = torch.randn(batch, schema.num_dense, generator=gen)
+    labels = torch.randint(0, 2, (batch,), generator=gen).float()
+    return Batch(dense, sparse, labels).to(device)
+
+
+def time_precisions(
+    config: Config,
+    schema: DataSchema,
+    device: torch.device,
+    batch: int,
+    steps: int = 5,
+    warmup: int = 3,
+) -> dict[str, float]:
+    """Seconds of one forward and backward of the run's model (small tables) in fp32 and
+    under bf16 autocast: the fastest of ``steps``, taken round-robin after ``warmup``
+    rounds (the first steps of a process are slower), no new round after ``BUDGET_S``."""
+    small_config, small_schema = _timing_inputs(config, schema)
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(small_config, small_schema, device)
+        gen = torch.Generator().manual_seed(0)
+        data = _random_batch(small_schema, batch, device, gen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    one_thread_cpu = torch.get_num_threads() == 1 and device.type == "cpu"
+    clock = time.process_time if one_thread_cpu else time.perf_counter
+
+    def step(dtype: torch.dtype | None) -> float:
+        start = clock()
+        with autocast(device, dtype):
+            logits = model(data.dense, data.sparse)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), data.labels)
+        loss.backward()
+        for p in params:
+            p.grad = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return clock() - start
+
+    precisions: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
+    best = {name: math.inf for name in precisions}
+    for _ in range(warmup):  # (the first steps of each are slower: allocation, packing)
+        for dtype in precisions.values():
+            step(dtype)
+    begin = time.perf_counter()
+    for _ in range(steps):
+        for name, dtype in precisions.items():
+            best[name] = min(best[name], step(dtype))
+        if time.perf_counter() - begin > BUDGET_S:  # a busy machine: what we have
+            break
+    return best
+
+
+def choose_precision(
+    config: Config, schema: DataSchema, device: torch.device, batch: int, cache: ChoiceCache
+) -> Choice:
+    """``train.precision`` resolved for this run (module doc)."""
+    if config.train.precision != "auto":
+        return Choice(config.train.precision, "forced", "train.precision")
+    units = bf16_units(device)
+    if units is None:
+        what = "this GPU" if device.type == "cuda" else "this CPU (no amx_bf16 or avx512_bf16)"
+        return Choice("fp32", "only", f"no bf16 units on {what}")
+    if not measuring():
+        return Choice("fp32", "rule", f"{MEASURE_ENV}=0")
+    workload = {
+        "model": dataclasses.asdict(_timing_inputs(config, schema)[0].model),
+        "num_dense": schema.num_dense,
+        "features": [[f.name, round(f.pooling_factor, 3)] for f in schema.sparse],
+        "batch_size": batch,
+        "threads": torch.get_num_threads(),
+        "bf16_units": units,
+    }
+
+    def decide(seconds: dict[str, float]) -> str:
+        return "bf16" if seconds["fp32"] >= BF16_MIN_SPEEDUP * seconds["bf16"] else "fp32"
+
+    return _pick(
+        "precision",
+        device,
+        workload,
+        ["fp32", "bf16"],
+        lambda: time_precisions(config, schema, device, batch),
+        decide,
+        cache,
+    )
+
+
+# ------------------------------------------------------------------ the run
+def resolve_choices(
+    config: Config,
+    schema: DataSchema,
+    device: torch.device,
+    world_size: int = 1,
+    cache: ChoiceCache | None = None,
+) -> tuple[Config, dict[str, Choice]]:
+    """``config`` with ``embedding.backend`` and ``train.precision`` resolved (module
+    doc), and the choices made (logged); a no-op for settings that are not ``auto``.
+    ``world_size``: the run's processes (the batch per rank is the timed one)."""
+    if config.embedding.backend is not Backend.AUTO and config.train.precision != "auto":
+        return config, {}
+    batch = max(1, config.train.batch_size // max(1, world_size))
+
+    def compute() -> dict[str, Choice]:
+        store = cache if cache is not None else ChoiceCache()
+        backend = choose_backend(config, schema, device, batch, store)
+        resolved = dataclasses.replace(
+            config, embedding=dataclasses.replace(config.embedding, backend=Backend(backend.value))
+        )
+        return {
+            "backend": backend,
+            "precision": choose_precision(resolved, schema, device, batch, store),
+        }
+
+    choices = on_first_rank(compute)
+    for setting, choice in (
+        ("embedding.backend", choices["backend"]),
+        ("train.precision", choices["precision"]),
+    ):
+        if choice.how != "forced":
+            log.info("%s = auto: %s", setting, choice.describe())
+    embedding = dataclasses.replace(config.embedding, backend=Backend(choices["backend"].value))
+    train = dataclasses.replace(config.train, precision=choices["precision"].value)
+    return dataclasses.replace(config, embedding=embedding, train=train), choices
+
+
+def with_recorded_choices(config: Config, recorded: Config) -> Config:
+    """``config`` with each ``auto`` setting replaced by ``recorded``'s resolved value (a
+    resumed run keeps the kernel and precision its config.toml holds, whatever a new
+    measurement would say)."""
+    embedding, train = config.embedding, config.train
+    if embedding.backend is Backend.AUTO and recorded.embedding.backend is not Backend.AUTO:
+        embedding = dataclasses.replace(embedding, backend=recorded.embedding.backend)
+    if train.precision == "auto" and recorded.train.precision != "auto":
+        train = dataclasses.replace(train, precision=recorded.train.precision)
+    return dataclasses.replace(config, embedding=embedding, train=train)

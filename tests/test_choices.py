@@ -1,0 +1,313 @@
+"""``auto`` settings chosen by measurement (build/choices.py) and kept per machine
+(build/choice_cache.py). The timings are replaced by fixed numbers, so that no test
+depends on how busy the machine is; one test times the real kernels on a tiny
+workload and checks only that it ran."""
+
+import dataclasses
+import json
+import math
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+from conftest import needs_fbgemm
+
+import towerrec.build.choices as choices
+from towerrec.build.choice_cache import ChoiceCache, cache_dir
+from towerrec.build.choices import resolve_choices, with_recorded_choices
+from towerrec.build.ranks import on_first_rank
+from towerrec.config import load_config
+from towerrec.data.synthetic import SyntheticSource
+from towerrec.hardware import machine_key
+from towerrec.modules.kernel_timing import (
+    MAX_ROWS,
+    KernelWorkload,
+    supported_backends,
+    time_backends,
+)
+from towerrec.modules.kernels import Backend
+from towerrec.modules.tables import Pooling
+from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.train.step import autocast_dtype
+
+CPU = torch.device("cpu")
+SMALL = ["data.synthetic.eval_samples=1000"]
+
+
+def _config(*overrides: str):
+    return load_config(overrides=[*SMALL, *overrides])
+
+
+def _dim(dim: int) -> list[str]:
+    return [f"model.embedding_dim={dim}", f"model.bottom_mlp=[64, {dim}]"]
+
+
+def _schema(config):
+    return SyntheticSource(config.data.synthetic).schema
+
+
+class FakeTimer:
+    """Stands in for a measurement: returns ``seconds`` and counts its calls."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds, self.calls = seconds, 0
+
+    def backends(self, workload, backends, **_):
+        self.calls += 1
+        return {b: self.seconds[b.value] for b in backends}
+
+    def precisions(self, *args, **kwargs):
+        self.calls += 1
+        return dict(self.seconds)
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path, one_thread):
+    """Measurement on, into a cache of the test's own."""
+    monkeypatch.setenv("TOWERREC_MEASURE", "1")
+    monkeypatch.setenv("TOWERREC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "choices.json"
+
+
+def _fake_backends(monkeypatch, **seconds: float) -> FakeTimer:
+    timer = FakeTimer(seconds)
+    monkeypatch.setattr(choices, "time_backends", timer.backends)
+    return timer
+
+
+def test_the_cache_directory_follows_the_setting_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOWERREC_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    monkeypatch.delenv("TOWERREC_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "towerrec"
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("faster", ["torch", "fbgemm"])
+def test_auto_backend_is_the_faster_kernel_and_is_measured_once(monkeypatch, measuring, faster):
+    timer = _fake_backends(monkeypatch, **{"torch": 2.0, "fbgemm": 2.0, faster: 1.0})
+    config = _config()
+    resolved, made = resolve_choices(config, _schema(config), CPU)
+    assert resolved.embedding.backend is Backend(faster)
+    assert made["backend"].how == "measured" and timer.calls == 1
+    entry = next(iter(json.loads(measuring.read_text())["entries"].values()))
+    assert entry["choice"] == faster and entry["machine"] == machine_key(CPU)
+    again, made = resolve_choices(config, _schema(config), CPU)
+    assert again.embedding.backend is Backend(faster)
+    assert made["backend"].how == "cached" and timer.calls == 1  # read, not timed again
+
+
+@needs_fbgemm
+def test_a_forced_backend_wins_over_the_measurement(monkeypatch, measuring):
+    timer = _fake_backends(monkeypatch, torch=1.0, fbgemm=9.0)
+    config = _config("embedding.backend=fbgemm")
+    resolved, _ = resolve_choices(config, _schema(config), CPU)
+    assert resolved.embedding.backend is Backend.FBGEMM and timer.calls == 0
+    assert not measuring.exists()
+
+
+def test_without_measurement_auto_follows_the_flag_rule(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOWERREC_MEASURE", "0")
+    monkeypatch.setattr(choices, "time_backends", None)  # never called
+    config = _config("train.precision=auto")
+    resolved, _ = resolve_choices(config, _schema(config), CPU, cache=ChoiceCache(tmp_path))
+    assert resolved.embedding.backend is not Backend.AUTO
+    assert resolved.train.precision == "fp32"
+    assert not (tmp_path / "choices.json").exists()
+
+
+def test_a_kernel_that_cannot_run_the_settings_is_not_timed(monkeypatch, measuring):
+    timer = _fake_backends(monkeypatch, torch=1.0, fbgemm=0.1)
+    config = _config(*_dim(6))  # FBGEMM needs multiples of 4
+    resolved, made = resolve_choices(config, _schema(config), CPU)
+    assert resolved.embedding.backend is Backend.TORCH
+    assert made["backend"].how == "only" and timer.calls == 0
+
+
+@needs_fbgemm
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "truncated",
+        "not json",
+        "a list",
+        "another version",
+        "another machine",
+        "a choice that is no candidate",
+    ],
+)
+def test_a_damaged_or_stale_cache_is_ignored_and_rewritten(monkeypatch, measuring, damage):
+    first = _fake_backends(monkeypatch, torch=2.0, fbgemm=1.0)
+    config = _config()
+    resolve_choices(config, _schema(config), CPU)
+    good = json.loads(measuring.read_text())
+    (key, entry), *_ = good["entries"].items()
+    assert first.calls == 1
+    if damage == "truncated":
+        measuring.write_text(measuring.read_text()[:40])
+    elif damage == "not json":
+        measuring.write_text("fbgemm, I think\n")
+    elif damage == "a list":
+        measuring.write_text(json.dumps([entry]))
+    elif damage == "another version":
+        measuring.write_text(json.dumps({**good, "version": 99}))
+    elif damage == "another machine":  # under this key, and under its own (kept)
+        other = {**entry, "machine": {**entry["machine"], "cpu": "another CPU"}}
+        measuring.write_text(json.dumps({**good, "entries": {key: other, "theirs": other}}))
+    else:
+        measuring.write_text(json.dumps({**good, "entries": {key: {**entry, "choice": "x"}}}))
+    timer = _fake_backends(monkeypatch, torch=1.0, fbgemm=2.0)  # the machine changed
+    resolved, made = resolve_choices(config, _schema(config), CPU)
+    assert made["backend"].how == "measured" and timer.calls == 1
+    assert resolved.embedding.backend is Backend.TORCH
+    rewritten = json.loads(measuring.read_text())
+    assert rewritten["version"] == 1 and rewritten["entries"][key]["choice"] == "torch"
+    if damage == "another machine":
+        assert rewritten["entries"]["theirs"]["machine"]["cpu"] == "another CPU"
+
+
+def test_entries_of_other_workloads_stay(monkeypatch, measuring):
+    _fake_backends(monkeypatch, torch=1.0, fbgemm=2.0)
+    monkeypatch.setattr(choices, "bf16_units", lambda device: "avx512_bf16")
+    monkeypatch.setattr(choices, "time_precisions", FakeTimer({"fp32": 1, "bf16": 1}).precisions)
+    for dim in (6, 8, 12):
+        config = _config(*_dim(dim), "train.precision=auto")
+        resolve_choices(config, _schema(config), CPU)
+    kinds = [e["kind"] for e in json.loads(measuring.read_text())["entries"].values()]
+    assert kinds.count("precision") == 3  # one per model (the dim is part of it)
+    assert kinds.count("backend") == (2 if "fbgemm" in _candidates() else 0)
+
+
+def _candidates():
+    workload = KernelWorkload((64,), (8,), (1.0,), 4, Pooling.SUM, EmbeddingOptimizerConfig())
+    return [b.value for b in supported_backends(workload)]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [({"fp32": 2.0, "bf16": 1.0}, "bf16"), ({"fp32": 1.1, "bf16": 1.0}, "fp32")],
+)
+def test_auto_precision_is_bf16_only_when_clearly_faster(monkeypatch, measuring, seconds, expected):
+    monkeypatch.setattr(choices, "bf16_units", lambda device: "avx512_bf16")
+    monkeypatch.setattr(choices, "time_precisions", FakeTimer(seconds).precisions)
+    config = _config("train.precision=auto", "embedding.backend=torch")
+    resolved, made = resolve_choices(config, _schema(config), CPU)
+    assert resolved.train.precision == expected and made["precision"].how == "measured"
+    assert autocast_dtype(resolved.train.precision) == (
+        torch.bfloat16 if expected == "bf16" else None
+    )
+
+
+def test_auto_precision_is_fp32_without_bf16_units(monkeypatch, measuring):
+    monkeypatch.setattr(choices, "bf16_units", lambda device: None)
+    monkeypatch.setattr(choices, "time_precisions", None)  # never called
+    config = _config("train.precision=auto", "embedding.backend=torch")
+    resolved, made = resolve_choices(config, _schema(config), CPU)
+    assert resolved.train.precision == "fp32" and made["precision"].how == "only"
+
+
+def test_an_unresolved_precision_is_refused_by_the_step():
+    with pytest.raises(ValueError, match=r"train\.precision = 'auto' is not resolved"):
+        autocast_dtype("auto")
+    with pytest.raises(ValueError, match=r"train\.precision"):
+        load_config(overrides=["train.precision=fp16"])
+
+
+def test_a_resumed_run_keeps_its_recorded_choices():
+    recorded = _config("embedding.backend=torch", "train.precision=bf16")
+    kept = with_recorded_choices(_config("train.precision=auto"), recorded)
+    assert kept.embedding.backend is Backend.TORCH and kept.train.precision == "bf16"
+    forced = with_recorded_choices(_config("embedding.backend=fbgemm"), recorded)
+    assert forced.embedding.backend is Backend.FBGEMM and forced.train.precision == "fp32"
+
+
+@needs_fbgemm
+def test_the_run_records_the_choice_and_a_resume_keeps_it(monkeypatch, measuring, tmp_path):
+    from towerrec.workflows.training import train
+
+    _fake_backends(monkeypatch, torch=1.0, fbgemm=2.0)
+    config = _config("train.steps=2", "train.progress=false")
+    summary = train(config, tmp_path / "run", stop_after=1)
+    saved = load_config(base=tmp_path / "run" / "config.toml")
+    assert saved.embedding.backend is Backend.TORCH and summary["backend"] == "torch"
+    assert summary["auto_choices"]["backend"]["how"] == "measured"
+    _fake_backends(monkeypatch, torch=2.0, fbgemm=1.0)  # a new measurement would differ
+    measuring.unlink()
+    resumed = train(config, tmp_path / "run", resume=True)
+    assert resumed["backend"] == "torch"
+
+
+def test_real_timing_of_a_tiny_workload_gives_a_time_per_kernel(one_thread):
+    workload = KernelWorkload(
+        (100, 300), (8, 8), (1.0, 2.5), 16, Pooling.SUM, EmbeddingOptimizerConfig()
+    )
+    backends = supported_backends(workload)
+    assert workload.timed_rows() == [100, 300]
+    seconds = time_backends(workload, backends, steps=2)
+    assert set(seconds) == set(backends)
+    assert all(0 < s < math.inf for s in seconds.values())
+
+
+def test_large_tables_are_timed_at_a_proportional_share():
+    workload = KernelWorkload(
+        (10_000_000, 1_000_000, 10), (16,) * 3, (1.0,) * 3, 8, Pooling.SUM,
+        EmbeddingOptimizerConfig(),
+    )  # fmt: skip
+    big, middle, small = workload.timed_rows()
+    assert small == 10 and 9 * middle <= big <= 11 * middle  # the rows' proportions
+    assert big + middle <= MAX_ROWS
+
+
+def _choose_on_rank(rank, world, port, directory, queue):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["TOWERREC_MEASURE"] = "1"  # (importing conftest here turned it off)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    config = _config()
+    # each rank's own cache holds another choice: only rank 0's may count
+    cache = ChoiceCache(directory / str(rank))
+    resolved, made = resolve_choices(config, _schema(config), CPU, world, cache=cache)
+    answers = [None] * world
+    dist.all_gather_object(answers, (resolved.embedding.backend.value, made["backend"].how))
+    queue.put((rank, answers, on_first_rank(lambda: rank)))
+    dist.destroy_process_group()
+
+
+@needs_fbgemm
+@pytest.mark.multiprocess
+def test_every_rank_runs_rank_0s_choice(monkeypatch, measuring, tmp_path):
+    from towerrec.distributed.launch import free_port
+
+    config = _config()
+    for rank, faster in ((0, "fbgemm"), (1, "torch")):  # a cache per rank, disagreeing
+        _fake_backends(monkeypatch, **{"torch": 2.0, "fbgemm": 2.0, faster: 1.0})
+        batch = dataclasses.replace(config.train, batch_size=config.train.batch_size // 2)
+        half = dataclasses.replace(config, train=batch)  # the batch per rank of 2 ranks
+        resolve_choices(half, _schema(config), CPU, cache=ChoiceCache(tmp_path / str(rank)))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_choose_on_rank, args=(r, 2, port, tmp_path, queue)) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    results = dict((r, (a, f)) for r, a, f in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0][0] == results[1][0] == [("fbgemm", "cached")] * 2
+    assert results[0][1] == results[1][1] == 0
+
+
+def test_bench_choice_compares_the_auto_kernel_with_the_forced_ones(one_thread):
+    from towerrec.bench.choice import choice_benchmark
+
+    result = choice_benchmark({"tiny": ((50, 70), (1.0, 2.0))}, batch_size=8, steps=2, dim=8)
+    row = result["tiny"]
+    assert row["auto"] in row["forced_ms"] and row["best_forced"] in row["forced_ms"]
+    assert set(row["auto_ms"]) == set(row["forced_ms"]) and row["auto_over_best"] >= 1.0

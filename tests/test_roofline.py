@@ -1,0 +1,42 @@
+"""The physical bounds of bench/roofline.py and the bf16 quality verdict of bench precision."""
+
+import pytest
+import torch
+
+from towerrec.bench.precision import quality_verdict
+from towerrec.bench.roofline import (
+    Roofline,
+    embedding_step_bytes,
+    matmul_peak,
+    memory_bandwidth,
+)
+
+
+def test_embedding_step_bytes_counts_the_gather_and_the_update():
+    # 10 lookups of dim 4 (160 bytes) + 3 rows of weights and one state float, read and written
+    assert embedding_step_bytes(10, 3, 4, 1) == 10 * 4 * 4 + 2 * 3 * 5 * 4
+
+
+def test_roofline_time_adds_the_dense_and_the_memory_work():
+    roof = Roofline("cpu", "float32", matmul_flops=1e9, bandwidth=1e8)
+    assert roof.seconds(2e9, 5e7) == pytest.approx(2.5)
+    assert roof.as_dict()["matmul_peak_gflops"] == 1.0
+
+
+def test_measured_peaks_are_positive_and_finite(one_thread):
+    flops = matmul_peak("cpu", torch.float32, seconds=0.01, shapes=((64, 64, 64),))
+    bandwidth = memory_bandwidth("cpu", seconds=0.01, nbytes=1 << 20)
+    assert 0 < flops < float("inf") and 0 < bandwidth < float("inf")
+
+
+def _runs(aucs):
+    return {"auc_std": float(torch.tensor(aucs).std()), "per_seed": [{"auc": a} for a in aucs]}
+
+
+def test_quality_verdict_pairs_the_seeds():
+    fp32 = _runs([0.70, 0.72, 0.71])
+    assert quality_verdict(_runs([0.7001, 0.7202, 0.7099]), fp32)["within_noise"]
+    shifted = quality_verdict(_runs([0.69, 0.71, 0.70]), fp32)  # 0.01 lower on every seed
+    assert shifted["auc_bf16_minus_fp32"] == pytest.approx(-0.01)
+    assert not shifted["within_noise"]
+    assert not quality_verdict({"auc": 0.7}, {"auc": 0.7})["within_noise"]  # one seed: no verdict
