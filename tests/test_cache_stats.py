@@ -64,10 +64,14 @@ def zipf_ids(gen: torch.Generator, rows: int, n: int) -> list[int]:
     return torch.multinomial(ranks**-1.05, n, replacement=True, generator=gen).tolist()
 
 
-@pytest.mark.parametrize("backing", ["host", "ssd"])
-def test_cache_counts_equal_an_lru_list(tmp_path, backing):
+@pytest.mark.parametrize(
+    ("backing", "maps"), [("host", "host"), ("ssd", "host"), ("host", "device")]
+)
+def test_cache_counts_equal_an_lru_list(tmp_path, backing, maps):
+    """The host bookkeeping (a recency queue) and the device one (a top-k over the slots,
+    here on the CPU) against the list."""
     table = TableConfig("t", 2000, 8)
-    tier = TierConfig("cached", 0.05, "lru", backing, str(tmp_path / "store"))
+    tier = TierConfig("cached", 0.05, "lru", backing, str(tmp_path / "store"), cache_maps=maps)
     collection = CachedEmbeddingBagCollection([table], tiers={"t": tier}, backend="torch")
     cache = collection.caches["t"]
     record_bytes = (8 + 1) * 4  # weight and row-wise Adagrad's state, float32

@@ -7,6 +7,7 @@ tables) with the same model holding every table in GPU memory.
 import json
 
 import pytest
+import test_cache_device_maps as maps_tests
 import test_cached_embedding as cached_tests
 import test_kv_store as kv_tests
 import torch
@@ -24,7 +25,10 @@ from towerrec.train.pipeline import pipelined
 from towerrec.train.step import train_step
 from towerrec.workflows import training as trainer
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 CUDA = torch.device("cuda")
 
 
@@ -146,16 +150,19 @@ def _same_tables_on_host(reference, collection):
 @pytest.mark.parametrize("backing", ["host", "ssd"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("backend", ["torch", "fbgemm"])
-def test_cached_training_on_cuda_equals_gpu_memory_bit_for_bit(tmp_path, backing, policy, backend):
-    """The cache in GPU memory over host or SSD stores: 50 steps with misses and
-    write-backs every step equal the tables held whole in GPU memory, bit for bit."""
+@pytest.mark.parametrize("maps", ["device", "host"])
+def test_cached_training_on_cuda_equals_gpu_memory_bit_for_bit(
+    tmp_path, backing, policy, backend, maps
+):
+    """The cache in GPU memory over host or SSD stores, its bookkeeping on the GPU or the
+    host: 50 steps with misses and write-backs every step equal the tables held whole in
+    GPU memory, bit for bit."""
     if backend == "fbgemm":
         pytest.importorskip("fbgemm_gpu")
     reference = EmbeddingBagCollection(cached_tests.TABLES, backend=backend, seed=3, device=CUDA)
-    collection = cached_tests.cached(tmp_path, backing, policy, backend=backend, c=TierConfig()).to(
-        CUDA
-    )
+    collection = maps_tests.cached(tmp_path, maps, backing, policy, backend).to(CUDA)
     assert set(collection.caches) == {"a", "b"}
+    assert all(c.on_device == (maps == "device") for c in collection.caches.values())
     assert all(w.is_cuda for w in collection._inner.table_weights().values())  # the slots
     misses = {name: 0 for name in collection.caches}
     for step, features in enumerate(cached_tests.batches(50)):
@@ -248,3 +255,52 @@ def test_movielens_cached_on_cuda_equals_gpu_memory(tmp_path):
     assert summaries["cached"]["cache"]  # tables were cached
     for key in ("auc", "logloss", "ne"):
         assert summaries["cached"][key] == summaries["memory"][key], key
+
+
+def test_device_bookkeeping_never_copies_a_batchs_ids_to_the_host(tmp_path, monkeypatch):
+    """With the maps on the GPU, the ids a lookup hands the host are its misses alone
+    (to read the store), and the write-backs its dirty victims: counted at the store."""
+    from towerrec.modules import cached as cached_module
+
+    asked = []
+    on = cached_module._BatchIds.on
+    monkeypatch.setattr(
+        cached_module._BatchIds, "on", lambda self, d: asked.append(d.type) or on(self, d)
+    )
+    collection = maps_tests.cached(tmp_path, "device").to(CUDA)
+    read = {name: 0 for name in collection.caches}
+    for name, cache in collection.caches.items():
+        store_read = cache.store.read
+
+        def counting(ids, name=name, store_read=store_read):
+            assert ids.device.type == "cpu"
+            read[name] += ids.numel()
+            return store_read(ids)
+
+        monkeypatch.setattr(cache.store, "read", counting)
+    for features in cached_tests.batches(20):
+        _train_step(collection, features.to(CUDA))
+    assert asked and set(asked) == {"cuda"}
+    for name, stats in collection.cache_stats().items():
+        assert read[name] == stats.misses == stats.rows_read  # no prefetch here
+
+
+def test_bench_paths_run_on_cuda(tmp_path):
+    """The GPU benchmarks' code at small sizes: the plain peer, the roofline, the link
+    bound and the DMT compute."""
+    from test_bench_device import small_tiers, small_train, tiny_shapes
+
+    from towerrec.bench.dmt_compute import run_dmt_compute
+
+    train = small_train("cuda")
+    assert train["device"] == torch.cuda.get_device_name()
+    assert all(r["roofline_fraction"] > 0 for r in train["precisions"]["fp32"]["results"].values())
+    tiers = small_tiers(tmp_path, "cuda")
+    assert tiers["results"]["host"]["link_bound_samples_per_s"] > 0
+    assert run_dmt_compute(tiny_shapes(), "cuda", repeats=2)["shapes"][0]["fp32"]["parts"]
+
+
+def test_plain_peer_computes_towerrecs_dlrm_on_cuda():
+    from test_bench_device import assert_peer_equals_towerrec
+
+    assert_peer_equals_towerrec(CUDA)

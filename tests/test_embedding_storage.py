@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from towerrec.bench.tiers import zipf_ids
+from towerrec.bench.tiers_data import zipf_ids
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
 from towerrec.sparse import KeyedJaggedTensor

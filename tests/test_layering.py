@@ -12,6 +12,7 @@ SRC = Path(__file__).parent.parent / "src" / "towerrec"
 FORBIDDEN = {
     "sparse.py": ["torch.distributed", "towerrec."],
     "utils.py": ["torch", "towerrec."],
+    "compat.py": ["torch", "towerrec."],
     "memory.py": ["torch", "towerrec."],
     "scaling.py": ["torch", "towerrec."],
     "checksums.py": ["torch", "towerrec."],

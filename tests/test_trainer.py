@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import tomllib
 
@@ -8,6 +9,7 @@ from conftest import run_cli
 from towerrec.config import ConfigError, config_from_dict, config_to_toml, load_config
 from towerrec.data.batch import Batch
 from towerrec.data.synthetic import SyntheticSource
+from towerrec.modules.kernels.base import Backend
 from towerrec.train import loop, session
 from towerrec.train.checkpoint import embedding_optimizer_state_dict
 from towerrec.workflows import training as trainer
@@ -126,7 +128,11 @@ def test_run_directory_contents(tmp_path):
     summary = trainer.train(config, tmp_path)
     for name in ("config.toml", "metrics.jsonl", "summary.json", "curves.png"):
         assert (tmp_path / name).is_file(), name
-    assert config_from_dict(tomllib.loads((tmp_path / "config.toml").read_text())) == config
+    recorded = config_from_dict(tomllib.loads((tmp_path / "config.toml").read_text()))
+    # config.toml holds the run's config with its `auto` kernel resolved (a resume keeps it)
+    assert recorded.embedding.backend is not Backend.AUTO
+    chosen = dataclasses.replace(config.embedding, backend=recorded.embedding.backend)
+    assert recorded == dataclasses.replace(config, embedding=chosen)
     saved = json.loads((tmp_path / "summary.json").read_text())
     for key in (
         "auc",

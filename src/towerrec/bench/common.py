@@ -95,6 +95,7 @@ def time_interleaved(
     steps_per_round: int,
     warmup: int,
     cpu_seconds: dict[str, float] | None = None,
+    sync: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Median seconds per step of each system, timed round-robin.
 
@@ -103,11 +104,15 @@ def time_interleaved(
     tenants, clocks) hits all systems alike instead of whichever ran last.
     ``cpu_seconds``, when given, receives the median CPU seconds of this process
     per step: with one intra-op thread, the compute itself, less sensitive than
-    wall time to other tenants taking the cores away.
+    wall time to other tenants taking the cores away. ``sync`` (an accelerator's
+    ``synchronize``) ends each system's round: its steps are timed to their end on
+    the device, not to their launch.
     """
+    sync = sync or (lambda: None)
     for step in steps.values():
         for i in range(warmup):
             step(i)
+    sync()
     samples: dict[str, list[float]] = {name: [] for name in steps}
     cpu: dict[str, list[float]] = {name: [] for name in steps}
     counter = warmup
@@ -116,6 +121,7 @@ def time_interleaved(
             start, cpu_start = time.perf_counter(), time.process_time()
             for i in range(steps_per_round):
                 step(counter + i)
+            sync()
             samples[name].append((time.perf_counter() - start) / steps_per_round)
             cpu[name].append((time.process_time() - cpu_start) / steps_per_round)
         counter += steps_per_round

@@ -43,10 +43,16 @@ rank's median (and mean) step, the cache counts are summed over the ranks, and
 
 ``--device cuda`` (one process) trains on the GPU: ``device`` holds every table in
 GPU memory, the cached variants hold their slot tables there over the same host or
-SSD stores (the id -> slot maps in host memory, only missing and evicted rows
-crossing to and from the GPU); each step is timed to its end on the GPU
+SSD stores (the id -> slot maps beside them, ``--cache-maps``, so only missing and
+evicted rows cross to and from the GPU); each step is timed to its end on the GPU
 (``torch.cuda.synchronize``), batches are copied to the GPU as the trainer does, and
 ``gpu_peak_mb`` is each variant's peak of GPU memory allocated.
+
+A step's time runs from the end of the one before: its batch's copy and the read ahead of the
+next batch's misses (both in the batch stream) count. Each cached variant is also set against
+its link-limited bound: the in-memory step plus the bytes of its missed rows per step over the
+host -> device link (``link``, measured in the same run; on the CPU a copy within host memory):
+``<variant>/link_bound``.
 
 The variants run one after another (holding every layout at once would need several copies of
 the tables), ``--rounds`` times in turn; each reports its best round (on a shared machine other
@@ -65,7 +71,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -80,12 +85,12 @@ from towerrec.bench.common import (
     peak_rss_mb,
     set_threads,
 )
+from towerrec.bench.device_limits import measure_link
+from towerrec.bench.tiers_data import criteo_rows, mmap_tables, tier_batches
 from towerrec.build.models import build_model
 from towerrec.build.optimizers import build_dense_optimizer
 from towerrec.config import load_config
 from towerrec.data.batch import Batch, DataSchema
-from towerrec.data.criteo_gen import CARDINALITIES
-from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
 from towerrec.distributed.mesh import Topology
@@ -94,7 +99,6 @@ from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, fused_embedding_modules
 from towerrec.modules.interfaces import CachingCollection
 from towerrec.modules.ssd_store import SsdStore
-from towerrec.modules.tables import INIT_BLOCK_ROWS, TableConfig, fill_table_block
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.pipeline import pipelined
 from towerrec.train.step import train_step
@@ -103,18 +107,6 @@ __all__ = ["BENCHMARK", "criteo_rows", "run_tiers_benchmark"]
 
 VARIANTS = ("device", "host", "ssd", "host-sync", "ssd-sync", "kv", "mmap")
 SHARDED_VARIANTS = ("device", "host", "ssd", "host-sync", "ssd-sync")
-
-
-def criteo_rows(gib: float, dim: int, scale_above: int = 100_000) -> list[int]:
-    """The Criteo Kaggle cardinalities with the tables above ``scale_above`` rows scaled so
-    that all tables' weights and row-wise state (``4 (dim + 1)`` bytes a row) are ``gib``."""
-    row_bytes = 4 * (dim + 1)
-    small = sum(c for c in CARDINALITIES if c <= scale_above)
-    large = sum(c for c in CARDINALITIES if c > scale_above)
-    scale = (gib * 2**30 / row_bytes - small) / large
-    if scale <= 0:
-        raise ValueError(f"--gib {gib} is smaller than the small tables alone; raise it")
-    return [c if c <= scale_above else max(1, round(c * scale)) for c in CARDINALITIES]
 
 
 def _overrides(args: argparse.Namespace, rows: list[int], variant: str, path: Path) -> list[str]:
@@ -139,6 +131,7 @@ def _overrides(args: argparse.Namespace, rows: list[int], variant: str, path: Pa
         f"embedding.cache_policy={args.policy}",
         f"embedding.backing={backing}",
         f"embedding.backing_path={path}",
+        f"embedding.cache_maps={args.cache_maps}",
     ]
     if variant == "kv":  # each table's slots as cache_fraction gives the others
         slots = {
@@ -187,7 +180,7 @@ def _run_variant(
     reads_ahead = variant in ("host", "ssd", "kv")
     if variant == "mmap":
         model = build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
-        _mmap_tables(model, path)
+        mmap_tables(model, path)
     elif topology is not None:
         model = build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
         mesh = init_device_mesh("cpu", (topology.hosts, topology.ranks_per_host))
@@ -212,16 +205,17 @@ def _run_variant(
         m for _, m in fused_embedding_modules(model) if isinstance(m, CachingCollection)
     ]
     times, counts, rss = [], None, current_rss_mb()
-    for step, batch in enumerate(stream):
+    last = time.perf_counter()
+    for step, batch in enumerate(stream):  # a step: its batch's arrival (and read ahead) too
         if step == args.warmup:
             counts = _counters(caches)
-        t0 = time.perf_counter()
         train_step(model, optimizer, batch)
         if cuda:
             torch.cuda.synchronize(device)  # the step's end on the GPU
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - last)
         rss = max(rss, current_rss_mb())
+        last = time.perf_counter()
     table_mb = sum(rows) * 4 * (args.dim + 1) / 2**20
     peak = peak_rss_mb()
     out = {
@@ -245,6 +239,9 @@ def _run_variant(
             rows_read=lookups - hits,
             rows_written_back=now[2] - counts[2],
             rows_read_ahead=now[3] - counts[3],
+            bytes_read=now[4] - counts[4],
+            bytes_written=now[5] - counts[5],
+            missed_bytes=now[6] - counts[6],
             cached_tables=sum(len(c.cache_stats()) for c in caches),
         )
         if topology is None:
@@ -299,7 +296,7 @@ def _rank_variants(
     """One rank of ``--nproc``: every variant ``--rounds`` times, on this rank's slices."""
     set_threads(args.threads)
     world, rank = topology.world_size, topology.rank
-    batches, schema = _batches(args, rows)
+    batches, schema = tier_batches(args, rows)
     batches = [_rank_part(b, rank, world) for b in batches]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.rounds):
@@ -327,7 +324,16 @@ def _combine_ranks(args: argparse.Namespace, per_rank: list[dict]) -> dict:
         "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank),
     }
     if "lookups" in per_rank[0]:
-        keys = ("lookups", "rows_read", "rows_written_back", "rows_read_ahead", "cached_tables")
+        keys = (
+            "lookups",
+            "rows_read",
+            "rows_written_back",
+            "rows_read_ahead",
+            "cached_tables",
+            "bytes_read",
+            "bytes_written",
+            "missed_bytes",
+        )
         for key in keys:
             out[key] = sum(r[key] for r in per_rank)
         lookups = out["lookups"]
@@ -336,115 +342,35 @@ def _combine_ranks(args: argparse.Namespace, per_rank: list[dict]) -> dict:
     return out
 
 
-def _mmap_tables(model: torch.nn.Module, path: Path) -> None:
-    """Materialise the model's (unallocated) tables over memory-mapped files in ``path``:
-    the weights written with ``pwrite`` from the tables' init, the states zero."""
-    (_, ebc), *more = fused_embedding_modules(model)
-    if more or not isinstance(ebc, EmbeddingBagCollection):
-        raise ValueError("--variants mmap needs one EmbeddingBagCollection of the tables")
-    path.mkdir(parents=True, exist_ok=True)
-    made: set[str] = set()
-
-    def storage(what: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if what in made:
-            raise ValueError("--variants mmap needs the tables in one kernel (one dim)")
-        made.add(what)
-        file, count = path / f"{what}.f32", math.prod(shape)
-        with open(file, "wb") as f:
-            os.posix_fallocate(f.fileno(), 0, count * 4)  # zeros: the states' init
-        if what == "weight":
-            _write_init(file, ebc.tables, ebc.seed, shape[1])
-        return torch.from_file(str(file), shared=True, size=count).view(shape)
-
-    ebc.materialize(init=False, storage=storage)
-
-
-def _write_init(file: Path, tables: list[TableConfig], seed: int, dim: int) -> None:
-    """The tables' initial weights, one after another, into ``file`` (chunked pwrite)."""
-    block = max(1, (64 << 20) // (4 * dim * INIT_BLOCK_ROWS)) * INIT_BLOCK_ROWS
-    fd, offset = os.open(file, os.O_WRONLY), 0
-    try:
-        for table in tables:
-            for lo in range(0, table.num_embeddings, block):
-                hi = min(table.num_embeddings, lo + block)
-                chunk = fill_table_block(torch.empty(hi - lo, dim), table, seed, (lo, hi))
-                data, done = chunk.numpy().data.cast("B"), 0
-                while done < len(data):
-                    done += os.pwrite(fd, data[done:], offset + done)
-                offset += len(data)
-    finally:
-        os.close(fd)
-
-
-def _batches(args: argparse.Namespace, rows: list[int]) -> tuple[list[Batch], DataSchema]:
-    """The run's batches (warm-up and timed) and their schema.
-
-    ``--ids synthetic``: the synthetic data set's, whose generator holds about 90 bytes
-    for every row of every table while it draws them. ``--ids zipf`` (tables larger
-    than memory): the same source with the large tables cut to ``--min-rows`` rows
-    labels the batches, and the large tables' ids are drawn anew over all their rows:
-    Zipf(``--zipf-alpha``) ranks by the inverse of the continuous power law's CDF,
-    scattered over the table by ``rank * A mod rows`` (A prime to rows); no per-row
-    array is built."""
-    cut = rows if args.ids == "synthetic" else [min(r, args.min_rows) for r in rows]
-    source = SyntheticSource(
-        SyntheticConfig(num_embeddings=tuple(cut), pooling_factors=(), zipf_alpha=args.zipf_alpha)
-    )
-    total = args.warmup + args.steps
-    batches = [
-        source.samples("train", i * args.batch_size, args.batch_size)[0] for i in range(total)
-    ]
-    schema = source.schema
-    del source
-    gc.collect()  # the source's block cache holds a cycle back to it (and its teacher)
-    if cut == rows:
-        return batches, schema
-    schema = replace(
-        schema,
-        sparse=tuple(
-            replace(f, num_embeddings=r) for f, r in zip(schema.sparse, rows, strict=True)
-        ),
-    )
-    gen = torch.Generator().manual_seed(args.seed)
-    for batch in batches:
-        features = batch.sparse
-        values, lengths = features.values().clone(), features.lengths()
-        offsets = features.offsets()
-        size = features.stride()
-        for t, (n, c) in enumerate(zip(rows, cut, strict=True)):
-            if n == c:
-                continue
-            lo, hi = int(offsets[t * size]), int(offsets[(t + 1) * size])
-            values[lo:hi] = zipf_ids(n, hi - lo, args.zipf_alpha, gen)
-        sparse = KeyedJaggedTensor(features.keys(), values, lengths, validate=False)
-        batch.sparse = sparse
-    return batches, schema
-
-
-def zipf_ids(rows: int, count: int, alpha: float, gen: torch.Generator) -> torch.Tensor:
-    """``count`` ids of a table of ``rows``: Zipf(``alpha``) ranks (the continuous power
-    law over ``[1, rows + 1)``, floored) scattered by ``rank * A mod rows``."""
-    u = torch.rand(count, generator=gen, dtype=torch.float64)
-    if alpha == 1.0:
-        x = torch.exp(u * math.log(rows + 1))
-    else:
-        e = 1.0 - alpha
-        x = (1.0 + u * ((rows + 1) ** e - 1.0)) ** (1.0 / e)
-    rank = (x.floor().long() - 1).clamp_(0, rows - 1)
-    step = 2_654_435_761  # a prime: prime to rows unless it divides it
-    while math.gcd(step, rows) != 1:
-        step += 2
-    return (rank * step) % rows
-
-
-def _counters(caches: list[CachingCollection]) -> tuple[int, int, int, int]:
+def _counters(caches: list[CachingCollection]) -> tuple[int, ...]:
     stats = [s for c in caches for s in c.cache_stats().values()]
     return (
         sum(s.lookups for s in stats),
         sum(s.hits for s in stats),
         sum(s.written_back for s in stats),
         sum(s.prefetched for s in stats),
+        sum(s.bytes_read for s in stats),
+        sum(s.bytes_written for s in stats),
+        sum(s.misses * s.record_bytes for s in stats),
     )
+
+
+def link_bounds(args: argparse.Namespace, results: dict, link: dict[str, float]) -> dict:
+    """Each cached variant's link-limited bound: the in-memory step plus the records of its
+    missed rows per step over the host -> device link (``link``, measured); sets
+    ``link_bound_samples_per_s`` on the variant, returns the ratios to it."""
+    device = results.get("device", {}).get("samples_per_s")
+    ratios = {}
+    for name, r in results.items():
+        if not device or "missed_bytes" not in r:
+            continue
+        read = r["missed_bytes"] / args.steps
+        r["missed_bytes_per_step"] = round(read)
+        r["bytes_written_per_step"] = round(r["bytes_written"] / args.steps)
+        bound_s = args.batch_size / device + read / link["h2d_bytes_per_s"]
+        r["link_bound_samples_per_s"] = round(args.batch_size / bound_s, 1)
+        ratios[f"{name}/link_bound"] = round(r["samples_per_s"] * bound_s / args.batch_size, 3)
+    return ratios
 
 
 @keeps_process_threads
@@ -492,7 +418,7 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
                 for i in range(args.rounds):
                     runs[variant].append(_combine_ranks(args, [r[variant][i] for r in per_rank]))
         else:
-            batches, schema = _batches(args, rows)
+            batches, schema = tier_batches(args, rows)
             if device.type == "cuda":
                 batches = [b.pin_memory() for b in batches]  # page-locked, as the loader's
             for _ in range(args.rounds):
@@ -524,6 +450,8 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
         if name in results and f"{name}-sync" in results:
             sync = results[f"{name}-sync"]["samples_per_s"]
             ratios[f"{name}/{name}-sync"] = round(results[name]["samples_per_s"] / sync, 3)
+    link = measure_link(device)
+    ratios.update(link_bounds(args, results, link))
     row_bytes = 4 * (args.dim + 1)
     return {
         "benchmark": "tiers",
@@ -547,6 +475,8 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
         "rounds": args.rounds,
         "nproc": args.nproc,
         "sharding": args.sharding if args.nproc > 1 else None,
+        "cache_maps": args.cache_maps,
+        "link": {k: round(v / 1e9, 3) for k, v in link.items()},  # GB/s
         "results": results,
         "ratios": ratios,
         "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -560,6 +490,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-fraction", type=float, default=0.05)
     parser.add_argument("--min-rows", type=int, default=100_000, help="smaller tables: device")
     parser.add_argument("--policy", default="lru", choices=("lru", "lfu"))
+    parser.add_argument(
+        "--cache-maps",
+        default="auto",
+        choices=("auto", "host", "device"),
+        help="where the caches' id -> slot maps run (embedding.cache_maps)",
+    )
     parser.add_argument("--zipf-alpha", type=float, default=1.1)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument(

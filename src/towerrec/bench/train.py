@@ -19,6 +19,7 @@ import torch
 
 from towerrec.bench.common import (
     Benchmark,
+    comma_list,
     keeps_process_threads,
     machine_info,
     matmul_peak_flops,
@@ -26,6 +27,7 @@ from towerrec.bench.common import (
     set_threads,
     time_interleaved,
 )
+from towerrec.bench.device_train import PRECISIONS, run_device_train_benchmark
 from towerrec.bench.torchrec_ref import (
     quiet_torchrec_logs,
     single_process_group,
@@ -244,9 +246,45 @@ def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add_timing_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda: towerrec's step against a plain PyTorch DLRM and the step's "
+        "roofline (bench/device_train.py)",
+    )
+    parser.add_argument(
+        "--peer",
+        choices=("torchrec", "plain"),
+        default=None,
+        help="the step's peer: TorchRec (the default on the CPU) or a plain PyTorch DLRM "
+        "(the default off it; --device cpu --peer plain runs the GPU comparison's code here)",
+    )
+    parser.add_argument(
+        "--precisions",
+        default=",".join(PRECISIONS),
+        help="--peer plain: comma-separated precisions to time (fp32, bf16)",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds")
 
 
 def _run(args: argparse.Namespace) -> dict:
+    if args.device != "cpu" or args.peer == "plain":
+        if args.peer == "torchrec":
+            raise ValueError(f"--device {args.device} compares with --peer plain, not torchrec")
+        set_threads(args.threads)
+        backends = "auto" if args.backends == "torch,fbgemm" else args.backends
+        return run_device_train_benchmark(
+            args.device,
+            CRITEO_SHAPE,
+            build_tables(CRITEO_SHAPE),
+            make_batches(CRITEO_SHAPE, args.batch_size),
+            steps=args.steps,
+            warmup=args.warmup,
+            rounds=args.rounds,
+            backends=backends,
+            precisions=comma_list(args.precisions),
+            lr=(EMB_LR, DENSE_LR),
+        )
     return run_train_benchmark(
         steps=args.steps,
         warmup=args.warmup,
@@ -254,6 +292,7 @@ def _run(args: argparse.Namespace) -> dict:
         torchrec=not args.no_torchrec,
         batch_size=args.batch_size,
         threads=args.threads,
+        rounds=args.rounds,
     )
 
 

@@ -99,6 +99,10 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
         "analytic step time of flat DLRM vs DMT, 16 to 512 accelerators",
         "towerrec.bench.dmt_scale",
     ),
+    "dmt-compute": BenchmarkEntry(
+        "DMT tower module and flat DLRM step compute at given shapes (for the scale model)",
+        "towerrec.bench.dmt_compute",
+    ),
     "dist": BenchmarkEntry(
         "sharded embedding steps on N CPU processes, per type", "towerrec.bench.dist_train"
     ),

@@ -38,7 +38,7 @@ from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.embedding_bag import IdPolicy
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
-from towerrec.modules.tiers import Backing, CachePolicy, Memory, TableTiers, TierConfig
+from towerrec.modules.tiers import Backing, CacheMaps, CachePolicy, Memory, TableTiers, TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
 from towerrec.utils import at_least, positive
@@ -156,6 +156,9 @@ class EmbeddingConfig:
     backing_path: str = ""  # ssd: directory of the tables' row files
     cache_min_rows: int = 0  # cached: only tables with more rows are cached
     cache_slots: int = 0  # cached: the cache's rows (0: cache_fraction); kv needs it
+    # cached: where the id -> slot maps and victim choice run: auto (device on a GPU, else
+    # host) | host | device (beside the slot tables: only missed and evicted rows cross)
+    cache_maps: CacheMaps = CacheMaps.AUTO
     prefetch: bool = True  # cached: read the next batch's misses while this step computes
     # (sharded runs: under the pipelined input_dist, which this turns on)
     # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*, dim, memory,

@@ -182,6 +182,8 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
                 weight=partial(self._slot_weight, table.name),
                 states=partial(self._slot_states, table.name),
                 sparse_ids=kv,
+                on_device=tier.cache_maps.on_device(self._inner.device.type),
+                device=self._inner.device,
             )
         index = {f: i for i, f in enumerate(self.feature_names)}
         self._cached_features = {
@@ -286,8 +288,8 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         values = apply_id_policy(
             features, self._rows_per_feature.to(features.values().device), self.id_policy
         )
-        if self.caches:  # (a rank may hold only uncached shards: no copy to the host)
-            ids = _HostIds(features, values)
+        if self.caches:
+            ids = _BatchIds(features, values)
             batch = features.stride()
             if not torch.is_grad_enabled() and batch > 1 and not self._fits(ids):
                 # A lookup that trains nothing (evaluation) may be split by samples until
@@ -300,7 +302,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
                     self.embedding_dims,
                     torch.cat([p.values() for p in parts]),
                 )
-            values = self._to_slots(ids).to(values.device)
+            values = self._to_slots(ids)
         slotted = KeyedJaggedTensor(
             features.keys(),
             values,
@@ -328,7 +330,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         values = apply_id_policy(
             features, self._rows_per_feature.to(features.values().device), self.id_policy
         )
-        ids = _HostIds(features, values)
+        ids = _BatchIds(features, values)
         for name, cache in self.caches.items():
             cache.prefetch(key, self._table_ids(name, ids)[0], self._prefetcher)
         return key
@@ -337,27 +339,28 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         """The next forward's batch is the one prefetched under ``key``."""
         self._next_key = key
 
-    def _table_ids(self, name: str, ids: _HostIds) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """The ids of cached table ``name`` (int64, host memory) and their spans in
-        ``ids.values``."""
+    def _table_ids(self, name: str, ids: _BatchIds) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The ids of cached table ``name`` (int64, where its cache's bookkeeping runs) and
+        their spans in ``ids.values``."""
         spans = [ids.span(f) for f in self._cached_features[name]]
-        return torch.cat([ids.values[lo:hi] for lo, hi in spans]).long(), spans
+        values = ids.on(self.caches[name].device)
+        return torch.cat([values[lo:hi] for lo, hi in spans]).long(), spans
 
-    def _fits(self, ids: _HostIds) -> bool:
+    def _fits(self, ids: _BatchIds) -> bool:
         return all(
             self._table_ids(name, ids)[0].unique().numel() <= cache.cache_rows
             for name, cache in self.caches.items()
         )
 
-    def _to_slots(self, ids: _HostIds) -> torch.Tensor:
-        """The batch's ids (host memory) with each cached table's replaced by their cache
-        slots."""
+    def _to_slots(self, ids: _BatchIds) -> torch.Tensor:
+        """The batch's ids with each cached table's replaced by their cache slots (on the
+        device of the ids, which host-bookkept caches' slots are copied to)."""
         training = torch.is_grad_enabled()
         key, self._next_key = self._next_key, None
         out = ids.values.clone()
         for name, cache in self.caches.items():
             table_ids, spans = self._table_ids(name, ids)
-            slots = cache.slots(table_ids, training, key).to(out.dtype)
+            slots = cache.slots(table_ids, training, key).to(out.device, out.dtype)
             start = 0
             for lo, hi in spans:
                 out[lo:hi] = slots[start : start + hi - lo]
@@ -466,7 +469,10 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         self.flush()
-        self._inner._apply(fn, recurse)  # the slot tables move; maps and stores stay
+        self._inner._apply(fn, recurse)  # the slot tables move, the stores stay
+        device = self._inner.device
+        for name, cache in self.caches.items():  # the maps go where tier.cache_maps says
+            cache.place(self.placements[name].tier.cache_maps.on_device(device.type), device)
         return super()._apply(fn, recurse)  # type: ignore[no-untyped-call,no-any-return]  # torch leaves Module._apply untyped
 
     def extra_repr(self) -> str:
@@ -474,19 +480,26 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         return f"{self._inner.extra_repr()}, cached=[{cached}]"
 
 
-class _HostIds:
-    """A batch's (policy-applied) ids and offsets in host memory, where the caches' maps
-    live: one copy each from an accelerator per lookup, not one per table or feature."""
+class _BatchIds:
+    """A batch's (policy-applied) ids where they are, and each feature's span (the counts
+    per feature: one small copy from an accelerator). Caches whose bookkeeping runs in
+    host memory share one host copy of the ids per lookup; the others take them where
+    they are, so a batch's ids never leave the GPU for them."""
 
     def __init__(self, features: KeyedJaggedTensor, values: torch.Tensor) -> None:
-        self.values = values.cpu()
-        self.offsets = features.offsets().cpu()
-        self.batch = features.stride()
+        self.values = values
+        self.offsets = features.offset_per_key()
+        self._copies: dict[torch.device, torch.Tensor] = {values.device: values}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The ids on ``device`` (copied once)."""
+        if device not in self._copies:
+            self._copies[device] = self.values.to(device)
+        return self._copies[device]
 
     def span(self, feature: int) -> tuple[int, int]:
         """``[lo, hi)`` of feature number ``feature``'s ids in ``values``."""
-        b = self.batch
-        return int(self.offsets[feature * b]), int(self.offsets[(feature + 1) * b])
+        return self.offsets[feature], self.offsets[feature + 1]
 
 
 def build_store(

@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.tables import TableConfig
-from towerrec.modules.tiers import Backing, CachePolicy, Memory, TierConfig
+from towerrec.modules.tiers import Backing, CacheMaps, CachePolicy, Memory, TierConfig
 from towerrec.utils import above, at_least, parse_enum
 
 __all__ = ["Combine", "CompactConfig", "EmbeddingKind", "TableStorageConfig"]
@@ -58,6 +58,7 @@ class TableStorageConfig:
     backing: Backing | None = None
     backing_path: str | None = None
     cache_slots: int | None = None
+    cache_maps: CacheMaps | None = None
 
     def __post_init__(self) -> None:
         at_least("dim", self.dim, 1, hint="a table's stored width")
@@ -71,7 +72,12 @@ class TableStorageConfig:
             object.__setattr__(
                 self, "qr_scheme", parse_enum(PartitionScheme, self.qr_scheme, "qr_scheme")
             )
-        for name, cls in (("memory", Memory), ("cache_policy", CachePolicy), ("backing", Backing)):
+        for name, cls in (
+            ("memory", Memory),
+            ("cache_policy", CachePolicy),
+            ("backing", Backing),
+            ("cache_maps", CacheMaps),
+        ):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, parse_enum(cls, value, name))
@@ -110,6 +116,7 @@ _TIER_FIELDS = (
     "backing",
     "backing_path",
     "cache_slots",
+    "cache_maps",
 )
 
 

@@ -6,16 +6,29 @@ A row's record (weight, then each per-row optimizer state, ``tier_store.RowLayou
 moves between store and slot as an exact float32 copy. Victims are slots the current
 lookup does not use: empty ones first, then the least recently used (``lru``) or the
 least often used since fetched (``lfu``, ties by recency). A prefetched row that was
-written back after its read began is read again (its copy would be stale).
+written back after its read began is read again (its copy would be stale). Slots empty
+only all at once (``invalidate``), so the empty ones are the slots ``[filled, cache_rows)``.
 
-LRU victims come from a recency queue (``RecencyQueue``) in time order, so a lookup's
-eviction costs in proportion to its batch, not to the cache's size; LFU's counts are
-ranked with a top-k over the slots. Slots empty only all at once (``invalidate``), so
-the empty ones are the slots ``[filled, cache_rows)``.
+The bookkeeping (maps, usage, dirty bits, victim choice; ``cache_maps.py``) runs in one
+of two places (``CacheMaps``, ``modules/tiers.py``)::
 
-The id -> slot map is a dense array of one int32 a row (``DenseSlotMap``) for tables of
-dense id ranges, and sorted keys searched with ``searchsorted`` (``SortedSlotMap``,
-memory a function of the cache's size) for kv tables, whose ids span up to 2**63.
+    host     maps in host memory; a lookup's ids come to the host. LRU victims come
+             from a recency queue in time order (a lookup's eviction costs in
+             proportion to its batch, not to the cache's size); LFU's counts are
+             ranked with a top-k over the slots.
+    device   maps beside the slot tables (the GPU's memory): ids, unique, misses,
+             victims (a top-k over the slots for both policies) and the slot updates
+             are tensor operations there; only the missed ids and rows (store -> slot)
+             and the evicted dirty ones (slot -> store) cross the link. A read ahead
+             (``prefetch``) reads the store in a background thread and copies its
+             rows up on a side stream while the current step computes; on the CPU
+             the same code runs synchronously.
+
+Both choose the same victims, so their hits, misses and write-backs are equal (LFU up to
+its ties). The id -> slot map is a dense array of one int32 a row (``DenseSlotMap``) for
+tables of dense id ranges, and sorted keys searched with ``searchsorted``
+(``SortedSlotMap``, memory a function of the cache's size) for kv tables, whose ids span
+up to 2**63.
 """
 
 from __future__ import annotations
@@ -26,13 +39,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from towerrec.modules.cache_maps import DenseSlotMap, RecencyQueue, SortedSlotMap, lowest_slots
 from towerrec.modules.tables import TableConfig
 from towerrec.modules.tier_store import BackingStore
 from towerrec.modules.tiers import CachePolicy
 
-__all__ = ["CacheStats", "DenseSlotMap", "RecencyQueue", "SortedSlotMap", "TableCache"]
+__all__ = ["CacheStats", "TableCache"]
 
-_PROTECTED = torch.iinfo(torch.int64).max
+CPU = torch.device("cpu")
 
 
 class CacheStats:
@@ -113,118 +127,14 @@ class CacheStats:
         }
 
 
-class DenseSlotMap:
-    """id -> slot of a table of ``rows`` dense ids: an int32 array, -1 where not cached."""
-
-    def __init__(self, rows: int) -> None:
-        self._slot = torch.full((rows,), -1, dtype=torch.int32)
-
-    def get(self, ids: torch.Tensor) -> torch.Tensor:
-        """Slots (int64) of ``ids``, -1 for ids not cached."""
-        return self._slot[ids].long()
-
-    def set(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        self._slot[ids] = slots.to(torch.int32)
-
-    def remove(self, ids: torch.Tensor) -> None:
-        self._slot[ids] = -1
-
-    def clear(self) -> None:
-        self._slot.fill_(-1)
-
-
-class SortedSlotMap:
-    """id -> slot for sparse 64-bit ids: the cached ids sorted, with their slots; a
-    lookup is a ``searchsorted``, an update a merge (memory: two int64 a cached row)."""
-
-    def __init__(self) -> None:
-        self._keys = torch.empty(0, dtype=torch.int64)
-        self._slots = torch.empty(0, dtype=torch.int64)
-
-    def get(self, ids: torch.Tensor) -> torch.Tensor:
-        if not self._keys.numel():
-            return torch.full(ids.shape, -1, dtype=torch.int64)
-        at = torch.searchsorted(self._keys, ids).clamp_(max=self._keys.numel() - 1)
-        found = self._keys[at] == ids
-        return torch.where(found, self._slots[at], -1)
-
-    def set(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        keys = torch.cat([self._keys, ids])
-        order = torch.argsort(keys)
-        self._keys = keys[order]
-        self._slots = torch.cat([self._slots, slots.long()])[order]
-
-    def remove(self, ids: torch.Tensor) -> None:
-        keep = ~torch.isin(self._keys, ids)
-        self._keys, self._slots = self._keys[keep], self._slots[keep]
-
-    def clear(self) -> None:
-        self._keys = torch.empty(0, dtype=torch.int64)
-        self._slots = torch.empty(0, dtype=torch.int64)
-
-
-class RecencyQueue:
-    """Slots in the order of their uses: each use appends ``(slot, stamp)``; an entry whose
-    stamp is no longer its slot's last use is stale and skipped. ``oldest`` takes the
-    least recently used slots from the front in order, so a cache's LRU victims cost in
-    proportion to the slots taken and skipped, not to the cache's size. The buffer is
-    compacted (stale entries dropped) when it fills."""
-
-    def __init__(self, capacity: int) -> None:
-        self._slots = torch.empty(max(capacity, 1024), dtype=torch.int64)
-        self._stamps = torch.empty_like(self._slots)
-        self._head = self._tail = 0
-
-    def clear(self) -> None:
-        self._head = self._tail = 0
-
-    def push(self, slots: torch.Tensor, stamps: torch.Tensor, last_used: torch.Tensor) -> None:
-        """Append uses of ``slots`` at ``stamps`` (ascending, after every stamp queued)."""
-        n = slots.numel()
-        if self._tail + n > self._slots.numel():
-            self._compact(last_used, n)
-        self._slots[self._tail : self._tail + n] = slots
-        self._stamps[self._tail : self._tail + n] = stamps
-        self._tail += n
-
-    def oldest(self, count: int, last_used: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
-        """The ``count`` least recently used slots that ``protected`` (a mask over the
-        slots) leaves out, oldest first; they and the entries passed leave the queue."""
-        taken: list[torch.Tensor] = []
-        need = count
-        while need > 0:
-            if self._head >= self._tail:
-                raise AssertionError("recency queue ran out of slots")  # callers check room
-            end = min(self._tail, self._head + max(2 * need, 1024))
-            slots = self._slots[self._head : end]
-            usable = (last_used[slots] == self._stamps[self._head : end]) & ~protected[slots]
-            at = torch.nonzero(usable).flatten()[:need]
-            taken.append(slots[at])
-            need -= at.numel()
-            self._head = self._head + int(at[-1]) + 1 if need == 0 else end
-        return torch.cat(taken)
-
-    def _compact(self, last_used: torch.Tensor, room: int) -> None:
-        slots = self._slots[self._head : self._tail]
-        stamps = self._stamps[self._head : self._tail]
-        live = last_used[slots] == stamps
-        slots, stamps = slots[live], stamps[live]
-        kept = slots.numel()
-        if kept + room > self._slots.numel():
-            size = 2 * (kept + room)
-            self._slots = torch.empty(size, dtype=torch.int64)
-            self._stamps = torch.empty_like(self._slots)
-        self._slots[:kept] = slots
-        self._stamps[:kept] = stamps
-        self._head, self._tail = 0, kept
-
-
 class TableCache:
     """The id -> slot map of one cached table, its usage for the policy and dirty bits.
 
     ``weight`` and ``states`` give the slot table's current views inside the kernel
     (``[C, D]``, ``{name: [C] or [C, w]}``; asked for each time: a device move
-    rebuilds the kernels).
+    rebuilds the kernels). ``on_device``: the bookkeeping runs on ``device``, beside the
+    slot tables (module doc), and lookups pass their ids there; else in host memory,
+    with ids on the CPU.
     """
 
     def __init__(
@@ -236,6 +146,9 @@ class TableCache:
         weight: Callable[[], torch.Tensor],
         states: Callable[[], dict[str, torch.Tensor]],
         sparse_ids: bool = False,
+        *,
+        on_device: bool = False,
+        device: torch.device = CPU,
     ) -> None:
         self.table = table
         self.cache_rows = cache_rows
@@ -249,12 +162,34 @@ class TableCache:
         self.dirty = torch.zeros(cache_rows, dtype=torch.bool)
         self.last_used = torch.zeros(cache_rows, dtype=torch.int64)
         self.uses = torch.zeros(cache_rows, dtype=torch.int64)
-        self.recency = RecencyQueue(2 * cache_rows if policy is CachePolicy.LRU else 0)
+        self.on_device, self.device = False, CPU
+        self.recency: RecencyQueue | None = None
+        self._protected = torch.zeros(0, dtype=torch.bool)
         self.filled = 0  # slots [0, filled) hold rows; the others are empty
-        self._protected = torch.zeros(cache_rows, dtype=torch.bool)
         self.clock = 0
         self.stats = CacheStats(store.layout.record_width * 4)
         self._pending: dict[int, _Prefetch] = {}
+        self._stream: torch.cuda.Stream | None = None
+        self.place(on_device, device)
+
+    def place(self, on_device: bool, device: torch.device) -> None:
+        """Run the bookkeeping beside slot tables on ``device`` (``on_device``), or in
+        host memory; the cached rows stay (the slot tables moved with them). Reads
+        ahead in flight are waited for and dropped."""
+        self._drop_pending()
+        target = torch.device(device) if on_device else CPU
+        self.slot_of.to(target)
+        for name in ("id_of", "dirty", "last_used", "uses"):
+            setattr(self, name, getattr(self, name).to(target))
+        self._stream = None
+        if on_device or self.policy is not CachePolicy.LRU:
+            self.recency, self._protected = None, torch.zeros(0, dtype=torch.bool)
+        elif self.recency is None:  # the host's LRU queue, from the slots' last uses
+            self.recency = RecencyQueue(2 * self.cache_rows)
+            self._protected = torch.zeros(self.cache_rows, dtype=torch.bool)
+            order = torch.argsort(self.last_used[: self.filled])
+            self.recency.push(order, self.last_used[order], self.last_used)
+        self.on_device, self.device = on_device, target
 
     # --------------------------------------------------------------- prefetch
     def prefetch(self, key: int, ids: torch.Tensor, executor: ThreadPoolExecutor) -> None:
@@ -263,35 +198,57 @@ class TableCache:
         unique = torch.unique(ids)
         missing = unique[self.slot_of.get(unique) < 0]
         self.stats.read(missing.numel())
-        self._pending[key] = _Prefetch(missing, executor.submit(self.store.read, missing))
+        self._pending[key] = _Prefetch(missing, self._read_ahead(missing, executor))
+
+    def _read_ahead(self, ids: torch.Tensor, executor: ThreadPoolExecutor) -> Future[torch.Tensor]:
+        """The records of ``ids``, on the bookkeeping's device, to come: read in
+        ``executor``'s thread, and on a GPU copied up on a side stream there."""
+        if not self.on_device:
+            return executor.submit(self.store.read, ids)
+        if self.device.type == "cpu":  # the same path, synchronously
+            done: Future[torch.Tensor] = Future()
+            done.set_result(self.store.read(ids))
+            return done
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return executor.submit(_read_to_device, self.store, ids.cpu(), self._stream)
 
     def _take_prefetched(
         self, key: int | None, missing: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(mask over missing, their records)`` of the rows prefetched under ``key`` that
-        no write-back touched since (a written row's prefetched copy is stale)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """``(mask over missing, their records, how many)`` of the rows prefetched under
+        ``key`` that no write-back touched since (a written row's prefetched copy is
+        stale)."""
         pending = self._pending.pop(key, None) if key is not None else None
         if pending is None:
             return None
         records = pending.records.result()
+        if records.is_cuda:  # copied on a side stream, used on this one
+            records.record_stream(torch.cuda.current_stream(records.device))
         usable = pending.ids
         if pending.written:
             usable = usable[~torch.isin(usable, torch.cat(pending.written))]
         found = torch.isin(missing, usable)
-        if not bool(found.any()):
+        count = int(found.sum())
+        if not count:
             return None
         at = torch.searchsorted(pending.ids, missing[found])  # both sorted (unique)
-        return found, records.index_select(0, at)
+        return found, records.index_select(0, at), count
 
     def _written(self, ids: torch.Tensor) -> None:
         for pending in self._pending.values():
             pending.written.append(ids)
 
+    def _drop_pending(self) -> None:
+        for pending in self._pending.values():
+            pending.records.result()  # no read left running (over a store rewritten next)
+        self._pending.clear()
+
     # ----------------------------------------------------------------- lookup
     @torch.no_grad()
     def slots(self, ids: torch.Tensor, training: bool, key: int | None = None) -> torch.Tensor:
-        """The slots of ``ids`` (any shape, CPU int64), fetching the rows that miss (those
-        prefetched under ``key`` from the prefetch)."""
+        """The slots of ``ids`` (any shape, int64 on the bookkeeping's device), fetching
+        the rows that miss (those prefetched under ``key`` from the prefetch)."""
         unique, inverse = torch.unique(ids, return_inverse=True)
         if unique.numel() > self.cache_rows:
             need = unique.numel() / self.table.num_embeddings
@@ -306,19 +263,20 @@ class TableCache:
         miss = slot < 0
         missing = unique[miss]
         if missing.numel():
-            victims = self._victims(missing.numel(), slot[~miss])
-            self._evict(victims)
+            victims, empty = self._victims(missing.numel(), slot[~miss])
+            self._evict(victims[empty:])  # the first ``empty`` held no row
             records = self._read(missing, key)
             self._fill(victims, missing, records)
+            self.filled += empty  # the empty slots are taken in order
             slot[miss] = victims
         elif key is not None:
             self._pending.pop(key, None)
         self.clock += 1
         # Recency: the lookup's clock, then its rows in id order (no ties: ``_victims``
         # picks the same rows as an LRU list updated in that order).
-        stamps = (self.clock << 32) + torch.arange(slot.numel())
+        stamps = (self.clock << 32) + torch.arange(slot.numel(), device=slot.device)
         self.last_used[slot] = stamps
-        if self.policy is CachePolicy.LRU:
+        if self.recency is not None:
             self.recency.push(slot, stamps, self.last_used)
         self.uses[slot] += 1
         if training:
@@ -330,60 +288,65 @@ class TableCache:
             self.stats.train_hits += unique.numel() - missing.numel()
         return slot[inverse]
 
-    def _victims(self, count: int, keep: torch.Tensor) -> torch.Tensor:
-        """``count`` slots to reuse: empty ones first, then by the policy, never ``keep``."""
+    def _victims(self, count: int, keep: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``count`` slots to reuse: empty ones first, then by the policy, never ``keep``;
+        and how many of them were empty."""
         empty = min(count, self.cache_rows - self.filled)
-        out = torch.arange(self.filled, self.filled + empty)  # ``_fill`` moves ``filled``
+        out = torch.arange(self.filled, self.filled + empty, device=self.device)
         if empty == count:
-            return out
-        if self.policy is CachePolicy.LRU:
+            return out, empty
+        if self.recency is not None:  # LRU on the host: the queue's front
             self._protected[keep] = True
             try:
                 used = self.recency.oldest(count - empty, self.last_used, self._protected)
             finally:
                 self._protected[keep] = False
-        else:
-            key = (self.uses << 32) + (self.last_used >> 32)
-            key[keep] = _PROTECTED
-            key[out] = _PROTECTED  # the empty slots just taken
-            used = torch.topk(key, count - empty, largest=False, sorted=False).indices
-        return torch.cat([out, used])
+        else:  # LRU on a device, LFU: the smallest keys (the empty slots all taken)
+            key = self.last_used
+            if self.policy is CachePolicy.LFU:
+                key = (self.uses << 32) + (self.last_used >> 32)
+            used = lowest_slots(key, count - empty, keep, out)
+        return torch.cat([out, used]), empty
 
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """Records ``[n, W]`` (store layout) of the rows in ``slots``."""
+        """Records ``[n, W]`` (store layout, host memory) of the rows in ``slots``."""
         weight, states = self._weight(), self._states()
-        device = weight.device
-        at = slots.to(device)
+        at = slots.to(weight.device)
         parts = [weight.index_select(0, at)]
         for name, _ in self.store.layout.states:
             state = states[name].index_select(0, at)
             parts.append(state.unsqueeze(1) if state.dim() == 1 else state)
         return torch.cat(parts, dim=1).cpu()
 
+    def _read_now(self, ids: torch.Tensor) -> torch.Tensor:
+        """Records of ``ids`` read from the store now, on the bookkeeping's device."""
+        return self.store.read(ids.cpu()).to(self.device)
+
     def _read(self, missing: torch.Tensor, key: int | None) -> torch.Tensor:
         """Records of the ``missing`` rows: prefetched ones, the others read now."""
         prefetched = self._take_prefetched(key, missing)
         if prefetched is None:
             self.stats.read(missing.numel())
-            return self.store.read(missing)
-        found, records = prefetched
-        self.stats.prefetched += int(found.sum())
-        out = torch.empty(missing.numel(), self.store.layout.record_width)
+            return self._read_now(missing)
+        found, records, count = prefetched
+        self.stats.prefetched += count
+        out = torch.empty(missing.numel(), self.store.layout.record_width, device=self.device)
         out[found] = records
-        if not bool(found.all()):
-            self.stats.read(int((~found).sum()))
-            out[~found] = self.store.read(missing[~found])
+        if count < missing.numel():
+            self.stats.read(missing.numel() - count)
+            out[~found] = self._read_now(missing[~found])
         return out
 
     def _evict(self, slots: torch.Tensor) -> None:
+        """Empty ``slots`` (each holds a row), writing the dirty ones back."""
         ids = self.id_of[slots]
-        write = (ids >= 0) & self.dirty[slots]
-        if bool(write.any()):
-            self._written(ids[write])
-            self.store.write(ids[write], self._gather(slots[write]))
-            self.stats.written(int(write.sum()))
-        occupied = ids >= 0
-        self.slot_of.remove(ids[occupied])
+        write = self.dirty[slots]
+        written = ids[write]
+        if written.numel():
+            self._written(written)
+            self.store.write(written.cpu(), self._gather(slots[write]))
+            self.stats.written(written.numel())
+        self.slot_of.remove(ids)
 
     def _fill(self, slots: torch.Tensor, ids: torch.Tensor, records: torch.Tensor) -> None:
         weight, states = self._weight(), self._states()
@@ -396,7 +359,6 @@ class TableCache:
             states[name].index_copy_(0, at, value)
         self.slot_of.set(ids, slots)
         self.id_of[slots] = ids
-        self.filled = max(self.filled, int(slots.max()) + 1)  # empty slots are taken in order
         self.dirty[slots] = False
         self.uses[slots] = 0
 
@@ -406,24 +368,36 @@ class TableCache:
         """Write every dirty row back to the store (rows stay cached, now clean)."""
         slots = torch.nonzero(self.dirty & (self.id_of >= 0)).flatten()
         if slots.numel():
-            self._written(self.id_of[slots])
-            self.store.write(self.id_of[slots], self._gather(slots))
+            ids = self.id_of[slots]
+            self._written(ids)
+            self.store.write(ids.cpu(), self._gather(slots))
             self.stats.written(slots.numel())
         self.dirty.zero_()
         self.store.flush()
 
     def invalidate(self) -> None:
         """Forget every cached row without writing it back (the store was rewritten)."""
-        for pending in self._pending.values():
-            pending.records.result()  # no read left running over the rewritten store
-        self._pending.clear()
+        self._drop_pending()
         self.slot_of.clear()
         self.id_of.fill_(-1)
         self.dirty.zero_()
         self.last_used.zero_()
         self.uses.zero_()
-        self.recency.clear()
+        if self.recency is not None:
+            self.recency.clear()
         self.filled = 0
+
+
+def _read_to_device(
+    store: BackingStore, ids: torch.Tensor, stream: torch.cuda.Stream
+) -> torch.Tensor:
+    """A background read: ``ids``' records from ``store``, copied to ``stream``'s device
+    from page-locked memory on ``stream`` (the step's stream runs on meanwhile)."""
+    records = store.read(ids).pin_memory()
+    with torch.cuda.stream(stream):
+        out = records.to(stream.device, non_blocking=True)
+    stream.synchronize()  # this thread waits; the copy is complete before it is used
+    return out
 
 
 @dataclass

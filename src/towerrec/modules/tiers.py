@@ -40,7 +40,15 @@ from enum import StrEnum
 from towerrec.modules.tables import TableConfig
 from towerrec.utils import at_least, parse_enum
 
-__all__ = ["Backing", "CachePolicy", "Memory", "TablePlacement", "TableTiers", "TierConfig"]
+__all__ = [
+    "Backing",
+    "CacheMaps",
+    "CachePolicy",
+    "Memory",
+    "TablePlacement",
+    "TableTiers",
+    "TierConfig",
+]
 
 
 class Memory(StrEnum):
@@ -51,6 +59,18 @@ class Memory(StrEnum):
 class CachePolicy(StrEnum):
     LRU = "lru"  # evict the row used longest ago
     LFU = "lfu"  # evict the row used least often since it was fetched (ties: LRU)
+
+
+class CacheMaps(StrEnum):
+    """Where a cache's id -> slot maps, usage counts and victim choice live and run."""
+
+    AUTO = "auto"  # device when the slot tables are on an accelerator, else host
+    HOST = "host"  # host memory: a lookup copies its batch's ids to the host
+    DEVICE = "device"  # beside the slot tables: only missed and evicted rows cross
+
+    def on_device(self, device_type: str) -> bool:
+        """Whether the bookkeeping runs beside slot tables on a ``device_type`` device."""
+        return self is CacheMaps.DEVICE or (self is CacheMaps.AUTO and device_type != "cpu")
 
 
 class Backing(StrEnum):
@@ -72,9 +92,13 @@ class TierConfig:
     backing_path: str = ""  # ssd, kv: directory of the tables' stores
     cache_min_rows: int = 0  # cached: only tables with more rows are cached
     cache_slots: int = 0  # cached: the cache's rows (0: cache_fraction); kv needs it
+    cache_maps: CacheMaps = CacheMaps.AUTO  # cached: where the id -> slot maps live
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory", parse_enum(Memory, self.memory, "embedding.memory"))
+        object.__setattr__(
+            self, "cache_maps", parse_enum(CacheMaps, self.cache_maps, "embedding.cache_maps")
+        )
         object.__setattr__(
             self,
             "cache_policy",

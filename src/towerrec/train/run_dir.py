@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -82,10 +83,15 @@ class RunDir:
         self.resume_changes(config)
         return config
 
-    def resume_changes(self, config: Config) -> dict[str, dict[str, Any]]:
+    def resume_changes(
+        self, config: Config, saved_as: Callable[[Config], Config] | None = None
+    ) -> dict[str, dict[str, Any]]:
         """The settings ``config`` changes of the run's saved config.toml (only
-        ``RESUME_SAFE_KEYS`` may change; ``ConfigError`` names any other)."""
-        return resume_changes(self._saved_config(), config)
+        ``RESUME_SAFE_KEYS`` may change; ``ConfigError`` names any other). ``saved_as``
+        maps the saved config first (e.g. an ``auto`` setting a run written before
+        choices were recorded holds, read as the value this resume chose)."""
+        saved = self._saved_config()
+        return resume_changes(saved_as(saved) if saved_as else saved, config)
 
     def _saved_config(self) -> Config:
         if not self.config_path.is_file():

@@ -167,7 +167,14 @@ def set_up(
     assert steps is not None  # resolved
     eval_every = resolve_eval_every(config, source)
     stopper = EarlyStopping.from_config(config)
-    changed = run.resume_changes(config) if resume else {}
+    # a config.toml holding `auto` (written before runs recorded their choice, or by
+    # hand) agrees with whatever this resume chose
+    chosen = config
+    changed = (
+        run.resume_changes(config, lambda saved: with_recorded_choices(saved, chosen))
+        if resume
+        else {}
+    )
     if ctx.is_main:
         run.start(config, resume=resume)
     ctx.barrier()

@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import torch
 
+from towerrec.compat import fbgemm_weight_decay_mode
 from towerrec.modules.kernels.backend import FBGEMM_OPTIMIZERS, resolve_backend
 from towerrec.modules.kernels.base import (
     Backend,
@@ -44,7 +45,8 @@ class FbgemmKernel(EmbeddingKernel):
             ComputeDevice,
             SplitTableBatchedEmbeddingBagsCodegen,
         )
-        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode as FbgemmDecay
+
+        FbgemmDecay = fbgemm_weight_decay_mode()
 
         if self.device.type == "cuda":
             location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
