@@ -147,14 +147,18 @@ def test_criteo_without_split_options_holds_out_eval_rows_and_its_command_trains
     assert "no split option given: holding out a seeded 10% of the rows" in result.stdout
     rows = json.loads(towerrec_in(tmp_path, "data", "info", "my cache").stdout)["rows"]
     assert 9000 < rows["validation"] < 11000 and rows["train"] + rows["validation"] == 100_000
-    # The printed command, as printed: the default run on real data is one epoch.
+    # The printed command, as printed: the default run on small real data trains until
+    # validation stops improving (at most 20 epochs), validating every epoch.
     result = towerrec_in(tmp_path, *printed_train_command(result.stdout))
     assert result.returncode == 0, result.stderr[-3000:]
-    steps = -(-rows["train"] // 2048)
-    assert f"train.steps = {steps}: 1 epoch(s) of {rows['train']:,} training rows" in result.stderr
+    epoch, cap = -(-rows["train"] // 2048), -(-20 * rows["train"] // 2048)
+    assert f"train.steps = {cap}: 20 epoch(s) of {rows['train']:,} training rows" in result.stderr
+    assert "up to 20 epochs, until validation stops improving" in result.stderr
     (run,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == steps and summary["eval_samples"] == rows["validation"]
+    assert summary["eval_every"] == epoch and summary["eval_samples"] == rows["validation"]
+    assert summary["best_step"] % epoch == 0 or summary["best_step"] == cap
+    assert summary["weights_step"] == summary["best_step"]  # the best weights are kept
     assert summary["ne"] < 1  # better than predicting the click rate
     assert "normalized entropy" not in result.stderr
 

@@ -236,6 +236,23 @@ def test_a_planted_prior_is_recovered_by_a_trained_classifier():
     assert estimate.prior == pytest.approx(true_prior, abs=0.06)
 
 
+def test_the_estimator_fits_one_pass_per_fold_when_the_run_would_converge(monkeypatch):
+    """Unset train.steps and train.epochs make a run on real data train to convergence
+    with early stopping; the folds' fits have none, so each trains one pass."""
+    from towerrec.workflows.pu import prior
+
+    fitted = []
+    monkeypatch.setattr(
+        prior, "fit_steps", lambda model, opt, config, b, steps, d: fitted.append(steps)
+    )
+    store, _ = _planted_store(8_000, seed=0)
+    config = load_config(
+        None, ["data.source=movielens", "train.batch_size=1000", "train.threads=1"]
+    )
+    estimate_class_prior(config, folds=2, source=ColumnSource(store))
+    assert fitted == [6, 6]  # one pass over the 6,000 training rows at 1,000 a step, not 20
+
+
 @pytest.mark.parametrize(
     "labels, message",
     [

@@ -3,7 +3,8 @@
 A distributed run builds its collection with ``materialize=False`` and each rank
 allocates and fills only its own shards; the result must be bit-identical to
 copying the shards out of a fully built collection (the golden tests' path), for
-every sharding type, both poolings and both kernel backends, and train the same.
+every sharding type, both poolings, both kernel backends and every init rule (a scale
+from the rows or from ``init_scale``), and train the same.
 """
 
 import pytest
@@ -27,6 +28,8 @@ TABLES = [
     TableConfig("mean", 30, 16, feature_names=("m1", "m2"), pooling="mean"),
     TableConfig("normal", 50, 32, pooling="mean", init="normal"),
     TableConfig("small", 37, 16),
+    TableConfig("fixed", 45, 16, init="uniform", init_scale=0.05),  # embedding.init_scale
+    TableConfig("scaled", 60, 16, init="normal", init_scale=0.01),
 ]
 FEATURES = [f for t in TABLES for f in t.feature_names]
 ROWS = {f: t.num_embeddings for t in TABLES for f in t.feature_names}

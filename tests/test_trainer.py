@@ -246,31 +246,36 @@ class _Rows:
 
 
 def test_steps_are_resolved_from_the_source_unless_set():
-    from towerrec.build.resolve import resolve_steps
+    from towerrec.build.resolve import CONVERGE_MAX_ROWS, resolve_steps
 
     real = ["data.source=criteo", "data.path=cache", "train.batch_size=1000"]
     assert resolve_steps(load_config(), None)[0] == 2500  # synthetic: the fixed default
     explicit = load_config(None, ["train.steps=7"])
     assert resolve_steps(explicit, None) == (7, "as train.steps sets it")
+    # Small real data: a cap of 20 epochs, which early stopping ends.
     steps, why = resolve_steps(load_config(None, real), _Rows(10_001))
-    assert steps == 11 and "one epoch on real data" in why  # rounded up to whole steps
-    assert resolve_steps(load_config(None, real), _Rows(10_000))[0] == 10
+    assert steps == 201 and "up to 20 epochs, until validation stops improving" in why
+    # Beyond CONVERGE_MAX_ROWS training rows: one pass, rounded up to whole steps.
+    steps, why = resolve_steps(load_config(None, real), _Rows(CONVERGE_MAX_ROWS + 1))
+    assert steps == CONVERGE_MAX_ROWS // 1000 + 1 and "one pass" in why
     assert resolve_steps(load_config(None, [*real, "train.epochs=0.1"]), _Rows(10_000))[0] == 1
     assert resolve_steps(load_config(None, [*real, "train.epochs=2.5"]), _Rows(10_000))[0] == 25
     assert resolve_steps(load_config(None, [*real, "train.steps=3"]), _Rows(10_000))[0] == 3
 
 
 def test_a_run_sized_from_its_data_scales_the_default_warm_up():
-    """One epoch of a small cache is shorter than the default 100-step warm-up: the run
-    gets a tenth of its steps instead, unless steps or warm-up were chosen."""
+    """A run sized from its data that is shorter than ten times the default 100-step
+    warm-up gets a tenth of its steps instead, unless steps or warm-up were chosen."""
     from towerrec.build.resolve import resolve_run_config
 
     real = ["data.source=criteo", "data.path=cache", "train.batch_size=1000"]
-    config, why = resolve_run_config(load_config(None, real), _Rows(15_000))
+    config, why = resolve_run_config(load_config(None, [*real, "train.epochs=1"]), _Rows(15_000))
     assert (config.train.steps, config.optimizer.warmup_steps) == (15, 1)
     assert "optimizer.warmup_steps 100 -> 1" in why
-    config, _ = resolve_run_config(load_config(None, real), _Rows(3_000_000))
-    assert (config.train.steps, config.optimizer.warmup_steps) == (3000, 100)
+    config, _ = resolve_run_config(load_config(None, real), _Rows(15_000))  # 20 epochs at most
+    assert (config.train.steps, config.optimizer.warmup_steps) == (300, 30)
+    config, _ = resolve_run_config(load_config(None, real), _Rows(30_000_000))  # one pass
+    assert (config.train.steps, config.optimizer.warmup_steps) == (30_000, 100)
     chosen = [*real, "optimizer.warmup_steps=50"]
     assert (
         resolve_run_config(load_config(None, chosen), _Rows(15_000))[0].optimizer.warmup_steps == 50
@@ -282,6 +287,46 @@ def test_a_run_sized_from_its_data_scales_the_default_warm_up():
     )
     synthetic = resolve_run_config(load_config(), None)[0]
     assert (synthetic.train.steps, synthetic.optimizer.warmup_steps) == (2500, 100)
+
+
+def test_small_real_data_trains_to_convergence_by_default_and_records_it():
+    """Neither train.steps nor train.epochs on real data of at most CONVERGE_MAX_ROWS
+    rows: validations every epoch and early stopping, written into the resolved config
+    (what the run saves as config.toml, so a resume keeps them); what the config chose
+    itself stays."""
+    from towerrec.build.resolve import resolve_run_config
+
+    real = ["data.source=criteo", "data.path=cache", "train.batch_size=1000"]
+    config, why = resolve_run_config(load_config(None, real), _Rows(15_000))
+    assert config.train.eval_every == "epoch" and config.train.early_stopping.patience == 2
+    assert config.train.epochs is None and config.train.steps == 300
+    assert 'train.eval_every = "epoch"; train.early_stopping.patience = 2' in why
+    again, _ = resolve_run_config(config, _Rows(15_000))  # a resume's saved config
+    assert again == config
+    chosen = [*real, "train.eval_every=7", "train.early_stopping.patience=5"]
+    config, why = resolve_run_config(load_config(None, chosen), _Rows(15_000))
+    assert (config.train.eval_every, config.train.early_stopping.patience) == (7, 5)
+    assert "train.eval_every =" not in why
+    for other in (["train.epochs=3"], ["train.steps=30"]):
+        config, _ = resolve_run_config(load_config(None, [*real, *other]), _Rows(15_000))
+        assert (config.train.eval_every, config.train.early_stopping.patience) == (500, 0)
+    large, _ = resolve_run_config(load_config(None, real), _Rows(30_000_000))
+    assert (large.train.eval_every, large.train.early_stopping.patience) == (500, 0)
+    at_end, _ = resolve_run_config(load_config(None, [*real, "train.eval_every=0"]), _Rows(15_000))
+    assert (at_end.train.eval_every, at_end.train.early_stopping.patience) == (0, 0)
+    grown, _ = resolve_run_config(
+        load_config(
+            None,
+            [
+                *real,
+                'train.prune_grow.mlps=["top"]',
+                "train.prune_grow.prune_at=[0.1]",
+                "train.prune_grow.grow_at=[0.5]",
+            ],
+        ),
+        _Rows(15_000),
+    )
+    assert grown.train.early_stopping.patience == 0  # a grown run must end full-size
 
 
 def test_tensorboard_event_files_carry_the_metrics_records(tmp_path):

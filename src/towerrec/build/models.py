@@ -135,18 +135,23 @@ MODELS: dict[str, ModelEntry] = {
 
 
 def build_tables(config: Config, schema: DataSchema) -> list[TableConfig]:
-    """One table per categorical feature, named after it."""
+    """One table per categorical feature, named after it, started as ``embedding.init``
+    and ``init_scale`` (or its ``[embedding.tables.<name>]`` settings) say."""
     emb = config.embedding
-    return [
-        TableConfig(
-            name=f.name,
-            num_embeddings=f.num_embeddings,
-            embedding_dim=config.model.embedding_dim,
-            pooling=emb.pooling,
-            init=emb.init,
+    tables = []
+    for f in schema.sparse:
+        init, scale = emb.table_init(f.name)
+        tables.append(
+            TableConfig(
+                name=f.name,
+                num_embeddings=f.num_embeddings,
+                embedding_dim=config.model.embedding_dim,
+                pooling=emb.pooling,
+                init=init,
+                init_scale=scale,
+            )
         )
-        for f in schema.sparse
-    ]
+    return tables
 
 
 def build_model(

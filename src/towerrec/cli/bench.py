@@ -118,6 +118,10 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
         "predict throughput of an exported model and the AUC change of fp16 / int8 tables",
         "towerrec.bench.predict",
     ),
+    "init": BenchmarkEntry(
+        "embedding init rules and optimizers: test AUC over seeds per data set (JSON)",
+        "towerrec.bench.init",
+    ),
     "pu": BenchmarkEntry(
         "PU learning on MovieLens with hidden positives: naive BCE vs pu_bce (JSON)",
         "towerrec.bench.pu",

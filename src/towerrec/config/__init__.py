@@ -11,7 +11,7 @@ A resumed run (``towerrec train --resume``) starts from that saved
 ``RESUME_SAFE_KEYS`` (``resume_changes`` refuses the rest).
 
 Files: ``sections.py`` (the dataclasses and what each accepts; ``training.py`` the
-training sections, ``errors.py`` their error), ``files.py``
+training sections, ``embedding.py`` the ``[embedding]`` section, ``errors.py`` their error), ``files.py``
 (TOML, overrides, resume changes).
 """
 

@@ -1,13 +1,14 @@
 """The config sections: one frozen dataclass per component, each validating its own
 values (``ConfigError`` names the key and the fix; the training sections are in
-``training.py``), the whole ``Config`` with the checks across sections, and
-``RESUME_SAFE_KEYS``."""
+``training.py``, ``[embedding]`` in ``embedding.py``), the whole ``Config`` with the
+checks across sections, and ``RESUME_SAFE_KEYS``."""
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
+from towerrec.config.embedding import EmbeddingConfig
 from towerrec.config.errors import ConfigError
 from towerrec.config.errors import choice as _choice
 from towerrec.config.nas import NASConfig
@@ -28,18 +29,6 @@ from towerrec.models.dcn import DCNConfig
 from towerrec.models.dmt import DMTConfig
 from towerrec.models.names import REPRESENTATION_MODELS, ModelName
 from towerrec.models.wukong import WukongConfig
-from towerrec.modules.compact import (
-    Combine,
-    CompactConfig,
-    EmbeddingKind,
-    TableStorageConfig,
-)
-from towerrec.modules.compositional import PartitionScheme
-from towerrec.modules.embedding_bag import IdPolicy
-from towerrec.modules.kernels import Backend
-from towerrec.modules.tables import Pooling
-from towerrec.modules.tiers import Backing, CacheMaps, CachePolicy, Memory, TableTiers, TierConfig
-from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.sharding import TOWER_SHARDINGS, ShardingType
 from towerrec.utils import at_least, positive
 
@@ -117,123 +106,6 @@ class DataConfig:
     def __post_init__(self) -> None:
         _choice(self.source, tuple(SOURCES), "data.source")
         SOURCES[self.source].check(self)  # what this source needs of the section
-
-
-@dataclass(frozen=True)
-class EmbeddingConfig:
-    """Embedding tables: one per categorical feature, dim ``model.embedding_dim``."""
-
-    backend: Backend = Backend.AUTO
-    optimizer: EmbeddingOptimizer = EmbeddingOptimizer.ROWWISE_ADAGRAD
-    lr: float = 0.5
-    eps: float = 1e-8
-    id_policy: IdPolicy = IdPolicy.ERROR
-    pooling: Pooling = Pooling.SUM
-    init: str = "uniform"
-    # Memory-efficient tables (modules/compact.py): full | hash | qr | md.
-    kind: EmbeddingKind = EmbeddingKind.FULL
-    compression: float = 4.0  # hash, qr: rows divided by this
-    row_threshold: int = 0  # hash, qr: only tables with more rows are compressed
-    qr_operation: Combine = Combine.MULT  # mult | add | concat
-    qr_partitions: int = 2  # 2: quotient-remainder; more: complementary partitions
-    qr_scheme: PartitionScheme = PartitionScheme.QUOTIENT_REMAINDER  # or crt
-    md_alpha: float = 0.3  # md: dim ~ popularity^alpha
-    md_budget: int = 0  # md: total rows*dims; 0: the most popular table keeps the full dim
-    md_min_dim: int = 4
-    md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
-    counter_halflife: float = 0.0  # cf_sgd: steps for a row's count to halve; 0 = no decay
-    adam_betas: tuple[float, float] = (0.9, 0.999)  # adam, partial_rowwise_adam
-    # Of the rows a batch touches: rowwise_adagrad (decoupled or l2), adam (decoupled).
-    weight_decay: float = 0.0
-    weight_decay_mode: WeightDecayMode = WeightDecayMode.DECOUPLED
-    # Memory tier (modules/cached.py): device | cached (a cache over a backing store). These
-    # keys are the fields of modules/tiers.py's TierConfig, by name (``tiers``).
-    memory: Memory = Memory.DEVICE
-    cache_fraction: float = 0.05  # cached: share of a table's rows in the fast tier
-    cache_policy: CachePolicy = CachePolicy.LRU  # cached: lru | lfu
-    # cached: host (array in host memory) | ssd (row file) | kv (LMDB keyed by 64-bit id)
-    backing: Backing = Backing.HOST
-    backing_path: str = ""  # ssd: directory of the tables' row files
-    cache_min_rows: int = 0  # cached: only tables with more rows are cached
-    cache_slots: int = 0  # cached: the cache's rows (0: cache_fraction); kv needs it
-    # cached: where the id -> slot maps and victim choice run: auto (device on a GPU, else
-    # host) | host | device (beside the slot tables: only missed and evicted rows cross)
-    cache_maps: CacheMaps = CacheMaps.AUTO
-    prefetch: bool = True  # cached: read the next batch's misses while this step computes
-    # (sharded runs: under the pipelined input_dist, which this turns on)
-    # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*, dim, memory,
-    # cache_*, backing*; unset: the above.
-    tables: dict[str, TableStorageConfig] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        positive("embedding.lr", self.lr)
-        positive("embedding.eps", self.eps)
-        _choice(self.init, ("uniform", "normal"), "embedding.init")
-        self.compact()
-        self.tiers()
-        at_least("embedding.counter_halflife", self.counter_halflife, 0)
-        if len(self.adam_betas) != 2:
-            raise ValueError(
-                f"embedding.adam_betas must be [beta1, beta2], got {list(self.adam_betas)}"
-            )
-        self.optimizer_config()  # the same refusals on every backend, first
-        if self.optimizer is EmbeddingOptimizer.CF_SGD and self.backend is Backend.FBGEMM:
-            raise ValueError(
-                "embedding.optimizer = 'cf_sgd' has no FBGEMM kernel; set embedding.backend = "
-                "'torch' (or 'auto', which picks the torch kernel for it)"
-            )
-
-    def optimizer_config(self) -> EmbeddingOptimizerConfig:
-        """The fused optimizer's settings (validated there, the same for both backends)."""
-        return EmbeddingOptimizerConfig(
-            kind=self.optimizer,
-            lr=self.lr,
-            eps=self.eps,
-            counter_halflife=self.counter_halflife,
-            beta1=self.adam_betas[0],
-            beta2=self.adam_betas[1],
-            weight_decay=self.weight_decay,
-            weight_decay_mode=self.weight_decay_mode,
-        )
-
-    def tiers(self) -> TableTiers:
-        """Every table's memory tier (``modules/tiers.py``): the tier keys of this section
-        (``TierConfig``'s fields), over which ``[embedding.tables.<t>]`` sets a table's
-        own; refuses a cached table that is not stored in full."""
-        base = TierConfig(**{f.name: getattr(self, f.name) for f in fields(TierConfig)})
-        tiers = {name: table.tier(base) for name, table in self.tables.items()}
-        if base.asks_for_cache and self.kind is not EmbeddingKind.FULL:
-            raise ValueError(
-                f"embedding.memory = 'cached' caches full tables, but embedding.kind = "
-                f"{self.kind.value!r}; set embedding.kind = 'full', or cache single tables "
-                "under [embedding.tables.<table>] memory = 'cached'"
-            )
-        for name, tier in tiers.items():
-            table = self.tables[name]
-            kind = table.kind or self.kind
-            if tier.asks_for_cache and (kind is not EmbeddingKind.FULL or table.dim is not None):
-                raise ValueError(
-                    f"embedding.tables.{name}: memory = 'cached' caches a full table, but it is "
-                    f"stored as kind = {kind.value!r}"
-                    + (f" with dim = {table.dim}" if table.dim is not None else "")
-                    + "; set memory = 'device' or store it in full"
-                )
-        return TableTiers(base, tiers)
-
-    def compact(self) -> CompactConfig:
-        return CompactConfig(
-            kind=self.kind,
-            compression=self.compression,
-            row_threshold=self.row_threshold,
-            operation=self.qr_operation,
-            num_partitions=self.qr_partitions,
-            scheme=self.qr_scheme,
-            md_alpha=self.md_alpha,
-            md_budget=self.md_budget,
-            md_min_dim=self.md_min_dim,
-            md_round_to=self.md_round_to,
-            tables=self.tables,
-        )
 
 
 @dataclass(frozen=True)

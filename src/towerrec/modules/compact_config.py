@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 
 from towerrec.modules.compositional import PartitionScheme
-from towerrec.modules.tables import TableConfig
+from towerrec.modules.tables import TableConfig, canonical_init, check_init_scale
 from towerrec.modules.tiers import Backing, CacheMaps, CachePolicy, Memory, TierConfig
 from towerrec.utils import above, at_least, parse_enum
 
@@ -59,9 +59,15 @@ class TableStorageConfig:
     backing_path: str | None = None
     cache_slots: int | None = None
     cache_maps: CacheMaps | None = None
+    # How the table's rows start (``modules/tables.py``, ``INIT_RULES``): any kind.
+    init: str | None = None
+    init_scale: float | None = None
 
     def __post_init__(self) -> None:
         at_least("dim", self.dim, 1, hint="a table's stored width")
+        if self.init is not None:
+            object.__setattr__(self, "init", canonical_init(self.init, "init"))
+        check_init_scale(self.init_scale, "init_scale")
         if self.kind is not None:
             object.__setattr__(self, "kind", parse_enum(EmbeddingKind, self.kind, "kind"))
         if self.qr_operation is not None:
@@ -121,6 +127,8 @@ _TIER_FIELDS = (
 
 
 _QR_ONLY = ("qr_operation", "qr_partitions", "qr_scheme")
+_INIT_FIELDS = ("init", "init_scale")
+_ANY_KIND_FIELDS = (*_TIER_FIELDS, *_INIT_FIELDS)  # (tiers are checked on their own)
 
 
 @dataclass(frozen=True)
@@ -174,7 +182,7 @@ class CompactConfig:
             )
         for name, table in self.tables.items():
             kind = table.kind or self.kind
-            set_fields = [f for f in table.set_fields() if f not in _TIER_FIELDS]
+            set_fields = [f for f in table.set_fields() if f not in _ANY_KIND_FIELDS]
             unused = {
                 EmbeddingKind.FULL: [f for f in set_fields if f not in ("kind", "dim")],
                 EmbeddingKind.HASH: [f for f in set_fields if f in (*_QR_ONLY, "dim")],
@@ -189,8 +197,8 @@ class CompactConfig:
     def for_table(self, name: str) -> CompactConfig:
         """The settings table ``name`` is stored by (its overrides over the collection's)."""
         table = self.tables.get(name)
-        if table is None:
-            return self
+        if table is None or set(table.set_fields()) <= set(_INIT_FIELDS):
+            return self  # (how a table starts is no storage setting)
         return replace(
             self,
             kind=table.kind or self.kind,

@@ -9,10 +9,23 @@ Tables too large to initialise up front (``backing = "kv"``: rows keyed by 64-bi
 created on first touch) use ``init_rows`` instead: each value is a counter-based hash
 of (seed, table name, row id, column), so any process creates the same row from its id
 alone, in any order and any batch.
+
+What a table starts from is named by an init rule (``INIT_RULES``; the config's
+``embedding.init``), resolved once into a table's distribution and scale
+(``resolve_init``)::
+
+    uniform_rows    uniform in [-sqrt(1/rows), sqrt(1/rows))   TorchRec's and dlrm's rule
+    normal_rows     normal, std sqrt(1/rows)
+    uniform_scale   uniform in [-init_scale, init_scale)       Keras ("uniform": 0.05)
+    normal_scale    normal, std init_scale                     FuxiCTR, DeepCTR (1e-4)
+
+``uniform`` and ``normal``, the names before ``init_scale`` existed, stay aliases of
+the two ``_rows`` rules: a config that said them means what it meant.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -22,11 +35,17 @@ import torch
 from towerrec.utils import at_least, parse_enum, stable_seed
 
 __all__ = [
+    "INIT_ALIASES",
+    "INIT_RULES",
+    "InitRule",
     "Pooling",
     "TableConfig",
+    "canonical_init",
+    "check_init_scale",
     "fill_table_block",
     "init_rows",
     "init_table_block",
+    "resolve_init",
 ]
 
 INIT_BLOCK_ROWS = 16384
@@ -38,13 +57,61 @@ class Pooling(StrEnum):
 
 
 @dataclass(frozen=True)
+class InitRule:
+    """How an init rule starts a table: its ``distribution`` (``uniform``: the bound is
+    the scale; ``normal``: the std is) and where its scale comes from (``by_rows``:
+    sqrt(1 / rows) of each table; else ``init_scale``)."""
+
+    distribution: str
+    by_rows: bool
+    help: str
+
+
+INIT_RULES: dict[str, InitRule] = {
+    "uniform_rows": InitRule("uniform", True, "uniform in +-sqrt(1/rows) (TorchRec, dlrm)"),
+    "normal_rows": InitRule("normal", True, "normal with std sqrt(1/rows)"),
+    "uniform_scale": InitRule("uniform", False, "uniform in +-init_scale"),
+    "normal_scale": InitRule("normal", False, "normal with std init_scale (FuxiCTR: 1e-4)"),
+}
+# The names before init_scale existed, kept: they mean what they meant.
+INIT_ALIASES = {"uniform": "uniform_rows", "normal": "normal_rows"}
+
+
+def canonical_init(name: str, key: str) -> str:
+    """The rule ``name`` names (an alias resolved), or a ``ValueError`` naming ``key``."""
+    if name in INIT_RULES:
+        return name
+    if name in INIT_ALIASES:
+        return INIT_ALIASES[name]
+    rules = ", ".join(f"{n!r} ({r.help})" for n, r in INIT_RULES.items())
+    raise ValueError(f"{key} = {name!r} is not an init rule; choose one of {rules}")
+
+
+def check_init_scale(value: float | None, key: str) -> None:
+    """Refuse a scale that is not a finite number > 0 (None: unset, passes)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{key} = {value} must be a finite number > 0: the bound of init = "
+            "'uniform_scale' or the std of 'normal_scale' (e.g. 0.01)"
+        )
+
+
+def resolve_init(rule: str, init_scale: float) -> tuple[str, float | None]:
+    """A table's ``(init, init_scale)`` (``TableConfig``'s fields) under ``rule`` (a
+    canonical name or an alias): the distribution, and the scale (None: sqrt(1/rows))."""
+    resolved = INIT_RULES[canonical_init(rule, "init")]
+    return resolved.distribution, None if resolved.by_rows else init_scale
+
+
+@dataclass(frozen=True)
 class TableConfig:
     """One embedding table.
 
     ``feature_names`` are the input keys looked up in this table (several
     features may share one table); empty means the single feature ``name``.
-    ``init`` is ``uniform`` (bound ``init_scale``) or ``normal`` (std
-    ``init_scale``); ``init_scale=None`` uses ``sqrt(1 / num_embeddings)``.
+    ``init`` is the distribution, ``uniform`` (bound ``init_scale``) or ``normal``
+    (std ``init_scale``); ``init_scale=None`` uses ``sqrt(1 / num_embeddings)``
+    (``resolve_init`` makes the pair from a config's init rule).
     """
 
     name: str
@@ -64,8 +131,7 @@ class TableConfig:
             raise ValueError(
                 f"table {self.name!r}: init must be 'uniform' or 'normal', got {self.init!r}"
             )
-        if self.init_scale is not None and not self.init_scale > 0:
-            raise ValueError(f"table {self.name!r}: init_scale must be > 0")
+        check_init_scale(self.init_scale, f"table {self.name!r}: init_scale")
         object.__setattr__(self, "feature_names", tuple(self.feature_names) or (self.name,))
         object.__setattr__(
             self, "pooling", parse_enum(Pooling, self.pooling, f"table {self.name!r} pooling")

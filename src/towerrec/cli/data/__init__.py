@@ -11,13 +11,15 @@ towerrec data pu-prior DATA_OR_CONFIG               class prior of positive-unla
 towerrec data profile DATA                          locality of each table's ids (profile.py)
 towerrec data periods OUT_DIR --config FILE         a config's periods, with example ids
                                                     (periods.py)
+towerrec data gen-context --out DIR                 a small-vocabulary libFM data set built
+                                                    from MovieLens (context.py)
 """
 
 from __future__ import annotations
 
 import argparse
 
-from towerrec.cli.data import convert, periods, profile, pu_prior
+from towerrec.cli.data import context, convert, periods, profile, pu_prior
 
 __all__ = ["add_commands"]
 
@@ -26,5 +28,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     """``towerrec data ...`` (``towerrec bench data`` is in cli/bench.py)."""
     data = sub.add_parser("data", help="preprocess real data into the binary cache")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    for commands in (convert, pu_prior, profile, periods):
+    for commands in (convert, context, pu_prior, profile, periods):
         commands.add_commands(data_sub)

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from towerrec.build.resolve import resolve_device, resolve_run_config
+from towerrec.build.resolve import converges, resolve_device, resolve_run_config
 from towerrec.build.run import build_run
 from towerrec.build.sources import build_source
 from towerrec.config import Config
@@ -185,6 +185,8 @@ def held_out_scores(
     torch.set_num_threads(resolve_threads(config.train.threads))
     device = resolve_device(config.train.device)
     source = source if source is not None else build_source(config.data)
+    if converges(config, source):  # the folds' fits have no early stopping: one pass
+        config = replace(config, train=replace(config.train, epochs=1.0))
     config, _ = resolve_run_config(config, source)
     batch_size, eval_size = config.train.batch_size, config.train.eval_batch_size
     if not isinstance(source, RowAccessSource):
