@@ -6,8 +6,9 @@ import pytest
 from conftest import run_cli
 
 from towerrec.bench import dmt as bench_dmt
+from towerrec.bench import dmt_runs
 from towerrec.bench.dmt import VARIANTS, bench_overrides, run_dmt_benchmark
-from towerrec.bench.dmt_report import assemble_report, peers_per_collective
+from towerrec.bench.dmt_report import assemble_report, link_bounds, peers_per_collective
 
 
 def fake_summary(samples_per_s, auc, cross, intra=100.0, dense_cross=300.0):
@@ -133,10 +134,12 @@ def test_report_keeps_failed_runs_as_errors_not_numbers():
         ({"steps": 10}, "--steps must be > 10: the first 5 are warm-up"),
         ({"rounds": 0}, "--rounds must be >= 1"),
         ({"batch_size": 1022}, "multiple of 4"),
-        ({"embedding_dim": 0}, "--embedding-dim must be >= 1"),
+        ({"embedding_dims": [16, 0]}, r"--embedding-dim must be >= 1 \(a comma list"),
+        ({"seeds": [1, 1]}, "--seeds must be distinct"),
+        ({"link_gbits": [1.0, 1.0], "network": "netns"}, "--link-gbit: give distinct rates"),
         ({"variants": ["flat_table_wise", "flat_dp"]}, r"unknown \['flat_dp'\]"),
         ({"variants": []}, "none given"),
-        ({"link_gbit": 0.0, "network": "netns"}, "--link-gbit must be > 0"),
+        ({"link_gbits": [1.0, 0.0], "network": "netns"}, "--link-gbit must be > 0"),
         ({"dense_allreduce": ["ring", "tree"]}, "distinct kinds from ring, hierarchical"),
         ({"dense_allreduce": ["ring", "ring"]}, "distinct kinds"),
     ],
@@ -193,14 +196,15 @@ def test_bench_dmt_local_runs_flat_layouts_side_by_side(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    rows = {row["variant"]: row for row in report["variants"]}
+    assert [(c["embedding_dim"], c["link"]) for c in report["cases"]] == [(8, "loopback")]
+    rows = {row["variant"]: row for row in report["cases"][0]["variants"]}
     flat, trw = rows["flat_table_wise"], rows["flat_table_row_wise"]
     assert "errors" not in flat and "errors" not in trw
     assert flat["auc"] == pytest.approx(trw["auc"], abs=1e-5)
     assert flat["samples_per_s"] > 0 and flat["cross_host_bytes_per_sample"] > 0
     assert trw["intra_host_bytes_per_sample"] > flat["intra_host_bytes_per_sample"]
     assert flat["vs_flat_table_wise"]["cross_host_bytes_reduction"] == 1.0
-    summary = json.loads((tmp_path / "flat_table_wise-0" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "flat_table_wise-d8-loopback-0" / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["hosts"] == 2
     assert flat["cross_host_bytes_per_sample"] == summary["comm_bytes_per_sample_cross"]
 
@@ -213,11 +217,11 @@ def test_a_run_is_read_from_its_summary_and_log(tmp_path):
         "04:31:25 INFO towerrec: tower partition [['cat_0', 'cat_2'], ['cat_1']]: 80.0% of ...\n"
     )
     (out / "summary.json").write_text(json.dumps(fake_summary(10.0, 0.8, 5.0)))
-    run = bench_dmt._summary(out, log, [0, 0])
+    run = dmt_runs.read_summary(out, log, [0, 0])
     assert run["partition"] == "[['cat_0', 'cat_2'], ['cat_1']]" and run["auc"] == 0.8
     # a failed host: the error line of the log, never the stale summary's numbers
     log.write_text("Traceback ...\nerror: model.dmt.num_towers = 3 but 2 hosts\n")
-    failed = bench_dmt._summary(out, log, [0, 1])
+    failed = dmt_runs.read_summary(out, log, [0, 1])
     assert failed == {"error": "exit codes [0, 1]: error: model.dmt.num_towers = 3 but 2 hosts"}
 
 
@@ -230,9 +234,9 @@ def test_samples_per_s_leaves_out_the_warm_up_window(tmp_path):
     ]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert bench_dmt.steady_samples_per_s(path) == pytest.approx(700 / 10)
+    assert dmt_runs.steady_samples_per_s(path) == pytest.approx(700 / 10)
     path.write_text(json.dumps(records[0]) + "\n")
-    assert bench_dmt.steady_samples_per_s(path) is None
+    assert dmt_runs.steady_samples_per_s(path) is None
 
 
 def test_a_launcher_left_waiting_after_a_finished_run_is_stopped_and_the_run_counts():
@@ -240,7 +244,7 @@ def test_a_launcher_left_waiting_after_a_finished_run_is_stopped_and_the_run_cou
     import sys
     import time
 
-    from towerrec.bench.dmt import _wait
+    from towerrec.bench.dmt_runs import _wait
 
     def start(code: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
@@ -260,3 +264,63 @@ def test_a_launcher_left_waiting_after_a_finished_run_is_stopped_and_the_run_cou
     failed, waiting = start("raise SystemExit(3)"), start("import time; time.sleep(60)")
     codes, cut = _wait([failed, waiting], 50, finished=lambda: True, grace_s=0.5)
     assert codes[0] == 3 and not cut and waiting.poll() is not None
+
+
+def test_auc_difference_over_seeds_is_the_mean_of_paired_differences():
+    def seeded(auc, seed):
+        return {**fake_summary(1000.0, auc, 600.0), "seed": seed}
+
+    runs = {
+        "flat_table_wise": [seeded(0.810, 0), seeded(0.820, 1), seeded(0.800, 2)],
+        "dmt_partitioner": [seeded(0.809, 0), seeded(0.818, 1), seeded(0.803, 2)],
+    }
+    report = assemble_report(runs, LAYOUTS, 2, 2)
+    rows = {row["variant"]: row for row in report["variants"]}
+    assert rows["flat_table_wise"]["auc_by_seed"] == {0: 0.810, 1: 0.820, 2: 0.800}
+    assert rows["flat_table_wise"]["auc"] == pytest.approx(0.810)
+    vs = rows["dmt_partitioner"]["vs_flat_table_wise"]
+    assert vs["auc_delta_by_seed"] == pytest.approx({0: -0.001, 1: -0.002, 2: 0.003})
+    assert vs["auc_delta"] == pytest.approx(0.0)
+    assert vs["auc_delta_stdev"] == pytest.approx(0.002645751, rel=1e-6)
+    assert report["targets"]["auc_delta"]["met"] is True
+
+
+def _case(link, gbit, flat_sps, dmt_sps, flat_bytes=600.0, dmt_bytes=100.0):
+    runs = {
+        "flat_table_wise": [fake_summary(flat_sps, 0.8, flat_bytes, dense_cross=0.0)],
+        "dmt_partitioner": [fake_summary(dmt_sps, 0.8, dmt_bytes, dense_cross=0.0)],
+    }
+    for rs in runs.values():
+        rs[0]["batch_size"] = 1000
+    settings = {"embedding_dim": 16, "link": link, "link_gbit": gbit}
+    return assemble_report(runs, LAYOUTS, 2, 2, settings, gbit)
+
+
+def test_link_bound_from_flat_steps_with_and_without_the_shaped_link():
+    # flat: 100 ms a step unshaped, 120 ms over the link (20 ms of link time, measured);
+    # DMT sends 1/6 of flat's bytes: 20 / 6 ms at flat's seconds per byte
+    unshaped = _case("unshaped", None, 10_000.0, 9_000.0)
+    shaped = _case("0.048 Gbit/s", 0.048, 1000 / 0.120, 1000 / 0.110)
+    (bound,) = link_bounds([shaped, unshaped])
+    assert bound["flat_cross_host_ms"] == pytest.approx(20.0)
+    assert bound["dmt_cross_host_ms_at_its_bytes"] == pytest.approx(20.0 / 6)
+    assert bound["bound"] == pytest.approx(120.0 / (100.0 + 20.0 / 6))
+    assert bound["dmt_speedup"] == pytest.approx(120.0 / 110.0)
+    assert bound["fraction_of_bound"] == pytest.approx((120.0 / 110.0) / bound["bound"])
+    assert bound["met"] is True  # 0.94 of the bound
+    # the nominal link: 600 B x 1000 / 2 at 6 MB/s = 50 ms for flat, 100 B: 8.3 ms for DMT
+    assert bound["flat_link_ms_nominal"] == pytest.approx(50.0)
+    assert bound["bound_nominal"] == pytest.approx(120.0 / (120.0 - 50.0 + 50.0 / 6))
+    slow = _case("0.048 Gbit/s", 0.048, 1000 / 0.120, 1000 / 0.118)
+    assert link_bounds([slow, unshaped])[0]["met"] is False  # 0.87 of the bound
+    # without the unshaped reference there is no measured link time
+    assert "error" in link_bounds([shaped])[0]
+
+
+def test_the_default_dim_is_the_models_and_number_lists_are_checked():
+    from towerrec.config import ModelConfig
+
+    assert bench_dmt.default_embedding_dim() == ModelConfig().embedding_dim == 16
+    done = run_cli("bench", "dmt", "--embedding-dim", "16,x", "--variants", "flat_table_wise")
+    assert done.returncode == 2
+    assert "--embedding-dim '16,x': give a comma list of numbers" in done.stderr

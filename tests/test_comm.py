@@ -66,3 +66,40 @@ def test_backward_codec_applies_to_gradients_only():
 def test_unknown_codec_names_the_choices():
     with pytest.raises(ValueError, match="'fp16'"):
         CommCodecs(forward="int8")
+
+
+def test_begun_all_to_all_overlaps_its_backward_with_what_ran_in_between(monkeypatch):
+    """``all_to_all_start``: in the backward the gradient's all-to-all starts at the wait and
+    is taken at the start, so the nodes created between them run while it is in flight."""
+    comm = Comm(Topology(1))
+    events = []
+    plain = Comm.all_to_all_async
+
+    def recorded(self, x, send, recv, name, codec=Codec.FP32):
+        events.append(f"start {name}")
+        pending = plain(self, x, send, recv, name, codec)
+        finish = pending.wait
+        pending.wait = lambda: (events.append(f"wait {name}"), finish())[1]
+        return pending
+
+    monkeypatch.setattr(Comm, "all_to_all_async", recorded)
+
+    class Between(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w):
+            return w * 3
+
+        @staticmethod
+        def backward(ctx, grad):
+            events.append("between")
+            return grad * 3
+
+    x = torch.randn(8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    in_flight = comm.all_to_all_start(x * 2, [8], [8], "pooled", CommCodecs(backward="bf16"))
+    z = Between.apply(w)  # created between start and wait: run between them backwards
+    y = in_flight.wait()
+    events.clear()
+    (y.sum() + z.sum()).backward()
+    assert events == ["start pooled_grad", "between", "wait pooled_grad"]
+    assert torch.equal(x.grad, torch.full((8,), 2.0)) and torch.equal(w.grad, torch.full((8,), 3.0))

@@ -9,7 +9,7 @@ import pytest
 
 from towerrec.bench.dmt_scale import run_scale_model
 from towerrec.planner.dmt_scale import (
-    FIT_TERMS,
+    LINK_TERMS,
     Cluster,
     MeasuredStep,
     Workload,
@@ -138,7 +138,8 @@ def test_peer_messages_on_two_hosts_of_two():
 def _planted_steps():
     """Steps the fitted model itself produces from known constants: flat and DMT, ring and
     hierarchical all-reduce, on loopback and on links of three rates."""
-    truth = dict(zip(FIT_TERMS, (0.030, 0.045, 0.002, 0.003, 2e-9, 1.4), strict=True))
+    names = ("c_dlrm_d16", "c_dmt_d16", *LINK_TERMS)
+    truth = dict(zip(names, (0.030, 0.045, 0.002, 0.003, 2e-9, 1.4), strict=True))
     steps = []
     for layout, calls, cross, intra in (
         ("flat_table_wise", FLAT_CALLS, 2400.0, 1200.0),
@@ -163,7 +164,7 @@ def _planted_steps():
                     {**calls, **extra},
                     gbit * 1e9 / 8 if gbit else None,
                 )
-                seconds = sum(truth[t] * x for t, x in zip(FIT_TERMS, fit_terms(step), strict=True))
+                seconds = sum(truth[t] * x for t, x in fit_terms(step).items())
                 steps.append(replace(step, step_s=seconds))
     return truth, steps
 
@@ -183,7 +184,7 @@ def test_fit_needs_a_shaped_link_and_enough_steps():
     _, steps = _planted_steps()
     with pytest.raises(ValueError, match="no measured step ran over a shaped link"):
         fit_link_constants([s for s in steps if s.link_bytes_per_s is None] * 3)
-    with pytest.raises(ValueError, match="3 measured steps cannot fit 6 constants"):
+    with pytest.raises(ValueError, match="3 measured steps cannot fit 5 constants"):
         fit_link_constants(steps[:3])
 
 
@@ -237,3 +238,18 @@ def test_bench_fits_measured_reports(tmp_path):
     bad.write_text("{}")
     with pytest.raises(ValueError, match="not a towerrec bench dmt --json report"):
         run_scale_model(measured=[bad])
+
+
+def test_a_fit_predicts_steps_it_was_not_fitted_to():
+    from towerrec.planner.dmt_scale import evaluate_fit
+
+    _, steps = _planted_steps()
+    fit = fit_link_constants(steps[::2])  # every other step
+    held_out = evaluate_fit(fit, steps[1::2])
+    assert held_out["points"] == len(steps[1::2])
+    assert held_out["max_abs_residual_ms"] < 1e-4  # ms: exact up to float rounding
+    other_dim = replace(steps[1], embedding_dim=64)
+    (row,) = evaluate_fit(fit, [other_dim])["residuals"]
+    assert row["not_predicted"] == "no c_dlrm_d64 in the fit"
+    with pytest.raises(ValueError, match="--validate evaluates the links fitted to --measured"):
+        run_scale_model(validate=[REPO / "docs/results/bench-dmt-fused-dim16-local.json"])

@@ -63,6 +63,15 @@ def test_network_is_built_shaped_and_removed():
             assert ",UP" in _inside(net, host, "ip", "link", "show", "lo")
             qdisc = _inside(net, host, "tc", "qdisc", "show", "dev", net.devices[host])
             assert "tbf" in qdisc and "500Mbit" in qdisc
+        # re-shaped in place (bench dmt's rates, one network): another rate, then none
+        net = net.reshape(LinkConfig(gbit=0.2))
+        for host in (0, 1):
+            qdisc = _inside(net, host, "tc", "qdisc", "show", "dev", net.devices[host])
+            assert "tbf" in qdisc and "200Mbit" in qdisc
+        net = net.reshape(None)
+        assert net.link is None
+        for host in (0, 1):
+            assert "tbf" not in _inside(net, host, "tc", "qdisc", "show", "dev", net.devices[host])
         # the two hosts reach each other over the veth: a TCP connection from host 1 to 0
         server = subprocess.Popen(
             [*net.exec_prefix(0), sys.executable, "-c", _ECHO_SERVER, net.addresses[0]],

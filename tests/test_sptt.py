@@ -426,3 +426,12 @@ def test_tower_sharding_config_is_checked():
     assert load_config(None, []).distributed.tower_sharding == "auto"
     override = load_config(None, ["distributed.tower_sharding=row_wise"])
     assert override.distributed.tower_sharding == "row_wise"
+
+
+def test_tower_codec_config_is_checked():
+    """Tower outputs cross hosts in bf16 unless told otherwise; the library's own default
+    (``parallelize_towers``) is fp32, the exact single-process DMT."""
+    assert load_config(None, []).distributed.tower_codec == "bf16"
+    with pytest.raises(ValueError, match=r"distributed.tower_codec.*'fp16'"):
+        load_config(None, ["distributed.tower_codec=int8"])
+    assert load_config(None, ["distributed.tower_codec=fp32"]).distributed.tower_codec == "fp32"

@@ -1,21 +1,19 @@
 """``towerrec bench dmt``: flat DLRM vs Disaggregated Multi-Tower on 2 hosts x 2 ranks.
 
-::
+Every variant is one ordinary ``towerrec train`` run (``bench/dmt_runs.py``) on the
+same data and shape (only the overrides below differ); its ``summary.json`` gives
+samples/s (training steps after a warm-up of ``WARMUP_STEPS``: no start-up, pilot run
+or evaluation), AUC, bytes per sample, intra- and cross-host, and rank 0's collective
+calls per training step (``collective_calls_per_step``).
 
-    --network local   towerrec train --nproc 4 --hosts 2     (loopback, no root)
-    --network netns   host h = namespace h (bench/netns.py), shaped veth between them:
-                        ip netns exec <ns h> python -m torch.distributed.run
-                            --nnodes 2 --node-rank h --nproc-per-node 2
-                            --master-addr <ns 0 address> -m towerrec.cli train ...
-                        GLOO_SOCKET_IFNAME = the namespace's veth
-
-Every variant is one ordinary ``towerrec train`` run on the same data and
-shape (only the overrides below differ); its ``summary.json`` gives samples/s
-(training steps after a warm-up of ``WARMUP_STEPS``: no start-up, pilot run or
-evaluation), AUC, the
-embedding collectives' bytes per sample, intra- and cross-host, and rank 0's
-collective calls per training step, per name (``collective_calls_per_step``).
-``bench/dmt_report.py`` turns the summaries into the report.
+A *case* is one embedding dim (``--embedding-dim 16,64``) on one link: loopback
+(``--network local``), or each rate of ``--link-gbit 1,0.5,0.2`` and the unshaped veth
+(``--network netns``, root), the same two namespaces re-shaped between runs. The
+unshaped case is the reference that flat's cross-host time is measured against
+(``dmt_report.link_bounds``). Runs are interleaved, round by round, seed by seed
+(``--seeds``: ``train.seed``), dim by dim, link by link, so that drift in the machine's
+speed hits every variant alike. ``bench/dmt_report.py`` turns the summaries into the
+report: one entry of ``cases`` per (dim, link), and ``link_bounds`` per shaped rate.
 """
 
 from __future__ import annotations
@@ -23,22 +21,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import itertools
-import json
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import towerrec
 from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list
-from towerrec.bench.dmt_report import ALLREDUCE_SEPARATOR, assemble_report
-from towerrec.bench.netns import LinkConfig, TwoHostNetwork, two_host_network
+from towerrec.bench.dmt_report import ALLREDUCE_SEPARATOR, assemble_report, link_bounds
+from towerrec.bench.dmt_runs import HOSTS, RANKS_PER_HOST, run_local, run_netns
+from towerrec.bench.netns import LinkConfig, two_host_network
+from towerrec.config import ModelConfig
 
 __all__ = [
     "BENCHMARK",
@@ -47,10 +41,8 @@ __all__ = [
     "WARMUP_STEPS",
     "bench_overrides",
     "run_dmt_benchmark",
-    "steady_samples_per_s",
 ]
 
-HOSTS, RANKS_PER_HOST = 2, 2
 # distributed.dense_allreduce kinds (distributed/dense_allreduce.py; bench/ may not import it)
 DENSE_ALLREDUCE = ("ring", "hierarchical")
 # The first steps pay one-off costs (connections of new process groups, allocator and
@@ -85,12 +77,17 @@ VARIANTS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+def default_embedding_dim() -> int:
+    """The model's default ``model.embedding_dim``: what ``bench dmt`` measures unless told."""
+    return ModelConfig().embedding_dim
+
+
 def bench_overrides(
     steps: int, batch_size: int, embedding_dim: int, threads: int, warmup: int = WARMUP_STEPS
 ) -> tuple[str, ...]:
-    """The shape every variant trains: the synthetic default data (9 features), wider
-    embeddings so that the pooled rows dominate the traffic, evaluation only at the end,
-    a train record every ``warmup`` steps (the first one, warm-up, is left out of samples/s)."""
+    """The shape every variant trains: the synthetic default data (9 features), evaluation
+    only at the end, a train record every ``warmup`` steps (the first one, warm-up, is left
+    out of samples/s)."""
     return (
         f"train.steps={steps}",
         f"train.batch_size={batch_size}",
@@ -109,10 +106,12 @@ def _check_args(
     network: str,
     steps: int,
     batch_size: int,
-    embedding_dim: int,
+    embedding_dims: Sequence[int],
     rounds: int,
     variants,
     dense_allreduce: Sequence[str] = ("ring",),
+    link_gbits: Sequence[float] = (1.0,),
+    seeds: Sequence[int] = (),
 ) -> None:
     bad = [k for k in dense_allreduce if k not in DENSE_ALLREDUCE]
     if bad or not dense_allreduce or len(set(dense_allreduce)) < len(dense_allreduce):
@@ -135,8 +134,19 @@ def _check_args(
             f"--batch-size {batch_size} is the global batch of {world} ranks: use a multiple "
             f"of {world}"
         )
-    if embedding_dim < 1:
-        raise ValueError(f"--embedding-dim must be >= 1, got {embedding_dim}")
+    if not embedding_dims or any(d < 1 for d in embedding_dims):
+        raise ValueError(
+            f"--embedding-dim must be >= 1 (a comma list: 16,64), got {list(embedding_dims)}"
+        )
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"--seeds must be distinct, got {list(seeds)}")
+    if network == "netns":
+        if not link_gbits or len(set(link_gbits)) < len(link_gbits):
+            raise ValueError(
+                f"--link-gbit: give distinct rates (a comma list: 1,0.5,0.2), got {link_gbits}"
+            )
+        for gbit in link_gbits:
+            LinkConfig(gbit)  # the rate's own check
     if (
         any(VARIANTS[v][0] == "dmt" for v in variants if v in VARIANTS)
         and not has_tower_transform()
@@ -159,178 +169,20 @@ def has_tower_transform() -> bool:
     return importlib.util.find_spec("towerrec.distributed.towers") is not None
 
 
-def _env(threads: int) -> dict[str, str]:
-    """This process's environment with this checkout's package first on the path."""
-    src = str(Path(towerrec.__file__).resolve().parent.parent)
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": src + (os.pathsep + path if path else "")}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
-
-
-def _train_args(overrides: Sequence[str], out: Path) -> list[str]:
-    args = ["-m", "towerrec.cli", "train", "--out", str(out)]
-    for item in overrides:
-        args += ["--set", item]
-    return args
-
-
-def _wait(
-    procs: list[subprocess.Popen],
-    timeout_s: float,
-    finished: Callable[[], bool] | None = None,
-    grace_s: float = 30.0,
-) -> tuple[list[int], bool]:
-    """Exit codes of ``procs`` and whether the last were cut short; on timeout or
-    interruption every one is killed first.
-
-    One host's launcher can wait out torch's 300 s exit barrier after the run has
-    finished when the launcher hosting the rendezvous store exits first (a race in
-    torch elastic, pytorch/pytorch#69520). So once a launcher has exited 0 and
-    ``finished()`` says the run completed, the others get ``grace_s`` to exit and are
-    then stopped; the run counts, and its result says it was cut."""
-    deadline = time.monotonic() + timeout_s
-    first_done: float | None = None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if any(c not in (None, 0) for c in codes):  # one host failed: stop the rest
-                return [c if c is not None else -signal.SIGKILL for c in codes], False
-            if all(c == 0 for c in codes):
-                return [0] * len(procs), False
-            now = time.monotonic()
-            if now > deadline:
-                raise subprocess.TimeoutExpired(procs[0].args, timeout_s)
-            if first_done is None and 0 in codes:
-                first_done = now
-            if (
-                first_done is not None
-                and now - first_done > grace_s
-                and finished is not None
-                and finished()
-            ):
-                return [0] * len(procs), True
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-
-def _failure(log: Path, codes: list[int]) -> str:
-    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    # A worker's own error (the CLI's "error:" line, else the first exception line that is
-    # not the launcher's ChildFailedError wrapper), not the launcher's summary of it.
-    user = [ln for ln in lines if ln.startswith("error:")]
-    raised = [ln for ln in lines if "Error" in ln and "ChildFailedError" not in ln]
-    wrapped = [ln for ln in lines if "Error" in ln]
-    found = user[-1:] or raised[:1] or wrapped[-1:] or lines[-1:]
-    return f"exit codes {codes}: " + (found[0] if found else "")
-
-
-def _run_local(overrides: Sequence[str], out: Path, threads: int, timeout_s: float) -> dict:
-    log = out.with_suffix(".log")
-    cmd = [
-        sys.executable,
-        *_train_args(overrides, out),
-        "--nproc",
-        str(HOSTS * RANKS_PER_HOST),
-        "--hosts",
-        str(HOSTS),
-    ]
-    with log.open("w") as f:
-        proc = subprocess.Popen(
-            cmd, env=_env(threads), stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        codes, _ = _wait([proc], timeout_s)
-    return _summary(out, log, codes)
-
-
-def _run_netns(
-    net: TwoHostNetwork,
-    overrides: Sequence[str],
-    out: Path,
-    threads: int,
-    timeout_s: float,
-    port: int,
-) -> dict:
-    log = out.with_suffix(".log")
-    procs = []
-    with log.open("w") as f:
-        for host in range(HOSTS):
-            cmd = [
-                *net.exec_prefix(host),
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nnodes={HOSTS}",
-                f"--node-rank={host}",
-                f"--nproc-per-node={RANKS_PER_HOST}",
-                f"--master-addr={net.addresses[0]}",
-                f"--master-port={port}",
-                *_train_args(overrides, out),
-            ]
-            env = {**_env(threads), "GLOO_SOCKET_IFNAME": net.devices[host]}
-            procs.append(
-                subprocess.Popen(
-                    cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            )
-        codes, cut = _wait(procs, timeout_s, finished=lambda: _completed(out))
-    summary = _summary(out, log, codes)
-    if cut and "error" not in summary:
-        summary["launcher_exit_cut"] = True  # a launcher waited on torch's exit barrier
-    return summary
-
-
-def steady_samples_per_s(metrics: Path) -> float | None:
-    """Samples/s over the train records after the first (warm-up) window of a run's
-    ``metrics.jsonl``; None when it has fewer than two train records."""
-    if not metrics.exists():
-        return None
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    train = [r for r in records if r.get("kind") == "train"]
-    samples = seconds = 0.0
-    for before, record in itertools.pairwise(train):
-        window = record["samples"] - before["samples"]
-        samples += window
-        seconds += window / record["samples_per_s"]
-    return samples / seconds if seconds else None
-
-
-def _completed(out: Path) -> bool:
-    """Whether the run in ``out`` wrote a summary of all its steps."""
-    try:
-        return bool(json.loads((out / "summary.json").read_text()).get("completed"))
-    except (OSError, ValueError):
-        return False
-
-
-def _summary(out: Path, log: Path, codes: list[int]) -> dict:
-    path = out / "summary.json"
-    if any(codes) or not path.exists():
-        return {"error": _failure(log, codes)}
-    summary = json.loads(path.read_text())
-    steady = steady_samples_per_s(out / "metrics.jsonl")
-    if steady is not None:
-        summary["samples_per_s_all_steps"] = summary["samples_per_s"]
-        summary["samples_per_s"] = steady
-    # the learned partition is only in the run's log (rank 0's "tower partition [[...]]")
-    found = re.search(r"tower partition (\[\[.*?\]\])", log.read_text(errors="replace"))
-    if found:
-        summary["partition"] = found.group(1)
-    return summary
+def _links(network: str, link_gbits: Sequence[float]) -> list[tuple[str, float | None]]:
+    """The cases' links: (name, rate in Gbit/s or None)."""
+    if network == "local":
+        return [("loopback", None)]
+    return [*((f"{g:g} Gbit/s", g) for g in link_gbits), ("unshaped", None)]
 
 
 def run_dmt_benchmark(
     network: str = "local",
     steps: int = 300,
     batch_size: int = 4096,
-    embedding_dim: int = 64,
+    embedding_dims: Sequence[int] = (),
     threads: int = 1,
-    link_gbit: float = 1.0,
+    link_gbits: Sequence[float] = (1.0,),
     link_delay_ms: float = 0.0,
     rounds: int = 1,
     variants: Sequence[str] = tuple(VARIANTS),
@@ -338,12 +190,19 @@ def run_dmt_benchmark(
     work_dir: Path | None = None,
     timeout_s: float = 1800.0,
     dense_allreduce: Sequence[str] = ("ring",),
+    seeds: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Train every variant ``rounds`` times (interleaved, so drift hits all alike) on
-    ``network``; the report of ``bench/dmt_report.py``. With several ``dense_allreduce``
-    kinds every variant runs under each (``distributed.dense_allreduce``); the first
-    kind's keep their names, the others' are ``<variant>+<kind>``."""
-    _check_args(network, steps, batch_size, embedding_dim, rounds, list(variants), dense_allreduce)
+    """Train every variant ``rounds`` times per seed, dim and link (interleaved, module
+    doc); the report of ``bench/dmt_report.py`` per case, and the link bounds. With
+    several ``dense_allreduce`` kinds every variant runs under each
+    (``distributed.dense_allreduce``); the first kind's keep their names, the others' are
+    ``<variant>+<kind>``. ``embedding_dims`` empty: the model's default dim; ``seeds``
+    empty: the config's ``train.seed``."""
+    dims = list(embedding_dims) or [default_embedding_dim()]
+    _check_args(
+        network, steps, batch_size, dims, rounds, list(variants), dense_allreduce,
+        link_gbits, seeds,
+    )  # fmt: skip
     kinds = list(dense_allreduce)
     # run name -> (variant, its all-reduce override, or none for the default ring alone)
     named: dict[str, tuple[str, tuple[str, ...]]] = {}
@@ -352,47 +211,71 @@ def run_dmt_benchmark(
             name = v if kind == kinds[0] else f"{v}{ALLREDUCE_SEPARATOR}{kind}"
             extra = () if kinds == ["ring"] else (f"distributed.dense_allreduce={kind}",)
             named[name] = (v, extra)
-    variants = list(named)
-    link = LinkConfig(link_gbit, link_delay_ms) if network == "netns" else None
-    shape = (*bench_overrides(steps, batch_size, embedding_dim, threads), *overrides)
-    runs: dict[str, list[dict]] = {v: [] for v in variants}
-    with tempfile.TemporaryDirectory(prefix="towerrec-bench-dmt-") as tmp:
+    links = _links(network, link_gbits)
+    seed_list: list[int | None] = list(seeds) or [None]
+    # (dim, link name) -> run name -> the runs' summaries
+    runs: dict[tuple[int, str], dict[str, list[dict]]] = {
+        (d, link): {name: [] for name in named} for d in dims for link, _ in links
+    }
+    plan = itertools.product(range(rounds), seed_list, dims, links, named.items())
+    network_context = (
+        two_host_network(LinkConfig(link_gbits[0], link_delay_ms))
+        if network == "netns"
+        else nullcontext()
+    )
+    with tempfile.TemporaryDirectory(prefix="towerrec-bench-dmt-") as tmp, network_context as net:
         root = Path(work_dir) if work_dir else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        plan = [(r, v) for r in range(rounds) for v in variants]
-
-        def run_all(net: TwoHostNetwork | None) -> None:
-            for i, (r, name) in enumerate(plan):
-                out = root / f"{name}-{r}"
-                variant, extra = named[name]
-                cfg = (*shape, *VARIANTS[variant][1], *extra)
-                print(f"bench dmt: {name} round {r} ({network})", file=sys.stderr, flush=True)
-                if net is None:
-                    runs[name].append(_run_local(cfg, out, threads, timeout_s))
-                else:
-                    runs[name].append(_run_netns(net, cfg, out, threads, timeout_s, 29400 + i))
-
-        if link is None:
-            run_all(None)
-        else:
-            with two_host_network(link) as net:
-                run_all(net)
+        for i, (r, seed, dim, (link, gbit), (name, (variant, extra))) in enumerate(plan):
+            shape = (*bench_overrides(steps, batch_size, dim, threads), *overrides)
+            seeded = () if seed is None else (f"train.seed={seed}",)
+            cfg = (*shape, *VARIANTS[variant][1], *extra, *seeded)
+            where = link.replace(" Gbit/s", "g")
+            out = root / f"{name}-d{dim}-{where}{'' if seed is None else f'-s{seed}'}-{r}"
+            print(f"bench dmt: {out.name} ({network})", file=sys.stderr, flush=True)
+            if net is None:
+                run = run_local(cfg, out, threads, timeout_s)
+            else:
+                shaped = net.reshape(LinkConfig(gbit, link_delay_ms) if gbit else None)
+                run = run_netns(shaped, cfg, out, threads, timeout_s, 29400 + i)
+            if seed is not None:
+                run["seed"] = seed
+            runs[(dim, link)][name].append(run)
     settings = {
         "network": network,
-        "link_gbit": link_gbit if link else None,
-        "link_delay_ms": link_delay_ms if link else None,
+        "link_gbit": list(link_gbits) if network == "netns" else None,
+        "link_delay_ms": link_delay_ms if network == "netns" else None,
         "steps": steps,
         "batch_size": batch_size,
-        "embedding_dim": embedding_dim,
+        "embedding_dims": dims,
         "threads": threads,
         "rounds": rounds,
+        "seeds": list(seeds),
         "dense_allreduce": kinds,
-        "overrides": list(shape),
+        "overrides": list(overrides),
     }
-    layouts = {v: VARIANTS[named[v][0]][0] for v in variants}
-    return assemble_report(
-        runs, layouts, HOSTS, RANKS_PER_HOST, settings, link_gbit if link else None
-    )
+    layouts = {name: VARIANTS[variant][0] for name, (variant, _) in named.items()}
+    cases = [
+        assemble_report(
+            runs[(dim, link)],
+            layouts,
+            HOSTS,
+            RANKS_PER_HOST,
+            {"embedding_dim": dim, "link": link, "link_gbit": gbit},
+            gbit,
+        )
+        for dim in dims
+        for link, gbit in links
+    ]
+    report: dict[str, Any] = {
+        **settings,
+        "hosts": HOSTS,
+        "ranks_per_host": RANKS_PER_HOST,
+        "cases": cases,
+    }
+    if network == "netns":
+        report["link_bounds"] = link_bounds(cases)
+    return report
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -402,16 +285,30 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="local: 4 processes on loopback; netns: 2 namespaces of 2 ranks, shaped veth (root)",
     )
     parser.add_argument(
-        "--link-gbit", type=float, default=1.0, help="netns link rate, Gbit/s each way"
+        "--link-gbit",
+        default="1",
+        help="netns link rates, Gbit/s each way, comma list (each a case; an unshaped case "
+        "is added as the reference of the link bound)",
     )
     parser.add_argument("--link-delay-ms", type=float, default=0.0, help="netns one-way link delay")
     parser.add_argument("--steps", type=int, default=300, help="training steps per variant")
     parser.add_argument("--batch-size", type=int, default=4096, help="global batch (4 ranks)")
-    parser.add_argument("--embedding-dim", type=int, default=64)
+    parser.add_argument(
+        "--embedding-dim",
+        default="",
+        help="comma list of embedding dims, each a case (default: the model's default, "
+        f"{default_embedding_dim()})",
+    )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads per rank (0: default)"
     )
     parser.add_argument("--rounds", type=int, default=1, help="runs of every variant, interleaved")
+    parser.add_argument(
+        "--seeds",
+        default="",
+        help="comma list of train.seed values: every variant runs under each; the AUC "
+        "difference is the mean of the per-seed differences (default: the config's seed)",
+    )
     parser.add_argument(
         "--variants",
         default=",".join(VARIANTS),
@@ -428,14 +325,21 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="per training run")
 
 
+def _numbers(text: str, kind: type, flag: str) -> list:
+    try:
+        return [kind(v) for v in comma_list(text)]
+    except ValueError as err:
+        raise ValueError(f"{flag} {text!r}: give a comma list of numbers ({err})") from err
+
+
 def _run(args: argparse.Namespace) -> dict:
     return run_dmt_benchmark(
         network=args.network,
         steps=args.steps,
         batch_size=args.batch_size,
-        embedding_dim=args.embedding_dim,
+        embedding_dims=_numbers(args.embedding_dim, int, "--embedding-dim"),
         threads=args.threads,
-        link_gbit=args.link_gbit,
+        link_gbits=_numbers(args.link_gbit, float, "--link-gbit"),
         link_delay_ms=args.link_delay_ms,
         rounds=args.rounds,
         variants=list(comma_list(args.variants)),
@@ -443,11 +347,12 @@ def _run(args: argparse.Namespace) -> dict:
         work_dir=args.work_dir,
         timeout_s=args.timeout_s,
         dense_allreduce=list(comma_list(args.dense_allreduce)),
+        seeds=_numbers(args.seeds, int, "--seeds"),
     )
 
 
 BENCHMARK = Benchmark(
-    "flat DLRM vs DMT on 2 hosts x 2 ranks: bytes, peers, AUC, samples/s "
+    "flat DLRM vs DMT on 2 hosts x 2 ranks: bytes, peers, AUC, samples/s, the link's bound "
     "(--network netns: two network namespaces over a shaped link; root)",
     _add_arguments,
     _run,

@@ -27,12 +27,15 @@ from typing import Any
 __all__ = [
     "ALLREDUCE_SEPARATOR",
     "BASELINE",
+    "DMT",
     "TARGETS",
     "assemble_report",
+    "link_bounds",
     "peers_per_collective",
 ]
 
 BASELINE = "flat_table_wise"
+DMT = "dmt_partitioner"  # the DMT the targets and the link bound are about
 # "<variant>+<kind>": a variant run under another dense all-reduce (bench dmt
 # --dense-allreduce); it is compared with "flat_table_wise+<kind>" where that ran
 ALLREDUCE_SEPARATOR = "+"
@@ -40,6 +43,7 @@ TARGETS = {
     "cross_bytes_reduction": 4.0,  # flat table-wise / DMT compressing (partitioner)
     "auc_within": 0.002,  # |DMT compressing - flat table-wise|
     "speedup": 1.5,  # DMT compressing samples/s over flat table-wise's
+    "fraction_of_link_bound": 0.9,  # DMT's speed-up over the bound the link allows (below)
 }
 
 
@@ -93,10 +97,15 @@ def _row(
     last = good[-1]
     rates = [r["samples_per_s"] for r in good if r.get("samples_per_s")]
     peers = peers_per_collective(layout, hosts, ranks_per_host)
+    # runs of several seeds (``--seeds``): each seed's AUC (its last round), and their mean
+    by_seed = {r["seed"]: r.get("auc") for r in good if "seed" in r}
+    aucs = [a for a in by_seed.values() if a is not None]
+    if by_seed:
+        row["auc_by_seed"] = by_seed
     row.update(
         samples_per_s=statistics.median(rates) if rates else None,
         samples_per_s_runs=rates,
-        auc=last.get("auc"),
+        auc=statistics.fmean(aucs) if aucs else last.get("auc"),
         logloss=last.get("logloss"),
         oracle_auc=last.get("oracle_auc"),
         cross_host_bytes_per_sample=last.get("comm_bytes_per_sample_cross"),
@@ -152,6 +161,7 @@ def assemble_report(
         if "auc" not in row or "auc" not in base:
             continue
         row["vs_flat_table_wise"] = {
+            **_auc_deltas(row, base),
             "cross_host_bytes_reduction": _ratio(
                 base["cross_host_bytes_per_sample"], row["cross_host_bytes_per_sample"]
             ),
@@ -160,9 +170,6 @@ def assemble_report(
                 row["total_cross_host_bytes_per_sample"],
             ),
             "speedup": _ratio(row["samples_per_s"], base["samples_per_s"]),
-            "auc_delta": row["auc"] - base["auc"]
-            if row["auc"] is not None and base["auc"] is not None
-            else None,
         }
     kinds = sorted({n.partition(ALLREDUCE_SEPARATOR)[2] for n in rows} - {""})
     by_kind = {kind: _targets(rows, ALLREDUCE_SEPARATOR + kind) for kind in kinds}
@@ -176,6 +183,27 @@ def assemble_report(
     }
 
 
+def _auc_deltas(row: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+    """``auc_delta``: the row's AUC minus flat table-wise's; with seeds, the mean of the
+    per-seed differences (``auc_delta_by_seed``, paired: same seed, same data order)."""
+    mine, theirs = row.get("auc_by_seed", {}), base.get("auc_by_seed", {})
+    paired = {
+        seed: mine[seed] - theirs[seed]
+        for seed in mine
+        if seed in theirs and mine[seed] is not None and theirs[seed] is not None
+    }
+    if paired:
+        deltas = list(paired.values())
+        return {
+            "auc_delta": statistics.fmean(deltas),
+            "auc_delta_by_seed": paired,
+            "auc_delta_stdev": statistics.stdev(deltas) if len(deltas) > 1 else None,
+        }
+    if row["auc"] is None or base["auc"] is None:
+        return {"auc_delta": None}
+    return {"auc_delta": row["auc"] - base["auc"]}
+
+
 def _baseline_of(name: str) -> str:
     """The flat table-wise row that ``name`` is compared with: the one under the same
     dense all-reduce (``ALLREDUCE_SEPARATOR``)."""
@@ -186,7 +214,7 @@ def _baseline_of(name: str) -> str:
 def _targets(rows: Mapping[str, Mapping[str, Any]], suffix: str = "") -> dict[str, Any]:
     """Each target with the measured value and whether it is met (None: not measured),
     for the rows named with ``suffix`` (another dense all-reduce's)."""
-    dmt = rows.get("dmt_partitioner" + suffix, {})
+    dmt = rows.get(DMT + suffix, {})
     vs = dmt.get("vs_flat_table_wise")
     out: dict[str, Any] = {}
     if vs:
@@ -224,4 +252,66 @@ def _targets(rows: Mapping[str, Mapping[str, Any]], suffix: str = "") -> dict[st
             "target": 0.0,
             "met": dmt["auc"] >= random_row["auc"],
         }
+    return out
+
+
+def link_bounds(cases: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """What the link allows, per shaped case (``link_gbit`` set), against the unshaped case
+    of the same embedding dim (``link == "unshaped"``, the same namespaces and veth):
+
+    - flat's cross-host time ``t_f``: its step over the shaped link minus its step over
+      the unshaped one (measured; the veth's own time is in both);
+    - DMT's cross-host time at its bytes ``t_d = t_f * bytes_DMT / bytes_flat``: flat's
+      measured seconds per byte on this link, times DMT's bytes (all traffic);
+    - the bound of any layout with flat's compute and DMT's bytes:
+      ``S_flat / (S_flat - t_f + t_d)`` (``S_flat`` flat's step at this rate);
+    - DMT's measured speed-up (samples/s over flat's) as a fraction of that bound.
+
+    ``bound_nominal`` is the same with both link times from the bytes at the nominal rate
+    (``link_ms_per_step``) instead of the measured ``t_f``.
+    """
+    unshaped = {c["embedding_dim"]: c for c in cases if c.get("link") == "unshaped"}
+    out = []
+    for case in cases:
+        if case.get("link_gbit") is None:
+            continue
+        head = {"embedding_dim": case["embedding_dim"], "link_gbit": case["link_gbit"]}
+        rows = {r["variant"]: r for r in case["variants"]}
+        reference = unshaped.get(case["embedding_dim"])
+        ref_rows = {r["variant"]: r for r in reference["variants"]} if reference else {}
+        flat, dmt = rows.get(BASELINE, {}), rows.get(DMT, {})
+        ref_flat, ref_dmt = ref_rows.get(BASELINE, {}), ref_rows.get(DMT, {})
+        needed = (flat, dmt, ref_flat)
+        if not all(r.get("step_ms") and r.get("total_cross_host_bytes_per_sample") for r in needed):
+            out.append({**head, "error": f"needs {BASELINE} and {DMT} here and unshaped"})
+            continue
+        flat_step = flat["step_ms"]
+        flat_link = flat_step - ref_flat["step_ms"]
+        share = dmt["total_cross_host_bytes_per_sample"] / flat["total_cross_host_bytes_per_sample"]
+        dmt_link = flat_link * share
+        bound = flat_step / (flat_step - flat_link + dmt_link)
+        speedup = dmt["samples_per_s"] / flat["samples_per_s"]
+        nominal = flat_step / (flat_step - flat["link_ms_per_step"] + dmt["link_ms_per_step"])
+        fraction = speedup / bound
+        target = TARGETS["fraction_of_link_bound"]
+        out.append(
+            {
+                **head,
+                "flat_step_ms": flat_step,
+                "flat_unshaped_step_ms": ref_flat["step_ms"],
+                "flat_cross_host_ms": flat_link,
+                "flat_link_ms_nominal": flat["link_ms_per_step"],
+                "dmt_cross_host_ms_at_its_bytes": dmt_link,
+                "dmt_step_ms": dmt["step_ms"],
+                "dmt_unshaped_step_ms": ref_dmt.get("step_ms"),
+                "cross_host_bytes_flat": flat["total_cross_host_bytes_per_sample"],
+                "cross_host_bytes_dmt": dmt["total_cross_host_bytes_per_sample"],
+                "bound": bound,
+                "bound_nominal": nominal,
+                "dmt_speedup": speedup,
+                "fraction_of_bound": fraction,
+                "target": target,
+                "met": fraction >= target,
+            }
+        )
     return out

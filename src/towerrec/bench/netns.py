@@ -33,7 +33,7 @@ import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 __all__ = [
     "NETNS_PREFIX",
@@ -86,11 +86,25 @@ class TwoHostNetwork:
     namespaces: tuple[str, str]
     devices: tuple[str, str]
     addresses: tuple[str, str]
-    link: LinkConfig
+    link: LinkConfig | None  # None: unshaped
 
     def exec_prefix(self, host: int) -> list[str]:
         """The command prefix that runs a program inside host ``host``'s namespace."""
         return ["ip", "netns", "exec", self.namespaces[host]]
+
+    def reshape(self, link: LinkConfig | None) -> TwoHostNetwork:
+        """Shape both veth ends as ``link`` says, or remove the shaping (None: the veth's
+        own speed); the network as it now is. The namespaces and addresses stay."""
+        for h in (0, 1):
+            inside = [*self.exec_prefix(h), "tc", "qdisc"]
+            if link is None:
+                # no root qdisc to delete is fine: unshaped already
+                subprocess.run(
+                    [*inside, "del", "dev", self.devices[h], "root"], capture_output=True
+                )
+            else:
+                _run([*inside, "replace", "dev", self.devices[h], "root", *link.qdisc()])
+        return replace(self, link=link)
 
 
 def _run(args: Sequence[str]) -> str:

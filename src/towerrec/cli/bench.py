@@ -86,8 +86,8 @@ BENCHMARKS: dict[str, BenchmarkEntry] = {
         "towerrec.bench.towers",
     ),
     "dmt": BenchmarkEntry(
-        "flat DLRM vs DMT on 2 hosts x 2 ranks: bytes, peers, AUC, samples/s (--network "
-        "netns: two network namespaces over a shaped link; root)",
+        "flat DLRM vs DMT on 2 hosts x 2 ranks: bytes, peers, AUC, samples/s, the link's bound "
+        "(--network netns: two network namespaces over a shaped link; root)",
         "towerrec.bench.dmt",
     ),
     "quality": BenchmarkEntry(

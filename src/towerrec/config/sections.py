@@ -204,6 +204,10 @@ class DistributedConfig:
     sharding: ShardingType = ShardingType.TABLE_WISE  # every table, when plan.strategy = "none"
     forward_codec: str = "fp32"  # wire format of pooled embeddings: fp32 | fp16 | bf16
     backward_codec: str = "fp32"  # wire format of their gradients
+    # DMT on several hosts: the tower outputs, x (tower_dense) and their gradients on the
+    # cross-host wire, both ways; bf16 rounds each float to 8 significant bits (relative
+    # error <= 2^-8) with fp32's range; fp16 keeps 11 bits only for |x| >= 2^-14
+    tower_codec: str = "bf16"
     pipeline: bool = False  # overlap the next batch's input_dist with this batch's compute
     timeout_s: float = 300.0  # a collective waiting longer for a peer fails the run
     # DMT on several hosts: tower t's tables inside host t; "auto": the planner's cost
@@ -230,6 +234,7 @@ class DistributedConfig:
         object.__setattr__(self, "sharding", ShardingType(self.sharding))
         _choice(self.forward_codec, ("fp32", "fp16", "bf16"), "distributed.forward_codec")
         _choice(self.backward_codec, ("fp32", "fp16", "bf16"), "distributed.backward_codec")
+        _choice(self.tower_codec, ("fp32", "fp16", "bf16"), "distributed.tower_codec")
         positive("distributed.timeout_s", self.timeout_s)
         _choice(
             str(self.tower_sharding),

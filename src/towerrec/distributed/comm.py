@@ -230,14 +230,19 @@ class Comm:
     ) -> Pending:
         """``all_to_all`` begun: returns while the data is in flight, so the caller can
         compute meanwhile; ``.wait()`` gives what ``all_to_all`` returns (differentiable
-        for float ``x``: its backward is the same all-to-all of the gradient)."""
+        for float ``x``: its backward is the same all-to-all of the gradient).
+
+        The backward overlaps too: the gradient's all-to-all starts where autograd
+        reaches the wait and finishes where it reaches the start, so whatever the
+        caller computed between start and wait (created later in the forward, run
+        earlier in the backward) runs while the gradients are in flight."""
         codecs = codecs or CommCodecs()
         send_counts, recv_counts = list(send_counts), list(recv_counts)
         if not (x.is_floating_point() and torch.is_grad_enabled() and x.requires_grad):
             return self.all_to_all_async(x, send_counts, recv_counts, name, codecs.forward)
-        flight: dict[str, Pending] = {}
+        flight: dict[str, object] = {}  # the forward's Pending, the backward's
         link = _AllToAllStart.apply(x, self, send_counts, recv_counts, name, codecs, flight)
-        return Pending(None, lambda: _AllToAllWait.apply(link, flight["pending"]))
+        return Pending(None, lambda: _AllToAllWait.apply(link, flight))
 
     def exchange_counts(self, counts: torch.Tensor, name: str) -> torch.Tensor:
         """``counts[world, k]`` int64 (row r goes to rank r) -> what every rank sent us."""
@@ -314,28 +319,51 @@ class _AllToAll(torch.autograd.Function):
 
 class _AllToAllStart(torch.autograd.Function):
     """Forward: launch the all-to-all (into ``flight``) and return an unfilled tensor
-    of the received size that links the graph to ``_AllToAllWait``. Backward: the
-    all-to-all of the gradient, counts swapped."""
+    of the received size that links the graph to ``_AllToAllWait``. Backward: finish
+    the gradient's all-to-all that ``_AllToAllWait``'s backward started."""
 
     @staticmethod
     def forward(ctx, x, comm: Comm, send_counts, recv_counts, name, codecs: CommCodecs, flight):
-        ctx.comm, ctx.name, ctx.codecs = comm, name, codecs
-        ctx.send_counts, ctx.recv_counts = send_counts, recv_counts
+        ctx.flight = flight
         flight["pending"] = comm.all_to_all_async(x, send_counts, recv_counts, name, codecs.forward)
+        flight["backward"] = _Reverse(comm, send_counts, recv_counts, name, codecs)
         return x.new_empty(sum(recv_counts))
 
     @staticmethod
-    def backward(ctx, grad):
-        return _AllToAll.backward(ctx, grad)[:1] + (None,) * 6
+    def backward(ctx, _link_grad):
+        return (ctx.flight.pop("grad").wait(),) + (None,) * 6
 
 
 class _AllToAllWait(torch.autograd.Function):
-    """Forward: wait for the all-to-all and return its data. Backward: identity."""
+    """Forward: wait for the all-to-all and return its data. Backward: start the
+    gradient's all-to-all (counts swapped) and pass the gradient on to the start."""
 
     @staticmethod
-    def forward(ctx, link, pending: Pending):
-        return pending.wait()
+    def forward(ctx, link, flight):
+        ctx.flight = flight
+        return flight["pending"].wait()
 
     @staticmethod
     def backward(ctx, grad):
+        ctx.flight["grad"] = ctx.flight["backward"].start(grad)
         return grad, None
+
+
+@dataclass(frozen=True)
+class _Reverse:
+    """The gradient's all-to-all of an ``all_to_all_start``."""
+
+    comm: Comm
+    send_counts: list[int]
+    recv_counts: list[int]
+    name: str
+    codecs: CommCodecs
+
+    def start(self, grad: torch.Tensor) -> Pending:
+        return self.comm.all_to_all_async(
+            grad.contiguous(),
+            self.recv_counts,
+            self.send_counts,
+            self.name + "_grad",
+            self.codecs.backward,
+        )

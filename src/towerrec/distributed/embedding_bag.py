@@ -4,8 +4,9 @@
 
     local batch KeyedJaggedTensor (B samples)
       │ input_dist   ids checked (id policy), routed to the shards that own them:
-      │              count exchange, then all-to-all of lengths+ids (and weights);
-      │              data-parallel features: the global batch's ids gathered
+      │              one all-to-all of lengths + ids + weights once sizes settle
+      │              (sized_exchange.py); data-parallel features: the global
+      │              batch's ids gathered in the same message
       ▼
     lookup           this rank's shards: one local EmbeddingBagCollection (fused
       │              kernels, optimizer in backward) over sum_r B_r samples;
@@ -277,17 +278,17 @@ class ShardedEmbeddingBagCollection(FusedEmbeddingCollection):
         self.invalidate()
 
     # ------------------------------------------------------------- forward
-    def input_dist(self, features: KeyedJaggedTensor) -> Pending:
+    def input_dist(self, features: KeyedJaggedTensor, settle: bool = False) -> Pending:
         """Start sending this batch's ids to their shards; ``.wait()`` gives a ``DistInput``
-        (``input_dist.py``)."""
-        return self._input.start(features)
+        (``input_dist.py``; ``settle``: sizes read before this returns, for a prefetch)."""
+        return self._input.start(features, settle)
 
     def prefetch(self, features: KeyedJaggedTensor) -> int:
         """Start ``input_dist`` of a batch that a later forward will take; returns its key
         (see ``use_prefetched``). Every rank must prefetch the same sequence of batches."""
         held = CommStats()  # counted when the batch is trained, not while it waits
         with self.comm.recording_into(held):
-            pending = self.input_dist(features)
+            pending = self.input_dist(features, settle=True)
         key = next(self._prefetch_keys)
         self._prefetched[key] = _Prefetched(pending, held, _shape_of(features))
         return key

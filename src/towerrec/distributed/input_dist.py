@@ -4,10 +4,15 @@ local batch.
 For a plan, every model-parallel shard of a table holds one *slot* per feature
 of the table. Rank r sends, to each rank d, a payload for d's slots::
 
-    payload to d = the lengths [K_d, B] and ids of d's K_d slots, key-major (ids
-                   shifted to the shard's local rows), encoded by ``IdWire``
-                   (``id_wire.py``: narrow integer types, each slot's ids
-                   deduplicated with an inverse index)
+    payload to d = the lengths [K_d, B], ids and per-id weights of d's K_d slots,
+                   key-major (ids shifted to the shard's local rows), encoded by
+                   ``IdWire`` (``id_wire.py``: narrow integer types, each slot's ids
+                   deduplicated with an inverse index), then the data-parallel
+                   features' payload (the same to every rank)
+
+in one all-to-all once the sizes settle (``sized_exchange.py``: the sizes travel in
+each message's head; the first batch, and any payload over the agreed capacity, needs
+a second all-to-all for its rest),
 
 and rank d rebuilds one ``KeyedJaggedTensor`` of its slots over the samples of
 every source, source-major inside each key::
@@ -16,7 +21,8 @@ every source, source-major inside each key::
 
 Where an id goes is its table's sharding type's answer (``towerrec.sharding``:
 row splits bucketize, column splits replicate). Data-parallel features are
-gathered whole (lengths + ids of the global batch on every rank).
+gathered whole (lengths + ids of the global batch on every rank, from the tail of
+every message).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from towerrec.distributed.comm import Comm, Pending
 from towerrec.distributed.id_wire import IdWire
 from towerrec.distributed.mesh import Topology
+from towerrec.distributed.sized_exchange import SizedExchange
 from towerrec.modules.embedding_bag import IdPolicy, apply_id_policy, check_weighted_pooling
 from towerrec.modules.tables import TableConfig
 from towerrec.sharding import ShardingPlan, ShardingStrategy, strategy_for
@@ -128,11 +135,9 @@ class Router:
     def has_hierarchical(self) -> bool:
         return any(s.hierarchical for slots in self.slots for s in slots)
 
-    def route(
-        self, features: KeyedJaggedTensor, wire: IdWire
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[int]]:
-        """Per destination rank: its slots' lengths and ids encoded by ``wire`` (uint8),
-        float weights (or None), number of ids.
+    def route(self, features: KeyedJaggedTensor, wire: IdWire) -> list[torch.Tensor]:
+        """Per destination rank: its slots' lengths, ids and per-id weights (if any)
+        encoded by ``wire`` (uint8).
 
         ``features`` holds exactly ``self.features`` in order, ids already in range.
         """
@@ -155,8 +160,7 @@ class Router:
                 slot_lengths[rank][slot], slot_values[rank][slot], slot_weights[rank][slot] = (
                     buckets[bucket]
                 )
-        payload_weights: list[torch.Tensor] | None
-        payloads, payload_weights, num_ids = [], [] if weights is not None else None, []
+        payloads = []
         for rank in range(world):
             ids = torch.cat(slot_values[rank]) if slot_values[rank] else values.new_zeros(0)
             bags = (
@@ -164,26 +168,20 @@ class Router:
                 if slot_lengths[rank]
                 else lengths.new_zeros(0, batch)
             )
-            payloads.append(wire.encode(bags, ids))
-            num_ids.append(ids.numel())
-            if payload_weights is not None:
-                assert weights is not None  # payload_weights exist only with weights
-                ws = slot_weights[rank]
-                payload_weights.append(torch.cat(ws) if ws else weights.new_zeros(0))
-        return payloads, payload_weights, num_ids
+            ws = None
+            if weights is not None:
+                ws = torch.cat(slot_weights[rank]) if slot_weights[rank] else weights[:0]
+            payloads.append(wire.encode(bags, ids, ws))
+        return payloads
 
     def assemble(
-        self,
-        wire: IdWire,
-        received: torch.Tensor,
-        sizes: Sequence[int],
-        batches: Sequence[int],
-        weights: torch.Tensor | None,
+        self, wire: IdWire, received: torch.Tensor, sizes: Sequence[int], batches: Sequence[int]
     ) -> KeyedJaggedTensor:
         """The local batch of this rank's slots from the payloads of every source rank
         (``sizes[r]`` bytes from rank r)."""
         features = [s.feature for s in self.slots[self.topology.rank]]
-        return assemble(features, wire.decode_all(received, sizes, len(features), batches), weights)
+        parts, weights = wire.decode_all_weighted(received, sizes, len(features), batches)
+        return assemble(features, parts, weights)
 
 
 def assemble(
@@ -229,6 +227,7 @@ class InputDist:
     ) -> None:
         self.router, self.comm, self.device = router, comm, device
         self.wire = wire or IdWire()
+        self.exchange = SizedExchange(comm, "input_ids", "input_overflow")
         self.tables = list(tables)
         self.feature_names, self.embedding_dims = list(feature_names), list(embedding_dims)
         self.rows_per_feature, self.id_policy = rows_per_feature, id_policy
@@ -251,8 +250,11 @@ class InputDist:
             if divided_at_owner(pooling[f], f in partial)
         ]
 
-    def start(self, features: KeyedJaggedTensor) -> Pending:
-        """Start sending this batch's ids to their shards; ``.wait()`` gives a ``DistInput``."""
+    def start(self, features: KeyedJaggedTensor, settle: bool = False) -> Pending:
+        """Start sending this batch's ids to their shards; ``.wait()`` gives a ``DistInput``.
+        One message per destination once sizes settle (``sized_exchange.py``); ``settle``
+        (a prefetch, received later at a point that may differ between ranks): the
+        sizes are read, and any rest over the agreed capacity sent, before this returns."""
         if features.keys() != self.feature_names:
             features = features.select(self.feature_names)
         check_weighted_pooling(features, self.tables)
@@ -260,73 +262,45 @@ class InputDist:
         features = KeyedJaggedTensor(
             features.keys(), values, features.lengths(), features.weights_or_none(), validate=False
         )
-        comm, world, batch = self.comm, self.comm.world_size, features.stride()
+        world, batch = self.comm.world_size, features.stride()
         sharded = features.select(self.sharded_features) if self.sharded_features else None
         replicated = features.select(self.replicated_features) if self.replicated_features else None
         wire = self.wire
-        payloads, payload_weights, num_ids = (
-            self.router.route(sharded, wire) if sharded is not None else ([], None, [0] * world)
-        )
+        empty = torch.zeros(0, dtype=torch.uint8, device=values.device)
+        payloads = self.router.route(sharded, wire) if sharded is not None else [empty] * world
+        # data-parallel features: the same payload to every rank (an all-gather), after
+        # the rank's own slots in one message
         replicated_payload = (
             wire.encode(
                 replicated.lengths().view(len(self.replicated_features), batch),
                 replicated.values(),
+                replicated.weights_or_none(),
             )
             if replicated is not None
-            else torch.zeros(0, dtype=torch.uint8, device=values.device)
+            else empty
         )
-        counts = torch.tensor(
-            [
-                [
-                    batch,
-                    payloads[r].numel() if payloads else 0,
-                    num_ids[r],
-                    replicated_payload.numel(),
-                    replicated.values().numel() if replicated is not None else 0,
-                ]
-                for r in range(world)
-            ],
-            dtype=torch.int64,
+        flight = self.exchange.start(
+            [torch.cat([p, replicated_payload]) for p in payloads],
+            [[batch, p.numel()] for p in payloads],
+            settle=settle,
         )
-        received = comm.exchange_counts(counts.to(self.device), "input_counts").cpu()
-        batches = received[:, 0].tolist()
-        ids = weights = replicated_ids = replicated_weights = None
-        if sharded is not None:
-            send = [p.numel() for p in payloads]
-            ids = comm.all_to_all_async(
-                torch.cat(payloads), send, received[:, 1].tolist(), "input_ids"
-            )
-            if payload_weights is not None:
-                weights = comm.all_to_all_async(
-                    torch.cat(payload_weights), num_ids, received[:, 2].tolist(), "input_weights"
-                )
-        got = received[:, 3].tolist()
-        replicated_ids_of = received[:, 4].tolist()
-        if replicated is not None:
-            replicated_ids = comm.all_gather_async(replicated_payload, got, "input_replicated")
-            if replicated.weights_or_none() is not None:
-                replicated_weights = comm.all_gather_async(
-                    replicated.weights(), replicated_ids_of, "input_weights"
-                )
         divisor = self._divisor(features) if self.mean_partial else None
 
         def finish() -> DistInput:
+            head = flight.heads()
+            batches, sizes = head[:, 0].tolist(), head[:, 1].tolist()
+            received = flight.received()
             local = glob = None
-            if ids is not None:
-                local = self.router.assemble(
-                    wire,
-                    ids.wait(),
-                    received[:, 1].tolist(),
-                    batches,
-                    weights.wait() if weights is not None else None,
-                )
-            if replicated_ids is not None:
+            if sharded is not None:
+                mine = torch.cat([r[:size] for r, size in zip(received, sizes)])
+                local = self.router.assemble(wire, mine, sizes, batches)
+            if replicated is not None:
                 keys = self.replicated_features
-                glob = assemble(
-                    keys,
-                    wire.decode_all(replicated_ids.wait(), got, len(keys), batches),
-                    replicated_weights.wait() if replicated_weights is not None else None,
+                rest = [r[size:] for r, size in zip(received, sizes)]
+                parts, weights = wire.decode_all_weighted(
+                    torch.cat(rest), [r.numel() for r in rest], len(keys), batches
                 )
+                glob = assemble(keys, parts, weights)
             return DistInput(batch, batches, local, glob, divisor)
 
         return Pending(None, finish)

@@ -8,12 +8,14 @@
         │ split by tower: tower t's features ─► peer (t, l)                         │
         ▼ (a) peer all-to-all across hosts, rank l <-> rank l only: one message per │
         │     peer, lengths + ids + per-id weights (narrow types, deduplicated:     │
-        │     id_wire.py), in flight while the bottom MLP runs                      │
+        │     id_wire.py); x with tower_dense (bottom run first)                    │
     rank (t, l): tower t's features of the peer batch P = sum_h B_{h,l}             │
         ▼ (b) host-local sharded lookup of tower t's tables (row-wise, ... inside   │
         │     host t: ShardedEmbeddingBagCollection on the host's L ranks)          │
       E_t [P, T_t, D] ─► (c) tower t (DDP over the L ranks of host t) ─► O_t [P, K_t, D]
-        ▼ (d) peer all-to-all back: each sample's O_t to the rank that owns it      │
+        ▼ (d) peer all-to-all back: each sample's O_t to the rank that owns it,     │
+        │     in flight while the bottom MLP runs (its gradient: while the bottom's │
+        │     backward and the dense all-reduce run)                                │
     rank (h, l): O_0 .. O_{N-1} [B, K_t, D], in tower order ─► interact(x, O) ◄─────┘
                                                                 ─► logits [B]
 
@@ -21,7 +23,7 @@ Bottom MLP, interaction and top run data-parallel over the whole world (DDP);
 only tower t's module and tables exist on host t. With ``tower_dense`` the
 bottom output x follows the ids in (a) once the bottom has run (differentiably).
 The step's collectives of the transform: the ids (one message per peer, and a
-second for payloads over the agreed capacity: ``_PeerInput``), x (with
+second for payloads over the agreed capacity: ``sized_exchange.py``), x (with
 ``tower_dense``), the host lookup's, the tower outputs. Every collective
 is counted by ``CommStats``: the peer all-to-alls as cross-host bytes, the
 lookup's as intra-host bytes (one stats object for the whole model).
@@ -43,7 +45,6 @@ G = N L B samples when every parameter's gradient is ``(1/NL) sum_r grad loss_r`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -65,6 +66,7 @@ from towerrec.distributed.parallelize import (
     topology_of,
     uniform_plan,
 )
+from towerrec.distributed.sized_exchange import SizedExchange, SizedFlight
 from towerrec.models.dmt import DMT, TowerModule
 from towerrec.models.interfaces import SparseArchModel
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
@@ -113,41 +115,6 @@ def _scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return ScaleGrad.apply(x, scale) if x.requires_grad and scale != 1.0 else x
 
 
-# The fixed head of a peer message: int64 [batch, payload bytes, weighted, any payload of
-# the sender over capacity, the sender's largest payload].
-_PREFIX_BYTES = 5 * 8
-
-
-def _capacity_for(largest: int) -> int:
-    """Payload bytes a peer message carries in the next step: the peer group's largest
-    payload of this step and an eighth more (batches vary), rounded up to 64 bytes."""
-    return 64 * -(-(largest * 9 // 8) // 64)
-
-
-@dataclass
-class _PeerInput:
-    """An input exchange of the tower transform in flight.
-
-    Each rank sends every peer one chunk of ``_PREFIX_BYTES + capacity`` bytes: the
-    head (batch, payload size, ...) and the payload's first ``capacity`` bytes, zero
-    padded. The peer group agrees on the capacity without a message of its own: each
-    chunk carries the sender's largest payload, every rank receives them all and
-    derives the next step's capacity alike (``_capacity_for``). A payload over the
-    capacity sends its rest in a second all-to-all; every chunk says whether its
-    sender has such a rest, so every rank of the group starts that second one or
-    none. The first step (capacity 0) is the old counts exchange and payload
-    all-to-all; steady steps need one message per peer.
-    """
-
-    pending: Pending
-    payloads: list[torch.Tensor]
-    capacity: int
-    batches: list[int] | None = None
-    sizes: list[int] = field(default_factory=list)
-    bodies: list[torch.Tensor] = field(default_factory=list)
-    overflow: Pending | None = None
-
-
 class TowerEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     """Tower t's tables sharded over host t; counts every tower's tables as the model's."""
 
@@ -181,13 +148,15 @@ class TowerParallelDMT(SparseArchModel):
         topology: Topology,
         sparse: ShardedEmbeddingBagCollection,
         peer: Comm,
-        codecs: CommCodecs,
+        tower_codecs: CommCodecs,
         wire: IdWire | None = None,
     ) -> None:
         super().__init__()
-        self.topology, self.peer, self.codecs = topology, peer, codecs
+        # the codecs of the floats that cross hosts: tower outputs, x and their gradients
+        self.topology, self.peer, self.tower_codecs = topology, peer, tower_codecs
         self.wire = wire or IdWire()
-        self.capacity = 0  # payload bytes per peer message (``_PeerInput``)
+        # the ids' peer exchange: one message per peer once sizes settle
+        self.peer_ids = SizedExchange(peer, "tower_input_ids", "tower_input_overflow")
         self.tower_index = topology.host
         self.partition = [list(g) for g in model.partition]
         self.embedding_dim = model.embedding_dim
@@ -221,12 +190,12 @@ class TowerParallelDMT(SparseArchModel):
         return self._num_dense
 
     # ------------------------------------------------------------- (a) input
-    def input_dist_start(self, features: KeyedJaggedTensor) -> _PeerInput:
-        """Start sending each tower's features to its host: one message per peer, a
-        fixed-size chunk (``_PeerInput``) of the payload of ids, lengths and per-id
-        weights (``id_wire.py``). ``input_dist_batches`` then gives ``B_h`` per host and
-        ``input_dist_finish`` the features of the peer batch."""
-        batch, hosts, capacity = features.stride(), self.topology.hosts, self.capacity
+    def input_dist_start(self, features: KeyedJaggedTensor) -> SizedFlight:
+        """Start sending each tower's features to its host: one message per peer once the
+        payload sizes settle (``sized_exchange.py``), the payload of ids, lengths and
+        per-id weights (``id_wire.py``). ``input_dist_batches`` then gives ``B_h`` per host
+        and ``input_dist_finish`` the features of the peer batch."""
+        batch = features.stride()
         weights = features.weights_or_none()
         payloads = []
         for group in self.partition:
@@ -238,66 +207,27 @@ class TowerParallelDMT(SparseArchModel):
                     part.weights() if weights is not None else None,
                 )
             )
-        largest = max(p.numel() for p in payloads)
-        device = features.values().device
-        chunks = []
-        for p in payloads:
-            head = [batch, p.numel(), int(weights is not None), int(largest > capacity), largest]
-            body = p[:capacity]
-            pad = torch.zeros(capacity - body.numel(), dtype=torch.uint8, device=device)
-            chunks += [torch.tensor(head, dtype=torch.int64, device=device).view(torch.uint8)]
-            chunks += [body, pad]
-        width = _PREFIX_BYTES + capacity
-        pending = self.peer.all_to_all_async(
-            torch.cat(chunks), [width] * hosts, [width] * hosts, "tower_input_ids"
-        )
-        return _PeerInput(pending, payloads, capacity)
+        fields = [[batch, int(weights is not None)]] * len(payloads)
+        return self.peer_ids.start(payloads, fields)
 
-    def input_dist_batches(self, flight: _PeerInput) -> list[int]:
-        """``B_h`` per host of an input exchange: waits for its chunks and starts the
-        overflow all-to-all where a payload did not fit (any rank of the peer group
-        says so in its chunks, so every rank of it starts one or none)."""
-        if flight.batches is not None:
-            return flight.batches
-        hosts, capacity = self.topology.hosts, flight.capacity
-        got = flight.pending.wait().view(hosts, _PREFIX_BYTES + capacity)
-        head = got[:, :_PREFIX_BYTES].contiguous().view(torch.int64).cpu()
-        batches, sizes = head[:, 0].tolist(), head[:, 1].tolist()
-        weighted = head[:, 2]
+    def input_dist_batches(self, flight: SizedFlight) -> list[int]:
+        """``B_h`` per host of an input exchange: waits for its chunks (and starts the
+        overflow all-to-all where a payload did not fit)."""
+        head = flight.heads()
+        weighted = head[:, 1]
         if bool(weighted.any()) != bool(weighted.all()):
             raise ValueError(
                 "some ranks' batches carry per-id weights and some do not; give every rank "
                 "weighted features or none"
             )
-        # every rank of the peer group received every rank's largest payload: one capacity
-        self.capacity = _capacity_for(int(head[:, 4].max()))
-        flight.bodies = [
-            got[h, _PREFIX_BYTES : _PREFIX_BYTES + min(sizes[h], capacity)] for h in range(hosts)
-        ]
-        flight.sizes = sizes
-        if bool(head[:, 3].any()):
-            send = [max(p.numel() - capacity, 0) for p in flight.payloads]
-            flight.overflow = self.peer.all_to_all_async(
-                torch.cat([p[capacity:] for p in flight.payloads]),
-                send,
-                [max(size - capacity, 0) for size in sizes],
-                "tower_input_overflow",
-            )
-        flight.batches = batches
-        return batches
+        return head[:, 0].tolist()
 
-    def input_dist_finish(self, flight: _PeerInput) -> KeyedJaggedTensor:
+    def input_dist_finish(self, flight: SizedFlight) -> KeyedJaggedTensor:
         """Tower t's features of the peer batch ``[sum_h B_h]`` from an input exchange."""
         batches = self.input_dist_batches(flight)
-        payloads = flight.bodies
-        if flight.overflow is not None:
-            rest = flight.overflow.wait().split(
-                [max(size - flight.capacity, 0) for size in flight.sizes]
-            )
-            payloads = [torch.cat([body, more]) for body, more in zip(payloads, rest)]
         keys = self.partition[self.tower_index]
         parts, got_weights = self.wire.decode_all_weighted(
-            torch.cat(payloads), flight.sizes, len(keys), batches
+            torch.cat(flight.received()), flight.sizes, len(keys), batches
         )
         return assemble(keys, parts, got_weights)
 
@@ -307,7 +237,11 @@ class TowerParallelDMT(SparseArchModel):
         hosts, batch, dim = self.topology.hosts, x.shape[0], x.shape[1]
         flat = x.reshape(-1).repeat(hosts) if hosts > 1 else x.reshape(-1)
         got = self.peer.all_to_all(
-            flat, [batch * dim] * hosts, [b * dim for b in batches], "tower_dense", self.codecs
+            flat,
+            [batch * dim] * hosts,
+            [b * dim for b in batches],
+            "tower_dense",
+            self.tower_codecs,
         )
         return _scale_grad(got.view(-1, dim), float(hosts))
 
@@ -333,33 +267,48 @@ class TowerParallelDMT(SparseArchModel):
     # ------------------------------------------------------------ (d) output
     def output_dist(self, out: torch.Tensor, batches: Sequence[int]) -> list[torch.Tensor]:
         """Tower outputs ``[sum_h B_h, K_t, D]`` -> every tower's ``[B, K_u, D]`` for our samples."""
+        return self.output_dist_start(out, batches).wait()
+
+    def output_dist_start(self, out: torch.Tensor, batches: Sequence[int]) -> Pending:
+        """``output_dist`` begun: ``.wait()`` gives its result. In the backward the outputs'
+        gradients fly while what ran between start and wait runs (``Comm.all_to_all_start``)."""
         batch, dim = batches[self.topology.host], self.embedding_dim
         width = out.shape[1] * dim
-        received = self.peer.all_to_all(
+        in_flight = self.peer.all_to_all_start(
             out.reshape(-1),
             [b * width for b in batches],
             [batch * k * dim for k in self.num_outputs],
             "tower_outputs",
-            self.codecs,
+            self.tower_codecs,
         )
-        parts = received.split([batch * k * dim for k in self.num_outputs])
-        return [p.view(batch, k, dim) for p, k in zip(parts, self.num_outputs)]
+
+        def finish() -> list[torch.Tensor]:
+            parts = in_flight.wait().split([batch * k * dim for k in self.num_outputs])
+            return [p.view(batch, k, dim) for p, k in zip(parts, self.num_outputs)]
+
+        return Pending(None, finish)
 
     def interact(self, x: torch.Tensor | None, outputs: Sequence[torch.Tensor]) -> torch.Tensor:
         """``DMT.interact``: x ``[B, D]`` (or None) and every tower's ``[B, K_t, D]`` -> ``[B]``."""
         return self._interact(x, outputs)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        # The peer all-to-all of the ids is in flight while the bottom MLP runs.
         flight = self.input_dist_start(sparse)
-        x = self.bottom(dense) if self.bottom is not None else None
+        # With tower_dense the towers need x: the bottom MLP runs while the ids fly.
+        # Else it runs while the tower outputs fly, and in the backward (last created,
+        # first run) the bottom's backward and the dense all-reduce run while the
+        # outputs' gradients fly back.
+        x = self.bottom(dense) if self.bottom is not None and self.use_dense else None
         batches = self.input_dist_batches(flight)
         x_peer = self._peer_dense(x, batches)
         local = self.input_dist_finish(flight)
         embeddings = self.sparse(local).stacked().index_select(1, self.tower_order)
         out = self.tower(embeddings, x_peer)  # [sum_h B_h, K_t, D]
         out = _scale_grad(out, 1.0 / self.topology.hosts)
-        return self.interact(x, self.output_dist(out, batches))
+        outputs = self.output_dist_start(out, batches)
+        if self.bottom is not None and not self.use_dense:
+            x = self.bottom(dense)
+        return self.interact(x, outputs.wait())
 
 
 def tower_tables(
@@ -409,6 +358,7 @@ def parallelize_towers(
     *,
     sharding: ShardingType | str = ShardingType.ROW_WISE,
     codecs: CommCodecs | None = None,
+    tower_codecs: CommCodecs | None = None,
     stats: CommStats | None = None,
     dense_stats: CommStats | None = None,
     dense: str = "ddp",
@@ -423,8 +373,10 @@ def parallelize_towers(
     given (the planner's layout, ``train.planning.plan_tower_layouts``); weights and optimizer state are copied from ``model``
     (or, when its collection is not materialized, the shards initialise themselves).
     ``dense``: the bottom, top and tower replicated (``"ddp"``) or sharded (``"fsdp"``).
-    ``codecs`` encode the tower outputs, x and their gradients on the wire, and the host
-    lookup's pooled rows; ``id_wire`` the ids of the peer and host all-to-alls.
+    ``tower_codecs`` encode what crosses hosts as floats, the tower outputs, x and their
+    gradients (default fp32: exactly the single-process DMT; ``towerrec train`` passes
+    ``distributed.tower_codec``, bf16 by default), ``codecs`` the host lookup's pooled rows
+    inside the host; ``id_wire`` the ids of the peer and host all-to-alls.
     ``dense_allreduce``: the bottom's and top's DDP all-reduce over all ranks, ``ring`` or
     ``hierarchical`` (``dense_allreduce.py``); the tower's, inside its host, is the ring.
     """
@@ -471,7 +423,9 @@ def parallelize_towers(
         id_wire=id_wire,
         total_embedding_parameters=ebc.num_embedding_parameters,
     )
-    parallel = TowerParallelDMT(model, topology, sparse, peer, codecs, id_wire)
+    parallel = TowerParallelDMT(
+        model, topology, sparse, peer, tower_codecs or CommCodecs(), id_wire
+    )
     if topology.world_size > 1 and dense == "fsdp":
         # Bottom and top sharded over every rank, the tower over its host's ranks; each
         # of them is its own FSDP root (TowerParallelDMT's forward is not one module's).

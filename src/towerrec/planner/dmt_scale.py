@@ -36,10 +36,11 @@ from typing import Any
 from towerrec.utils import positive
 
 __all__ = [
-    "FIT_TERMS",
+    "LINK_TERMS",
     "Cluster",
     "MeasuredStep",
     "Workload",
+    "evaluate_fit",
     "fit_link_constants",
     "fit_terms",
     "peer_messages",
@@ -152,6 +153,9 @@ def predict_step(num_accelerators: int, cluster: Cluster, work: Workload) -> dic
         * _a2a(hosts - 1, b * outputs * peer_share, cluster.cross_latency, cluster.cross_host_bw)
     )
     tower_s = b * work.tower_flops_per_sample / cluster.flops
+    # of the collectives' time, the peers x latency part (3 all-to-alls: ids, rows, grads)
+    flat_latency = 3 * ((g - local) * cluster.cross_latency + (local - 1) * cluster.intra_latency)
+    dmt_latency = 3 * ((hosts - 1) * cluster.cross_latency + (local - 1) * cluster.intra_latency)
 
     flat_step = common + flat_comm
     dmt_step = common + tower_s + dmt_comm
@@ -163,6 +167,7 @@ def predict_step(num_accelerators: int, cluster: Cluster, work: Workload) -> dic
             "intra_host_bytes_per_sample": flat_intra / b,
             "peers_per_collective": {"cross_host": g - local, "intra_host": local - 1},
             "comm_s": flat_comm,
+            "comm_latency_s": flat_latency if hosts > 1 else 0.0,
             "step_s": flat_step,
             "samples_per_s": g * b / flat_step,
         },
@@ -171,6 +176,8 @@ def predict_step(num_accelerators: int, cluster: Cluster, work: Workload) -> dic
             "intra_host_bytes_per_sample": dmt_intra / b,
             "peers_per_collective": {"cross_host": hosts - 1, "intra_host": local - 1},
             "comm_s": dmt_comm,
+            "comm_latency_s": dmt_latency if hosts > 1 else 0.0,
+            "tower_s": tower_s,
             "step_s": dmt_step,
             "samples_per_s": g * b / dmt_step,
         },
@@ -200,8 +207,9 @@ def scale_sweep(
 #
 #   step = c_model + a_loop m_loop + a_link m_link + b_loop bytes_loop + k_link link_s
 #
-# c_model    the step without communication, one constant per model (flat DLRM, DMT):
-#            the measured machine's compute is not the scale model's accelerators'
+# c_model    the step without communication, one constant per model (flat DLRM, DMT)
+#            and embedding dim (``c_dlrm_d16``, ...): the measured machine's compute
+#            is not the scale model's accelerators'
 # m_*        peer messages a rank waits for per step, by link class (``peer_messages``)
 # bytes_loop bytes a rank sends per step over the host's own links (loopback here)
 # link_s     seconds the cross-host bytes need on the link at its nominal rate (each
@@ -210,7 +218,7 @@ def scale_sweep(
 # On a run without a shaped link (``--network local``) every byte and message is the
 # host's own (loopback), so the two classes separate only across runs of both kinds.
 
-FIT_TERMS = ("c_dlrm", "c_dmt", "a_loop", "a_link", "b_loop", "k_link")
+LINK_TERMS = ("a_loop", "a_link", "b_loop", "k_link")
 
 
 @dataclass(frozen=True)
@@ -228,6 +236,12 @@ class MeasuredStep:
     calls_per_step: dict[str, float]  # one rank's collective calls per step, by name
     link_bytes_per_s: float | None = None  # the shaped link's rate each way; None: loopback
     network: str = "local"
+    embedding_dim: int = 16
+
+    @property
+    def compute_term(self) -> str:
+        """The name of this step's compute constant: its model and embedding dim."""
+        return f"c_{'dmt' if self.layout == 'dmt' else 'dlrm'}_d{self.embedding_dim}"
 
 
 def peer_messages(
@@ -260,8 +274,9 @@ def peer_messages(
     return (local - 1) * calls, (world - local) * calls  # an all-to-all over the world
 
 
-def fit_terms(step: MeasuredStep) -> list[float]:
-    """The regressors of ``step`` in ``FIT_TERMS`` order (module comment above)."""
+def fit_terms(step: MeasuredStep) -> dict[str, float]:
+    """The regressors of ``step`` by name: its compute term and ``LINK_TERMS`` (module
+    comment above)."""
     world = step.hosts * step.ranks_per_host
     intra = cross = 0.0
     for name, calls in step.calls_per_step.items():
@@ -270,11 +285,12 @@ def fit_terms(step: MeasuredStep) -> list[float]:
     per_rank = step.batch_size / world
     cross_bytes = step.cross_bytes_per_sample * per_rank
     intra_bytes = step.intra_bytes_per_sample * per_rank
-    dmt = step.layout == "dmt"
     if step.link_bytes_per_s is None:  # loopback: both classes on the host's links
-        return [float(not dmt), float(dmt), intra + cross, 0.0, intra_bytes + cross_bytes, 0.0]
-    link_s = step.cross_bytes_per_sample * step.batch_size / 2 / step.link_bytes_per_s
-    return [float(not dmt), float(dmt), intra, cross, intra_bytes, link_s]
+        links = (intra + cross, 0.0, intra_bytes + cross_bytes, 0.0)
+    else:
+        link_s = step.cross_bytes_per_sample * step.batch_size / 2 / step.link_bytes_per_s
+        links = (intra, cross, intra_bytes, link_s)
+    return {step.compute_term: 1.0, **dict(zip(LINK_TERMS, links, strict=True))}
 
 
 def _nonnegative_lstsq(x: Any, y: Any) -> Any:
@@ -294,14 +310,16 @@ def _nonnegative_lstsq(x: Any, y: Any) -> Any:
 
 
 def fit_link_constants(steps: list[MeasuredStep]) -> dict[str, Any]:
-    """Fit ``FIT_TERMS`` to measured steps by non-negative least squares; the constants
-    for ``Cluster`` (latency per message and bandwidth per link class, the link's
-    efficiency) and each step's fitted time and residual."""
+    """Fit the compute terms (one per model and dim present) and ``LINK_TERMS`` to measured
+    steps by non-negative least squares; the constants for ``Cluster`` (latency per
+    message and bandwidth per link class, the link's efficiency) and each step's fitted
+    time and residual."""
     import numpy as np
 
-    if len(steps) < len(FIT_TERMS):
+    names = sorted({s.compute_term for s in steps}) + list(LINK_TERMS)
+    if len(steps) < len(names):
         raise ValueError(
-            f"{len(steps)} measured steps cannot fit {len(FIT_TERMS)} constants; give the "
+            f"{len(steps)} measured steps cannot fit {len(names)} constants; give the "
             "bench dmt reports of a loopback run and of shaped links at several rates"
         )
     if not any(s.link_bytes_per_s for s in steps):
@@ -309,14 +327,15 @@ def fit_link_constants(steps: list[MeasuredStep]) -> dict[str, Any]:
             "no measured step ran over a shaped link, so the cross-host link's constants "
             "cannot be told from the host's; add bench dmt --network netns reports"
         )
-    x = np.array([fit_terms(s) for s in steps])
+    x = np.array([[fit_terms(s).get(n, 0.0) for n in names] for s in steps])
     y = np.array([s.step_s for s in steps])
     coef = _nonnegative_lstsq(x, y)
     fitted = x @ coef
-    values = dict(zip(FIT_TERMS, coef.tolist(), strict=True))
+    values = dict(zip(names, coef.tolist(), strict=True))
     residuals = [
         {
             "variant": s.variant,
+            "embedding_dim": s.embedding_dim,
             "network": s.network,
             "link_gbit": s.link_bytes_per_s * 8 / 1e9 if s.link_bytes_per_s else None,
             "measured_ms": 1e3 * s.step_s,
@@ -328,14 +347,51 @@ def fit_link_constants(steps: list[MeasuredStep]) -> dict[str, Any]:
     rms = float(np.sqrt(np.mean((y - fitted) ** 2)))
     return {
         "terms": values,
+        **_constants(values),
+        "rms_residual_ms": 1e3 * rms,
+        "max_abs_residual_ms": max(abs(r["residual_ms"]) for r in residuals),
+        "residuals": residuals,
+        "points": len(steps),
+    }
+
+
+def _constants(values: dict[str, float]) -> dict[str, Any]:
+    return {
         "constants": {
             "intra_latency": values["a_loop"],
             "cross_latency": values["a_link"],
             "intra_host_bw": 1.0 / values["b_loop"] if values["b_loop"] else float("inf"),
             "link_efficiency": 1.0 / values["k_link"] if values["k_link"] else float("inf"),
         },
-        "rms_residual_ms": 1e3 * rms,
-        "max_abs_residual_ms": max(abs(r["residual_ms"]) for r in residuals),
-        "residuals": residuals,
-        "points": len(steps),
+    }
+
+
+def evaluate_fit(fit: dict[str, Any], steps: list[MeasuredStep]) -> dict[str, Any]:
+    """The fitted model (``fit_link_constants``) on steps it was not fitted to: each step's
+    predicted time and residual; a step whose model and dim the fit has no compute term
+    for is listed as not predicted."""
+    rows, errors = [], []
+    for s in steps:
+        row = {
+            "variant": s.variant,
+            "embedding_dim": s.embedding_dim,
+            "network": s.network,
+            "link_gbit": s.link_bytes_per_s * 8 / 1e9 if s.link_bytes_per_s else None,
+            "measured_ms": 1e3 * s.step_s,
+        }
+        if s.compute_term not in fit["terms"]:
+            rows.append({**row, "not_predicted": f"no {s.compute_term} in the fit"})
+            continue
+        predicted = sum(fit["terms"][name] * x for name, x in fit_terms(s).items())
+        errors.append(s.step_s - predicted)
+        rows.append(
+            {**row, "fitted_ms": 1e3 * predicted, "residual_ms": 1e3 * (s.step_s - predicted)}
+        )
+    return {
+        "residuals": rows,
+        "rms_residual_ms": 1e3 * (sum(e * e for e in errors) / len(errors)) ** 0.5
+        if errors
+        else None,
+        "max_abs_residual_ms": 1e3 * max(abs(e) for e in errors) if errors else None,
+        "points": len(errors),
     }

@@ -212,11 +212,13 @@ class RunContext:
                         ", ".join(f"{k} {1e3 * v:.3g} ms" for k, v in layout.seconds.items()),
                         layout.imbalance,
                     )
+        tower_codec = settings.tower_codec
         parallel = parallelize_towers(
             dmt,
             self.mesh,
             sharding=sharding,
             codecs=codecs,
+            tower_codecs=CommCodecs(tower_codec, tower_codec),  # type: ignore[arg-type]  # parsed in __post_init__
             dense_stats=self.dense_stats,
             dense=settings.dense,
             id_wire=IdWire(settings.dedup_ids),
@@ -225,13 +227,15 @@ class RunContext:
         )
         if self.is_main:
             log.info(
-                "tower transform: %d towers on %d hosts x %d ranks, tables %s inside each host",
+                "tower transform: %d towers on %d hosts x %d ranks, tables %s inside each host, "
+                "tower outputs in %s across hosts",
                 self.topology.hosts,
                 self.topology.hosts,
                 self.topology.ranks_per_host,
                 "as the planner chose (above)"
                 if settings.tower_sharding == "auto"
                 else settings.tower_sharding,
+                tower_codec,
             )
         return parallel
 
