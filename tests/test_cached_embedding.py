@@ -457,7 +457,13 @@ def test_bench_tiers_reports_each_variant():
     for variant in ("host", "ssd"):
         stats = result["results"][variant]
         assert stats["cached_tables"] > 0 and 0 <= stats["hit_rate"] <= 1
-    assert set(result["ratios"]) == {"host/device", "ssd/device"}
+    # each cached variant against all tables in memory and against its link-limited bound
+    assert set(result["ratios"]) == {
+        "host/device",
+        "ssd/device",
+        "host/link_bound",
+        "ssd/link_bound",
+    }
 
 
 @pytest.mark.parametrize(
