@@ -175,14 +175,18 @@ def spawn_world(
                 p.join()
         results = [_read_result(results_dir, rank) for rank in range(world_size)]
     if failed:
-        # The first rank that failed with an error of its own; a peer that died waiting
-        # on it, or was terminated, has no error file or a secondary one.
+        # A rank that died without an error file (a signal, an abort) is the cause: its
+        # peers' errors are the collectives it left hanging, however fast they came.
+        # Else the first rank that failed with an error of its own; a peer that died
+        # waiting on it, or was terminated, has no error file or a secondary one.
         errors = [results[r] for r in failed if isinstance(results[r], WorkerError)]
         errors += [e for e in results if isinstance(e, WorkerError) and e not in errors]
-        if errors:
-            raise WorkerError(str(errors[0]))
-        codes = ", ".join(f"rank {r}: exit code {procs[r].exitcode}" for r in failed)
-        raise WorkerError(f"a worker exited without a result ({codes})")
+        silent = [r for r in failed if not isinstance(results[r], WorkerError)]
+        if silent:
+            codes = ", ".join(f"rank {r}: exit code {procs[r].exitcode}" for r in silent)
+            then = f"; then {errors[0]}" if errors else ""
+            raise WorkerError(f"a worker exited without a result ({codes}){then}")
+        raise WorkerError(str(errors[0]))
     return results
 
 
