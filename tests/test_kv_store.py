@@ -22,6 +22,7 @@ from towerrec.modules.tier_store import RowLayout, StoreError
 from towerrec.modules.tiers import TierConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
+from towerrec.train.checkpoint import CheckpointError, CheckpointManager
 
 TABLES = [
     TableConfig("a", 1000, 8, ("f0", "f1")),  # two features share it
@@ -181,13 +182,17 @@ def test_kv_checkpoint_resumes_exactly(tmp_path):
     assert manager.load(saved, model2, optimizer2, {"step": 0})["step"] == 10
     for step, features in enumerate(stream[10:], 10):
         assert torch.equal(train_step(resumed, features), expected[step]), step
-    # a damaged copy is refused, naming the table
+    # a damaged copy is refused: by the checkpoint's checksums, naming the file, and by
+    # the store's own check where those are skipped (train.verify_checkpoints = false)
     data = saved / "kv" / "sparse" / "b" / "data.mdb"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.raises(StoreError, match=r"table 'b' is damaged.*earlier checkpoint"):
+    with pytest.raises(CheckpointError, match=r"kv/sparse/b/data.mdb does not match"):
         manager.load(saved, model2, optimizer2, {"step": 0})
+    unverified = CheckpointManager(manager.directory, verify=False)
+    with pytest.raises(StoreError, match=r"table 'b' is damaged.*earlier checkpoint"):
+        unverified.load(saved, model2, optimizer2, {"step": 0})
 
 
 def test_kv_checkpoint_of_another_shape_or_without_stores_is_refused(tmp_path):

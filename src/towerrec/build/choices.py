@@ -174,9 +174,10 @@ def choose_backend(
         return Choice(emb.backend.value, "forced", "embedding.backend")
     workload = kernel_workload(config, schema, device, batch)
     rule = resolve_backend(Backend.AUTO, device, emb.optimizer, workload.dims, emb.weight_decay)
-    if not emb.compact().is_full:
+    if not emb.compact().is_full:  # each compact table's kernel resolved when it is built,
+        # from its own dims (e.g. mixed-dim tables whose dims FBGEMM cannot take)
         return Choice(
-            rule.value, "rule", "compact tables (their kernels' tables are not the data's)"
+            Backend.AUTO.value, "rule", "compact tables (their kernels' tables are not the data's)"
         )
     candidates = [b.value for b in supported_backends(workload)]
     if len(candidates) == 1:

@@ -20,6 +20,7 @@ The validation split drives the architecture, so the architectures' own runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -176,7 +177,7 @@ def _write(
     architectures = []
     for i, choice in enumerate(_architectures(supernet, config.nas.samples, config.train.seed)):
         path = out / f"arch-{i}.toml"
-        path.write_text(config_to_toml(supernet.config_for(choice)))
+        path.write_text(config_to_toml(_as_asked(supernet.config_for(choice), config)))
         supernet.fix(choice)
         metrics = evaluate(supernet.model, source.eval_batches(config.train.batch_size), device)
         cost = supernet.cost_of(choice)
@@ -205,6 +206,15 @@ def _write(
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, out / "report.png")
     return report
+
+
+def _as_asked(arch: Config, asked: Config) -> Config:
+    """A sampled architecture's config with the kernel and precision the user asked for:
+    the search's ``auto`` choices were made for the supernet, not for this architecture
+    (whose tables, e.g. mixed dims, may take another kernel)."""
+    embedding = dataclasses.replace(arch.embedding, backend=asked.embedding.backend)
+    train = dataclasses.replace(arch.train, precision=asked.train.precision)
+    return dataclasses.replace(arch, embedding=embedding, train=train)
 
 
 def _plot(report: dict, path: Path) -> None:
