@@ -154,6 +154,7 @@ def test_dense_optimizers_are_fused_on_cpu():
 
 
 def test_bench_train_reports_wall_and_cpu_ratios_side_by_side():
+    from towerrec.bench.roofline import measure_roofline
     from towerrec.bench.train import run_train_benchmark
 
     shape = {
@@ -165,7 +166,14 @@ def test_bench_train_reports_wall_and_cpu_ratios_side_by_side():
         "top_mlp": [8, 1],
     }
     result = run_train_benchmark(
-        steps=2, warmup=1, backends="torch", batch_size=32, shape=shape, rounds=2, threads=1
+        steps=2,
+        warmup=1,
+        backends="torch",
+        batch_size=32,
+        shape=shape,
+        rounds=2,
+        threads=1,
+        measure=lambda dtype, clock: measure_roofline("cpu", dtype, 0.05, clock),  # short
     )
     ours = result["results"]["towerrec_torch"]
     assert ours["samples_per_s"] > 0 and ours["cpu_ms_per_step"] > 0
