@@ -9,9 +9,16 @@ import time
 
 import pytest
 import torch
+from conftest import needs_fbgemm
 
 from towerrec.bench.roofline import Roofline
-from towerrec.bench.train import BENCHMARK, DEFAULT_ROW, make_batches, run_train_benchmark
+from towerrec.bench.train import (
+    BENCHMARK,
+    DEFAULT_ROW,
+    default_choices,
+    make_batches,
+    run_train_benchmark,
+)
 from towerrec.bench.train_profile import backward_phase
 from towerrec.bench.train_report import (
     StepWork,
@@ -172,3 +179,21 @@ def test_bench_train_refuses_unknown_precisions_and_negative_profiles(argv, mess
     BENCHMARK.add_arguments(parser)
     with pytest.raises(ValueError, match=re.escape(message)):
         BENCHMARK.run(parser.parse_args(["--no-torchrec", "--steps", "1", *argv]))
+
+
+@needs_fbgemm
+def test_the_default_row_runs_the_kernel_auto_measured(monkeypatch, tmp_path):
+    import towerrec.build.choices as choices
+
+    monkeypatch.setenv("TOWERREC_MEASURE", "1")
+    monkeypatch.setenv("TOWERREC_CACHE_DIR", str(tmp_path))
+    seconds = {"torch": 1.0, "fbgemm": 3.0}  # injected: torch "measured" faster
+    monkeypatch.setattr(
+        choices,
+        "time_backends",
+        lambda workload, backends, **_: {b: seconds[b.value] for b in backends},
+    )
+    picked = default_choices(SHAPE, 16)
+    assert picked["backend"].value == "torch" and picked["backend"].how == "measured"
+    assert picked["backend"].seconds == seconds
+    assert picked["precision"].value == "fp32"  # train.precision's default
