@@ -23,6 +23,7 @@ from towerrec.hardware import machine_key
 from towerrec.modules.kernel_timing import (
     MAX_ROWS,
     KernelWorkload,
+    TimingStats,
     supported_backends,
     time_backends,
 )
@@ -245,9 +246,15 @@ def test_real_timing_of_a_tiny_workload_gives_a_time_per_kernel(one_thread):
     )
     backends = supported_backends(workload)
     assert workload.timed_rows() == [100, 300]
-    seconds = time_backends(workload, backends, steps=2)
+    stats = TimingStats()
+    seconds = time_backends(workload, backends, steps=2, stats=stats)
     assert set(seconds) == set(backends)
     assert all(0 < s < math.inf for s in seconds.values())
+    # every timed step kept, the fastest of them the result; the rounds' clocks read
+    assert {b.value: min(stats.steps[b.value]) for b in backends} == {
+        b.value: s for b, s in seconds.items()
+    }
+    assert stats.wall_s > 0 and stats.cpu_s > 0
 
 
 def test_large_tables_are_timed_at_a_proportional_share():
@@ -311,3 +318,75 @@ def test_bench_choice_compares_the_auto_kernel_with_the_forced_ones(one_thread):
     row = result["tiny"]
     assert row["auto"] in row["forced_ms"] and row["best_forced"] in row["forced_ms"]
     assert set(row["auto_ms"]) == set(row["forced_ms"]) and row["auto_over_best"] >= 1.0
+
+
+class ClockedTimer(FakeTimer):
+    """A measurement whose timed rounds ran ``cpu_s`` CPU seconds in ``wall_s`` wall
+    seconds (injected, as a starved or a quiet process would see them)."""
+
+    def __init__(self, seconds, wall_s, cpu_s, steps=None):
+        super().__init__(seconds)
+        self.wall_s, self.cpu_s, self.steps = wall_s, cpu_s, steps or {}
+
+    def _record(self, stats):
+        stats.wall_s, stats.cpu_s = self.wall_s, self.cpu_s
+        for name, times in self.steps.items():
+            for t in times:
+                stats.add_step(name, t)
+
+    def backends(self, workload, backends, stats=None, **_):
+        self._record(stats)
+        return super().backends(workload, backends)
+
+    def precisions(self, *args, stats=None, **kwargs):
+        self._record(stats)
+        return super().precisions()
+
+
+@pytest.mark.parametrize(
+    ("wall_s", "cpu_s", "steps", "noisy"),
+    [
+        (1.0, 0.95, {"a": [1.0, 1.1, 1.05]}, None),
+        (2.0, 0.5, {}, "0.50 CPU s in 2.00 wall s"),  # starved: a quarter of a core
+        (1.0, 1.0, {"a": [1.0, 1.1], "b": [1.0, 2.5, 2.5]}, "b's timed steps spread 2.50x"),
+        (0.0, 0.0, {}, None),  # nothing timed: nothing to judge
+    ],
+)
+def test_a_timing_is_noisy_when_starved_or_its_steps_disagree(wall_s, cpu_s, steps, noisy):
+    stats = TimingStats(wall_s, cpu_s, steps)
+    assert (stats.noise() is None) if noisy is None else (noisy in stats.noise())
+
+
+def test_a_noisy_precision_timing_is_used_but_not_cached(monkeypatch, measuring, caplog):
+    monkeypatch.setattr(choices, "bf16_units", lambda device: "avx512_bf16")
+    starved = ClockedTimer({"fp32": 2.0, "bf16": 1.0}, wall_s=1.0, cpu_s=0.3)
+    monkeypatch.setattr(choices, "time_precisions", starved.precisions)
+    config = _config("train.precision=auto", "embedding.backend=torch")
+    with caplog.at_level("INFO", logger="towerrec"):
+        resolved, made = resolve_choices(config, _schema(config), CPU)
+    assert resolved.train.precision == "bf16" and made["precision"].how == "measured"
+    assert "not cached" in made["precision"].why
+    assert "the next run measures again" in caplog.text
+    assert not measuring.exists()
+    _, made = resolve_choices(config, _schema(config), CPU)
+    assert made["precision"].how == "measured" and starved.calls == 2  # measured anew
+    quiet = ClockedTimer({"fp32": 1.0, "bf16": 1.0}, wall_s=1.0, cpu_s=1.0)
+    monkeypatch.setattr(choices, "time_precisions", quiet.precisions)
+    resolve_choices(config, _schema(config), CPU)
+    entry = next(iter(json.loads(measuring.read_text())["entries"].values()))
+    assert entry["choice"] == "fp32"  # a quiet timing is kept
+    _, made = resolve_choices(config, _schema(config), CPU)
+    assert made["precision"].how == "cached" and quiet.calls == 1
+
+
+@needs_fbgemm
+def test_a_kernel_timing_whose_steps_disagree_is_not_cached(monkeypatch, measuring):
+    # a loaded machine: torch looked faster, but its own steps varied 3x
+    steps = {"torch": [0.312, 0.9, 0.95], "fbgemm": [0.548, 0.55, 0.56]}
+    timer = ClockedTimer({"torch": 0.312, "fbgemm": 0.548}, 1.0, 1.0, steps)
+    monkeypatch.setattr(choices, "time_backends", timer.backends)
+    config = _config()
+    resolved, made = resolve_choices(config, _schema(config), CPU)
+    assert resolved.embedding.backend is Backend.TORCH  # this run uses what it measured
+    assert "torch's timed steps spread" in made["backend"].why
+    assert not measuring.exists() or "backend" not in measuring.read_text()

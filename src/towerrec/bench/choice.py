@@ -18,7 +18,7 @@ import time
 import torch
 
 from towerrec.bench.common import Benchmark
-from towerrec.bench.train import CRITEO_SHAPE
+from towerrec.bench.train import CRITEO_SHAPE, PLANTED_SHAPE
 from towerrec.hardware import cpu_flags, cpu_model
 from towerrec.modules.kernel_timing import KernelWorkload, supported_backends, time_backends
 from towerrec.modules.tables import Pooling
@@ -26,13 +26,15 @@ from towerrec.optim.sparse import EmbeddingOptimizerConfig
 
 __all__ = ["BENCHMARK", "SHAPES", "choice_benchmark"]
 
-PLANTED_ROWS = (300, 100, 1000, 50, 500, 200, 100, 200, 500)  # configs/default.toml
 SHAPES: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {
     "criteo_kaggle": (
         (CRITEO_SHAPE["num_embeddings"],) * CRITEO_SHAPE["num_tables"],
         (1.0,) * CRITEO_SHAPE["num_tables"],
     ),
-    "planted": (PLANTED_ROWS, (1.0,) * 8 + (3.0,)),
+    "planted": (
+        tuple(PLANTED_SHAPE["num_embeddings"]),
+        tuple(float(p) for p in PLANTED_SHAPE["pooling_factors"]),
+    ),
 }
 
 

@@ -32,11 +32,10 @@ from towerrec.bench.torchrec_ref import (
 from towerrec.bench.train import (
     add_timing_arguments,
     build_tables,
-    fastest_torchrec,
     make_batches,
-    ratios_to,
     selected_backends,
 )
+from towerrec.bench.train_report import fastest_torchrec, ratios_to
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 

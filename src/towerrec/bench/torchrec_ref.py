@@ -11,6 +11,7 @@ faster of the two.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
@@ -50,15 +51,19 @@ def single_process_group():
         dist.destroy_process_group()
 
 
-def torchrec_tables(num_tables: int, num_embeddings: int, embedding_dim: int) -> list:
-    """TorchRec ``EmbeddingBagConfig``s ``t0..`` of one feature each, ``f0..f{T-1}``."""
+def torchrec_tables(
+    num_tables: int, num_embeddings: int | Sequence[int], embedding_dim: int
+) -> list:
+    """TorchRec ``EmbeddingBagConfig``s ``t0..`` of one feature each, ``f0..f{T-1}``;
+    ``num_embeddings`` rows in each, or one count per table."""
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+    rows = [num_embeddings] * num_tables if isinstance(num_embeddings, int) else num_embeddings
     return [
         EmbeddingBagConfig(
             name=f"t{i}",
             embedding_dim=embedding_dim,
-            num_embeddings=num_embeddings,
+            num_embeddings=rows[i],
             feature_names=[f"f{i}"],
         )
         for i in range(num_tables)
@@ -78,7 +83,7 @@ def torchrec_fused_collection(tables: list, emb_lr: float):
 
 def _tables_and_model(
     num_tables: int,
-    num_embeddings: int,
+    num_embeddings: int | Sequence[int],
     embedding_dim: int,
     num_dense: int,
     bottom_mlp: list[int],
@@ -110,7 +115,7 @@ def _dense_adam(named_params: dict, dense_lr: float):
 
 def torchrec_dlrm(
     num_tables: int,
-    num_embeddings: int,
+    num_embeddings: int | Sequence[int],
     embedding_dim: int,
     num_dense: int,
     bottom_mlp: list[int],
@@ -170,7 +175,7 @@ def torchrec_dlrm(
 
 def torchrec_dlrm_fused(
     num_tables: int,
-    num_embeddings: int,
+    num_embeddings: int | Sequence[int],
     embedding_dim: int,
     num_dense: int,
     bottom_mlp: list[int],

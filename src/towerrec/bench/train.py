@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,12 +22,12 @@ from towerrec.bench.common import (
     comma_list,
     keeps_process_threads,
     machine_info,
-    matmul_peak_flops,
     peak_rss_mb,
     set_threads,
     time_interleaved,
 )
 from towerrec.bench.device_train import PRECISIONS, run_device_train_benchmark
+from towerrec.bench.roofline import Roofline, measure_roofline
 from towerrec.bench.torchrec_ref import (
     quiet_torchrec_logs,
     single_process_group,
@@ -36,22 +36,33 @@ from towerrec.bench.torchrec_ref import (
     torchrec_dlrm_fused,
     torchrec_step,
 )
-from towerrec.data.batch import Batch
+from towerrec.bench.train_profile import profile_step
+from towerrec.bench.train_report import (
+    StepWork,
+    add_torchrec_ratios,
+    batch_embedding_bytes,
+    roofline_fields,
+)
+from towerrec.build.choices import Choice, resolve_choices
+from towerrec.config import load_config
+from towerrec.data.batch import Batch, DataSchema, SparseFeature
+from towerrec.hardware import VECTOR_FLAG_PREFIXES, cpu_flags
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
-from towerrec.modules.kernels import Backend, fbgemm_available, resolve_backend
+from towerrec.modules.kernels import fbgemm_available
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
-from towerrec.train.step import train_step
+from towerrec.train.step import autocast_dtype, train_step
 
 __all__ = [
     "BENCHMARK",
     "CRITEO_SHAPE",
+    "PLANTED_SHAPE",
+    "SHAPES",
     "add_timing_arguments",
-    "fastest_torchrec",
+    "default_choices",
     "make_batches",
-    "ratios_to",
     "run_train_benchmark",
     "selected_backends",
 ]
@@ -64,21 +75,47 @@ CRITEO_SHAPE: dict[str, Any] = {
     "bottom_mlp": [512, 256, 64, 16],
     "top_mlp": [512, 256, 1],
 }
+# `towerrec train`'s built-in default (configs/default.toml): the planted data's tables
+PLANTED_SHAPE: dict[str, Any] = {
+    "num_dense": 13,
+    "num_tables": 9,
+    "num_embeddings": [300, 100, 1000, 50, 500, 200, 100, 200, 500],
+    "pooling_factors": [1, 1, 1, 1, 1, 1, 1, 1, 3],
+    "embedding_dim": 16,
+    "bottom_mlp": [64, 16],
+    "top_mlp": [64, 32, 1],
+}
+SHAPES = {"criteo_kaggle": CRITEO_SHAPE, "planted": PLANTED_SHAPE}
 EMB_LR, DENSE_LR = 0.05, 1e-3
+PRECISION_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_ROW = "towerrec_default"
+
+
+def table_rows(shape: dict) -> list[int]:
+    """Rows of each table: ``num_embeddings`` (one count for every table, or one each)."""
+    rows = shape["num_embeddings"]
+    return [rows] * shape["num_tables"] if isinstance(rows, int) else list(rows)
+
+
+def pooling_factors(shape: dict) -> list[float]:
+    """Mean ids per sample of each table (``pooling_factors``; one each by default)."""
+    return list(shape.get("pooling_factors") or [1] * shape["num_tables"])
 
 
 def make_batches(shape: dict, batch_size: int, count: int = 8, seed: int = 0) -> list[Batch]:
-    """``count`` random batches, one uniform id per table (features ``f0..``)."""
+    """``count`` random batches, uniform ids, features ``f0..``; table t's bag i holds
+    floor((i+1) p) - floor(i p) ids (p its pooling factor: one id at p = 1)."""
     gen = torch.Generator().manual_seed(seed)
     tables = shape["num_tables"]
+    index = torch.arange(batch_size + 1, dtype=torch.float64)
+    lengths = torch.cat([torch.floor(index * p).long().diff() for p in pooling_factors(shape)])
     out = []
     for _ in range(count):
-        values = torch.randint(0, shape["num_embeddings"], (tables * batch_size,), generator=gen)
-        sparse = KeyedJaggedTensor(
-            [f"f{i}" for i in range(tables)],
-            values,
-            torch.ones(tables * batch_size, dtype=torch.int64),
+        per_table = lengths.view(tables, batch_size).sum(1).tolist()
+        values = torch.cat(
+            [torch.randint(0, r, (n,), generator=gen) for r, n in zip(table_rows(shape), per_table)]
         )
+        sparse = KeyedJaggedTensor([f"f{i}" for i in range(tables)], values, lengths.clone())
         dense = torch.randn(batch_size, shape["num_dense"], generator=gen)
         labels = torch.randint(0, 2, (batch_size,), generator=gen).float()
         out.append(Batch(dense, sparse, labels))
@@ -87,10 +124,8 @@ def make_batches(shape: dict, batch_size: int, count: int = 8, seed: int = 0) ->
 
 def build_tables(shape: dict) -> list[TableConfig]:
     return [
-        TableConfig(
-            f"t{i}", shape["num_embeddings"], shape["embedding_dim"], feature_names=(f"f{i}",)
-        )
-        for i in range(shape["num_tables"])
+        TableConfig(f"t{i}", rows, shape["embedding_dim"], feature_names=(f"f{i}",))
+        for i, rows in enumerate(table_rows(shape))
     ]
 
 
@@ -105,33 +140,53 @@ def selected_backends(backends: str, results: dict) -> list[str]:
     return chosen
 
 
-def ratios_to(results: dict, reference: str) -> dict[str, float]:
-    base = results.get(reference, {}).get("samples_per_s")
-    return {
-        f"{name}/{reference}": round(r["samples_per_s"] / base, 3)
-        for name, r in results.items()
-        if base and name != reference and "samples_per_s" in r
-    }
+def default_choices(shape: dict, batch_size: int) -> dict[str, Choice]:
+    """What ``towerrec train`` at its defaults picks for a DLRM of ``shape``: the
+    embedding kernel (``embedding.backend = auto``: measured, or read from the choice
+    cache) and the precision (``train.precision``'s default, resolved when ``auto``)."""
+    config = load_config(
+        overrides=[
+            f"model.embedding_dim={shape['embedding_dim']}",
+            f"model.bottom_mlp={list(shape['bottom_mlp'])}",
+            f"model.top_mlp={list(shape['top_mlp'])}",
+            f"train.batch_size={batch_size}",
+        ]
+    )
+    schema = DataSchema(
+        shape["num_dense"],
+        tuple(
+            SparseFeature(f"f{i}", rows, factor)
+            for i, (rows, factor) in enumerate(zip(table_rows(shape), pooling_factors(shape)))
+        ),
+    )
+    resolved, choices = resolve_choices(config, schema, torch.device("cpu"))
+    backend = choices.get("backend") or Choice(resolved.embedding.backend.value, "forced", "")
+    precision = choices.get("precision") or Choice(resolved.train.precision, "forced", "")
+    return {"backend": backend, "precision": precision}
 
 
-def fastest_torchrec(results: dict, by: str = "samples_per_s") -> str:
-    """The faster of TorchRec's single-device configurations (under DMP or its fused
-    collection alone) by ``by``: ``samples_per_s`` (wall clock, higher is faster) or
-    ``cpu_ms_per_step`` (lower is faster). Each ratio is taken against it."""
-    timed = [n for n in ("torchrec", "torchrec_no_dmp") if by in results.get(n, {})]
-    if by == "cpu_ms_per_step":
-        return min(timed, key=lambda n: results[n][by], default="torchrec")
-    return max(timed, key=lambda n: results[n][by], default="torchrec")
+def _towerrec_row(shape: dict, backend: str) -> tuple[DLRM, torch.optim.Optimizer]:
+    ebc = EmbeddingBagCollection(
+        build_tables(shape), EmbeddingOptimizerConfig(lr=EMB_LR), backend=backend
+    )
+    torch.manual_seed(0)
+    model = DLRM(ebc, shape["num_dense"], shape["bottom_mlp"], shape["top_mlp"])
+    optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=DENSE_LR, fused=True)
+    return model, optimizer
 
 
-def cpu_ratios_to(results: dict, reference: str) -> dict[str, float]:
-    """Speed-ups by CPU time per step (meaningful with one thread on a shared machine)."""
-    base = results.get(reference, {}).get("cpu_ms_per_step")
-    return {
-        f"{name}/{reference}": round(base / r["cpu_ms_per_step"], 3)
-        for name, r in results.items()
-        if base and name != reference and r.get("cpu_ms_per_step")
-    }
+Measure = Callable[[torch.dtype, Callable[[], float]], Roofline]
+
+
+def _measure(dtype: torch.dtype, clock: Callable[[], float]) -> Roofline:
+    return measure_roofline("cpu", dtype, 1.0, clock)
+
+
+def _best(a: Roofline, b: Roofline) -> Roofline:
+    """Each peak the higher of two measurements (a short one can land in a slow moment)."""
+    return Roofline(
+        a.device, a.dtype, max(a.matmul_flops, b.matmul_flops), max(a.bandwidth, b.bandwidth)
+    )
 
 
 @keeps_process_threads
@@ -144,25 +199,48 @@ def run_train_benchmark(
     shape: dict | None = None,
     rounds: int = 5,
     threads: int | None = None,
+    precisions: Sequence[str] = ("fp32",),
+    default_row: bool = True,
+    profile_steps: int = 0,
+    measure: Measure = _measure,
 ) -> dict:
+    """Every row trained on the same batches, round-robin; each row's roofline at its
+    precision and ratios against TorchRec's faster configuration (``train_report.py``).
+    Rows: ``towerrec_<backend>[_<precision>]`` per forced backend and precision,
+    ``towerrec_default`` (``default_choices``: what the target is judged on), TorchRec
+    under DMP and without it (fp32). ``measure(dtype, clock)``: the roofline's peaks
+    (a test passes fake ones); ``profile_steps``: each towerrec row's phase table
+    (``train_profile.py``) over that many steps after the timing."""
     set_threads(threads)
+    unknown = sorted(set(precisions) - set(PRECISION_DTYPES))
+    if unknown or not precisions:
+        raise ValueError(
+            f"--precisions {','.join(unknown)} unknown; choose from {', '.join(PRECISION_DTYPES)}"
+        )
     shape = dict(shape or CRITEO_SHAPE)
     batches = make_batches(shape, batch_size)
     results: dict[str, dict] = {}
     systems: dict[str, Callable[..., object]] = {}
+    models: dict[str, tuple[DLRM, torch.optim.Optimizer, torch.dtype | None]] = {}
+    rows: dict[str, dict[str, Any]] = {}  # what each row runs
     train_flops = 0
-    for backend in selected_backends(backends, results):
-        ebc = EmbeddingBagCollection(
-            build_tables(shape), EmbeddingOptimizerConfig(lr=EMB_LR), backend=backend
-        )
-        torch.manual_seed(0)
-        model = DLRM(ebc, shape["num_dense"], shape["bottom_mlp"], shape["top_mlp"])
-        optimizer = torch.optim.Adam(
-            [p for _, p in dense_parameters(model)], lr=DENSE_LR, fused=True
-        )
+    named = [
+        (f"towerrec_{b}" + ("" if p == "fp32" else f"_{p}"), b, p)
+        for b in selected_backends(backends, results)
+        for p in precisions
+    ]
+    choices: dict[str, Choice] = {}
+    if default_row:
+        choices = default_choices(shape, batch_size)
+        named.append((DEFAULT_ROW, choices["backend"].value, choices["precision"].value))
+    for name, backend, precision in named:
+        model, optimizer = _towerrec_row(shape, backend)
+        dtype = autocast_dtype(precision)
         train_flops = 3 * model.flops_per_sample()  # forward + backward (2x) of the dense part
-        systems[f"towerrec_{backend}"] = lambda i, m=model, o=optimizer: train_step(
-            m, o, batches[i % len(batches)]
+        models[name] = (model, optimizer, dtype)
+        rows[name] = {"backend": backend, "precision": precision}
+        systems[name] = lambda i, m=model, o=optimizer, d=dtype: train_step(
+            m, o, batches[i % len(batches)], d
         )
     use_torchrec = torchrec and torchrec_available()
     if torchrec and not use_torchrec:
@@ -173,7 +251,7 @@ def run_train_benchmark(
             trec_batches = [(b.dense, b.sparse.to_torchrec(), b.labels) for b in batches]
             dims = (
                 shape["num_tables"],
-                shape["num_embeddings"],
+                table_rows(shape),
                 shape["embedding_dim"],
                 shape["num_dense"],
                 shape["bottom_mlp"],
@@ -186,50 +264,61 @@ def run_train_benchmark(
                 ("torchrec_no_dmp", torchrec_dlrm_fused),
             ):
                 trec_model, trec_opt = build(*dims)
+                rows[name] = {"backend": "torchrec (fbgemm)", "precision": "fp32"}
                 systems[name] = lambda i, m=trec_model, o=trec_opt: torchrec_step(
                     m, o, trec_batches[i % len(trec_batches)]
                 )
-        # The peak before and after the timed steps, best of both: one short
-        # measurement on a shared machine can land in a slow moment.
-        peak = matmul_peak_flops()
+        used = sorted({r["precision"] for r in rows.values()}, key=list(PRECISION_DTYPES).index)
+        clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+        roofs = {(p, c): measure(PRECISION_DTYPES[p], clocks[c]) for p in used for c in clocks}
         cpu_seconds: dict[str, float] = {}
         seconds = time_interleaved(
             systems, rounds, max(steps // rounds, 1), warmup, cpu_seconds=cpu_seconds
         )
-        peak = max(peak, matmul_peak_flops())
-        cpu_peak = matmul_peak_flops(clock=time.process_time)
+        roofs = {
+            (p, c): _best(r, measure(PRECISION_DTYPES[p], clocks[c])) for (p, c), r in roofs.items()
+        }
+    work = StepWork(
+        train_flops * batch_size, batch_embedding_bytes(batches, shape["embedding_dim"])
+    )
     for name, s in seconds.items():
-        sps = batch_size / s
+        precision = rows[name]["precision"]
         results[name] = {
-            "samples_per_s": round(sps, 1),
+            **rows[name],
+            "samples_per_s": round(batch_size / s, 1),
             "step_ms": round(s * 1e3, 3),
-            "matmul_peak_fraction": round(sps * train_flops / peak, 4),
             "cpu_ms_per_step": round(cpu_seconds[name] * 1e3, 3),
-            "cpu_matmul_peak_fraction": round(
-                batch_size * train_flops / cpu_seconds[name] / cpu_peak, 4
+            **roofline_fields(
+                work, s, cpu_seconds[name], roofs[precision, "wall"], roofs[precision, "cpu"]
             ),
         }
-    reference, cpu_reference = (
-        fastest_torchrec(results),
-        fastest_torchrec(results, "cpu_ms_per_step"),
-    )
-    return {
+    if choices:
+        results[DEFAULT_ROW]["chosen"] = {k: c.as_dict() for k, c in choices.items()}
+    header = add_torchrec_ratios(results)
+    out: dict[str, Any] = {
         "benchmark": "train",
-        "machine": machine_info(),
+        "machine": {
+            **machine_info(),
+            "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(VECTOR_FLAG_PREFIXES)),
+            "aten_capability": torch.backends.cpu.get_cpu_capability(),
+        },
         "shape": {**shape, "batch_size": batch_size},
         "steps": steps,
         "rounds": rounds,
-        "matmul_peak_gflops": round(peak / 1e9, 1),
-        "cpu_matmul_peak_gflops": round(cpu_peak / 1e9, 1),
-        "train_flops_per_sample": train_flops,
+        "rooflines": {p: {c: roofs[p, c].as_dict() for c in clocks} for p in used},
+        "train_flops_per_step": work.flops,
+        "embedding_bytes_per_step": round(work.embedding_bytes),
         "results": results,
-        "torchrec_reference": reference,
-        "ratios": ratios_to(results, reference),
-        "cpu_torchrec_reference": cpu_reference,
-        "cpu_ratios": cpu_ratios_to(results, cpu_reference),
-        "default_backend": resolve_backend(Backend.AUTO, torch.device("cpu")).value,
+        **header,
+        "default_row": DEFAULT_ROW if default_row else None,
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }
+    if profile_steps:
+        out["profile"] = {
+            name: profile_step(model, optimizer, batches, profile_steps, dtype)
+            for name, (model, optimizer, dtype) in models.items()
+        }
+    return out
 
 
 def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
@@ -261,10 +350,31 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--precisions",
-        default=",".join(PRECISIONS),
-        help="--peer plain: comma-separated precisions to time (fp32, bf16)",
+        default=None,
+        help="comma-separated precisions of the forced-backend rows (fp32, bf16); default: "
+        "fp32 against TorchRec, fp32,bf16 with --peer plain",
     )
     parser.add_argument("--rounds", type=int, default=5, help="round-robin rounds")
+    parser.add_argument(
+        "--shape",
+        choices=tuple(SHAPES),
+        default="criteo_kaggle",
+        help="the DLRM's shape: Criteo-Kaggle's, or the planted data's (towerrec train's default)",
+    )
+    parser.add_argument(
+        "--no-default-row",
+        action="store_true",
+        help="skip the towerrec_default row (embedding.backend and train.precision as "
+        "towerrec train resolves them)",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after the timing, profile each towerrec row over STEPS steps (torch.profiler): "
+        "milliseconds per step by phase and the top operators",
+    )
 
 
 def _run(args: argparse.Namespace) -> dict:
@@ -273,26 +383,33 @@ def _run(args: argparse.Namespace) -> dict:
             raise ValueError(f"--device {args.device} compares with --peer plain, not torchrec")
         set_threads(args.threads)
         backends = "auto" if args.backends == "torch,fbgemm" else args.backends
+        shape = SHAPES[args.shape]
         return run_device_train_benchmark(
             args.device,
-            CRITEO_SHAPE,
-            build_tables(CRITEO_SHAPE),
-            make_batches(CRITEO_SHAPE, args.batch_size),
+            shape,
+            build_tables(shape),
+            make_batches(shape, args.batch_size),
             steps=args.steps,
             warmup=args.warmup,
             rounds=args.rounds,
             backends=backends,
-            precisions=comma_list(args.precisions),
+            precisions=comma_list(args.precisions or ",".join(PRECISIONS)),
             lr=(EMB_LR, DENSE_LR),
         )
+    if args.profile < 0:
+        raise ValueError(f"--profile must be >= 0 steps, got {args.profile}")
     return run_train_benchmark(
         steps=args.steps,
         warmup=args.warmup,
         backends=args.backends,
         torchrec=not args.no_torchrec,
         batch_size=args.batch_size,
+        shape=SHAPES[args.shape],
         threads=args.threads,
         rounds=args.rounds,
+        precisions=comma_list(args.precisions or "fp32"),
+        default_row=not args.no_default_row,
+        profile_steps=args.profile,
     )
 
 

@@ -41,6 +41,12 @@ after ``BUDGET_S`` (1 s) of wall time, so a busy machine does not stretch it; on
 one it takes well under a second (building the timed tables included; the first use
 of FBGEMM also pays its library's import, which the run would pay anyway). The cache
 (``choice_cache.py``) makes it once per machine and workload.
+
+A timing taken in a busy moment is used by its run but not cached
+(``kernel_timing.TimingStats.noise``): when the process ran less than 0.7 CPU seconds
+per wall second of its timed rounds (other processes held the cores), or when a
+candidate's median step took more than 1.5x its fastest (the rounds disagree). The
+reason is logged and given in the choice's ``why``; the next run measures again.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ from towerrec.hardware import bf16_units, machine_key
 from towerrec.modules.kernel_timing import (
     BUDGET_S,
     KernelWorkload,
+    TimingStats,
     supported_backends,
     time_backends,
 )
@@ -131,7 +138,7 @@ def _pick(
     device: torch.device,
     workload: dict,
     candidates: list[str],
-    measure: Callable[[], dict[str, float]],
+    measure: Callable[[TimingStats], dict[str, float]],
     decide: Callable[[dict[str, float]], str],
     cache: ChoiceCache,
 ) -> Choice:
@@ -140,10 +147,21 @@ def _pick(
     entry = cache.lookup(kind, machine, workload, candidates)
     if entry is not None:
         return Choice(entry["choice"], "cached", f"measured {entry['measured']}", entry["seconds"])
-    start = time.perf_counter()
-    seconds = measure()
+    start, stats = time.perf_counter(), TimingStats()
+    seconds = measure(stats)
     took = time.perf_counter() - start
     choice = decide(seconds)
+    noise = stats.noise()
+    if noise is not None:  # a busy moment: good enough for this run, not for later ones
+        log.info(
+            "the %s timing was noisy (%s): %s holds for this run and is not cached; "
+            "the next run measures again",
+            kind,
+            noise,
+            choice,
+        )
+        why = f"timed in {took:.2f} s, not cached: {noise}"
+        return Choice(choice, "measured", why, seconds, took)
     cache.store(kind, machine, workload, choice, seconds)
     return Choice(choice, "measured", f"timed in {took:.2f} s", seconds, took)
 
@@ -185,8 +203,8 @@ def choose_backend(
     if not measuring():
         return Choice(rule.value, "rule", f"{MEASURE_ENV}=0")
 
-    def measure() -> dict[str, float]:
-        seconds = time_backends(workload, [Backend(c) for c in candidates])
+    def measure(stats: TimingStats) -> dict[str, float]:
+        seconds = time_backends(workload, [Backend(c) for c in candidates], stats=stats)
         return {b.value: s for b, s in seconds.items()}
 
     key = {**workload.describe(), "threads": torch.get_num_threads()}
@@ -239,10 +257,12 @@ def time_precisions(
     batch: int,
     steps: int = 5,
     warmup: int = 3,
+    stats: TimingStats | None = None,
 ) -> dict[str, float]:
     """Seconds of one forward and backward of the run's model (small tables) in fp32 and
     under bf16 autocast: the fastest of ``steps``, taken round-robin after ``warmup``
-    rounds (the first steps of a process are slower), no new round after ``BUDGET_S``."""
+    rounds (the first steps of a process are slower), no new round after ``BUDGET_S``.
+    ``stats``, when given, receives the timed rounds' wall and CPU seconds and steps."""
     small_config, small_schema = _timing_inputs(config, schema)
     with torch.random.fork_rng(devices=[]):
         model = build_model(small_config, small_schema, device)
@@ -269,12 +289,18 @@ def time_precisions(
     for _ in range(warmup):  # (the first steps of each are slower: allocation, packing)
         for dtype in precisions.values():
             step(dtype)
-    begin = time.perf_counter()
+    begin, cpu_begin = time.perf_counter(), time.process_time()
     for _ in range(steps):
         for name, dtype in precisions.items():
-            best[name] = min(best[name], step(dtype))
+            seconds = step(dtype)
+            best[name] = min(best[name], seconds)
+            if stats is not None:
+                stats.add_step(name, seconds)
         if time.perf_counter() - begin > BUDGET_S:  # a busy machine: what we have
             break
+    if stats is not None:
+        stats.wall_s += time.perf_counter() - begin
+        stats.cpu_s += time.process_time() - cpu_begin
     return best
 
 
@@ -307,7 +333,7 @@ def choose_precision(
         device,
         workload,
         ["fp32", "bf16"],
-        lambda: time_precisions(config, schema, device, batch),
+        lambda stats: time_precisions(config, schema, device, batch, stats=stats),
         decide,
         cache,
     )

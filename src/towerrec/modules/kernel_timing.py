@@ -19,7 +19,9 @@ a table with pooling factor p gets floor((i+1) p) - floor(i p) ids in bag i (mea
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,12 +35,51 @@ from towerrec.modules.tables import Pooling, TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 
-__all__ = ["BUDGET_S", "MAX_ROWS", "KernelWorkload", "supported_backends", "time_backends"]
+__all__ = [
+    "BUDGET_S",
+    "MAX_ROWS",
+    "KernelWorkload",
+    "TimingStats",
+    "supported_backends",
+    "time_backends",
+]
 
 # Rows of all timed tables together (at dim 16, 64 MiB: beyond the CPU caches), shared
 # among the tables in proportion to their rows; a table keeps at least MIN_ROWS.
 MAX_ROWS, MIN_ROWS = 1 << 20, 1 << 12
 BUDGET_S = 1.0  # wall seconds of timed rounds after which no new round starts
+# A timing is too noisy to keep when the process had less than STARVED CPU seconds per
+# wall second while it ran (other processes held the cores), or when a candidate's median
+# step took more than SPREAD times its fastest (the rounds disagree).
+STARVED, SPREAD = 0.7, 1.5
+
+
+@dataclasses.dataclass
+class TimingStats:
+    """What a timing saw besides its result: the wall and CPU seconds of this process
+    over its timed rounds, and every timed step of each candidate; ``noise`` says
+    whether its choice can be trusted beyond this run."""
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    steps: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def add_step(self, candidate: str, seconds: float) -> None:
+        self.steps.setdefault(candidate, []).append(seconds)
+
+    def noise(self) -> str | None:
+        """Why the timing is too noisy to keep (``STARVED``, ``SPREAD``), or None."""
+        if self.wall_s > 0 and self.cpu_s < STARVED * self.wall_s:
+            return (
+                f"the process ran {self.cpu_s:.2f} CPU s in {self.wall_s:.2f} wall s of timing "
+                "(other processes held the cores)"
+            )
+        for candidate, times in self.steps.items():
+            fastest = min(times)
+            if len(times) >= 2 and fastest > 0 and statistics.median(times) > SPREAD * fastest:
+                spread = statistics.median(times) / fastest
+                return f"{candidate}'s timed steps spread {spread:.2f}x (median over fastest)"
+        return None
 
 
 @dataclass(frozen=True)
@@ -138,10 +179,12 @@ def time_backends(
     warmup: int = 2,
     seed: int = 0,
     budget_s: float = BUDGET_S,
+    stats: TimingStats | None = None,
 ) -> dict[Backend, float]:
     """Seconds of one training lookup of ``workload`` on each of ``backends``: the
     fastest of ``steps`` steps, taken round-robin after ``warmup`` steps each; no new
-    round starts once the rounds took ``budget_s`` of wall time (a busy machine)."""
+    round starts once the rounds took ``budget_s`` of wall time (a busy machine).
+    ``stats``, when given, receives the timed rounds' wall and CPU seconds and steps."""
     device = torch.device(workload.device)
     gen = torch.Generator().manual_seed(seed)
     batches = [_batch(workload, gen) for _ in range(2)]
@@ -166,10 +209,16 @@ def time_backends(
         for ebc in collections.values():
             for i in range(warmup):
                 step(ebc, i)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for i in range(steps):
             for b, ebc in collections.items():
-                best[b] = min(best[b], step(ebc, i))
+                seconds = step(ebc, i)
+                best[b] = min(best[b], seconds)
+                if stats is not None:
+                    stats.add_step(b.value, seconds)
             if time.perf_counter() - start > budget_s:
                 break
+        if stats is not None:
+            stats.wall_s += time.perf_counter() - start
+            stats.cpu_s += time.process_time() - cpu_start
     return best
