@@ -14,8 +14,8 @@ practitioners train them with, written in plain PyTorch, on the same rows.
                     the epoch of best validation log-loss, and of best validation AUC:
                     that epoch's test AUC and log-loss
 
-towerrec trains its config (``--config NAME=PATH``; default ``configs/NAME.toml`` when
-there is one, else the built-in defaults) as ``towerrec train`` would, with a validation
+towerrec trains its config (``--config NAME=PATH``; default the packaged recipe NAME
+when there is one, ``towerrec config recipes``, else the built-in defaults) as ``towerrec train`` would, with a validation
 every epoch (``train.eval_every = "epoch"``); ``--set`` changes it on every data set. The
 references get the same features, splits and architecture widths (the model section of
 that config) and the batch size. Seed s sets model init and data order on every side.
@@ -58,6 +58,7 @@ from towerrec.bench.quality_reference import (
     with_overrides,
 )
 from towerrec.config import Config
+from towerrec.config.recipes import recipe_names, recipe_path
 from towerrec.train.hooks import StepHook
 from towerrec.train.loop import validate
 from towerrec.train.metrics import EvalMetrics
@@ -66,7 +67,6 @@ from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK", "QualitySettings", "run_quality_benchmark"]
 
-CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MODELS = ("dlrm", "dcn", "wukong")
 
 
@@ -114,8 +114,7 @@ class QualitySettings:
     def config_of(self, name: str) -> Path | None:
         if name in self.configs:
             return self.configs[name]
-        default = CONFIGS / f"{name}.toml"
-        return default if default.is_file() else None
+        return recipe_path(name) if name in recipe_names() else None
 
 
 # ------------------------------------------------------------------ data sets
@@ -367,8 +366,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="towerrec's config for data set NAME (default: configs/NAME.toml when it "
-        "exists, else the built-in defaults; repeatable)",
+        help="towerrec's config for data set NAME, a file or a recipe (default: the recipe NAME "
+        "when there is one, else the built-in defaults; repeatable)",
     )
     add("--recipes", default=",".join(RECIPES), help="the references: fuxictr, torchrec")
     add("--synthetic-rows", type=int, default=defaults.synthetic_rows, help="training rows")

@@ -18,8 +18,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         "--config",
         type=Path,
         action="append",
-        help="TOML config file (see configs/); repeat to layer files, each later one "
-        "overriding the earlier ones (e.g. a data config, then a plan's tiers.toml)",
+        help="TOML config file, or the name of a packaged recipe (criteo, movielens, context, "
+        "...: `towerrec config recipes`); repeat to layer them, each later one overriding the "
+        "earlier ones (e.g. a data config, then a plan's tiers.toml)",
     )
     parser.add_argument(
         "--set",

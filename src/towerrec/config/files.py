@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import tomli_w
 
+from towerrec.config.recipes import recipe_names, resolve_config_file
 from towerrec.config.sections import RESUME_SAFE_KEYS, Config, ConfigError
 
 __all__ = [
@@ -126,7 +127,10 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
 def _read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; see configs/ for examples")
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist; give the path of a TOML file, or "
+            f"the name of a packaged recipe: {', '.join(recipe_names())}"
+        )
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -165,9 +169,11 @@ def load_config(
     base: str | Path | None = None,
 ) -> Config:
     """Defaults, then the TOML file at ``base`` (a resumed run's saved config.toml), then
-    the TOML file(s) at ``path`` in order, then ``section.key=value`` overrides."""
+    the TOML file(s) ``path`` names in order (a path, or a packaged recipe's name:
+    ``recipes.resolve_config_file``), then ``section.key=value`` overrides."""
     data: dict[str, Any] = {}
-    for file in [*([] if base is None else [base]), *_config_files(path)]:
+    files = [resolve_config_file(f) for f in _config_files(path)]
+    for file in [*([] if base is None else [base]), *files]:
         _merge(data, _read_toml(file))
     for text in overrides:
         parts, value = _parse_override(text)
