@@ -27,6 +27,7 @@ from towerrec.config.errors import ConfigError
 
 __all__ = [
     "CONTEXT_MAX_ROWS",
+    "CRITEO",
     "RECIPES_DIR",
     "CacheRecipe",
     "recipe_for_cache",
@@ -97,13 +98,16 @@ class CacheRecipe:
     reason: str
 
 
-def recipe_for_cache(source: str, schema: Mapping[str, Any]) -> CacheRecipe:
-    """The recommended config for a cache of ``source`` (its manifest's ``source``) and
-    ``schema`` (its manifest's ``schema``: ``num_dense`` and the ``sparse`` fields with
-    ``num_embeddings`` and ``multi_hot``).
+# What the Criteo TSV converter prints: Adam 1e-3 on rows started normal 1e-4, 0.020 test
+# AUC above the defaults on Criteo-format data (docs/benchmarks.md "Embedding initialisation").
+CRITEO = CacheRecipe("criteo", "Criteo TSV data")
 
-    - Criteo TSV: ``criteo`` (Adam 1e-3 on rows started normal 1e-4: 0.020 test AUC above
-      the defaults on Criteo-format data, docs/benchmarks.md "Embedding initialisation").
+
+def recipe_for_cache(schema: Mapping[str, Any]) -> CacheRecipe:
+    """The recommended config for a cache of ``schema`` (its manifest's ``schema``:
+    ``num_dense`` and the ``sparse`` fields with ``num_embeddings`` and ``multi_hot``) from
+    a converter of no fixed format (libFM, Parquet, CSV; Criteo TSV's is ``CRITEO``):
+
     - No dense features, every field one-hot and no table above ``CONTEXT_MAX_ROWS``
       rows: ``context``, the small-vocabulary recipe (the shape of Frappe-like context
       data and of the gen-context set it was measured on; row-wise Adagrad 0.5, which
@@ -111,8 +115,6 @@ def recipe_for_cache(source: str, schema: Mapping[str, Any]) -> CacheRecipe:
     - Anything else (dense features, multi-hot bags, large vocabularies): the defaults,
       which no measured recipe beats across such shapes.
     """
-    if source == "criteo":
-        return CacheRecipe("criteo", "Criteo TSV data")
     sparse: Sequence[Mapping[str, Any]] = schema.get("sparse", ())
     if not sparse:
         return CacheRecipe(None, "no categorical fields")

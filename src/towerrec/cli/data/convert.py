@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from towerrec.config import Config
+    from towerrec.config.recipes import CacheRecipe
     from towerrec.data.splits import Split
 
 __all__ = ["DEFAULT_EVAL_FRACTION", "add_commands"]
@@ -79,14 +80,13 @@ def _rows_line(rows: dict[str, int]) -> str:
 
 
 def _print_next_step(
-    rows: dict[str, int], out: Path, source: str, split_options: str, schema: dict
+    rows: dict[str, int], out: Path, split_options: str, schema: dict, recipe: CacheRecipe
 ) -> None:
-    """The command that trains on the cache, or why there is none: the packaged recipe
-    that fits the data (``config/recipes.py``: ``recipe_for_cache``), else the defaults
-    (without a bottom MLP for data without dense features); over kv stores when the
-    tables do not fit this machine's memory at that config's embedding."""
+    """The command that trains on the cache, or why there is none: the packaged
+    ``recipe`` that fits the data (``config/recipes.py``), else the defaults (without a
+    bottom MLP for data without dense features); over kv stores when the tables do not
+    fit this machine's memory at that config's embedding."""
     from towerrec.config import load_config
-    from towerrec.config.recipes import recipe_for_cache
 
     if rows["validation"] == 0:
         print(
@@ -94,7 +94,6 @@ def _print_next_step(
             f"convert again with {split_options}"
         )
         return
-    recipe = recipe_for_cache(source, schema)
     path = shlex.quote(f"data.path={out}")
     if recipe.name is None:
         print(f"recipe: none, the defaults ({recipe.reason})")
@@ -144,6 +143,7 @@ def _kv_settings(config: Config, sizes: list[int], out: Path) -> str:
 
 
 def _cmd_criteo(args: argparse.Namespace) -> int:
+    from towerrec.config.recipes import CRITEO
     from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 
     split = _split(args)
@@ -179,9 +179,9 @@ def _cmd_criteo(args: argparse.Namespace) -> int:
     _print_next_step(
         manifest["rows"],
         args.out,
-        "criteo",
         "--validation-fraction F (0 < F < 1) or --validation-files FILE...",
         manifest["schema"],
+        CRITEO,
     )
     return 0
 
@@ -199,6 +199,8 @@ def _named_sizes(text: str) -> dict[str, int]:
 
 
 def _print_manifest(manifest: dict, out: Path) -> None:
+    from towerrec.config.recipes import recipe_for_cache
+
     rows, report = manifest["rows"], manifest["report"]
     print(f"wrote {out}: {_rows_line(rows)}")
     if report["malformed"]:
@@ -208,9 +210,9 @@ def _print_manifest(manifest: dict, out: Path) -> None:
     _print_next_step(
         rows,
         out,
-        str(manifest.get("source", "")),
         "--validation-fraction F (0 < F < 1) or --validation-files FILE...",
         manifest["schema"],
+        recipe_for_cache(manifest["schema"]),
     )
 
 
