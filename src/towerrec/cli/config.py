@@ -52,7 +52,9 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
     width = max(len(n) for n in names)
     for name in names:
         print(f"{name:<{width}}  {recipe_summary(name)}")
-    print("use one with `towerrec train --config NAME`; print it with `towerrec config recipes NAME`")
+    print(
+        "use one with `towerrec train --config NAME`; print it with `towerrec config recipes NAME`"
+    )
     return 0
 
 
