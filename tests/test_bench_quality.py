@@ -35,10 +35,16 @@ def test_tiny_run_json(tmp_path):
         "--seeds", "1", "--epochs", "2", "--criteo-files", "1", "--criteo-rows", "3000",
         "--criteo-num-embeddings", "500", "--data-dir", str(tmp_path),
         "--set", "train.batch_size=256", "--set", "train.epochs=2",
+        "--unset", "optimizer.warmup_steps",
         OMP_NUM_THREADS="1",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)  # stdout holds nothing but the JSON
+    # progress on stderr: each side's seed and epoch as it ends
+    for side in ("towerrec", "fuxictr", "torchrec"):
+        line = f"bench quality: criteo dlrm {side} seed 1/1, epoch 1: validation AUC 0."
+        assert line in result.stderr, result.stderr[-3000:]
+    assert "!optimizer.warmup_steps" in out["datasets"]["criteo"]["overrides"]  # --unset
     assert out["benchmark"] == "quality" and out["seeds"] == 1
     assert set(out["recipes"]) == {"fuxictr", "torchrec"}
     criteo = out["datasets"]["criteo"]

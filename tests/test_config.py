@@ -124,6 +124,46 @@ def test_example_configs_load():
         load_config(path, ["data.path=cache"] if needs_path else [])
 
 
+def test_unset_puts_a_key_back_to_its_default_in_order_with_set(tmp_path):
+    from towerrec.cli.common import UNSET_MARK
+    from towerrec.config.files import UNSET_PREFIX
+
+    assert UNSET_MARK == UNSET_PREFIX  # the CLI's --unset and the loader agree
+    layered = tmp_path / "c.toml"
+    layered.write_text('[train]\nlog_every = 20\n[embedding.tables.cat_2]\nkind = "qr"\n')
+    assert load_config(layered).train.log_every == 20
+    default = Config().train.log_every
+    assert load_config(layered, ["!train.log_every"]).train.log_every == default
+    assert load_config(layered, ["!train.log_every", "train.log_every=3"]).train.log_every == 3
+    assert (
+        load_config(layered, ["train.log_every=3", "!train.log_every"]).train.log_every == default
+    )
+    assert load_config(layered, ["!embedding.tables.cat_2"]).embedding.tables == {}
+    assert load_config(None, ["!model.dcn.rank"]) == load_config(None)  # unset: nothing to drop
+    for text, message in (
+        ("!train.epoch", "train has no key 'epoch' (did you mean 'epochs'?)"),
+        ("!train.epochs.x", "train.epochs is a value, not a section"),
+        ("!", "expected section.key"),
+        ("!train.epochs=3", "expected section.key"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(layered, [text])
+
+
+def test_unset_on_the_command_line(tmp_path):
+    from conftest import run_cli
+
+    layered = tmp_path / "c.toml"
+    layered.write_text("[train]\nepochs = 20\nbatch_size = 64\n")
+    args = ["config", "show", "--config", str(layered), "--set", "train.steps=5"]
+    shown = run_cli(*args, "--unset", "train.epochs", "--unset", "train.batch_size")
+    assert shown.returncode == 0, shown.stderr
+    train = tomllib.loads(shown.stdout)["train"]
+    assert "epochs" not in train and train["batch_size"] == Config().train.batch_size
+    typo = run_cli(*args, "--unset", "train.epoch")
+    assert typo.returncode == 2 and "did you mean 'epochs'" in typo.stderr
+
+
 def test_resume_config_keeps_the_saved_values_and_refuses_conflicts(tmp_path):
     from towerrec.config import resume_changes
 

@@ -181,8 +181,10 @@ def test_tables_larger_than_memory_are_refused_and_the_printed_kv_command_trains
     refused = towerrec_in(tmp_path, *plain, *QUICK_RUN)
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "Traceback" not in refused.stderr
-    # QUICK_RUN's dim 8 and row-wise Adagrad: 26 tables x (2^31 - 1) rows x 9 floats
-    assert "the 26 embedding tables need 1,872.0 GiB" in refused.stderr
+    # The printed criteo recipe's Adam at QUICK_RUN's dim 8: 26 tables x (2^31 - 1) rows x
+    # 24 floats (the row and its two moments)
+    assert command[:3] == ["train", "--config", "criteo"], command
+    assert "the 26 embedding tables need 4,992.0 GiB" in refused.stderr
     assert "--set embedding.memory=cached" in refused.stderr
     result = towerrec_in(tmp_path, *command, "--out", "run", *QUICK_RUN)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -17,6 +17,7 @@ import torch
 
 from towerrec.bench.roofline import matmul_peak
 from towerrec.calibration.machine import machine_info
+from towerrec.config.files import UNSET_PREFIX
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -49,7 +50,8 @@ class Benchmark:
 def add_overrides_argument(
     parser: argparse.ArgumentParser, help: str = "config override for every variant"
 ) -> None:
-    """``--set SECTION.KEY=VALUE`` (repeatable), into ``overrides``."""
+    """``--set SECTION.KEY=VALUE`` and ``--unset SECTION.KEY`` (repeatable, in order),
+    into ``overrides``."""
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -57,6 +59,14 @@ def add_overrides_argument(
         default=[],
         metavar="SECTION.KEY=VALUE",
         help=help,
+    )
+    parser.add_argument(
+        "--unset",
+        dest="overrides",
+        action="append",
+        type=lambda key: f"{UNSET_PREFIX}{key}",
+        metavar="SECTION.KEY",
+        help="put a key back to its default, whatever the config file set (repeatable)",
     )
 
 

@@ -14,8 +14,8 @@ practitioners train them with, written in plain PyTorch, on the same rows.
                     the epoch of best validation log-loss, and of best validation AUC:
                     that epoch's test AUC and log-loss
 
-towerrec trains its config (``--config NAME=PATH``; default ``configs/NAME.toml`` when
-there is one, else the built-in defaults) as ``towerrec train`` would, with a validation
+towerrec trains its config (``--config NAME=PATH``; default the packaged recipe NAME
+when there is one, ``towerrec config recipes``, else the built-in defaults) as ``towerrec train`` would, with a validation
 every epoch (``train.eval_every = "epoch"``); ``--set`` changes it on every data set. The
 references get the same features, splits and architecture widths (the model section of
 that config) and the batch size. Seed s sets model init and data order on every side.
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import tempfile
@@ -58,6 +59,7 @@ from towerrec.bench.quality_reference import (
     with_overrides,
 )
 from towerrec.config import Config
+from towerrec.config.recipes import recipe_names, recipe_path
 from towerrec.train.hooks import StepHook
 from towerrec.train.loop import validate
 from towerrec.train.metrics import EvalMetrics
@@ -66,7 +68,6 @@ from towerrec.workflows.training import train
 
 __all__ = ["BENCHMARK", "QualitySettings", "run_quality_benchmark"]
 
-CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MODELS = ("dlrm", "dcn", "wukong")
 
 
@@ -114,8 +115,7 @@ class QualitySettings:
     def config_of(self, name: str) -> Path | None:
         if name in self.configs:
             return self.configs[name]
-        default = CONFIGS / f"{name}.toml"
-        return default if default.is_file() else None
+        return recipe_path(name) if name in recipe_names() else None
 
 
 # ------------------------------------------------------------------ data sets
@@ -141,10 +141,26 @@ def _data_set(name: str, settings: QualitySettings, root: Path) -> DataSet:
 
 
 # ------------------------------------------------------------------ towerrec's side
-class _TestEachValidation(StepHook):
-    """After each validation, the test split's metrics too (the validation's, without one)."""
+def _label(where: str, seeds: int, side: str, seed: int) -> str:
+    return f"{where} {side} seed {seed + 1}/{seeds}"
 
-    def __init__(self) -> None:
+
+def _progress(label: str, record: dict[str, Any]) -> None:
+    """One epoch of one run, on stderr (stdout is for the JSON result)."""
+    print(
+        f"bench quality: {label}, epoch {record['epoch']}: validation AUC "
+        f"{record['validation']['auc']:.4f}, test AUC {record['test']['auc']:.4f}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+class _TestEachValidation(StepHook):
+    """After each validation, the test split's metrics too (the validation's, without one);
+    each epoch's line on stderr."""
+
+    def __init__(self, label: str, per_epoch: int) -> None:
+        self.label, self.per_epoch = label, per_epoch
         self.records: list[dict[str, Any]] = []
 
     def setup(self, session: Session) -> None:
@@ -156,13 +172,15 @@ class _TestEachValidation(StepHook):
         if self.session.source.test_rows:
             test = _metrics(validate(self.session, "test").as_dict())
         self.records.append({"step": step, "validation": validation, "test": test})
+        epoch = -(-step // self.per_epoch)
+        _progress(self.label, {"epoch": epoch, "validation": validation, "test": test})
 
 
 def _metrics(record: dict[str, Any]) -> dict[str, float]:
     return {"auc": float(record["auc"]), "logloss": float(record["logloss"])}
 
 
-def _towerrec_run(config: Config, train_rows: int, seed: int, root: Path) -> dict:
+def _towerrec_run(config: Config, train_rows: int, seed: int, root: Path, label: str) -> dict:
     run_config = replace(
         config,
         train=replace(
@@ -176,7 +194,7 @@ def _towerrec_run(config: Config, train_rows: int, seed: int, root: Path) -> dic
         data=replace(config.data, loader=replace(config.data.loader, seed=seed)),
     )
     per_epoch = -(-train_rows // config.train.batch_size)
-    hook = _TestEachValidation()
+    hook = _TestEachValidation(label, per_epoch)
     out = Path(tempfile.mkdtemp(dir=root))
     with contextlib.redirect_stdout(sys.stderr):  # stdout is for the JSON result
         summary = train(run_config, out, hooks=[hook])
@@ -214,6 +232,7 @@ def _reference_run(
     recipe: Recipe,
     seed: int,
     epochs: int,
+    label: str,
 ) -> dict:
     result = train_reference(
         _architecture(config),
@@ -222,6 +241,7 @@ def _reference_run(
         epochs=epochs,
         batch_size=config.train.batch_size,
         seed=seed,
+        on_epoch=lambda record: _progress(label, record),
     )
     return {"seed": seed, "num_dense_params": result.num_dense_params, "epochs": result.epochs}
 
@@ -282,11 +302,22 @@ def _evaluate_data_set(data_set: DataSet, settings: QualitySettings, root: Path)
     for model in settings.models:
         model_config = data_set.load([*settings.overrides, f"model.name={model}"])
         seeds = range(settings.seeds)
+        label = functools.partial(_label, f"{data_set.name} {model}", settings.seeds)
         sides = {
-            "towerrec": _side([_towerrec_run(model_config, data[0].rows, s, root) for s in seeds])
+            "towerrec": _side(
+                [
+                    _towerrec_run(model_config, data[0].rows, s, root, label("towerrec", s))
+                    for s in seeds
+                ]
+            )
         }
         for recipe in settings.recipes:
-            runs = [_reference_run(model_config, data, recipe, s, settings.epochs) for s in seeds]
+            runs = [
+                _reference_run(
+                    model_config, data, recipe, s, settings.epochs, label(recipe.name, s)
+                )
+                for s in seeds
+            ]
             sides[recipe.name] = _side(runs)
         result["models"][model] = {**sides, "verdict": _verdicts(sides)}
         print(f"bench quality: {data_set.name} {model} done", file=sys.stderr)
@@ -367,8 +398,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="towerrec's config for data set NAME (default: configs/NAME.toml when it "
-        "exists, else the built-in defaults; repeatable)",
+        help="towerrec's config for data set NAME, a file or a recipe (default: the recipe NAME "
+        "when there is one, else the built-in defaults; repeatable)",
     )
     add("--recipes", default=",".join(RECIPES), help="the references: fuxictr, torchrec")
     add("--synthetic-rows", type=int, default=defaults.synthetic_rows, help="training rows")

@@ -31,6 +31,7 @@ of best validation AUC, each with its test metrics.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -208,9 +209,11 @@ def train_reference(
     epochs: int,
     batch_size: int,
     seed: int,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
 ) -> ReferenceResult:
     """Train ``recipe`` from seed ``seed`` (init and shuffling) for at most ``epochs``
-    (module doc); ``test`` None: the validation rows stand in for it."""
+    (module doc); ``test`` None: the validation rows stand in for it. ``on_epoch`` sees
+    each epoch's record (its number, validation and test metrics) as it ends."""
     torch.manual_seed(seed)
     sizes = [bag.num_embeddings for bag in train.bags]
     sparse = recipe.embedding_optimizer != "adam"
@@ -242,6 +245,8 @@ def train_reference(
             _evaluate(model, test, recipe.eval_batch_size) if test else record["validation"]
         )
         history.append(record)
+        if on_epoch is not None:
+            on_epoch(record)
         value = record["validation"][recipe.monitor]
         if _better(recipe.monitor, value, best_value):
             best_value, best_epoch, since_best = value, epoch, 0

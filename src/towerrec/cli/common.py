@@ -9,7 +9,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from towerrec.config import Config
 
-__all__ = ["add_config_args", "config_of"]
+__all__ = ["UNSET_MARK", "add_config_args", "config_of", "unset_override"]
+
+# The override form of `--unset KEY` (config/files.py: UNSET_PREFIX; a test keeps the two
+# equal; the parser is built without importing the library).
+UNSET_MARK = "!"
+
+
+def unset_override(key: str) -> str:
+    """``--unset KEY`` as the override ``!KEY``, in order with the ``--set`` ones."""
+    return f"{UNSET_MARK}{key}"
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -18,8 +27,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         "--config",
         type=Path,
         action="append",
-        help="TOML config file (see configs/); repeat to layer files, each later one "
-        "overriding the earlier ones (e.g. a data config, then a plan's tiers.toml)",
+        help="TOML config file, or the name of a packaged recipe (criteo, movielens, context, "
+        "...: `towerrec config recipes`); repeat to layer them, each later one overriding the "
+        "earlier ones (e.g. a data config, then a plan's tiers.toml)",
     )
     parser.add_argument(
         "--set",
@@ -28,6 +38,15 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="override one config value, e.g. --set train.steps=200 (repeatable)",
+    )
+    parser.add_argument(
+        "--unset",
+        dest="overrides",
+        action="append",
+        type=unset_override,
+        metavar="SECTION.KEY",
+        help="put one key back to its default, whatever a --config file set, e.g. --unset "
+        "train.epochs (repeatable; applied in order with --set)",
     )
 
 

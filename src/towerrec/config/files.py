@@ -16,9 +16,11 @@ from typing import Any, cast
 
 import tomli_w
 
+from towerrec.config.recipes import recipe_names, resolve_config_file
 from towerrec.config.sections import RESUME_SAFE_KEYS, Config, ConfigError
 
 __all__ = [
+    "UNSET_PREFIX",
     "ConfigFiles",
     "config_from_dict",
     "config_to_dict",
@@ -107,6 +109,45 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return _build(Config, data, "")
 
 
+# An override "!section.key" (what `--unset section.key` adds to the overrides, in order
+# with --set): the key goes back to its default, whatever a config file set it to.
+UNSET_PREFIX = "!"
+
+
+def _known_key(parts: list[str], text: str) -> None:
+    """Refuse an ``--unset`` of a key the config does not have (a typo would do nothing)."""
+    hint: Any = Config
+    for i, part in enumerate(parts):
+        if typing.get_origin(hint) is dict:  # a named entry (a table's own settings)
+            hint = typing.get_args(hint)[1]
+            continue
+        if not dataclasses.is_dataclass(hint):
+            raise ConfigError(f"--unset {text}: {'.'.join(parts[:i])} is a value, not a section")
+        fields = typing.get_type_hints(hint)
+        if part not in fields:
+            where = ".".join(parts[:i]) or "the config"
+            close = difflib.get_close_matches(part, list(fields), n=1)
+            tip = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"--unset {text}: {where} has no key {part!r}{tip}")
+        hint = fields[part]
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(options) == 1:
+            hint = options[0]
+
+
+def _unset(data: dict[str, Any], text: str) -> None:
+    key = text.removeprefix(UNSET_PREFIX).strip()
+    parts = [part.strip() for part in key.split(".")]
+    if not all(parts) or "=" in key:
+        raise ConfigError(f"--unset {key!r}: expected section.key, e.g. --unset train.epochs")
+    _known_key(parts, key)
+    node: Any = data
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(parts[-1], None)
+
+
 def _parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
@@ -126,7 +167,10 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
 def _read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; see configs/ for examples")
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist; give the path of a TOML file, or "
+            f"the name of a packaged recipe: {', '.join(recipe_names())}"
+        )
     try:
         return tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -165,11 +209,17 @@ def load_config(
     base: str | Path | None = None,
 ) -> Config:
     """Defaults, then the TOML file at ``base`` (a resumed run's saved config.toml), then
-    the TOML file(s) at ``path`` in order, then ``section.key=value`` overrides."""
+    the TOML file(s) ``path`` names in order (a path, or a packaged recipe's name:
+    ``recipes.resolve_config_file``), then ``section.key=value`` overrides and
+    ``!section.key`` unsets (back to the default), in order."""
     data: dict[str, Any] = {}
-    for file in [*([] if base is None else [base]), *_config_files(path)]:
+    files = [resolve_config_file(f) for f in _config_files(path)]
+    for file in [*([] if base is None else [base]), *files]:
         _merge(data, _read_toml(file))
     for text in overrides:
+        if text.startswith(UNSET_PREFIX):
+            _unset(data, text)
+            continue
         parts, value = _parse_override(text)
         node = data
         for part in parts[:-1]:

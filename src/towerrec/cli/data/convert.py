@@ -7,7 +7,9 @@ the binary cache, generate test files, summarise a cache.
     towerrec data gen-criteo --out DIR --files 2 --rows 100000
     towerrec data info DIR                              manifest summary (and checksum check)
 
-Train on a cache with ``towerrec train --set data.source=criteo --set data.path=DIR``.
+Each converter prints the command that trains on the cache it wrote, with the packaged
+recipe that fits the data (``towerrec train --config criteo --set data.path=DIR``;
+``config/recipes.py`` says which and why), else the defaults.
 Every converter takes a validation and a test split as whole files
 (``--validation-files``, ``--test-files``) or seeded fractions of the rows
 (``--validation-fraction``, ``--test-fraction``; ``data/splits.py``); ``--eval-*``
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from towerrec.config import Config
+    from towerrec.config.recipes import CacheRecipe
     from towerrec.data.splits import Split
 
 __all__ = ["DEFAULT_EVAL_FRACTION", "add_commands"]
@@ -76,16 +80,14 @@ def _rows_line(rows: dict[str, int]) -> str:
 
 
 def _print_next_step(
-    rows: dict[str, int],
-    out: Path,
-    source: str,
-    split_options: str,
-    num_dense: int = 1,
-    sizes: list[int] | None = None,
+    rows: dict[str, int], out: Path, split_options: str, schema: dict, recipe: CacheRecipe
 ) -> None:
-    """The command that trains on the cache (without a bottom MLP for data without dense
-    features; over kv stores when the tables' ``sizes`` at the default embedding do not
-    fit this machine's memory), or why there is none."""
+    """The command that trains on the cache, or why there is none: the packaged
+    ``recipe`` that fits the data (``config/recipes.py``), else the defaults (without a
+    bottom MLP for data without dense features); over kv stores when the tables do not
+    fit this machine's memory at that config's embedding."""
+    from towerrec.config import load_config
+
     if rows["validation"] == 0:
         print(
             "no validation rows: `towerrec train` validates and cannot use this cache; "
@@ -93,31 +95,38 @@ def _print_next_step(
         )
         return
     path = shlex.quote(f"data.path={out}")
-    no_bottom = " --set 'model.bottom_mlp=[]'" if num_dense == 0 else ""
-    print(
-        f"train with: towerrec train --set data.source={source} --set {path}{no_bottom}"
-        f"{_kv_settings(sizes, out)}"
-    )
+    if recipe.name is None:
+        print(f"recipe: none, the defaults ({recipe.reason})")
+        no_bottom = " --set 'model.bottom_mlp=[]'" if schema["num_dense"] == 0 else ""
+        command = f"--set data.source=cache --set {path}{no_bottom}"
+    else:
+        print(
+            f"recipe: {recipe.name}, for {recipe.reason}; `towerrec config recipes "
+            f"{recipe.name}` prints it"
+        )
+        command = f"--config {recipe.name} --set {path}"
+    sizes = [f["num_embeddings"] for f in schema["sparse"]]
+    at_path = [f"data.path={json.dumps(str(out))}"] if recipe.name else []
+    kv = _kv_settings(load_config(recipe.name, at_path), sizes, out)
+    print(f"train with: towerrec train {command}{kv}")
 
 
 KV_CACHE_SLOTS = 1_000_000  # rows a table's cache holds in the printed kv command
 
 
-def _kv_settings(sizes: list[int] | None, out: Path) -> str:
+def _kv_settings(config: Config, sizes: list[int], out: Path) -> str:
     """The settings that put tables of ``sizes`` rows in caches over kv stores beside
-    ``out``, when at the default embedding they would not fit this machine's memory held
+    ``out``, when at ``config``'s embedding they would not fit this machine's memory held
     whole (``towerrec train`` refuses those); empty otherwise (or when memory is unknown)."""
-    from towerrec.config import Config
     from towerrec.memory import physical_memory_bytes
     from towerrec.modules.compact import full_table_bytes
     from towerrec.modules.tables import TableConfig
 
     if not sizes:
         return ""
-    defaults = Config()
-    dim = defaults.model.embedding_dim
+    dim = config.model.embedding_dim
     tables = [TableConfig(f"t{i}", n, dim) for i, n in enumerate(sizes)]
-    need = full_table_bytes(tables, defaults.embedding.optimizer_config())
+    need = full_table_bytes(tables, config.embedding.optimizer_config())
     limit = physical_memory_bytes()
     if limit is None or need <= limit:
         return ""
@@ -134,6 +143,7 @@ def _kv_settings(sizes: list[int] | None, out: Path) -> str:
 
 
 def _cmd_criteo(args: argparse.Namespace) -> int:
+    from towerrec.config.recipes import CRITEO
     from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 
     split = _split(args)
@@ -162,17 +172,16 @@ def _cmd_criteo(args: argparse.Namespace) -> int:
         print(f"skipped {report['malformed']} malformed rows {report['by_reason']}; first ones:")
         for where in report["first"]:
             print(f"  {where}")
-    sizes = [f["num_embeddings"] for f in manifest["schema"]["sparse"]]
-    print(f"table sizes: {sizes}")
+    print(f"table sizes: {[f['num_embeddings'] for f in manifest['schema']['sparse']]}")
     unseen = {k: n for k, n in report.get("out_of_vocabulary", {}).items() if n}
     if unseen:
         print(f"values outside the training vocabulary (the reserved id 0), per split: {unseen}")
     _print_next_step(
         manifest["rows"],
         args.out,
-        "criteo",
         "--validation-fraction F (0 < F < 1) or --validation-files FILE...",
-        sizes=sizes,
+        manifest["schema"],
+        CRITEO,
     )
     return 0
 
@@ -190,6 +199,8 @@ def _named_sizes(text: str) -> dict[str, int]:
 
 
 def _print_manifest(manifest: dict, out: Path) -> None:
+    from towerrec.config.recipes import recipe_for_cache
+
     rows, report = manifest["rows"], manifest["report"]
     print(f"wrote {out}: {_rows_line(rows)}")
     if report["malformed"]:
@@ -199,10 +210,9 @@ def _print_manifest(manifest: dict, out: Path) -> None:
     _print_next_step(
         rows,
         out,
-        "cache",
         "--validation-fraction F (0 < F < 1) or --validation-files FILE...",
-        manifest["schema"]["num_dense"],
-        [f["num_embeddings"] for f in manifest["schema"]["sparse"]],
+        manifest["schema"],
+        recipe_for_cache(manifest["schema"]),
     )
 
 
