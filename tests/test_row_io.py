@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 
 import pytest
 import torch
@@ -138,6 +139,45 @@ def test_written_behind_rows_are_read_back_and_a_failed_write_is_raised(store):
     with pytest.raises(OSError, match="Input/output error"):
         store.read(torch.tensor([1]))
     assert torch.equal(store.read(torch.tensor([1])), expected(torch.tensor([1])))
+
+
+def test_a_read_waits_only_for_the_writes_in_flight_of_its_rows(store):
+    """A write held in the writer thread: a read of other rows returns meanwhile; a read
+    of one of its rows returns once it lands, with the written record."""
+    store.write_behind()
+    release, started = threading.Event(), threading.Event()
+    write = store.io.write
+
+    def held(*args):
+        started.set()
+        release.wait(60)
+        return write(*args)
+
+    store.io.write = held
+    records = torch.full((2, LAYOUT.record_width), 5.0)
+    store.write(torch.tensor([20, 21]), records)
+    assert started.wait(60)
+    assert torch.equal(store.read(torch.tensor([19, 22, 7])), expected(torch.tensor([19, 22, 7])))
+    got: list[torch.Tensor] = []
+    reader = threading.Thread(target=lambda: got.append(store.read(torch.tensor([3, 21]))))
+    reader.start()
+    reader.join(0.2)
+    assert not got  # still waiting for row 21's write
+    release.set()
+    reader.join(60)
+    assert torch.equal(got[0], torch.cat([expected(torch.tensor([3])), records[1:]]))
+
+
+def test_cached_ssd_stores_write_behind_unless_told_not_to(tmp_path):
+    from towerrec.modules.cached import build_store
+    from towerrec.modules.tiers import TierConfig
+
+    on = TierConfig("cached", backing="ssd", backing_path=str(tmp_path / "on"))
+    off = TierConfig(
+        "cached", backing="ssd", backing_path=str(tmp_path / "off"), write_behind=False
+    )
+    assert build_store(LAYOUT, on).writes_behind
+    assert not build_store(LAYOUT, off).writes_behind
 
 
 def _compiler() -> str | None:

@@ -12,7 +12,10 @@ variant in turn:
   ``row_io`` in the output); with ``--cold`` the files' pages are dropped from the page
   cache first (``posix_fadvise``), so misses read the disk until the page cache warms;
 - ``host-sync``, ``ssd-sync``: ``host``, ``ssd`` without the background prefetch of the
-  next batch's rows;
+  next batch's rows (``ssd-sync`` also writes its evictions back within the step: every
+  transfer of the store in the step);
+- ``ssd-write-through``: ``ssd`` with its evictions written back within the step
+  (``embedding.write_behind = false``), the write-behind's share beside ``ssd``;
 - ``kv``: the same caches (each table's slots as ``host``'s) over LMDB stores of rows
   keyed by id under ``--path``, each row made from its id on first touch; nothing is
   written up front, so the store holds only the rows written back (``kv_rows_stored``,
@@ -106,8 +109,8 @@ from towerrec.train.step import train_step
 
 __all__ = ["BENCHMARK", "criteo_rows", "run_tiers_benchmark"]
 
-VARIANTS = ("device", "host", "ssd", "host-sync", "ssd-sync", "kv", "mmap")
-SHARDED_VARIANTS = ("device", "host", "ssd", "host-sync", "ssd-sync")
+VARIANTS = ("device", "host", "ssd", "host-sync", "ssd-sync", "ssd-write-through", "kv", "mmap")
+SHARDED_VARIANTS = ("device", "host", "ssd", "host-sync", "ssd-sync", "ssd-write-through")
 
 
 def _overrides(args: argparse.Namespace, rows: list[int], variant: str, path: Path) -> list[str]:
@@ -133,6 +136,7 @@ def _overrides(args: argparse.Namespace, rows: list[int], variant: str, path: Pa
         f"embedding.backing={backing}",
         f"embedding.backing_path={path}",
         f"embedding.cache_maps={args.cache_maps}",
+        f"embedding.write_behind={str(variant not in ('ssd-sync', 'ssd-write-through')).lower()}",
     ]
     if variant == "kv":  # each table's slots as cache_fraction gives the others
         slots = {
@@ -178,7 +182,7 @@ def _run_variant(
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    reads_ahead = variant in ("host", "ssd", "kv")
+    reads_ahead = variant in ("host", "ssd", "ssd-write-through", "kv")
     if variant == "mmap":
         model = build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
         mmap_tables(model, path)
@@ -451,6 +455,9 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
         if name in results and f"{name}-sync" in results:
             sync = results[f"{name}-sync"]["samples_per_s"]
             ratios[f"{name}/{name}-sync"] = round(results[name]["samples_per_s"] / sync, 3)
+    if "ssd" in results and "ssd-write-through" in results:  # the write-behind against none
+        through = results["ssd-write-through"]["samples_per_s"]
+        ratios["ssd/ssd-write-through"] = round(results["ssd"]["samples_per_s"] / through, 3)
     link = measure_link(device)
     ratios.update(link_bounds(args, results, link))
     row_bytes = 4 * (args.dim + 1)

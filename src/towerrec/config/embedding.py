@@ -73,6 +73,9 @@ class EmbeddingConfig:
     # cached: where the id -> slot maps and victim choice run: auto (device on a GPU, else
     # host) | host | device (beside the slot tables: only missed and evicted rows cross)
     cache_maps: CacheMaps = CacheMaps.AUTO
+    # cached over ssd: an eviction's write-back lands in a thread of the store's own while the
+    # step goes on (a read waits for it first); false: written within the lookup
+    write_behind: bool = True
     prefetch: bool = True  # cached: read the next batch's misses while this step computes
     # (sharded runs: under the pipelined input_dist, which this turns on)
     # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*, dim, memory,

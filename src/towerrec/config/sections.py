@@ -82,9 +82,11 @@ RESUME_SAFE_KEYS = (
     "embedding.backing",
     "embedding.backing_path",
     "embedding.prefetch",
+    "embedding.write_behind",
     "embedding.tables.*.memory",
     "embedding.tables.*.cache_*",
     "embedding.tables.*.backing*",
+    "embedding.tables.*.write_behind",
     "plan.*",
 )
 

@@ -194,6 +194,8 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         self._prefetcher: ThreadPoolExecutor | None = None
         self._keys = itertools.count()
         self._next_key: int | None = None
+        self._queued: dict[int, dict[str, torch.Tensor]] = {}  # ids of batches to read ahead
+        self._reading: int | None = None  # the key read ahead whose lookup has not come
         self.reset_parameters()
 
     # ------------------------------------------------------------ interface
@@ -318,22 +320,43 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         return Ready(self(features))
 
     def prefetch(self, features: KeyedJaggedTensor) -> int:
-        """Start reading a later batch's missing rows in a background thread (the
-        ``PrefetchingCollection`` of ``train/pipeline.py``); returns its key."""
+        """Read a later batch's missing rows in a background thread (the
+        ``PrefetchingCollection`` of ``train/pipeline.py``); returns its key. The read
+        starts once the lookups before that batch's are done (``_read_ahead``)."""
         key = next(self._keys)
         if not self.caches:
             return key
-        if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="towerrec-prefetch")
         if features.keys() != self.feature_names:
             features = features.select(self.feature_names)
         values = apply_id_policy(
             features, self._rows_per_feature.to(features.values().device), self.id_policy
         )
         ids = _BatchIds(features, values)
-        for name, cache in self.caches.items():
-            cache.prefetch(key, self._table_ids(name, ids)[0], self._prefetcher)
+        self._queued[key] = {name: self._table_ids(name, ids)[0] for name in self.caches}
+        self._read_ahead()
         return key
+
+    def _read_ahead(self) -> None:
+        """Start the background read of the oldest queued batch, unless a batch read ahead
+        still waits for its lookup: a batch's misses are known once the lookup before it
+        has run, so each read starts after it (and runs during the rest of that step)."""
+        if self._reading is not None or not self._queued:
+            return
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="towerrec-prefetch")
+        key = min(self._queued)
+        for name, ids in self._queued.pop(key).items():
+            self.caches[name].prefetch(key, ids, self._prefetcher)
+        self._reading = key
+
+    def _looked_up(self, key: int | None) -> None:
+        """A lookup took batch ``key``: earlier batches' reads are dropped (their lookups
+        never came), and the next queued batch's read starts."""
+        if key is not None:
+            self._queued = {k: ids for k, ids in self._queued.items() if k > key}
+            if self._reading is not None and self._reading <= key:
+                self._reading = None
+        self._read_ahead()
 
     def use_prefetched(self, key: int) -> None:
         """The next forward's batch is the one prefetched under ``key``."""
@@ -365,6 +388,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
             for lo, hi in spans:
                 out[lo:hi] = slots[start : start + hi - lo]
                 start += hi - lo
+        self._looked_up(key)
         return out
 
     # ------------------------------------------------------- checkpoints
@@ -437,6 +461,8 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
     def _invalidate(self) -> None:
         for cache in self.caches.values():
             cache.invalidate()
+        self._queued.clear()
+        self._reading = None
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
@@ -511,7 +537,8 @@ def build_store(
 ) -> BackingStore:
     """The backing store ``tier`` asks for (one file per table: ``<path>/<name>.tstore``,
     ``name`` defaulting to the table's; a shard's store names its shard). A kv store
-    needs ``table`` and ``seed``: it initialises rows from them on first touch."""
+    needs ``table`` and ``seed``: it initialises rows from them on first touch. An SSD
+    store writes behind (``SsdStore.write_behind``) unless ``tier.write_behind`` is off."""
     if tier.backing is Backing.HOST:
         return HostStore(layout)
     if tier.backing is Backing.KV:
@@ -520,7 +547,10 @@ def build_store(
         return KvStore(
             layout, Path(tier.backing_path) / f"{name or layout.table}{KV_SUFFIX}", table, seed
         )
-    return SsdStore(layout, Path(tier.backing_path) / f"{name or layout.table}{SUFFIX}")
+    store = SsdStore(layout, Path(tier.backing_path) / f"{name or layout.table}{SUFFIX}")
+    if tier.write_behind:
+        store.write_behind()
+    return store
 
 
 def _whole(block: TableBlock) -> bool:

@@ -59,6 +59,7 @@ class TableStorageConfig:
     backing_path: str | None = None
     cache_slots: int | None = None
     cache_maps: CacheMaps | None = None
+    write_behind: bool | None = None
     # How the table's rows start (``modules/tables.py``, ``INIT_RULES``): any kind.
     init: str | None = None
     init_scale: float | None = None
@@ -123,6 +124,7 @@ _TIER_FIELDS = (
     "backing_path",
     "cache_slots",
     "cache_maps",
+    "write_behind",
 )
 
 

@@ -38,6 +38,7 @@ import mmap
 import os
 import shutil
 import struct
+import threading
 import weakref
 import zlib
 from collections.abc import Callable
@@ -109,6 +110,9 @@ class SsdStore(BackingStore):
         self._writer: ThreadPoolExecutor | None = None  # ``write_behind``'s thread
         self._writes_sent = self._writes_landed = 0
         self._write_error: BaseException | None = None
+        # The rows of each write sent and not yet landed, by its number (``_in_flight``).
+        self._flying: dict[int, torch.Tensor] = {}
+        self._flying_lock = threading.Lock()
 
     @property
     def records(self) -> torch.Tensor:
@@ -117,10 +121,16 @@ class SsdStore(BackingStore):
 
     def write_behind(self) -> None:
         """Later ``write`` calls return at once; their rows land in a thread of this
-        store's own, in order, and ``read``, ``records``, ``flush`` and ``initialize`` wait
-        for them first (a failed write raises there)."""
+        store's own, in order. ``read`` waits for them when it asks for a row still in
+        flight, ``records``, ``flush`` and ``initialize`` always (a failed write raises
+        there, or at the next read)."""
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="towerrec-write")
+
+    @property
+    def writes_behind(self) -> bool:
+        """Whether ``write`` returns before its rows land (``write_behind``)."""
+        return self._writer is not None
 
     def _landed(self) -> None:
         """Wait until every write sent to the writer thread has landed."""
@@ -132,10 +142,13 @@ class SsdStore(BackingStore):
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         """Records ``[n, W]`` of ``rows`` (any order, repeats allowed), read in runs of
-        adjacent rows (module doc)."""
+        adjacent rows (module doc); after the writes in flight of any of them."""
         rows = self._checked(rows)
-        self._landed()
         unique, inverse = _sorted_unique(rows)
+        if self._in_flight(unique):
+            self._landed()
+        elif self._write_error is not None:
+            self._landed()  # raises it
         out = torch.empty(unique.numel(), self.layout.record_width)
         short = self.io.read(self._fd, unique, out, HEADER_BYTES)
         if short >= 0:
@@ -159,16 +172,29 @@ class SsdStore(BackingStore):
         if self._writer is None:
             self._write_now(rows, records)
             return
+        number = self._writes_sent
+        with self._flying_lock:
+            self._flying[number] = rows
         self._writes_sent += 1
-        self._writer.submit(self._write_in_thread, rows, records)
+        self._writer.submit(self._write_in_thread, number, rows, records)
 
-    def _write_in_thread(self, rows: torch.Tensor, records: torch.Tensor) -> None:
+    def _write_in_thread(self, number: int, rows: torch.Tensor, records: torch.Tensor) -> None:
         try:
             self._write_now(rows, records)
         except BaseException as e:  # raised where the next read or flush waits
             self._write_error = self._write_error or e
         finally:
+            with self._flying_lock:
+                del self._flying[number]
             self._writes_landed += 1
+
+    def _in_flight(self, rows: torch.Tensor) -> bool:
+        """Whether a write sent and not landed holds any of ``rows`` (sorted)."""
+        with self._flying_lock:
+            flying = list(self._flying.values())
+        if not flying or not rows.numel():
+            return False
+        return bool(torch.isin(torch.cat(flying), rows).any())
 
     def _write_now(self, rows: torch.Tensor, records: torch.Tensor) -> None:
         short = self.io.write(self._fd, rows, records, HEADER_BYTES)

@@ -5,9 +5,17 @@ rows read ahead for a later lookup.
 A row's record (weight, then each per-row optimizer state, ``tier_store.RowLayout``)
 moves between store and slot as an exact float32 copy. Victims are slots the current
 lookup does not use: empty ones first, then the least recently used (``lru``) or the
-least often used since fetched (``lfu``, ties by recency). A prefetched row that was
-written back after its read began is read again (its copy would be stale). Slots empty
-only all at once (``invalidate``), so the empty ones are the slots ``[filled, cache_rows)``.
+least often used since fetched (``lfu``, ties by recency). Slots empty only all at once
+(``invalidate``), so the empty ones are the slots ``[filled, cache_rows)``.
+
+Reading ahead (``prefetch``, started by the caller between two lookups, after the one
+before the batch's): a later lookup's distinct ids, which of them are not cached, and
+those rows' records read from the store, in a background thread while the step goes on
+(a lookup first waits for it: the map it reads changes only in lookups). When no lookup
+changed the map since, that lookup takes all of it as is, so each missing row is read
+once; otherwise (an evaluation's lookup came between) it finds its misses again and
+takes the rows read ahead that no write-back touched since (a written row's copy would
+be stale), reading the others then.
 
 The bookkeeping (maps, usage, dirty bits, victim choice; ``cache_maps.py``) runs in one
 of two places (``CacheMaps``, ``modules/tiers.py``)::
@@ -20,9 +28,10 @@ of two places (``CacheMaps``, ``modules/tiers.py``)::
              victims (a top-k over the slots for both policies) and the slot updates
              are tensor operations there; only the missed ids and rows (store -> slot)
              and the evicted dirty ones (slot -> store) cross the link. A read ahead
-             (``prefetch``) reads the store in a background thread and copies its
-             rows up on a side stream while the current step computes; on the CPU
-             the same code runs synchronously.
+             (``prefetch``) finds its misses there, in the caller's thread, then reads
+             the store in a background thread and copies its rows up on a side stream
+             while the current step computes; on the CPU the same code runs
+             synchronously.
 
 Both choose the same victims, so their hits, misses and write-backs are equal (LFU up to
 its ties). The id -> slot map is a dense array of one int32 a row (``DenseSlotMap``) for
@@ -51,9 +60,9 @@ CPU = torch.device("cpu")
 
 class CacheStats:
     """Lookups of unique rows (a lookup's distinct ids), how many of them were in the
-    cache, and the traffic to the backing store: rows read (a prefetch's when it
-    starts, so a prefetched row that a write-back made stale counts again when reread)
-    and rows written back, with their bytes (``record_bytes`` a row)."""
+    cache, and the traffic to the backing store: rows read (a read ahead's when a lookup
+    waits for it, so a row read ahead that a write-back made stale counts again when
+    reread) and rows written back, with their bytes (``record_bytes`` a row)."""
 
     FIELDS = (
         "lookups",
@@ -169,6 +178,7 @@ class TableCache:
         self.clock = 0
         self.stats = CacheStats(store.layout.record_width * 4)
         self._pending: dict[int, _Prefetch] = {}
+        self._version = 0  # counts the changes of the id -> slot map
         self._stream: torch.cuda.Stream | None = None
         self.place(on_device, device)
 
@@ -193,18 +203,36 @@ class TableCache:
 
     # --------------------------------------------------------------- prefetch
     def prefetch(self, key: int, ids: torch.Tensor, executor: ThreadPoolExecutor) -> None:
-        """Start reading the rows of ``ids`` that are not cached now, in the background;
-        the lookup that passes ``key`` to ``slots`` takes them."""
-        unique = torch.unique(ids)
-        missing = unique[self.slot_of.get(unique) < 0]
-        self.stats.read(missing.numel())
-        self._pending[key] = _Prefetch(missing, self._read_ahead(missing, executor))
+        """Start reading ahead the rows of ``ids`` that are not cached (module doc); the
+        lookup that passes ``key`` to ``slots`` takes them. The caller starts it between
+        lookups: host bookkeeping finds the misses in ``executor``'s thread, device
+        bookkeeping here (on the device), and reads them there."""
+        if not self.on_device:
+            future = executor.submit(self._find_and_read, ids)
+        else:
+            unique, inverse, slot, missing = self._find(ids)
+            records = self._read_ahead(missing, executor)
+            future = _then(records, lambda r: _Ahead(unique, inverse, slot, missing, r))
+        self._pending[key] = _Prefetch(ids, self._version, future)
+
+    def _find(
+        self, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(unique ids, each id's place among them, their slots (-1: not cached), the
+        missing ids)`` of a lookup of ``ids`` now."""
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        slot = self.slot_of.get(unique)
+        return unique, inverse, slot, unique[slot < 0]
+
+    def _find_and_read(self, ids: torch.Tensor) -> _Ahead:
+        """What a lookup of ``ids`` would find now, with its missing rows' records (runs in
+        the background thread)."""
+        unique, inverse, slot, missing = self._find(ids)
+        return _Ahead(unique, inverse, slot, missing, self.store.read(missing))
 
     def _read_ahead(self, ids: torch.Tensor, executor: ThreadPoolExecutor) -> Future[torch.Tensor]:
-        """The records of ``ids``, on the bookkeeping's device, to come: read in
-        ``executor``'s thread, and on a GPU copied up on a side stream there."""
-        if not self.on_device:
-            return executor.submit(self.store.read, ids)
+        """The records of ``ids``, on the bookkeeping's device, to come: on a GPU read in
+        ``executor``'s thread and copied up on a side stream there; on the CPU read now."""
         if self.device.type == "cpu":  # the same path, synchronously
             done: Future[torch.Tensor] = Future()
             done.set_result(self.store.read(ids))
@@ -213,27 +241,21 @@ class TableCache:
             self._stream = torch.cuda.Stream(self.device)
         return executor.submit(_read_to_device, self.store, ids.cpu(), self._stream)
 
-    def _take_prefetched(
-        self, key: int | None, missing: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """``(mask over missing, their records, how many)`` of the rows prefetched under
-        ``key`` that no write-back touched since (a written row's prefetched copy is
-        stale)."""
-        pending = self._pending.pop(key, None) if key is not None else None
-        if pending is None:
-            return None
-        records = pending.records.result()
-        if records.is_cuda:  # copied on a side stream, used on this one
-            records.record_stream(torch.cuda.current_stream(records.device))
-        usable = pending.ids
-        if pending.written:
-            usable = usable[~torch.isin(usable, torch.cat(pending.written))]
-        found = torch.isin(missing, usable)
-        count = int(found.sum())
-        if not count:
-            return None
-        at = torch.searchsorted(pending.ids, missing[found])  # both sorted (unique)
-        return found, records.index_select(0, at), count
+    def _settle(self, key: int | None) -> tuple[_Prefetch, _Ahead] | None:
+        """Wait for the reads ahead (the lookup about to run changes the map they read);
+        take the one of ``key`` and drop those of earlier keys (their lookups never
+        came)."""
+        taken = None
+        for k in list(self._pending):
+            ahead = self._pending[k].future.result()
+            if key is not None and k <= key:
+                pending = self._pending.pop(k)
+                self.stats.read(ahead.missing.numel())
+                if k == key:
+                    taken = pending, ahead
+        if taken is not None and taken[1].records.is_cuda:  # copied on a side stream
+            taken[1].records.record_stream(torch.cuda.current_stream(taken[1].records.device))
+        return taken
 
     def _written(self, ids: torch.Tensor) -> None:
         for pending in self._pending.values():
@@ -241,15 +263,23 @@ class TableCache:
 
     def _drop_pending(self) -> None:
         for pending in self._pending.values():
-            pending.records.result()  # no read left running (over a store rewritten next)
+            pending.future.result()  # no read left running (over a store rewritten next)
         self._pending.clear()
+        self._version += 1
 
     # ----------------------------------------------------------------- lookup
     @torch.no_grad()
     def slots(self, ids: torch.Tensor, training: bool, key: int | None = None) -> torch.Tensor:
         """The slots of ``ids`` (any shape, int64 on the bookkeeping's device), fetching
-        the rows that miss (those prefetched under ``key`` from the prefetch)."""
-        unique, inverse = torch.unique(ids, return_inverse=True)
+        the rows that miss (those read ahead under ``key`` from the read ahead)."""
+        taken = self._settle(key)
+        ahead = None  # the read ahead, when no lookup changed the map since it started
+        if taken is not None and taken[0].version == self._version:
+            ahead = taken[1] if torch.equal(taken[0].ids, ids) else None
+        if ahead is not None:
+            unique, inverse, slot, missing = ahead.unique, ahead.inverse, ahead.slot, ahead.missing
+        else:
+            unique, inverse, slot, missing = self._find(ids)
         if unique.numel() > self.cache_rows:
             need = unique.numel() / self.table.num_embeddings
             raise ValueError(
@@ -259,18 +289,20 @@ class TableCache:
                 f"cache_slots) to at least {unique.numel()}, or, with cache_slots = 0, "
                 f"cache_fraction to at least {need:.4g}; or use smaller batches"
             )
-        slot = self.slot_of.get(unique)
         miss = slot < 0
-        missing = unique[miss]
         if missing.numel():
             victims, empty = self._victims(missing.numel(), slot[~miss])
             self._evict(victims[empty:])  # the first ``empty`` held no row
-            records = self._read(missing, key)
+            if ahead is not None:
+                records = ahead.records
+                self.stats.prefetched += missing.numel()
+            else:
+                records = self._read(missing, taken)
             self._fill(victims, missing, records)
+            self._version += 1
             self.filled += empty  # the empty slots are taken in order
+            slot = slot.clone()  # (a read ahead's finding is not written into)
             slot[miss] = victims
-        elif key is not None:
-            self._pending.pop(key, None)
         self.clock += 1
         # Recency: the lookup's clock, then its rows in id order (no ties: ``_victims``
         # picks the same rows as an LRU list updated in that order).
@@ -322,19 +354,26 @@ class TableCache:
         """Records of ``ids`` read from the store now, on the bookkeeping's device."""
         return self.store.read(ids.cpu()).to(self.device)
 
-    def _read(self, missing: torch.Tensor, key: int | None) -> torch.Tensor:
-        """Records of the ``missing`` rows: prefetched ones, the others read now."""
-        prefetched = self._take_prefetched(key, missing)
-        if prefetched is None:
+    def _read(self, missing: torch.Tensor, taken: tuple[_Prefetch, _Ahead] | None) -> torch.Tensor:
+        """Records of the ``missing`` rows (sorted): those read ahead in ``taken`` that no
+        write-back touched since, the others read now."""
+        if taken is None or not taken[1].missing.numel():
             self.stats.read(missing.numel())
             return self._read_now(missing)
-        found, records, count = prefetched
+        pending, ahead = taken
+        at = torch.searchsorted(ahead.missing, missing).clamp_(max=ahead.missing.numel() - 1)
+        found = ahead.missing[at] == missing  # both sorted without repeats
+        if pending.written:
+            found &= ~torch.isin(missing, torch.cat(pending.written))
+        count = int(found.sum())
         self.stats.prefetched += count
+        if count == missing.numel():
+            return ahead.records.index_select(0, at)
         out = torch.empty(missing.numel(), self.store.layout.record_width, device=self.device)
-        out[found] = records
-        if count < missing.numel():
-            self.stats.read(missing.numel() - count)
-            out[~found] = self._read_now(missing[~found])
+        out[found] = ahead.records.index_select(0, at[found])
+        rest = ~found
+        self.stats.read(missing.numel() - count)
+        out[rest] = self._read_now(missing[rest])
         return out
 
     def _evict(self, slots: torch.Tensor) -> None:
@@ -401,10 +440,37 @@ def _read_to_device(
 
 
 @dataclass
+class _Ahead:
+    """A read ahead's findings: the distinct ids (sorted) and each id's place among them,
+    their slots then (-1: not cached), the missing ids and their records."""
+
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    slot: torch.Tensor
+    missing: torch.Tensor
+    records: torch.Tensor
+
+
+@dataclass
 class _Prefetch:
-    """Rows read ahead for one lookup: sorted ``ids``, their records to come, and the
-    ids written back since the read began."""
+    """A read ahead for one lookup: the lookup's ``ids``, the map's version when it
+    started, its findings to come, and the ids written back since it began."""
 
     ids: torch.Tensor
-    records: Future[torch.Tensor]
+    version: int
+    future: Future[_Ahead]
     written: list[torch.Tensor] = field(default_factory=list)
+
+
+def _then(records: Future[torch.Tensor], make: Callable[[torch.Tensor], _Ahead]) -> Future[_Ahead]:
+    """A future of ``make(records)``, done when ``records`` is."""
+    out: Future[_Ahead] = Future()
+
+    def done(f: Future[torch.Tensor]) -> None:
+        try:
+            out.set_result(make(f.result()))
+        except BaseException as e:
+            out.set_exception(e)
+
+    records.add_done_callback(done)
+    return out

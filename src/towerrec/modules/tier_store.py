@@ -99,6 +99,11 @@ class BackingStore(ABC):
         every write. Others write at once."""
         return None
 
+    @property
+    def writes_behind(self) -> bool:
+        """Whether ``write`` returns before its rows land (``write_behind``)."""
+        return False
+
     def weight(self) -> torch.Tensor:
         """The table's weights ``[rows, D]`` (a view)."""
         return self.records[:, : self.layout.embedding_dim]

@@ -93,6 +93,7 @@ class TierConfig:
     cache_min_rows: int = 0  # cached: only tables with more rows are cached
     cache_slots: int = 0  # cached: the cache's rows (0: cache_fraction); kv needs it
     cache_maps: CacheMaps = CacheMaps.AUTO  # cached: where the id -> slot maps live
+    write_behind: bool = True  # cached over ssd: evicted rows land in a thread of the store's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "memory", parse_enum(Memory, self.memory, "embedding.memory"))
