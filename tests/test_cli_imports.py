@@ -2,11 +2,14 @@
 torch, no numpy and no benchmark module; each command imports the library when it runs."""
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 from towerrec.cli import choices
@@ -106,3 +109,15 @@ def test_the_values_the_help_shows_are_the_library_s():
     assert tuple(s.value for s in SearchSpaceKind) == choices.NAS_SPACES
     assert (DEFAULT_MAX_IDS, PROFILE_NAME) == (choices.PROFILE_MAX_IDS, choices.PROFILE_NAME)
     assert (FOLDS, TOP_FRACTION) == (choices.PU_FOLDS, choices.PU_TOP_FRACTION)
+
+
+def test_every_benchmark_declares_arguments_that_parse_beside_the_shared_ones():
+    """Each benchmark's own arguments join the ones `towerrec bench` gives every entry
+    (``--json``) without a clash: a clash makes the benchmark unusable from the CLI."""
+    from towerrec.cli.app import build_parser
+
+    parser = build_parser()
+    for name in BENCHMARKS:
+        with pytest.raises(SystemExit) as ended, contextlib.redirect_stdout(io.StringIO()):
+            parser.parse_args(["bench", name, "--json", "--help"])
+        assert ended.value.code == 0, name

@@ -70,7 +70,6 @@ def choice_benchmark(
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object (always on)")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=30, help="forced-kernel steps per kernel")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
