@@ -187,3 +187,14 @@ FOUND = [
 )
 def test_an_input_a_fuzzer_found_is_read_or_refused_clearly(name, example, tmp_path, one_thread):
     TARGETS[name].check(example, tmp_path)
+
+
+@pytest.mark.slow
+def test_an_augmented_part_without_training_rows_is_refused_clearly(tmp_path, one_thread):
+    """Found by `towerrec bench fuzz`: a part whose manifest entry lists no `train` rows
+    failed with KeyError 'train'."""
+    from towerrec.bench.fuzz_inputs import _augmented
+
+    manifest = json.loads((_augmented() / "manifest.json").read_text())
+    manifest["parts"][0]["rows"] = {}
+    TARGETS["augmented_manifest"].check(json.dumps(manifest).encode(), tmp_path)
