@@ -190,11 +190,12 @@ def test_an_input_a_fuzzer_found_is_read_or_refused_clearly(name, example, tmp_p
 
 
 @pytest.mark.slow
-def test_an_augmented_part_without_training_rows_is_refused_clearly(tmp_path, one_thread):
+@pytest.mark.parametrize("key", ["rows", "multi_values"])
+def test_an_augmented_part_without_training_rows_is_refused_clearly(key, tmp_path, one_thread):
     """Found by `towerrec bench fuzz`: a part whose manifest entry lists no `train` rows
-    failed with KeyError 'train'."""
+    (or no `train` value counts of its multi-hot feature) failed with KeyError 'train'."""
     from towerrec.bench.fuzz_inputs import _augmented
 
     manifest = json.loads((_augmented() / "manifest.json").read_text())
-    manifest["parts"][0]["rows"] = {}
+    manifest["parts"][0][key] = {}
     TARGETS["augmented_manifest"].check(json.dumps(manifest).encode(), tmp_path)
