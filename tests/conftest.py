@@ -1,4 +1,5 @@
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,12 @@ needs_torchrec = pytest.mark.skipif(not HAS_TORCHREC, reason="torchrec is not in
 # the baseline below, so that every test and every process it starts inherits both.
 os.environ["TOWERREC_MEASURE"] = "0"
 os.environ["TOWERREC_CACHE_DIR"] = tempfile.mkdtemp(prefix="towerrec-test-cache-")
+# Every world of `spawn_world` whose rank crashed in teardown after returning its value,
+# in this process or in one a test started, is appended here (distributed/launch.py);
+# `_no_teardown_crash` fails the test that made it.
+TEARDOWN_LOG = Path(tempfile.mkdtemp(prefix="towerrec-test-teardown-")) / "crashes.jsonl"
+TEARDOWN_LOG.touch()
+os.environ["TOWERREC_TEARDOWN_LOG"] = str(TEARDOWN_LOG)
 
 # Set by pytest for each test, by torch the first time it needs its compile cache, and by
 # scikit-learn's import (OpenMP settings of its own).
@@ -68,6 +75,21 @@ def _no_leaked_process_state():
         names = sorted(k for k in env[0].keys() | env[1].keys() if env[0].get(k) != env[1].get(k))
         _restore(_BASELINE)
         pytest.fail(f"the test left process-wide settings changed: {changed} {names or ''}")
+
+
+@pytest.fixture(autouse=True)
+def _no_teardown_crash():
+    """A test fails when one of its worlds had a rank that returned its value and then
+    crashed or hung tearing down: the harness counts the values, but such a crash is a
+    bug to find, not a pass. A test that provokes one on purpose points
+    ``TOWERREC_TEARDOWN_LOG`` elsewhere with ``monkeypatch.setenv``."""
+    start = TEARDOWN_LOG.stat().st_size
+    yield
+    with TEARDOWN_LOG.open() as f:
+        f.seek(start)
+        crashes = [json.loads(line) for line in f if line.strip()]
+    if crashes:
+        pytest.fail(f"a rank crashed in teardown after returning its value: {crashes}")
 
 
 @pytest.fixture

@@ -1,5 +1,8 @@
 """Topology, byte accounting and wire codecs (pure logic, no process group)."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -103,3 +106,19 @@ def test_begun_all_to_all_overlaps_its_backward_with_what_ran_in_between(monkeyp
     (y.sum() + z.sum()).backward()
     assert events == ["start pooled_grad", "between", "wait pooled_grad"]
     assert torch.equal(x.grad, torch.full((8,), 2.0)) and torch.equal(w.grad, torch.full((8,), 3.0))
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_a_begun_all_to_all_frees_its_output_with_the_graph(backward):
+    """The output of ``all_to_all_start`` is freed once nothing holds it or its graph
+    (it used to stay alive through the in-flight record its own autograd node held: on
+    2 ranks, every training step's exchanged embeddings leaked, ~0.6 MB a step)."""
+    comm = Comm(Topology(1))
+    x = torch.randn(8, requires_grad=True)
+    y = comm.all_to_all_start(x * 2, [8], [8], "pooled").wait()
+    freed = weakref.ref(y)
+    if backward:
+        y.sum().backward()
+    del y
+    gc.collect()
+    assert freed() is None

@@ -3,8 +3,12 @@ stop every rank instead of hanging."""
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ import torch.distributed as dist
 from conftest import run_cli
 
 from towerrec.distributed import launch as launch_module
-from towerrec.distributed.launch import WorkerError, launch, spawn_world
+from towerrec.distributed.launch import TeardownCrashWarning, WorkerError, launch, spawn_world
 
 REPO = Path(__file__).parent.parent
 QUICK = [
@@ -53,11 +57,18 @@ def test_a_raising_rank_stops_every_rank_with_its_error():
     assert time.monotonic() - start < 120  # bounded: the agent stops rank 0, no hang
 
 
+def _returns_rank(topology):
+    dist.barrier()
+    return topology.rank
+
+
 def _returns_then_dies_in_teardown(topology, how):
-    """Every rank returns its rank; rank 0's process-group teardown then aborts (as a
-    C++ ``std::terminate`` in gloo's teardown does) or never ends."""
-    if topology.rank == 0:
-        dist.destroy_process_group = os.abort if how == "abort" else lambda: time.sleep(3600)
+    """Every rank returns its rank; then rank 0's process-group teardown aborts (as a
+    C++ ``std::terminate`` in gloo's teardown does), or every rank's never ends."""
+    if how == "hang":
+        dist.destroy_process_group = lambda: time.sleep(3600)
+    elif topology.rank == 0:
+        dist.destroy_process_group = os.abort
     dist.barrier()
     return topology.rank
 
@@ -69,17 +80,112 @@ def _dies_before_returning(topology):
     return topology.rank
 
 
+def _exits_without_returning(topology):
+    if topology.rank == 1:
+        os._exit(0)  # a clean exit code, but no value: the work was not done
+    dist.barrier()
+    return topology.rank
+
+
+@pytest.mark.parametrize(
+    ("exitcode", "returned", "kind", "text"),
+    [
+        (0, True, "clean", "rank 1 returned its value and exited cleanly"),
+        (-6, True, "teardown crash", "returned its value, then was killed by SIGABRT (exit"),
+        (1, True, "teardown crash", "returned its value, then exited with code 1 in teardown"),
+        (None, True, "teardown crash", "then hung (still running"),
+        (0, False, "failed", "rank 1 failed: it exited with code 0 without returning"),
+        (-9, False, "failed", "failed: it was killed by SIGKILL (exit code -9) without"),
+    ],
+)
+def test_each_end_of_a_rank_is_told_apart(exitcode, returned, kind, text):
+    end = launch_module.rank_end(1, exitcode, returned)
+    assert end.kind == kind
+    assert text in end.describe()
+
+
+@pytest.mark.multiprocess
+def test_ranks_that_return_and_exit_cleanly_report_nothing(monkeypatch, tmp_path):
+    log = tmp_path / "crashes.jsonl"
+    monkeypatch.setenv(launch_module.TEARDOWN_LOG_ENV, str(log))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TeardownCrashWarning)
+        assert spawn_world(_returns_rank, 2, 1) == [0, 1]
+    assert not log.exists()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("how", ["abort", "hang"])
-def test_a_rank_that_returned_then_died_in_teardown_has_done_its_work(how, monkeypatch):
-    monkeypatch.setattr(launch_module, "TEARDOWN_GRACE_S", 1.0)
-    assert spawn_world(_returns_then_dies_in_teardown, 2, 1, how) == [0, 1]
+def test_a_rank_that_returned_then_died_in_teardown_is_reported(how, monkeypatch, tmp_path):
+    log = tmp_path / "crashes.jsonl"
+    monkeypatch.setenv(launch_module.TEARDOWN_LOG_ENV, str(log))
+    if how == "hang":  # every rank hangs: none can end before the grace runs out
+        monkeypatch.setattr(launch_module, "TEARDOWN_GRACE_S", 1.0)
+    said = (
+        r"was killed by SIGABRT \(exit code -6\)" if how == "abort" else r"hung \(still running 1 s"
+    )
+    with pytest.warns(TeardownCrashWarning, match=rf"rank 0 returned its value, then {said}"):
+        assert spawn_world(_returns_then_dies_in_teardown, 2, 1, how) == [0, 1]
+    crash = {
+        "fn": f"{_returns_then_dies_in_teardown.__module__}._returns_then_dies_in_teardown",
+        "kind": "teardown crash",
+    }
+    expected = (
+        [{**crash, "rank": 0, "exitcode": -6}]
+        if how == "abort"
+        else [{**crash, "rank": r, "exitcode": None} for r in (0, 1)]
+    )
+    assert [json.loads(line) for line in log.read_text().splitlines()] == expected
 
 
 @pytest.mark.multiprocess
 def test_a_rank_that_died_before_returning_fails_the_world():
     with pytest.raises(WorkerError, match=r"without a result \(rank 1: exit code -6\)"):
         spawn_world(_dies_before_returning, 2, 1)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_exited_cleanly_without_returning_fails_the_world():
+    with pytest.raises(WorkerError, match=r"without a result \(rank 1: exit code 0\)"):
+        spawn_world(_exits_without_returning, 2, 1)
+
+
+_PROVOKED = """
+import os
+import torch.distributed as dist
+from towerrec.distributed.launch import spawn_world
+
+
+def _crashes_in_teardown(topology):
+    if topology.rank == 1:
+        dist.destroy_process_group = os.abort
+    dist.barrier()
+    return topology.rank
+
+
+def test_provoked():
+    assert spawn_world(_crashes_in_teardown, 2, 1) == [0, 1]
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_suite_fails_a_test_whose_world_crashed_in_teardown(tmp_path):
+    """The suite's own check (conftest.py), run on a test whose world's rank 1 aborts in
+    teardown after returning: the test's values are right, and it still fails."""
+    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_provoked.py").write_text(_PROVOKED)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 passed" in result.stdout and "1 error" in result.stdout, result.stdout
+    assert "a rank crashed in teardown after returning its value" in result.stdout
+    assert "'rank': 1, 'kind': 'teardown crash', 'exitcode': -6" in result.stdout
 
 
 @pytest.mark.multiprocess

@@ -4,11 +4,13 @@ kept as regression examples: each must now be read as the format says or refused
 with an error naming the file, line or key."""
 
 import json
+import time
 
 import pytest
 
 pytest.importorskip("hypothesis")
 
+from towerrec.bench import fuzz_core
 from towerrec.bench.fuzz import TARGETS, run_fuzz
 from towerrec.bench.fuzz_core import FuzzFailure, FuzzTarget, refused, run_target
 
@@ -63,6 +65,31 @@ def test_a_target_fails_on_an_unhandled_error_or_an_error_that_names_nothing(che
         run_target(target, 3)
     result = run_target(target, 3, raise_failure=False)
     assert "FuzzFailure" in result["failure"] and result["example"] == "1"
+
+
+def _spins(example, scratch):
+    while True:
+        pass
+
+
+def _sleeps(example, scratch):
+    time.sleep(1.0)
+
+
+def test_a_hang_is_an_example_that_uses_cpu_time_not_one_that_waits(monkeypatch):
+    """A busy machine slows an example's clock, not its CPU time: an example that waits
+    1 s is no hang at a 0.3 s limit, one that spins is (a deadlock: ``HANG_WALL_S``)."""
+    from hypothesis import strategies as st
+
+    monkeypatch.setattr(fuzz_core, "HANG_S", 0.3)
+    waits = run_target(FuzzTarget("waits", "nothing", lambda: st.just(1), _sleeps), 1)
+    assert waits["examples"] == 1 and "failure" not in waits
+    spins = FuzzTarget("spins", "nothing", lambda: st.just(1), _spins)
+    with pytest.raises(FuzzFailure, match=r"used 0.3 s of CPU: a hang"):
+        run_target(spins, 1)
+    monkeypatch.setattr(fuzz_core, "HANG_WALL_S", 0.3)
+    with pytest.raises(FuzzFailure, match=r"waited 0.3 s: a hang"):
+        run_target(FuzzTarget("waits", "nothing", lambda: st.just(1), _sleeps), 1)
 
 
 def test_the_benchmark_counts_the_inputs_of_each_target():
@@ -160,3 +187,15 @@ FOUND = [
 )
 def test_an_input_a_fuzzer_found_is_read_or_refused_clearly(name, example, tmp_path, one_thread):
     TARGETS[name].check(example, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["rows", "multi_values"])
+def test_an_augmented_part_without_training_rows_is_refused_clearly(key, tmp_path, one_thread):
+    """Found by `towerrec bench fuzz`: a part whose manifest entry lists no `train` rows
+    (or no `train` value counts of its multi-hot feature) failed with KeyError 'train'."""
+    from towerrec.bench.fuzz_inputs import _augmented
+
+    manifest = json.loads((_augmented() / "manifest.json").read_text())
+    manifest["parts"][0][key] = {}
+    TARGETS["augmented_manifest"].check(json.dumps(manifest).encode(), tmp_path)

@@ -6,8 +6,8 @@ its reader to: the input is read (and, where a reference reader exists, read
 to the same values: no silent wrong value), or refused with a clear error (a
 ``ValueError``, or the reader's own subclass of it, whose message names the
 file, line or key: ``refused``), or its bad lines are skipped and counted. Any
-other exception, an error that names nothing, or an example running past
-``HANG_S`` fails the target; Hypothesis then shrinks the input to a minimal one.
+other exception, an error that names nothing, or an example using ``HANG_S``
+seconds of CPU (or waiting ``HANG_WALL_S``) fails the target; Hypothesis then shrinks the input to a minimal one.
 
 Hypothesis is a development dependency (``pip install 'towerrec[dev]'``); it is
 imported when a target is run.
@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["HANG_S", "FuzzFailure", "FuzzTarget", "refused", "run_target"]
+__all__ = ["HANG_S", "HANG_WALL_S", "FuzzFailure", "FuzzTarget", "refused", "run_target"]
 
-HANG_S = 20.0  # one example running longer than this is a hang
+HANG_S = 20.0  # one example using this many seconds of CPU is a hang
+HANG_WALL_S = 600.0  # ... or waiting this long in all (a deadlock)
 T = TypeVar("T")
 
 
@@ -67,23 +68,31 @@ def refused(
 
 
 @contextmanager
-def _time_limit(seconds: float) -> Iterator[None]:
-    """Fail an example running past ``seconds`` (SIGALRM; main thread only, else no limit)."""
+def _time_limit(cpu_s: float, wall_s: float) -> Iterator[None]:
+    """Fail an example that spends ``cpu_s`` seconds of CPU (SIGPROF), or waits ``wall_s``
+    seconds in all (SIGALRM: a deadlock uses no CPU). CPU time, not the clock, is the
+    main limit, so that a busy machine cannot make a slow example look like a hang.
+    Main thread only (else no limit)."""
 
     def expired(signum: int, frame: Any) -> None:
-        raise FuzzFailure(f"an example ran past {seconds:g} s: a hang")
+        if signum == signal.SIGPROF:
+            raise FuzzFailure(f"an example used {cpu_s:g} s of CPU: a hang")
+        raise FuzzFailure(f"an example waited {wall_s:g} s: a hang")
 
     try:
-        previous = signal.signal(signal.SIGALRM, expired)
+        previous = {n: signal.signal(n, expired) for n in (signal.SIGPROF, signal.SIGALRM)}
     except ValueError:  # not the main thread
         yield
         return
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_PROF, cpu_s)
+    signal.setitimer(signal.ITIMER_REAL, wall_s)
     try:
         yield
     finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def run_target(
@@ -117,7 +126,7 @@ def run_target(
             scratch.mkdir()
             failing[:] = [example]
             try:
-                with _time_limit(HANG_S), warnings.catch_warnings():
+                with _time_limit(HANG_S, HANG_WALL_S), warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # a reader's warnings are not failures
                     target.check(example, scratch)
             except FuzzFailure:

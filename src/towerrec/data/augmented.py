@@ -108,7 +108,14 @@ def open_shard(
             f"run `{SERVICE_COMMAND}` again"
         )
     verify_part(path, entry)
-    columns = open_part(path, entry, schema.num_dense, single, multi)[SPLIT]
+    splits = open_part(path, entry, schema.num_dense, single, multi)
+    if SPLIT not in splits:
+        raise ValueError(
+            f"augmented shard {shard} (period {entry['period']}): its manifest entry lists no "
+            f"{SPLIT!r} rows (splits: {sorted(splits)}); the manifest is damaged: delete "
+            f"{path} and run `{SERVICE_COMMAND}` again"
+        )
+    columns = splits[SPLIT]
     logits = map_column(path, entry["name"], SPLIT, TEACHER_LOGIT, np.float32, columns.rows)
     bad = np.flatnonzero(~np.isfinite(logits))
     if bad.size:

@@ -453,8 +453,15 @@ def open_part(
             dense=_map(Path(f"{prefix}.dense.bin"), np.float32, (n, num_dense), cache_dir),
             sparse=_map(Path(f"{prefix}.sparse.bin"), np.int32, (n, len(single)), cache_dir),
         )
+        totals = part.get("multi_values", {}).get(split, {})
         for name in multi:
-            total = part["multi_values"][split][name]
+            if name not in totals:
+                raise ValueError(
+                    f"part {part['name']} of {cache_dir}: its manifest entry has no value count "
+                    f"for the multi-hot feature {name!r} of split {split!r}; the manifest is "
+                    "damaged: build the directory again"
+                )
+            total = totals[name]
             lengths = _map(Path(f"{prefix}.{name}.lengths.bin"), np.int32, (n,), cache_dir)
             values = _map(Path(f"{prefix}.{name}.values.bin"), np.int32, (total,), cache_dir)
             columns.multi[name] = (values, _offsets(lengths))

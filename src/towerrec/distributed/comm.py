@@ -341,7 +341,10 @@ class _AllToAllWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, link, flight):
         ctx.flight = flight
-        return flight["pending"].wait()
+        # Popped, not read: the Pending keeps its result, and the result's grad_fn is
+        # this node, whose ctx holds ``flight``; a cycle through autograd's C++ nodes
+        # that Python's garbage collector cannot see, so every step's output leaked.
+        return flight.pop("pending").wait()
 
     @staticmethod
     def backward(ctx, grad):

@@ -7,22 +7,36 @@
 - ``spawn_world(fn, world_size, hosts, *args)``: N gloo processes on a free
   port for tests and benchmarks; ``fn(topology, *args)`` runs in each, and the
   per-rank return values come back. When one rank raises, the others are
-  terminated and the error is raised here, so a failure never hangs. A rank
-  that returned its value and then died tearing down its process group (a
-  C++ ``std::terminate`` in gloo's teardown, seen rarely under load) has done
-  its work: its value counts, and a peer still running once every rank has
-  returned is stopped after ``TEARDOWN_GRACE_S``.
+  terminated and the error is raised here, so a failure never hangs.
+
+How ``spawn_world`` tells a rank's end (``RankEnd``):
+
+- ``clean``: it returned its value and its process exited with code 0;
+- ``teardown crash``: it returned its value, then its process died (a
+  signal, a non-zero exit: e.g. a C++ ``std::terminate`` in gloo's teardown)
+  or was still running ``TEARDOWN_GRACE_S`` after every rank had returned.
+  The values count, but a teardown crash is a bug, never a pass: it is
+  reported as a ``TeardownCrashWarning`` naming the rank and its exit code or
+  signal, and appended as a JSON line to the file ``$TOWERREC_TEARDOWN_LOG``
+  names when set (the test suite sets it and fails a test whose worlds, in
+  its own process or in ones it started, wrote to it);
+- ``failed``: it raised, died before returning, or exited without a value;
+  ``WorkerError`` is raised.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import tempfile
 import time
 import traceback
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait as connection_wait
 from multiprocessing.process import BaseProcess
@@ -35,13 +49,85 @@ import torch.multiprocessing as mp
 
 from towerrec.distributed.mesh import HOSTS_ENV, Topology
 
-__all__ = ["WorkerError", "free_port", "launch", "spawn_world"]
+__all__ = [
+    "TEARDOWN_LOG_ENV",
+    "RankEnd",
+    "TeardownCrashWarning",
+    "WorkerError",
+    "free_port",
+    "launch",
+    "rank_end",
+    "spawn_world",
+]
 
 TEARDOWN_GRACE_S = 30.0  # how long a rank may tear down after every rank has returned
+TEARDOWN_LOG_ENV = "TOWERREC_TEARDOWN_LOG"  # a file every teardown crash is appended to
 
 
 class WorkerError(RuntimeError):
     """A worker process failed; the message carries its error."""
+
+
+class TeardownCrashWarning(RuntimeWarning):
+    """A rank returned its value, then crashed or hung tearing down (module doc)."""
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank of ``spawn_world`` ended: ``clean``, ``teardown crash`` or ``failed``.
+    ``exitcode``: its process's (negative: the signal that ended it; None: still running
+    after the grace period, then stopped)."""
+
+    rank: int
+    kind: str
+    exitcode: int | None
+
+    def describe(self) -> str:
+        if self.kind == "clean":
+            return f"rank {self.rank} returned its value and exited cleanly"
+        if self.exitcode is None:
+            how = f"hung (still running {TEARDOWN_GRACE_S:g} s after every rank returned)"
+        elif self.exitcode < 0:
+            how = f"was killed by {_signal_name(-self.exitcode)} (exit code {self.exitcode})"
+        else:
+            how = f"exited with code {self.exitcode}"
+        if self.kind == "teardown crash":
+            return f"rank {self.rank} returned its value, then {how} in teardown"
+        return f"rank {self.rank} failed: it {how} without returning its value"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def rank_end(rank: int, exitcode: int | None, returned: bool) -> RankEnd:
+    """Classify a rank's end from its exit code (None: stopped after the grace period)
+    and whether it wrote its return value."""
+    if not returned:
+        return RankEnd(rank, "failed", exitcode)
+    return RankEnd(rank, "clean" if exitcode == 0 else "teardown crash", exitcode)
+
+
+def _report_teardown_crashes(ends: Sequence[RankEnd], fn: Callable[..., Any]) -> None:
+    crashed = [e for e in ends if e.kind == "teardown crash"]
+    if not crashed:
+        return
+    where = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+    log = os.environ.get(TEARDOWN_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            for end in crashed:
+                f.write(json.dumps({"fn": where, **asdict(end)}) + "\n")
+    text = "; ".join(e.describe() for e in crashed)
+    warnings.warn(
+        f"spawn_world({where}): {text}. The values count, but a crash in teardown is a bug"
+        " to find (a process group or thread not shut down, a C++ abort at exit)",
+        TeardownCrashWarning,
+        stacklevel=3,
+    )
 
 
 def free_port() -> int:
@@ -109,13 +195,17 @@ def _returned(results_dir: str, rank: int) -> bool:
     return os.path.exists(path) and not isinstance(_read_result(results_dir, rank), WorkerError)
 
 
-def _wait_for_workers(procs: Sequence[BaseProcess], results_dir: str, grace_s: float) -> list[int]:
-    """Block until every process has ended or one has failed; the ranks in the order
-    they failed (empty when all succeeded). On a failure the others are terminated, so a
-    rank waiting on a collective with a dead peer never hangs the caller. A rank that
-    wrote its value before dying in teardown has not failed (module doc); once every rank
-    has written its value, ranks still running after ``grace_s`` are stopped."""
+def _wait_for_workers(
+    procs: Sequence[BaseProcess], results_dir: str, grace_s: float
+) -> tuple[list[int], set[int]]:
+    """Block until every process has ended or one has failed: the ranks in the order
+    they failed (empty when none did), and the ranks stopped after the grace period.
+    On a failure the others are terminated, so a rank waiting on a collective with a
+    dead peer never hangs the caller. A rank that wrote its value before dying in
+    teardown has not failed (module doc); once every rank has written its value, ranks
+    still running after ``grace_s`` are stopped."""
     failed: list[int] = []
+    stopped: set[int] = set()
     running = dict(enumerate(procs))
     returned: set[int] = set()
     all_returned_at: float | None = None
@@ -124,18 +214,19 @@ def _wait_for_workers(procs: Sequence[BaseProcess], results_dir: str, grace_s: f
         for rank, p in list(running.items()):
             if p.exitcode is not None:
                 del running[rank]
-                if p.exitcode != 0 and not _returned(results_dir, rank):
+                if not _returned(results_dir, rank):
                     failed.append(rank)
         if all_returned_at is None:
             returned |= {r for r in running if r not in returned and _returned(results_dir, r)}
             if returned.issuperset(running):
                 all_returned_at = time.monotonic()
         elif time.monotonic() - all_returned_at > grace_s:
-            for p in running.values():
+            for rank, p in running.items():
                 p.terminate()
                 p.join()
+                stopped.add(rank)
             running.clear()
-    return failed
+    return failed, stopped
 
 
 def spawn_world(
@@ -166,7 +257,7 @@ def spawn_world(
         for p in procs:
             p.start()
         try:
-            failed = _wait_for_workers(procs, results_dir, TEARDOWN_GRACE_S)
+            failed, stopped = _wait_for_workers(procs, results_dir, TEARDOWN_GRACE_S)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -174,6 +265,10 @@ def spawn_world(
             for p in procs:
                 p.join()
         results = [_read_result(results_dir, rank) for rank in range(world_size)]
+        ends = [
+            rank_end(r, None if r in stopped else p.exitcode, _returned(results_dir, r))
+            for r, p in enumerate(procs)
+        ]
     if failed:
         # A rank that died without an error file (a signal, an abort) is the cause: its
         # peers' errors are the collectives it left hanging, however fast they came.
@@ -187,6 +282,7 @@ def spawn_world(
             then = f"; then {errors[0]}" if errors else ""
             raise WorkerError(f"a worker exited without a result ({codes}){then}")
         raise WorkerError(str(errors[0]))
+    _report_teardown_crashes(ends, fn)
     return results
 
 
