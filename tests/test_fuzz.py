@@ -199,3 +199,16 @@ def test_an_augmented_part_without_training_rows_is_refused_clearly(key, tmp_pat
     manifest = json.loads((_augmented() / "manifest.json").read_text())
     manifest["parts"][0][key] = {}
     TARGETS["augmented_manifest"].check(json.dumps(manifest).encode(), tmp_path)
+
+
+@pytest.mark.slow
+def test_an_augmented_manifest_whose_period_rows_disagree_with_its_periods_is_refused(
+    tmp_path, one_thread
+):
+    """Found by `towerrec bench fuzz`: a manifest whose stream listed fewer period_rows
+    than its num_periods was accepted and trained on the periods listed (40 rows, not 80)."""
+    from towerrec.bench.fuzz_inputs import _augmented
+
+    manifest = json.loads((_augmented() / "manifest.json").read_text())
+    manifest["stream"]["period_rows"] = manifest["stream"]["period_rows"][:1]
+    TARGETS["augmented_manifest"].check(json.dumps(manifest).encode(), tmp_path)

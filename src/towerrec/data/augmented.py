@@ -130,7 +130,10 @@ def open_shard(
 
 
 # What a trainer reads of an augmented manifest besides a cache's (data/json_shape.py).
-AUGMENTED_SHAPE = {"stream": {"period_rows": [COUNT]}, "parts": [{"period": COUNT}]}
+AUGMENTED_SHAPE = {
+    "stream": {"num_periods": COUNT, "period_rows": [COUNT]},
+    "parts": [{"period": COUNT}],
+}
 
 
 class AugmentedPeriods:
@@ -149,6 +152,12 @@ class AugmentedPeriods:
             )
         try:
             check_shape(manifest, AUGMENTED_SHAPE)
+            stream = manifest["stream"]
+            if len(stream["period_rows"]) != stream["num_periods"]:
+                raise ValueError(
+                    f"stream.period_rows lists {len(stream['period_rows'])} periods, "
+                    f"stream.num_periods says {stream['num_periods']}"
+                )
         except ValueError as e:
             raise CacheError(
                 f"{self.path}/manifest.json is damaged ({e}); delete {self.path} and run "
