@@ -64,6 +64,26 @@ def test_wheels_over_the_limit_or_twice_are_refused(tool, tmp_path):
         tool.check_wheels(tmp_path)
 
 
+def test_a_wheel_for_another_python_is_refused_naming_the_fix(tool, tmp_path):
+    _wheel(tmp_path / "towerrec-0.1.0-cp311-cp311-linux_x86_64.whl")
+    with pytest.raises(ValueError, match=r"built for cp311.*runs Python 3.12.*--python"):
+        tool.check_wheels(tmp_path)
+    (tmp_path / "towerrec-0.1.0-cp311-cp311-linux_x86_64.whl").unlink()
+    _wheel(tmp_path / "towerrec-0.1.0-cp312-cp312-linux_x86_64.whl")
+    _wheel(tmp_path / "x-1.0-cp312-abi3-manylinux2014_x86_64.whl")
+    assert len(tool.check_wheels(tmp_path)["wheels"]) == 2
+
+
+def test_the_wheel_builder_is_the_devices_python(tool, monkeypatch):
+    assert tool.builder_python("/given/python") == "/given/python"
+    monkeypatch.setattr(tool.sys, "version_info", (3, 11, 7))
+    monkeypatch.setattr(tool.shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match=r"built by Python 3.12.*--python PATH"):
+        tool.builder_python()
+    monkeypatch.setattr(tool.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert tool.builder_python() == "/usr/bin/python3.12"
+
+
 def test_build_wheels_writes_a_manifest(tool, tmp_path):
     dest = tmp_path / "whl"
     ran = []
@@ -73,8 +93,8 @@ def test_build_wheels_writes_a_manifest(tool, tmp_path):
         name = "towerrec-0.1.0-py3-none-any.whl" if "wheel" in argv else "lmdb-3.0.0-cp312.whl"
         _wheel(dest / name)
 
-    manifest = tool.build_wheels(dest, runner=fake_pip)
-    assert len(ran) == 2
+    manifest = tool.build_wheels(dest, runner=fake_pip, python="/venv312/bin/python")
+    assert len(ran) == 2 and ran[0][0] == "/venv312/bin/python"  # the device's Python builds it
     assert json.loads((dest / "MANIFEST.json").read_text()) == manifest
     assert manifest["requirements"] == tool.read_wheel_list()
     assert set(manifest["wheels"]) == {"towerrec-0.1.0-py3-none-any.whl", "lmdb-3.0.0-cp312.whl"}

@@ -37,6 +37,7 @@ WHEEL_LIST = ROOT / "tools" / "device_wheels.txt"
 WHEEL_BYTES_LIMIT = 64 << 20  # what travels with a device command, the tree included
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 BUDGET_S = 480  # the issue's 8 minutes
+DEVICE_PYTHON = "3.12"  # the GPU machine's Python: towerrec's wheel (a C extension) is built for it
 
 
 @dataclass
@@ -80,15 +81,39 @@ def read_wheel_list(path: Path = WHEEL_LIST) -> list[str]:
     return out
 
 
-def download_commands(requirements: Sequence[str], dest: Path) -> list[list[str]]:
-    """The commands that put towerrec's wheel and ``requirements``' (CPython 3.12,
-    manylinux x86_64, binaries only, no dependencies) into ``dest``."""
+def builder_python(explicit: str | None = None) -> str:
+    """The interpreter that builds towerrec's wheel: ``explicit``, else this one when it is
+    the device's Python, else ``python3.12`` on the PATH. The wheel holds a compiled
+    extension, so one built by another Python does not install there."""
+    if explicit:
+        return explicit
+    here = ".".join(map(str, sys.version_info[:2]))
+    if here == DEVICE_PYTHON:
+        return sys.executable
+    found = shutil.which(f"python{DEVICE_PYTHON}")
+    if found is None:
+        raise ValueError(
+            f"towerrec's wheel must be built by Python {DEVICE_PYTHON}, the GPU machine's, and "
+            f"this is {here} with no "
+            f"python{DEVICE_PYTHON} on the PATH; pass --python PATH (e.g. a {DEVICE_PYTHON} venv's "
+            "python)"
+        )
+    return found
+
+
+def download_commands(
+    requirements: Sequence[str], dest: Path, python: str | None = None
+) -> list[list[str]]:
+    """The commands that put towerrec's wheel (built by ``python``, default this
+    interpreter) and ``requirements``' (CPython 3.12, manylinux x86_64, binaries only, no
+    dependencies) into ``dest``."""
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    builder = python or sys.executable
     return [
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dest), str(ROOT)],
+        [builder, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dest), str(ROOT)],
         [
             sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-            "--python-version", "3.12", "--implementation", "cp", *platforms,
+            "--python-version", DEVICE_PYTHON, "--implementation", "cp", *platforms,
             "-d", str(dest), *requirements,
         ],
     ]  # fmt: skip
@@ -102,6 +127,16 @@ def check_wheels(dest: Path, limit: int = WHEEL_BYTES_LIMIT) -> dict:
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"{dest} holds two versions of {', '.join(twice)}; keep one of each")
+    cp = "cp" + DEVICE_PYTHON.replace(".", "")
+    for w in wheels:
+        tags = w.name[: -len(".whl")].split("-")
+        python, abi = (tags[-3], tags[-2]) if len(tags) >= 5 else ("py3", "none")
+        if not ({"py3", cp} & set(python.split(".")) and abi in ("none", "abi3", cp)):
+            raise ValueError(
+                f"{w.name} is built for {python}, and the GPU machine runs Python "
+                f"{DEVICE_PYTHON}: rebuild with `python tools/device_check.py wheels --python "
+                f"python{DEVICE_PYTHON}`"
+            )
     sizes = {w.name: w.stat().st_size for w in wheels}
     total = sum(sizes.values())
     if total > limit:
@@ -112,14 +147,18 @@ def check_wheels(dest: Path, limit: int = WHEEL_BYTES_LIMIT) -> dict:
     return {"wheels": sizes, "total_bytes": total}
 
 
-def build_wheels(dest: Path, runner: Callable[[list[str]], None] | None = None) -> dict:
-    """``wheels``: a fresh ``dest`` with towerrec's wheel and the listed ones, checked;
-    writes ``dest/MANIFEST.json`` (the wheels and the commit they were built from)."""
+def build_wheels(
+    dest: Path, runner: Callable[[list[str]], None] | None = None, python: str | None = None
+) -> dict:
+    """``wheels``: a fresh ``dest`` with towerrec's wheel (built by ``builder_python``) and
+    the listed ones, checked; writes ``dest/MANIFEST.json`` (the wheels and the commit
+    they were built from)."""
     run = runner or (lambda argv: subprocess.run(argv, check=True))
     requirements = read_wheel_list()
+    builder = builder_python(python)
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
-    for argv in download_commands(requirements, dest):
+    for argv in download_commands(requirements, dest, builder):
         run(argv)
     manifest = {**check_wheels(dest), "requirements": requirements, "commit": _commit()}
     (dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -339,6 +378,11 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     w = sub.add_parser("wheels", help="build .whl here (towerrec and the listed wheels)")
     w.add_argument("--dest", default=str(ROOT / ".whl"))
+    w.add_argument(
+        "--python",
+        help=f"the Python {DEVICE_PYTHON} that builds towerrec's wheel (default: this one if it "
+        f"is {DEVICE_PYTHON}, else python{DEVICE_PYTHON} on the PATH)",
+    )
     r = sub.add_parser("run", help="install, test and benchmark on the device")
     r.add_argument("--out", required=True, help="folder for device_check.json and pytest.log")
     r.add_argument("--wheels", default=str(ROOT / ".whl"), help="the wheels brought along")
@@ -357,7 +401,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "wheels":
-        print(json.dumps(build_wheels(Path(args.dest)), indent=2))
+        try:
+            print(json.dumps(build_wheels(Path(args.dest), python=args.python), indent=2))
+        except ValueError as e:
+            parser().exit(2, f"device_check wheels: {e}\n")
     elif args.command == "env":
         print(json.dumps(environment()))
     else:
