@@ -1,0 +1,88 @@
+"""A config file's ``[for_model.NAME]`` settings: applied when model.name is NAME, over the
+file's own sections and under ``--set``; every model's table checked whichever is chosen."""
+
+import pytest
+
+from towerrec.config import ConfigError, load_config
+
+BASE = """
+[model]
+name = "dlrm"
+
+[embedding]
+lr = 0.05
+init = "normal_scale"
+
+[optimizer]
+lr = 0.002
+
+[for_model.dcn.embedding]
+init = "uniform_rows"
+lr = 0.1
+
+[for_model.dcn.optimizer]
+lr = 0.001
+
+[for_model.wukong.embedding]
+optimizer = "adam"
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path):
+    path = tmp_path / "recipe.toml"
+    path.write_text(BASE)
+    return path
+
+
+def test_the_chosen_models_settings_apply_and_only_its(recipe):
+    dlrm = load_config(recipe)
+    assert (dlrm.embedding.lr, dlrm.embedding.init, dlrm.optimizer.lr) == (
+        0.05,
+        "normal_scale",
+        0.002,
+    )
+    dcn = load_config(recipe, ["model.name=dcn"])
+    assert (dcn.embedding.lr, dcn.embedding.init, dcn.optimizer.lr) == (0.1, "uniform_rows", 0.001)
+    assert dcn.embedding.optimizer == dlrm.embedding.optimizer  # untouched keys stay the file's
+    wukong = load_config(recipe, ["model.name=wukong"])
+    assert (wukong.embedding.optimizer, wukong.embedding.lr) == ("adam", 0.05)
+
+
+def test_set_and_unset_still_win_over_the_models_settings(recipe):
+    dcn = load_config(recipe, ["model.name=dcn", "embedding.lr=0.3"])
+    assert dcn.embedding.lr == 0.3
+    dcn = load_config(recipe, ["model.name=dcn", "!optimizer.lr"])
+    assert dcn.optimizer.lr == load_config().optimizer.lr  # back to the default
+    # the model chosen by a later file or by --set, whichever comes last
+    assert load_config(recipe, ["model.name=dcn", "model.name=dlrm"]).embedding.lr == 0.05
+
+
+def test_a_later_file_adds_to_a_models_settings(recipe, tmp_path):
+    more = tmp_path / "more.toml"
+    more.write_text('[model]\nname = "dcn"\n\n[for_model.dcn.embedding]\nlr = 0.2\n')
+    dcn = load_config([recipe, more])
+    assert (dcn.model.name, dcn.embedding.lr, dcn.embedding.init) == ("dcn", 0.2, "uniform_rows")
+
+
+def test_the_movielens_recipe_carries_dcn_and_wukong_settings():
+    dlrm, dcn = load_config("movielens"), load_config("movielens", ["model.name=dcn"])
+    assert dcn.embedding.init != dlrm.embedding.init and dcn.model.name == "dcn"
+    assert load_config("movielens", ["model.name=wukong"]).embedding.optimizer == "adam"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[for_model.transformer.embedding]\nlr = 0.1\n", r"\[for_model.transformer\] names no model"),
+        ("[for_model]\ndcn = 3\n", r"one table of sections per model"),
+        ('[for_model.dcn.model]\nname = "wukong"\n', r"cannot set model.name"),
+        ("[for_model.wukong.embedding]\nlr = -1.0\n", r"\[for_model.wukong\]: .*embedding.lr"),
+        ("[for_model.dcn.embeding]\nlr = 0.1\n", r"\[for_model.dcn\]: .*embeding"),
+    ],
+)
+def test_a_bad_models_table_is_refused_even_for_another_model(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)  # model.name is dlrm: the other model's table is still checked
