@@ -74,7 +74,10 @@ def test_the_movielens_recipe_carries_dcn_and_wukong_settings():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[for_model.transformer.embedding]\nlr = 0.1\n", r"\[for_model.transformer\] names no model"),
+        (
+            "[for_model.transformer.embedding]\nlr = 0.1\n",
+            r"\[for_model.transformer\] names no model",
+        ),
         ("[for_model]\ndcn = 3\n", r"one table of sections per model"),
         ('[for_model.dcn.model]\nname = "wukong"\n', r"cannot set model.name"),
         ("[for_model.wukong.embedding]\nlr = -1.0\n", r"\[for_model.wukong\]: .*embedding.lr"),

@@ -3,6 +3,7 @@ resumed run may make to its saved config."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import fnmatch
@@ -17,9 +18,11 @@ from typing import Any, cast
 import tomli_w
 
 from towerrec.config.recipes import recipe_names, resolve_config_file
-from towerrec.config.sections import RESUME_SAFE_KEYS, Config, ConfigError
+from towerrec.config.sections import RESUME_SAFE_KEYS, Config, ConfigError, ModelConfig
+from towerrec.models.names import ModelName
 
 __all__ = [
+    "FOR_MODEL",
     "UNSET_PREFIX",
     "ConfigFiles",
     "config_from_dict",
@@ -202,6 +205,44 @@ def _config_files(path: ConfigFiles) -> list[str | Path]:
     return list(path)
 
 
+# A config file's settings for one model: ``[for_model.NAME.SECTION]`` tables, applied over
+# the file's own sections when model.name is NAME (and before --set, which still wins). A
+# recipe carries each model's measured settings this way, so that `--config movielens
+# --set model.name=dcn` trains DCNv2 with DCNv2's.
+FOR_MODEL = "for_model"
+
+
+def _take_for_model(data: dict[str, Any], file: str | Path, into: dict[str, Any]) -> None:
+    """Move ``data``'s ``[for_model]`` tables (read from ``file``) into ``into`` by model."""
+    tables = data.pop(FOR_MODEL, None)
+    if tables is None:
+        return
+    names = [n.value for n in ModelName]
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise ConfigError(
+            f"config file {str(file)!r}: [{FOR_MODEL}] holds one table of sections per model, "
+            f'e.g. [{FOR_MODEL}.dcn.embedding] with init = "uniform_rows"'
+        )
+    for name, table in tables.items():
+        if name not in names:
+            raise ConfigError(
+                f"config file {str(file)!r}: [{FOR_MODEL}.{name}] names no model; use one of "
+                f"{', '.join(names)}"
+            )
+        if "model" in table and "name" in table["model"]:
+            raise ConfigError(
+                f"config file {str(file)!r}: [{FOR_MODEL}.{name}.model] cannot set model.name; "
+                "set it in [model]"
+            )
+        _merge(into.setdefault(name, {}), table)
+
+
+def _model_name(data: dict[str, Any]) -> str:
+    model = data.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    return name if isinstance(name, str) else ModelConfig.name  # the field's default
+
+
 def load_config(
     path: ConfigFiles = None,
     overrides: list[str] | tuple[str, ...] = (),
@@ -210,12 +251,35 @@ def load_config(
 ) -> Config:
     """Defaults, then the TOML file at ``base`` (a resumed run's saved config.toml), then
     the TOML file(s) ``path`` names in order (a path, or a packaged recipe's name:
-    ``recipes.resolve_config_file``), then ``section.key=value`` overrides and
+    ``recipes.resolve_config_file``), then their ``[for_model.NAME]`` settings for the
+    model the whole config names (``FOR_MODEL``), then ``section.key=value`` overrides and
     ``!section.key`` unsets (back to the default), in order."""
     data: dict[str, Any] = {}
+    per_model: dict[str, Any] = {}
     files = [resolve_config_file(f) for f in _config_files(path)]
     for file in [*([] if base is None else [base]), *files]:
-        _merge(data, _read_toml(file))
+        table = _read_toml(file)
+        _take_for_model(table, file, per_model)
+        _merge(data, table)
+    if per_model:
+        for name, table in per_model.items():  # every model's settings must hold for it
+            trial: dict[str, Any] = {}
+            _merge(trial, copy.deepcopy(data))
+            _merge(trial, copy.deepcopy(table))
+            trial.setdefault("model", {})["name"] = name
+            try:
+                config_from_dict(trial)
+            except (ConfigError, ValueError) as e:
+                raise ConfigError(f"[{FOR_MODEL}.{name}]: {e}") from None
+        chosen = _model_name(_apply_overrides(copy.deepcopy(data), overrides))
+        _merge(data, copy.deepcopy(per_model.get(chosen, {})))
+    return config_from_dict(_apply_overrides(data, overrides))
+
+
+def _apply_overrides(
+    data: dict[str, Any], overrides: list[str] | tuple[str, ...]
+) -> dict[str, Any]:
+    """``data`` with the ``--set`` overrides and ``--unset`` keys applied in order."""
     for text in overrides:
         if text.startswith(UNSET_PREFIX):
             _unset(data, text)
@@ -228,7 +292,7 @@ def load_config(
                 raise ConfigError(f"--set {text!r}: {part!r} is a value, not a section")
             node = child
         node[parts[-1]] = value
-    return config_from_dict(data)
+    return data
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
