@@ -102,3 +102,19 @@ def test_the_benchmark_threads_reach_every_run(one_thread):
 
     run_zoo_benchmark("precision", 1, 8, threads=1, benchmark=benchmark)
     assert seen["threads"] == 1  # not 0, which lets a run take every core
+
+
+def test_steps_zero_trains_the_configs_own_length_and_batch(tmp_path):
+    from towerrec.bench.zoo import Sweep
+    from towerrec.config import load_config
+    from towerrec.config.recipes import resolve_config_file
+
+    with pytest.raises(ValueError, match=r"--steps -1 .* or 0 for the config's own"):
+        Sweep(-1, 64, "cpu", tmp_path)
+    quick = resolve_config_file("quick")
+    extra = ("data.synthetic.eval_samples=512",)
+    own = Sweep(0, 0, "cpu", tmp_path, extra, base=quick).run_one([])
+    assert own["steps"] == load_config(quick).train.steps
+    assert own["best_step"] is not None  # validated during training, as the config says
+    fixed = Sweep(5, 64, "cpu", tmp_path, extra, base=quick).run_one([])
+    assert fixed["steps"] == 5

@@ -73,6 +73,8 @@ SUMMARY_KEYS = (
     "flops_per_sample",
     "hash_collisions",
     "backend",
+    "steps",
+    "best_step",
 )
 
 
@@ -92,6 +94,11 @@ class Sweep:
     def __post_init__(self) -> None:
         if self.seeds < 1:
             raise ValueError(f"--seeds must be >= 1, got {self.seeds}")
+        if self.steps < 0 or self.batch_size < 0:
+            raise ValueError(
+                f"--steps {self.steps} / --batch-size {self.batch_size}: each must be >= 1, "
+                "or 0 for the config's own (training to convergence with its early stopping)"
+            )
         self._schemas: dict = {}
 
     def select(self, variants: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -119,11 +126,14 @@ class Sweep:
                 f"data.loader.seed={seed}",
                 f"data.synthetic.stream_seed={seed}",
             ]
+        # --steps 0: the config's own length (on data with a validation split, epochs
+        # until early stopping, the best weights kept); --batch-size 0: its own batch
+        length = [f"train.steps={self.steps}", "train.eval_every=0"] if self.steps else []
+        batch = [f"train.batch_size={self.batch_size}"] if self.batch_size else []
         config = self.config(
             [
-                f"train.steps={self.steps}",
-                f"train.batch_size={self.batch_size}",
-                "train.eval_every=0",
+                *length,
+                *batch,
                 "train.progress=false",
                 f"train.device={self.device}",
                 *overrides,
@@ -313,8 +323,13 @@ def run_zoo_benchmark(
 
 def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of every benchmark on a ``Sweep`` (this module's and ``precision``)."""
-    parser.add_argument("--steps", type=int, default=600, help="training steps per variant")
-    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=600,
+        help="training steps per variant; 0: the config's own (to convergence, early stopping)",
+    )
+    parser.add_argument("--batch-size", type=int, default=2048, help="0: the config's own")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
     add_overrides_argument(
