@@ -40,3 +40,18 @@ def test_quality_verdict_pairs_the_seeds():
     assert shifted["auc_bf16_minus_fp32"] == pytest.approx(-0.01)
     assert not shifted["within_noise"]
     assert not quality_verdict({"auc": 0.7}, {"auc": 0.7})["within_noise"]  # one seed: no verdict
+    assert shifted["not_worse"]  # 0.01 below: within fp32's spread over seeds (0.01)
+    assert not quality_verdict(_runs([0.68, 0.70, 0.69]), fp32)["not_worse"]  # 0.02 below
+    gain = quality_verdict(_runs([0.7101, 0.7302, 0.7199]), fp32)  # 0.01 higher on every seed
+    assert gain["not_worse"] and not gain["within_noise"]
+    assert "test_auc_bf16_minus_fp32" not in gain  # no test split: no test difference
+
+
+def test_quality_verdict_reads_the_test_split_when_there_is_one():
+    fp32, bf16 = _runs([0.70, 0.72, 0.71]), _runs([0.70, 0.72, 0.71])
+    for run, tests in ((fp32, [0.65, 0.66, 0.67]), (bf16, [0.64, 0.66, 0.66])):
+        run["test_auc"] = sum(tests) / 3
+        for seed, t in zip(run["per_seed"], tests):
+            seed["test_auc"] = t
+    verdict = quality_verdict(bf16, fp32)
+    assert verdict["test_auc_bf16_minus_fp32"] == pytest.approx(-0.00667, abs=1e-5)

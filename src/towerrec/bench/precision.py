@@ -10,9 +10,11 @@ Two measurements, each side by side in one process:
   with ``--config configs/movielens.toml``; a Criteo-format cache with ``--set
   data.source=criteo --set data.path=DIR``). Runs of one seed share data order and
   initialisation, so the AUC difference is taken seed by seed (``auc_bf16_minus_fp32``,
-  mean and sample std over seeds). ``within_noise``: the mean difference is no larger
-  than fp32's own spread over seeds (its AUC's sample std), and no larger than two
-  standard errors of the paired difference.
+  mean and sample std over seeds; on the test split too, where the data has one).
+  ``within_noise``: the mean difference is no larger than fp32's own spread over seeds
+  (its AUC's sample std), and no larger than two standard errors of the paired
+  difference; ``not_worse``: bf16's mean is at most fp32's spread below fp32's (a
+  consistent gain counts, which ``within_noise`` flags).
 """
 
 from __future__ import annotations
@@ -83,12 +85,18 @@ def quality_verdict(bf16: dict, fp32: dict) -> dict:
     seeds = len(fp32.get("per_seed", [fp32]))
     spread = fp32.get("auc_std", 0.0)
     two_se = 2 * std / math.sqrt(seeds) if seeds > 1 else 0.0
-    return {
+    out = {
         "auc_bf16_minus_fp32": mean,
         "auc_bf16_minus_fp32_std": std,
         "fp32_auc_std": spread,
         "within_noise": seeds > 1 and abs(mean) <= spread and abs(mean) <= two_se,
+        # the default's question: is bf16 no worse than fp32's own spread over seeds?
+        "not_worse": seeds > 1 and mean >= -spread,
     }
+    if fp32.get("test_auc") is not None and bf16.get("test_auc") is not None:
+        test_mean, test_std = paired_difference(bf16, fp32, "test_auc")
+        out.update(test_auc_bf16_minus_fp32=test_mean, test_auc_bf16_minus_fp32_std=test_std)
+    return out
 
 
 def precision_sweep(sweep: Sweep, timing: bool) -> dict:

@@ -144,7 +144,9 @@ class Sweep:
         with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the JSON result
             summary = train(config, out)
         result: dict[str, Any] = {k: summary.get(k) for k in SUMMARY_KEYS}
-        for key in ("auc", "logloss", "ne", "oracle_auc"):
+        test = summary.get("test") or {}  # the returned weights on the test split, if any
+        result["test_auc"] = test.get("auc")
+        for key in ("auc", "logloss", "ne", "oracle_auc", "test_auc"):
             result[key] = round(result[key], 5) if result[key] is not None else None
         result["samples_per_s"] = round(result["samples_per_s"], 1)
         return result
@@ -163,14 +165,15 @@ def seed_stats(runs: list[dict]) -> dict:
     """Runs of one variant over seeds 0..N-1: seed 0's sizes and FLOPs; the mean of the
     metrics, their sample standard deviation (``*_std``) and per-seed values (``per_seed``)."""
     result = dict(runs[0])
-    for key in ("auc", "logloss", "ne", "samples_per_s"):
+    for key in ("auc", "logloss", "ne", "samples_per_s", "test_auc"):
         values = [r[key] for r in runs if r[key] is not None]
         if len(values) == len(runs):
             mean, std = _mean_std(values)
             digits = 1 if key == "samples_per_s" else 5
             result[key], result[f"{key}_std"] = round(mean, digits), round(std, digits)
     result["per_seed"] = [
-        {"seed": s, "auc": r["auc"], "logloss": r["logloss"]} for s, r in enumerate(runs)
+        {"seed": s, "auc": r["auc"], "logloss": r["logloss"], "test_auc": r.get("test_auc")}
+        for s, r in enumerate(runs)
     ]
     return result
 
