@@ -4,7 +4,11 @@ kept as regression examples: each must now be read as the format says or refused
 with an error naming the file, line or key."""
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -109,13 +113,13 @@ def _criteo(*lines, newline=True):
     return (list(lines), newline, 1 << 20)
 
 
-def _meta(**changes):
+def _meta(stopped=False, **changes):
     meta = {
         "threads": 1,
         "train_bytes": [0.0, 0.0, 0.0, 0.0],
         "early_stopping": {
             "best_step": 2, "best_value": 0.6, "best_metrics": {"auc": 0.5},
-            "since_best": 0, "lr_scale": 1.0, "stopped": False,
+            "since_best": 0, "lr_scale": 1.0, "stopped": stopped,
         },
     }  # fmt: skip
     meta.update(changes)
@@ -134,6 +138,10 @@ FOUND = [
     ("libfm_lines", ["nan 0:1", "1 6:inf", "1 0:1"]),  # non-finite label and value
     ("config_toml", b"\x80"),  # not UTF-8: the error named no file
     ("config_set", ".="),
+    ("config_set", "data.loader.verify=false"),  # a documented second spelling of "never"
+    ("config_set", "data.loader.verify=true"),
+    ("config_set", "train.temporal.fgd_generator=false"),
+    ("config_toml", b"[data.loader]\nverify = false\n"),
     ("config_set", "train.steps=5\nother = 2"),  # read as 5, the rest dropped
     ("plan_json", b"null"),
     (
@@ -145,6 +153,7 @@ FOUND = [
     ("checkpoint_meta", _meta(early_stopping={"since_best": 0, "lr_scale": 1.0, "stopped": 0})),
     ("checkpoint_meta", _meta(train_bytes=None)),
     ("checkpoint_meta", _meta(threads="2")),
+    ("checkpoint_meta", _meta(stopped=True)),  # refused naming the run, not meta.json
     ("store_header", ("cut", b"TWRSTORE\x01\x00\x00\x00W\x00\x00\x00{")),
     (
         "kv_store_header",
@@ -212,3 +221,93 @@ def test_an_augmented_manifest_whose_period_rows_disagree_with_its_periods_is_re
     manifest = json.loads((_augmented() / "manifest.json").read_text())
     manifest["stream"]["period_rows"] = manifest["stream"]["period_rows"][:1]
     TARGETS["augmented_manifest"].check(json.dumps(manifest).encode(), tmp_path)
+
+
+def test_the_config_oracle_reads_a_documented_second_spelling_and_nothing_else(
+    monkeypatch, tmp_path
+):
+    """``--set data.loader.verify=false`` is ``"never"`` (config.VALUE_ALIASES): the oracle
+    takes the spelling as what the config says it stands for, and flags any other reading."""
+    from towerrec.config import VALUE_ALIASES
+
+    check = TARGETS["config_set"].check
+    check("data.loader.verify=false", tmp_path)
+    monkeypatch.setitem(VALUE_ALIASES, "data.loader.verify", {False: "always"})
+    with pytest.raises(FuzzFailure, match="was read as"):
+        check("data.loader.verify=false", tmp_path)
+    monkeypatch.delitem(VALUE_ALIASES, "data.loader.verify")
+    with pytest.raises(FuzzFailure, match="was read as"):
+        check("data.loader.verify=false", tmp_path)
+
+
+def test_every_documented_second_spelling_is_read_as_the_value_it_stands_for():
+    from towerrec.config import VALUE_ALIASES, config_to_dict, load_config
+
+    for key, aliases in VALUE_ALIASES.items():
+        for written, meant in aliases.items():
+            node = config_to_dict(load_config(None, [f"{key}={json.dumps(written)}"]))
+            for part in key.split("."):
+                node = node[part]
+            assert node == meant, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "error", [KeyError("threads"), ValueError("meta.json is damaged"), TypeError("None")]
+)
+def test_the_meta_oracle_flags_a_crash_or_an_error_naming_neither_file_nor_run(
+    error, monkeypatch, tmp_path, one_thread
+):
+    from towerrec.bench.fuzz_state import _tiny_run
+    from towerrec.train import session
+
+    _tiny_run()  # trained before set_up is replaced
+
+    def set_up(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(session, "set_up", set_up)
+    with pytest.raises(FuzzFailure):
+        TARGETS["checkpoint_meta"].check(_meta(), tmp_path)
+
+
+def test_a_json_mutation_leaves_the_file_it_mutates_as_it_was():
+    """Found by `towerrec bench fuzz` (kv_store_header): Hypothesis stopped on
+    FlakyStrategyDefinition. A value near the original (``[value]``) shared the header's
+    lists; a second mutation of the same input changed them in place, so the next inputs
+    were drawn from another header and a replay drew differently."""
+    from towerrec.bench.fuzz_json import _mutated, _near
+
+    base = {"format": "towerrec-kv", "states": [["momentum1", 1]]}
+    wrapped = _near(base["states"])[2]  # [value]: the states list itself, not a copy
+    assert wrapped == [base["states"]]
+    mutations = [("set", ("states",), wrapped), ("set", ("states", 0, 0), None)]
+    first = _mutated(base, mutations)
+    assert base == {"format": "towerrec-kv", "states": [["momentum1", 1]]}
+    assert _mutated(base, mutations) == first
+    assert json.loads(first)["states"] == [[None]]
+    assert mutations[0][2] == [[["momentum1", 1]]]
+
+
+def test_the_files_the_targets_make_once_are_removed(tmp_path):
+    """The runs and caches the targets train once live under one temporary folder,
+    removed by release_fixtures (run_fuzz's end) or when the process exits."""
+    folder = fuzz_core.made_once("test-fixture", lambda d: d)
+    assert folder.is_dir() and fuzz_core.made_once("test-fixture", lambda d: None) == folder
+    fuzz_core.release_fixtures()
+    assert not folder.parent.exists()
+    code = (
+        "from towerrec.bench.fuzz_core import made_once\n"
+        "folder = made_once('x', lambda d: d)\n"
+        "(folder / 'file').write_text('1')\n"
+        "print(folder.parent)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+    )
+    root = Path(done.stdout.strip())
+    assert root.name.startswith("towerrec-fuzz-fixtures-") and not root.exists()

@@ -5,6 +5,7 @@ where an uninterrupted one ends."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from test_checkpoint_verify import flip, snapshot
 from test_trainer import final_state, quick_config
 
 from towerrec.checksums import CHECKSUMS
+from towerrec.config import load_config
 from towerrec.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from towerrec.workflows import training as trainer
 
@@ -137,3 +139,52 @@ def test_a_resume_hashes_its_checkpoint_once(run, monkeypatch):
     monkeypatch.setattr(checkpoint_module, "_verify_together", counting)
     trainer.train(quick_config(*SETTINGS, "train.steps=10"), run, resume=True)
     assert checked.count(run / "checkpoint" / "step_00000008") == 1
+
+
+QUICK = Path(__file__).parent.parent / "configs" / "quick.toml"
+TWO_RANKS = (
+    *SETTINGS[:2],
+    "train.eval_every=0",
+    "train.progress=false",
+    "data.synthetic.eval_samples=2048",
+    "train.eval_batch_size=1024",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_refuse_a_damaged_latest_and_resume_from_the_previous_when_asked(tmp_path):
+    """As on one process, with rank 1's shard of the latest checkpoint damaged: every
+    rank refuses it naming the file and the previous intact step; ``--resume-from step_6
+    --nproc 2`` ends where the uninterrupted 2-rank run ends, bit for bit."""
+    sets = [a for s in TWO_RANKS for a in ("--set", s)]
+    full = run_cli(
+        "train", "--config", str(QUICK), *sets, "--nproc", "2", "--out", str(tmp_path / "full")
+    )
+    assert full.returncode == 0, full.stderr[-3000:]
+    run = tmp_path / "run"
+    shutil.copytree(tmp_path / "full", run)
+    assert CheckpointManager(run / "checkpoint").steps() == [6, 8]
+    flip(run / "checkpoint" / "step_00000008" / "__1_0.distcp")
+    before = snapshot(run)
+
+    refused = run_cli("train", "--out", str(run), "--resume", "--nproc", "2")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "step_00000008 is damaged" in last and "__1_0.distcp does not match" in last
+    assert "--resume-from step_6" in last
+    assert snapshot(run) == before  # the refusal changed nothing
+
+    resumed = run_cli("train", "--out", str(run), "--resume-from", "step_6", "--nproc", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step_00000008.superseded" in resumed.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 8
+    assert [r for r in _records(run) if r["kind"] == "resume"] == [
+        {"kind": "resume", "step": 6, "changed": {}}
+    ]
+    config = load_config(QUICK, list(TWO_RANKS))
+    expected, final = final_state(tmp_path / "full", config), final_state(run, config)
+    assert final.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(final[key], value), key

@@ -21,7 +21,7 @@ from typing import Any
 
 from towerrec.bench.common import Benchmark, comma_list, machine_info
 from towerrec.bench.fuzz_config import CONFIG_TARGETS
-from towerrec.bench.fuzz_core import FuzzTarget, run_target
+from towerrec.bench.fuzz_core import FuzzTarget, release_fixtures, run_target
 from towerrec.bench.fuzz_inputs import INPUT_TARGETS
 from towerrec.bench.fuzz_json import JSON_TARGETS
 from towerrec.bench.fuzz_state import STATE_TARGETS
@@ -61,9 +61,12 @@ def run_fuzz(
         ) from None
     start = time.perf_counter()
     results = {}
-    for name in targets:
-        n = max(MIN_EXAMPLES, round(examples * SCALE.get(name, 1.0)))
-        results[name] = run_target(TARGETS[name], n, seed=seed, raise_failure=False)
+    try:
+        for name in targets:
+            n = max(MIN_EXAMPLES, round(examples * SCALE.get(name, 1.0)))
+            results[name] = run_target(TARGETS[name], n, seed=seed, raise_failure=False)
+    finally:
+        release_fixtures()  # the runs and caches the targets trained once
     tried = sum(r["examples"] for r in results.values())
     return {
         "machine": machine_info(),

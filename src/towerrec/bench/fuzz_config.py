@@ -3,7 +3,8 @@
 Documents and overrides are built from the real keys (``Config()`` as a dict)
 with values of the right type, the wrong type and the wrong shape, plus typos
 and bytes that are not TOML or not UTF-8. Accepted ones must land in the
-config as written (no key dropped, no value changed on the way); refused ones
+config as written (no key dropped, no value changed on the way; a value with a documented
+second spelling, ``config.VALUE_ALIASES``, as the value it stands for); refused ones
 must name the file, the ``--set`` text or a key of the input.
 """
 
@@ -126,9 +127,19 @@ def _toml_bytes(data: dict[str, Any]) -> bytes:
         return b"[train]\nsteps = 1\n"
 
 
+def _as_read(key: str, written: Any) -> Any:
+    """``written`` as the config reads ``key``: one of its documented second spellings
+    (``config.VALUE_ALIASES``, e.g. ``data.loader.verify = false`` is ``"never"``) is
+    compared as the value it stands for; any other value as written."""
+    from towerrec.config import VALUE_ALIASES
+
+    aliases = VALUE_ALIASES.get(key, {})
+    if isinstance(written, bool) and written in aliases:
+        return aliases[written]
+    return written
+
+
 def _same(config_value: Any, written: Any) -> bool:
-    if written is False and config_value == "none":  # a documented alias (fgd_generator)
-        return True
     if isinstance(config_value, Enum):
         config_value = config_value.value
     if isinstance(config_value, tuple | list) and isinstance(written, list):
@@ -154,7 +165,7 @@ def _check_landed(config: Any, data: dict[str, Any], where: str) -> None:
                 raise FuzzFailure(f"{where}: {prefix}{key} = {value!r} was accepted and dropped")
             if isinstance(value, dict) and isinstance(into[key], dict) and value:
                 walk(value, into[key], f"{prefix}{key}.")
-            elif not _same(into[key], value):
+            elif not _same(into[key], _as_read(f"{prefix}{key}", value)):
                 raise FuzzFailure(f"{where}: {prefix}{key} = {value!r} was read as {into[key]!r}")
 
     walk(data, resolved, "")

@@ -15,6 +15,8 @@ imported when a target is run.
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 import signal
 import tempfile
@@ -26,7 +28,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["HANG_S", "HANG_WALL_S", "FuzzFailure", "FuzzTarget", "refused", "run_target"]
+__all__ = [
+    "HANG_S",
+    "HANG_WALL_S",
+    "FuzzFailure",
+    "FuzzTarget",
+    "made_once",
+    "refused",
+    "release_fixtures",
+    "run_target",
+]
 
 HANG_S = 20.0  # one example using this many seconds of CPU is a hang
 HANG_WALL_S = 600.0  # ... or waiting this long in all (a deadlock)
@@ -65,6 +76,37 @@ def refused(
         raise
     except Exception as e:
         raise FuzzFailure(f"unhandled {type(e).__name__}: {str(e)[:500]}") from e
+
+
+_FIXTURES: dict[str, Any] = {}
+_FIXTURE_ROOT: dict[str, Any] = {}  # "path" -> the fixtures' folder, "pid" -> its maker
+
+
+def made_once(name: str, make: Callable[[Path], T]) -> T:
+    """``make(folder)``'s value (a trained run, a cache: what many inputs read), made once
+    per process in an empty ``folder`` of its own under one temporary folder, which
+    ``release_fixtures`` removes (at the latest when the process that made it exits)."""
+    if name not in _FIXTURES:
+        if not _FIXTURE_ROOT:
+            root = Path(tempfile.mkdtemp(prefix="towerrec-fuzz-fixtures-"))
+            _FIXTURE_ROOT.update(path=root, pid=os.getpid())
+            atexit.unregister(release_fixtures)  # once, however often released
+            atexit.register(release_fixtures)
+        folder = _FIXTURE_ROOT["path"] / name
+        shutil.rmtree(folder, ignore_errors=True)  # a make that failed part way
+        folder.mkdir()
+        _FIXTURES[name] = make(folder)
+    return _FIXTURES[name]
+
+
+def release_fixtures() -> None:
+    """Forget what ``made_once`` made and remove its folder (in the process that made it
+    only: a forked child exiting leaves its parent's fixtures in place)."""
+    if _FIXTURE_ROOT.get("pid") != os.getpid():
+        return
+    _FIXTURES.clear()
+    shutil.rmtree(_FIXTURE_ROOT.pop("path"), ignore_errors=True)
+    _FIXTURE_ROOT.clear()
 
 
 @contextmanager

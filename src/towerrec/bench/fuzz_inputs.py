@@ -9,11 +9,10 @@ import csv
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from towerrec.bench.fuzz_core import FuzzFailure, FuzzTarget, refused
+from towerrec.bench.fuzz_core import FuzzFailure, FuzzTarget, made_once, refused
 from towerrec.bench.fuzz_json import mutated_json
 
 __all__ = ["INPUT_TARGETS"]
@@ -113,31 +112,28 @@ def _check_table(example: tuple[str, dict[str, list[Any]], dict[str, Any]], scra
 
 
 # ------------------------------------------------------------------ predict
-_ARTEFACT: dict[str, Any] = {}
-
-
-def _artefact() -> Any:
+def _artefact() -> dict[str, Any]:
     """An artefact exported from a few steps on a tiny Criteo cache (made once)."""
-    if not _ARTEFACT:
-        from towerrec.bench.fuzz_json import _tiny_cache
-        from towerrec.config import load_config
-        from towerrec.serve.artefact import load_artefact
-        from towerrec.serve.export import export_run
-        from towerrec.workflows.training import train
+    return made_once("artefact", _export_artefact)
 
-        cache, _, _ = _tiny_cache()
-        root = Path(tempfile.mkdtemp(prefix="towerrec-fuzz-artefact-"))
-        settings = [
-            "data.source=criteo", f"data.path={json.dumps(str(cache))}", "train.steps=2",
-            "train.batch_size=16", "train.eval_every=0", "train.progress=false",
-            "optimizer.warmup_steps=1", "model.embedding_dim=4", "model.bottom_mlp=[8, 4]",
-            "model.top_mlp=[8, 1]",
-        ]  # fmt: skip
-        train(load_config(None, settings), root / "run")
-        export_run(root / "run", root / "export")
-        _ARTEFACT["artefact"] = load_artefact(root / "export")
-        _ARTEFACT["dir"] = root / "export"
-    return _ARTEFACT
+
+def _export_artefact(root: Path) -> dict[str, Any]:
+    from towerrec.bench.fuzz_json import _tiny_cache
+    from towerrec.config import load_config
+    from towerrec.serve.artefact import load_artefact
+    from towerrec.serve.export import export_run
+    from towerrec.workflows.training import train
+
+    cache, _, _ = _tiny_cache()
+    settings = [
+        "data.source=criteo", f"data.path={json.dumps(str(cache))}", "train.steps=2",
+        "train.batch_size=16", "train.eval_every=0", "train.progress=false",
+        "optimizer.warmup_steps=1", "model.embedding_dim=4", "model.bottom_mlp=[8, 4]",
+        "model.top_mlp=[8, 1]",
+    ]  # fmt: skip
+    train(load_config(None, settings), root / "run")
+    export_run(root / "run", root / "export")
+    return {"artefact": load_artefact(root / "export"), "dir": root / "export"}
 
 
 def _predict_lines() -> Any:
@@ -169,39 +165,35 @@ def _check_predict(lines: list[bytes], scratch: Path) -> None:
 
 
 # ------------------------------------------------------------------ augmented manifest
-_AUGMENTED: dict[str, Any] = {}
-
-
 def _augmented() -> Path:
     """A student's augmented directory of two periods (made once: a teacher, the service)."""
-    if not _AUGMENTED:
-        from towerrec.config import load_config
-        from towerrec.data.period_files import write_periods
-        from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
-        from towerrec.serve.export import export_run
-        from towerrec.workflows.distill.augment import AugmentService
-        from towerrec.workflows.training import train
+    return made_once("augmented", _augment)
 
-        root = Path(tempfile.mkdtemp(prefix="towerrec-fuzz-augmented-"))
-        tables = "data.synthetic.num_embeddings=[30, 20]"
-        settings = [
-            tables, "data.synthetic.pooling_factors=[1, 2]", "data.synthetic.eval_samples=128",
-            "train.steps=2", "train.batch_size=32", "train.eval_every=0", "train.progress=false",
-            "optimizer.warmup_steps=1", "model.embedding_dim=4", "model.bottom_mlp=[8, 4]",
-            "model.top_mlp=[8, 1]",
-        ]  # fmt: skip
-        train(load_config(None, settings), root / "teacher")
-        export_run(root / "teacher", root / "export")
-        stream = SyntheticSource(
-            SyntheticConfig(num_embeddings=(30, 20), pooling_factors=(1, 2), periods=2,
-                            period_samples=40, eval_samples=128)
-        )  # fmt: skip
-        write_periods(stream, root / "student", range(2))
-        AugmentService(root / "export", [root / "student"], root / "out", batch_size=32).run(
-            once=True
-        )
-        _AUGMENTED["dir"] = root / "out" / "student"
-    return _AUGMENTED["dir"]
+
+def _augment(root: Path) -> Path:
+    from towerrec.config import load_config
+    from towerrec.data.period_files import write_periods
+    from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
+    from towerrec.serve.export import export_run
+    from towerrec.workflows.distill.augment import AugmentService
+    from towerrec.workflows.training import train
+
+    tables = "data.synthetic.num_embeddings=[30, 20]"
+    settings = [
+        tables, "data.synthetic.pooling_factors=[1, 2]", "data.synthetic.eval_samples=128",
+        "train.steps=2", "train.batch_size=32", "train.eval_every=0", "train.progress=false",
+        "optimizer.warmup_steps=1", "model.embedding_dim=4", "model.bottom_mlp=[8, 4]",
+        "model.top_mlp=[8, 1]",
+    ]  # fmt: skip
+    train(load_config(None, settings), root / "teacher")
+    export_run(root / "teacher", root / "export")
+    stream = SyntheticSource(
+        SyntheticConfig(num_embeddings=(30, 20), pooling_factors=(1, 2), periods=2,
+                        period_samples=40, eval_samples=128)
+    )  # fmt: skip
+    write_periods(stream, root / "student", range(2))
+    AugmentService(root / "export", [root / "student"], root / "out", batch_size=32).run(once=True)
+    return root / "out" / "student"
 
 
 def _augmented_manifest() -> Any:

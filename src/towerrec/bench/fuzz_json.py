@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from towerrec.bench.fuzz_core import FuzzFailure, FuzzTarget, refused
+from towerrec.bench.fuzz_core import FuzzFailure, FuzzTarget, made_once, refused
 
 __all__ = ["JSON_TARGETS", "mutated_json"]
 
@@ -90,10 +90,22 @@ def _apply(data: Any, op: tuple) -> Any:
     return data
 
 
+def _mutated(base: Any, mutations: list[tuple]) -> bytes:
+    """``base`` with ``mutations`` applied, as JSON bytes; ``base`` is left as it was."""
+    # copies of both: a value near one of base's (``[value]``, ``value[:-1]``) shares base's
+    # lists and dicts, which a later mutation of the same input would change in place;
+    # base changed from one input to the next makes Hypothesis's replay draw differently
+    data, mutations = copy.deepcopy((base, mutations))
+    for op in mutations:
+        data = _apply(data, op)
+    return json.dumps(data).encode()
+
+
 def mutated_json(base: Any) -> Any:
     """A strategy of ``base`` (a JSON value) mutated, as bytes of its file."""
     from hypothesis import strategies as st
 
+    base = copy.deepcopy(base)  # the caller's value may change; the strategy must not
     paths = _paths(base)
 
     def at(path: tuple) -> Any:
@@ -112,16 +124,10 @@ def mutated_json(base: Any) -> Any:
 
     ops = st.lists(st.sampled_from(paths).flatmap(op_for), min_size=1, max_size=3)
 
-    def dumped(mutations: list[tuple]) -> bytes:
-        data = copy.deepcopy(base)
-        for op in mutations:
-            data = _apply(data, op)
-        return json.dumps(data).encode()
-
     text = json.dumps(base).encode()
     return st.one_of(
-        ops.map(dumped),
-        ops.map(dumped),
+        ops.map(lambda mutations: _mutated(base, mutations)),
+        ops.map(lambda mutations: _mutated(base, mutations)),
         st.integers(0, len(text)).map(lambda n: text[:n]),
         st.tuples(st.integers(0, len(text) - 1), st.binary(min_size=1, max_size=1)).map(
             lambda t: text[: t[0]] + t[1] + text[t[0] + 1 :]
@@ -174,25 +180,19 @@ def _check_plan(text: bytes, scratch: Path) -> None:
 
 
 # ------------------------------------------------------------------ cache manifests
-_CACHE: dict[str, Any] = {}
-
-
 def _tiny_cache() -> tuple[Path, dict[str, Any], Any]:
     """A cache of 64 generated Criteo rows (made once), its manifest and first batch."""
-    if not _CACHE:
-        import tempfile
+    return made_once("cache", _make_tiny_cache)
 
-        from towerrec.data.criteo import CriteoOptions, preprocess_criteo
-        from towerrec.data.criteo_gen import generate_criteo_files
 
-        root = Path(tempfile.mkdtemp(prefix="towerrec-fuzz-cache-"))
-        generate_criteo_files(root / "tsv", files=1, rows_per_file=64, seed=0)
-        options = CriteoOptions(num_embeddings=(50,), eval_fraction=0.25)
-        manifest = preprocess_criteo(
-            [root / "tsv" / "day_0"], root / "cache", options, progress=False
-        )
-        _CACHE.update(root=root, manifest=manifest, batch=_first_batch(root / "cache"))
-    return _CACHE["root"] / "cache", _CACHE["manifest"], _CACHE["batch"]
+def _make_tiny_cache(root: Path) -> tuple[Path, dict[str, Any], Any]:
+    from towerrec.data.criteo import CriteoOptions, preprocess_criteo
+    from towerrec.data.criteo_gen import generate_criteo_files
+
+    generate_criteo_files(root / "tsv", files=1, rows_per_file=64, seed=0)
+    options = CriteoOptions(num_embeddings=(50,), eval_fraction=0.25)
+    manifest = preprocess_criteo([root / "tsv" / "day_0"], root / "cache", options, progress=False)
+    return root / "cache", manifest, _first_batch(root / "cache")
 
 
 def _first_batch(cache: Path) -> Any:

@@ -19,12 +19,11 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from towerrec.bench.fuzz_core import FuzzFailure, FuzzTarget, refused
+from towerrec.bench.fuzz_core import FuzzFailure, FuzzTarget, made_once, refused
 from towerrec.bench.fuzz_json import mutated_json
 
 __all__ = ["STATE_TARGETS"]
 
-_RUN: dict[str, Any] = {}
 _QUICK = [
     "data.synthetic.num_embeddings=[40, 30]",
     "data.synthetic.pooling_factors=[1, 2]",
@@ -42,15 +41,15 @@ _QUICK = [
 
 def _tiny_run() -> tuple[Path, Any]:
     """A two-step run with its final checkpoint (made once) and its config."""
-    if not _RUN:
-        from towerrec.config import load_config
-        from towerrec.workflows.training import train
+    return made_once("run", _train_tiny_run)
 
-        root = Path(tempfile.mkdtemp(prefix="towerrec-fuzz-run-"))
-        config = load_config(None, _QUICK)
-        train(config, root / "run")
-        _RUN.update(run=root / "run", config=load_config(None, [*_QUICK, "train.steps=3"]))
-    return _RUN["run"], _RUN["config"]
+
+def _train_tiny_run(root: Path) -> tuple[Path, Any]:
+    from towerrec.config import load_config
+    from towerrec.workflows.training import train
+
+    train(load_config(None, _QUICK), root / "run")
+    return root / "run", load_config(None, [*_QUICK, "train.steps=3"])
 
 
 def _meta_base() -> Any:
@@ -77,8 +76,8 @@ def _check_meta(text: bytes, scratch: Path) -> None:
     # a checkpoint whose meta.json was written so (checksums.json agrees): the meta parser
     # is fuzzed here, the checksums' refusal of a changed file in test_checkpoint_verify
     write_checksums(latest, digests(latest, list_files(latest)))
-    with pinned():
-        session = refused(lambda: set_up(config, copy, resume=True), str(latest / "meta.json"))
+    with pinned():  # an error names the file, or the run (a run that stopped early)
+        session = refused(lambda: set_up(config, copy, resume=True), str(copy))
     if session is None:
         return
     recorded = json.loads(text).get("threads")

@@ -25,6 +25,7 @@ from towerrec.config.files import (
 )
 from towerrec.config.sections import (
     RESUME_SAFE_KEYS,
+    VALUE_ALIASES,
     Config,
     ConfigError,
     DataConfig,
@@ -43,6 +44,7 @@ from towerrec.config.sections import (
 
 __all__ = [
     "RESUME_SAFE_KEYS",
+    "VALUE_ALIASES",
     "Config",
     "ConfigError",
     "ConfigFiles",

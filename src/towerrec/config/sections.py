@@ -13,6 +13,7 @@ from towerrec.config.errors import ConfigError
 from towerrec.config.errors import choice as _choice
 from towerrec.config.nas import NASConfig
 from towerrec.config.training import (
+    GENERATOR_ALIASES,
     EarlyStoppingConfig,
     LossConfig,
     OptimizerConfig,
@@ -21,7 +22,7 @@ from towerrec.config.training import (
     TrainConfig,
 )
 from towerrec.data.augmented import AugmentedConfig
-from towerrec.data.loader import LoaderConfig
+from towerrec.data.loader import VERIFY_ALIASES, LoaderConfig
 from towerrec.data.movielens import MovieLensConfig
 from towerrec.data.registry import SOURCES
 from towerrec.data.synthetic import SyntheticConfig
@@ -34,6 +35,7 @@ from towerrec.utils import at_least, positive
 
 __all__ = [
     "RESUME_SAFE_KEYS",
+    "VALUE_ALIASES",
     "Config",
     "ConfigError",
     "DataConfig",
@@ -49,6 +51,13 @@ __all__ = [
     "TemporalConfig",
     "TrainConfig",
 ]
+
+# Settings that take a documented second spelling of some values: key -> {written: read as}
+# (a value so written is read as, and saved as, its other spelling)
+VALUE_ALIASES: dict[str, dict[bool, str]] = {
+    "data.loader.verify": VERIFY_ALIASES,
+    "train.temporal.fgd_generator": GENERATOR_ALIASES,
+}
 
 # Settings a resumed run may change (``--resume --set KEY=VALUE``): how long it runs,
 # what it logs and keeps, how it reads data and how it is laid out over ranks; a

@@ -15,6 +15,7 @@ from towerrec.optim.shampoo import ShampooSettings
 from towerrec.utils import at_least, positive, within
 
 __all__ = [
+    "GENERATOR_ALIASES",
     "EarlyStoppingConfig",
     "LossConfig",
     "OptimizerConfig",
@@ -143,6 +144,7 @@ class PruneGrowConfig:
 
 
 GENERATORS = ("mlp", "linear", "none")
+GENERATOR_ALIASES: dict[bool, str] = {False: "none"}  # fgd_generator = false: no forecast
 
 
 @dataclass(frozen=True)
@@ -188,8 +190,8 @@ class TemporalConfig:
                 f"{self.strategy!r}); set strategy = 'batch' or drop the window"
             )
         at_least(f"{key}.fgd_meta_batches", self.fgd_meta_batches, 0)
-        if self.fgd_generator is False:
-            object.__setattr__(self, "fgd_generator", "none")
+        if isinstance(self.fgd_generator, bool) and self.fgd_generator in GENERATOR_ALIASES:
+            object.__setattr__(self, "fgd_generator", GENERATOR_ALIASES[self.fgd_generator])
         if not isinstance(self.fgd_generator, str) or self.fgd_generator not in GENERATORS:
             raise ValueError(
                 f"{key}.fgd_generator = {self.fgd_generator!r} is not one of "

@@ -30,7 +30,7 @@ from towerrec.data.cache import ColumnStore, SplitColumns, Verify
 from towerrec.sparse import KeyedJaggedTensor, can_pin_memory
 from towerrec.utils import at_least, parse_enum, stable_seed
 
-__all__ = ["BLOCK", "ColumnSource", "LoaderConfig", "SplitRows"]
+__all__ = ["BLOCK", "VERIFY_ALIASES", "ColumnSource", "LoaderConfig", "SplitRows"]
 
 BLOCK = 8192
 # How to convert again with a validation split, by the converter that wrote the cache.
@@ -50,6 +50,10 @@ def _no_eval(converter: str | None) -> str:
     )
 
 
+# ``data.loader.verify`` as earlier versions spelled it: true hashed at every open
+VERIFY_ALIASES: dict[bool, str] = {True: "always", False: "never"}
+
+
 @dataclass(frozen=True)
 class LoaderConfig:
     """How a file-backed source reads its cache (``data.loader``)."""
@@ -62,8 +66,8 @@ class LoaderConfig:
     pin_memory: bool = True  # page-locked batches when an accelerator is present
 
     def __post_init__(self) -> None:
-        if isinstance(self.verify, bool):  # earlier versions: true hashed at every open
-            object.__setattr__(self, "verify", "always" if self.verify else "never")
+        if isinstance(self.verify, bool):
+            object.__setattr__(self, "verify", VERIFY_ALIASES[self.verify])
         object.__setattr__(self, "verify", parse_enum(Verify, self.verify, "data.loader.verify"))
         at_least("data.loader.num_workers", self.num_workers, 0)
         at_least("data.loader.prefetch", self.prefetch, 1)
