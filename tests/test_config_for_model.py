@@ -89,3 +89,22 @@ def test_a_bad_models_table_is_refused_even_for_another_model(tmp_path, text, me
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_config(path)  # model.name is dlrm: the other model's table is still checked
+
+
+def test_the_built_in_defaults_carry_each_models_own_and_default_toml_equals_them(tmp_path):
+    plain, dcn = load_config(), load_config(None, ["model.name=dcn"])
+    assert dcn.embedding.init == "uniform_rows" != plain.embedding.init
+    assert load_config("default", ["model.name=dcn"]) == dcn  # --config default = no --config
+    # a config file's own sections replace the built-in model settings
+    own = tmp_path / "own.toml"
+    own.write_text('[model]\nname = "dcn"\n')
+    assert load_config(own).embedding.init == plain.embedding.init
+
+
+def test_a_resumed_runs_saved_config_is_not_changed_by_the_models_defaults(tmp_path):
+    from towerrec.config import config_to_toml
+
+    saved = tmp_path / "config.toml"
+    ran = load_config(None, ["model.name=dcn", "embedding.lr=0.3"])
+    saved.write_text(config_to_toml(ran))
+    assert load_config(None, [], base=saved) == ran

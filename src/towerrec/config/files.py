@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import tomllib
 import types
 import typing
@@ -237,6 +238,18 @@ def _take_for_model(data: dict[str, Any], file: str | Path, into: dict[str, Any]
         _merge(into.setdefault(name, {}), table)
 
 
+@functools.cache
+def _read_built_in_for_model() -> dict[str, Any]:
+    table = _read_toml(resolve_config_file("default")).get(FOR_MODEL, {})
+    return table if isinstance(table, dict) else {}
+
+
+def _built_in_for_model() -> dict[str, Any]:
+    """The ``[for_model]`` tables of the packaged ``default`` recipe: each model's own
+    settings where a run names no config file (``--config default`` reads the same)."""
+    return copy.deepcopy(_read_built_in_for_model())
+
+
 def _model_name(data: dict[str, Any]) -> str:
     model = data.get("model")
     name = model.get("name") if isinstance(model, dict) else None
@@ -252,11 +265,14 @@ def load_config(
     """Defaults, then the TOML file at ``base`` (a resumed run's saved config.toml), then
     the TOML file(s) ``path`` names in order (a path, or a packaged recipe's name:
     ``recipes.resolve_config_file``), then their ``[for_model.NAME]`` settings for the
-    model the whole config names (``FOR_MODEL``), then ``section.key=value`` overrides and
+    model the whole config names (``FOR_MODEL``; with no file and no ``base``, those of
+    the packaged ``default`` recipe), then ``section.key=value`` overrides and
     ``!section.key`` unsets (back to the default), in order."""
     data: dict[str, Any] = {}
     per_model: dict[str, Any] = {}
     files = [resolve_config_file(f) for f in _config_files(path)]
+    if base is None and not files:  # the built-in defaults: their models' own settings too
+        _take_for_model({FOR_MODEL: _built_in_for_model()}, "built-in defaults", per_model)
     for file in [*([] if base is None else [base]), *files]:
         table = _read_toml(file)
         _take_for_model(table, file, per_model)

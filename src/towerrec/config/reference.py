@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
@@ -216,4 +217,22 @@ def config_reference(defaults_toml: str) -> str:
             lines.append(
                 f"| `{full}` | {default} | {resume} | {_cell(_comment(name, key, comments))} |"
             )
+    lines += _for_model_part(defaults_toml, comments)
     return "\n".join(lines) + "\n"
+
+
+def _for_model_part(defaults_toml: str, comments: dict[str, _Section]) -> list[str]:
+    """The models' own defaults (``[for_model.NAME.SECTION]`` of ``default.toml``)."""
+    tables = tomllib.loads(defaults_toml).get("for_model", {})
+    if not tables:
+        return []
+    lines = ["", "## Each model's own defaults: `[for_model]`", ""]
+    for name in (n for n in comments if n.startswith("for_model.")):
+        for note in comments[name].notes:
+            lines += [_cell(note), ""]
+    lines += ["| model | key | default for that model |", "|---|---|---|"]
+    for model, sections in tables.items():
+        for section, keys in sections.items():
+            for key, value in keys.items():
+                lines.append(f"| `{model}` | `{section}.{key}` | `{_literal(value)}` |")
+    return lines
