@@ -220,8 +220,12 @@ def test_a_resumed_run_keeps_its_recorded_choices():
     recorded = _config("embedding.backend=torch", "train.precision=bf16")
     kept = with_recorded_choices(_config("train.precision=auto"), recorded)
     assert kept.embedding.backend is Backend.TORCH and kept.train.precision == "bf16"
-    forced = with_recorded_choices(_config("embedding.backend=fbgemm"), recorded)
+    forced = with_recorded_choices(
+        _config("embedding.backend=fbgemm", "train.precision=fp32"), recorded
+    )
     assert forced.embedding.backend is Backend.FBGEMM and forced.train.precision == "fp32"
+    default = with_recorded_choices(_config(), recorded)  # train.precision's default is auto
+    assert default.train.precision == "bf16"
 
 
 @needs_fbgemm

@@ -252,7 +252,7 @@ class TrainConfig:
     progress: bool = True
     # fp32 | bf16 (autocast of the dense part, fp32 master weights) | auto: bf16 where the
     # device has bf16 units and a timed step confirms it is faster (build/choices.py)
-    precision: str = "fp32"
+    precision: str = "auto"
     tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl (extra: tensorboard)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     prune_grow: PruneGrowConfig = field(default_factory=PruneGrowConfig)
