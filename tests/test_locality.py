@@ -170,7 +170,7 @@ def test_cli_profiles_a_cache_into_it(tiny_cache, tmp_path, capsys):
 
 def test_cli_errors_name_the_problem(tmp_path, capsys):
     assert main(["data", "profile", str(tmp_path / "nowhere")]) == 2
-    assert "neither a config file, a cache directory" in capsys.readouterr().err
+    assert "neither a config file, a recipe (" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["data", "profile", str(empty)]) == 2

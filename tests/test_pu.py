@@ -335,7 +335,7 @@ def test_pu_bce_on_2_ranks_follows_one_process(tmp_path):
 def test_pu_prior_command_prints_the_estimate_and_refuses_a_bad_path(tmp_path):
     result = run_cli("data", "pu-prior", str(tmp_path / "nowhere"))
     assert result.returncode != 0
-    assert "neither a config file, a cache directory" in result.stderr
+    assert "neither a config file, a recipe (" in result.stderr
     result = run_cli(
         "data", "pu-prior", "configs/movielens.toml",
         "--set", "data.movielens.pu_hide_fraction=0.5", "--set", "train.steps=3",

@@ -134,3 +134,16 @@ def test_libfm_one_hot_small_tables_print_the_context_recipe_and_it_trains(tmp_p
     saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
     assert saved["embedding"]["init_scale"] == 0.01 and saved["model"]["bottom_mlp"] == []
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] >= 1
+
+
+def test_commands_that_take_data_or_a_config_take_a_recipe_name_and_unset(tmp_path, monkeypatch):
+    from towerrec.cli.common import config_of
+
+    monkeypatch.chdir(tmp_path)  # no file named like the recipe here
+    quick = config_of(Path("quick"), ["!train.steps"])
+    assert quick.model == load_config("quick").model
+    assert quick.train.steps == load_config().train.steps  # put back to the default
+    with pytest.raises(FileNotFoundError, match=r"neither a config file, a recipe \(.*movielens"):
+        config_of(Path("no-such-recipe"), [])
+    for argv in (["data", "pu-prior"], ["data", "profile"], ["nas", "retrain"]):
+        assert "--unset" in towerrec(*argv, "--help").stdout

@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from towerrec.config import Config
 
-__all__ = ["UNSET_MARK", "add_config_args", "config_of", "unset_override"]
+__all__ = [
+    "UNSET_MARK",
+    "add_config_args",
+    "add_override_args",
+    "config_of",
+    "unset_override",
+]
 
 # The override form of `--unset KEY` (config/files.py: UNSET_PREFIX; a test keeps the two
 # equal; the parser is built without importing the library).
@@ -31,13 +37,21 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         "...: `towerrec config recipes`); repeat to layer them, each later one overriding the "
         "earlier ones (e.g. a data config, then a plan's tiers.toml)",
     )
+    add_override_args(parser)
+
+
+def add_override_args(
+    parser: argparse.ArgumentParser, example: str = "train.steps=200", what: str = "config value"
+) -> None:
+    """Repeatable ``--set SECTION.KEY=VALUE`` and ``--unset SECTION.KEY``, in order, into
+    ``overrides``."""
     parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override one config value, e.g. --set train.steps=200 (repeatable)",
+        help=f"override one {what}, e.g. --set {example} (repeatable)",
     )
     parser.add_argument(
         "--unset",
@@ -51,17 +65,22 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config_of(target: Path, overrides: list[str]) -> Config:
-    """The run config ``target`` names: a TOML config file, a cache directory (with a
-    manifest) or a MovieLens directory (with ratings.csv); then ``overrides``."""
+    """The run config ``target`` names: a TOML config file, a packaged recipe's name, a
+    cache directory (with a manifest) or a MovieLens directory (with ratings.csv); then
+    ``overrides``."""
     from towerrec.config import load_config
+    from towerrec.config.recipes import recipe_names
 
     if target.is_file():
         return load_config(target, overrides)
+    if not target.exists() and str(target) in recipe_names():
+        return load_config(str(target), overrides)
     if (target / "ratings.csv").is_file():
         return load_config(None, ["data.source=movielens", f"data.path={target}", *overrides])
     if (target / "manifest.json").is_file():
         return load_config(None, ["data.source=cache", f"data.path={target}", *overrides])
     raise FileNotFoundError(
-        f"{target} is neither a config file, a cache directory (with manifest.json, from "
-        "`towerrec data`) nor a MovieLens directory (with ratings.csv)"
+        f"{target} is neither a config file, a recipe ({', '.join(recipe_names())}), a cache "
+        "directory (with manifest.json, from `towerrec data`) nor a MovieLens directory (with "
+        "ratings.csv)"
     )

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from towerrec.cli.choices import NAS_SPACES
-from towerrec.cli.common import add_config_args
+from towerrec.cli.common import add_config_args, add_override_args
 
 __all__ = ["add_commands"]
 
@@ -73,13 +73,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         "retrain", help="train an architecture the search wrote (as towerrec train --config)"
     )
     retrain.add_argument("arch", type=Path, help="an arch-K.toml of a search directory")
-    retrain.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a setting (repeatable)",
-    )
+    add_override_args(retrain, what="setting")
     retrain.add_argument("--out", type=Path, help="run directory (default: runs/train-<time>)")
     retrain.set_defaults(func=_cmd_retrain)

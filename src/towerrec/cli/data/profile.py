@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from towerrec.cli.choices import PROFILE_MAX_IDS, PROFILE_NAME
-from towerrec.cli.common import config_of
+from towerrec.cli.common import add_override_args, config_of
 
 if TYPE_CHECKING:
     from towerrec.config import Config
@@ -109,14 +109,7 @@ def add_commands(data_sub: argparse._SubParsersAction) -> None:
         help="cache directory, MovieLens directory or config file (default: the default "
         "config's data source)",
     )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value, e.g. --set data.synthetic.zipf_alpha=0.8",
-    )
+    add_override_args(p, "data.synthetic.zipf_alpha=0.8")
     p.add_argument(
         "--batch-size", type=int, help="samples per batch (default: the config's train.batch_size)"
     )

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from towerrec.cli.choices import PU_FOLDS, PU_TOP_FRACTION
-from towerrec.cli.common import config_of
+from towerrec.cli.common import add_override_args, config_of
 
 __all__ = ["add_commands"]
 
@@ -37,14 +37,7 @@ def add_commands(data_sub: argparse._SubParsersAction) -> None:
         help="estimate the class prior of positive-unlabeled data (labels 0 = unlabelled)",
     )
     pu.add_argument("target", type=Path, metavar="DATA_OR_CONFIG")
-    pu.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value, e.g. --set train.steps=200 (repeatable)",
-    )
+    add_override_args(pu, "train.steps=200")
     pu.add_argument(
         "--folds", type=int, default=PU_FOLDS, help="cross-fitting folds over the training rows"
     )
