@@ -33,7 +33,8 @@ from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.train.step import autocast_dtype
 
 CPU = torch.device("cpu")
-SMALL = ["data.synthetic.eval_samples=1000"]
+# precision pinned: the kernel tests time nothing else (the precision tests set auto)
+SMALL = ["data.synthetic.eval_samples=1000", "train.precision=fp32"]
 
 
 def _config(*overrides: str):
@@ -103,7 +104,7 @@ def test_auto_backend_is_the_faster_kernel_and_is_measured_once(monkeypatch, mea
 @needs_fbgemm
 def test_a_forced_backend_wins_over_the_measurement(monkeypatch, measuring):
     timer = _fake_backends(monkeypatch, torch=1.0, fbgemm=9.0)
-    config = _config("embedding.backend=fbgemm")
+    config = _config("embedding.backend=fbgemm", "train.precision=fp32")  # nothing left to time
     resolved, _ = resolve_choices(config, _schema(config), CPU)
     assert resolved.embedding.backend is Backend.FBGEMM and timer.calls == 0
     assert not measuring.exists()
@@ -224,7 +225,7 @@ def test_a_resumed_run_keeps_its_recorded_choices():
         _config("embedding.backend=fbgemm", "train.precision=fp32"), recorded
     )
     assert forced.embedding.backend is Backend.FBGEMM and forced.train.precision == "fp32"
-    default = with_recorded_choices(_config(), recorded)  # train.precision's default is auto
+    default = with_recorded_choices(load_config(), recorded)  # the default precision: auto
     assert default.train.precision == "bf16"
 
 

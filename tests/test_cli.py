@@ -33,11 +33,13 @@ def test_train_quick_config_end_to_end(tmp_path):
         "config", "show", "--config", "configs/quick.toml", "--set", "train.progress=false"
     )
     assert shown.returncode == 0, shown.stderr
-    # what the run recorded: the shown config with its `auto` kernel resolved
+    # what the run recorded: the shown config with its `auto` kernel and precision resolved
     recorded = (out / "config.toml").read_text()
     chosen = tomllib.loads(recorded)["embedding"]["backend"]
-    assert chosen in ("torch", "fbgemm"), chosen
-    assert shown.stdout.replace('backend = "auto"', f'backend = "{chosen}"', 1) == recorded
+    precision = tomllib.loads(recorded)["train"]["precision"]
+    assert chosen in ("torch", "fbgemm") and precision in ("fp32", "bf16"), (chosen, precision)
+    resolved = shown.stdout.replace('backend = "auto"', f'backend = "{chosen}"', 1)
+    assert resolved.replace('precision = "auto"', f'precision = "{precision}"', 1) == recorded
 
 
 def test_config_show_resolves_files_and_overrides():

@@ -129,10 +129,13 @@ def test_run_directory_contents(tmp_path):
     for name in ("config.toml", "metrics.jsonl", "summary.json", "curves.png"):
         assert (tmp_path / name).is_file(), name
     recorded = config_from_dict(tomllib.loads((tmp_path / "config.toml").read_text()))
-    # config.toml holds the run's config with its `auto` kernel resolved (a resume keeps it)
+    # config.toml holds the run's config with its `auto` kernel and precision resolved (a
+    # resume keeps them)
     assert recorded.embedding.backend is not Backend.AUTO
+    assert recorded.train.precision in ("fp32", "bf16")
     chosen = dataclasses.replace(config.embedding, backend=recorded.embedding.backend)
-    assert recorded == dataclasses.replace(config, embedding=chosen)
+    precision = dataclasses.replace(config.train, precision=recorded.train.precision)
+    assert recorded == dataclasses.replace(config, embedding=chosen, train=precision)
     saved = json.loads((tmp_path / "summary.json").read_text())
     for key in (
         "auc",
