@@ -242,3 +242,20 @@ def test_bench_row_io_times_every_method_warm_and_cold_on_the_same_rows(tmp_path
         for stats in result["results"][pass_].values():
             assert stats["read_us_per_row"] > 0
     assert result["disk"]["sequential_read_mb_s"] > 0
+
+
+def test_bench_row_io_probes_the_disk_without_the_native_extension(tmp_path, monkeypatch):
+    from towerrec.cli.bench import BENCHMARKS
+
+    monkeypatch.setattr(row_io, "_native", None)  # as where no C compiler built it
+    parser = __import__("argparse").ArgumentParser()
+    BENCHMARKS["row-io"].add_arguments(parser)
+    argv = "--gib 0.02 --batch-size 64 --steps 2 --warmup 1 --dim 8 --min-rows 5000 --rounds 1"
+    args = parser.parse_args([*argv.split(), "--probe", "16", "--path", str(tmp_path / "files")])
+    result = BENCHMARKS["row-io"].run(args)
+    assert set(result["results"]["warm"]) == {"row", "python"}
+    assert result["disk"]["random_4k_reads_per_s_depth1"] > 0  # one Python read at a time
+    assert not any(
+        key.startswith("random_4k_reads_per_s_depth") and key != ("random_4k_reads_per_s_depth1")
+        for key in result["disk"]
+    )

@@ -198,8 +198,10 @@ def _probe(path: Path, stores: list[SsdStore], count: int) -> dict[str, float]:
         gen = torch.Generator().manual_seed(1)
         picks = torch.randperm(pages // 2, generator=gen)[: 2 * count] * 2  # never adjacent
         out: dict[str, float] = {"sequential_read_mb_s": round(seq, 1)}
-        methods = [("pread", "random_4k_reads_per_s_depth1")]
-        if "uring" in available_methods():
+        usable = available_methods()
+        # one read at a time: the native loop's pread where it is built, else Python's
+        methods = [("pread" if "pread" in usable else "python", "random_4k_reads_per_s_depth1")]
+        if "uring" in usable:
             methods.append(("uring", f"random_4k_reads_per_s_depth{RING_ENTRIES}"))
         for i, (method, key) in enumerate(methods):
             _drop([biggest])
@@ -207,7 +209,7 @@ def _probe(path: Path, stores: list[SsdStore], count: int) -> dict[str, float]:
             pages_out = torch.empty(count, 1024)
             io = RowIO(method)
             start = time.perf_counter()
-            if method == "pread":  # one read at a time: the disk's latency
+            if method != "uring":  # one read at a time: the disk's latency
                 for k in range(count):
                     io.read(fd, rows[k : k + 1], pages_out[k : k + 1], 0)
             else:
