@@ -108,3 +108,11 @@ def test_a_resumed_runs_saved_config_is_not_changed_by_the_models_defaults(tmp_p
     ran = load_config(None, ["model.name=dcn", "embedding.lr=0.3"])
     saved.write_text(config_to_toml(ran))
     assert load_config(None, [], base=saved) == ran
+
+
+def test_an_error_of_the_files_own_settings_is_not_blamed_on_a_models_table(tmp_path):
+    path = tmp_path / "own.toml"
+    path.write_text("[train]\nstepz = 3\n\n[for_model.dcn.embedding]\nlr = 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'") as raised:
+        load_config(path)
+    assert "for_model" not in str(raised.value)

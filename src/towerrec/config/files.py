@@ -239,15 +239,27 @@ def _take_for_model(data: dict[str, Any], file: str | Path, into: dict[str, Any]
 
 
 @functools.cache
-def _read_built_in_for_model() -> dict[str, Any]:
-    table = _read_toml(resolve_config_file("default")).get(FOR_MODEL, {})
-    return table if isinstance(table, dict) else {}
-
-
 def _built_in_for_model() -> dict[str, Any]:
     """The ``[for_model]`` tables of the packaged ``default`` recipe: each model's own
-    settings where a run names no config file (``--config default`` reads the same)."""
-    return copy.deepcopy(_read_built_in_for_model())
+    settings where a run names no config file (``--config default`` reads the same).
+    Cached: callers merge copies of it."""
+    per_model: dict[str, Any] = {}
+    _take_for_model(_read_toml(resolve_config_file("default")), "built-in defaults", per_model)
+    return per_model
+
+
+def _check_for_model(data: dict[str, Any], per_model: dict[str, Any]) -> None:
+    """Every model's settings must hold for that model (whichever model runs); an error the
+    files' own settings already have is theirs, raised as it is."""
+    for name, table in per_model.items():
+        trial = copy.deepcopy(data)
+        _merge(trial, copy.deepcopy(table))
+        trial.setdefault("model", {})["name"] = name
+        try:
+            config_from_dict(trial)
+        except (ConfigError, ValueError) as e:
+            config_from_dict(data)  # the files' own error, if it is theirs
+            raise ConfigError(f"[{FOR_MODEL}.{name}]: {e}") from None
 
 
 def _model_name(data: dict[str, Any]) -> str:
@@ -269,26 +281,17 @@ def load_config(
     the packaged ``default`` recipe), then ``section.key=value`` overrides and
     ``!section.key`` unsets (back to the default), in order."""
     data: dict[str, Any] = {}
-    per_model: dict[str, Any] = {}
     files = [resolve_config_file(f) for f in _config_files(path)]
-    if base is None and not files:  # the built-in defaults: their models' own settings too
-        _take_for_model({FOR_MODEL: _built_in_for_model()}, "built-in defaults", per_model)
+    # with no file, the built-in defaults: their models' own settings too
+    per_model = copy.deepcopy(_built_in_for_model()) if base is None and not files else {}
     for file in [*([] if base is None else [base]), *files]:
         table = _read_toml(file)
         _take_for_model(table, file, per_model)
         _merge(data, table)
     if per_model:
-        for name, table in per_model.items():  # every model's settings must hold for it
-            trial: dict[str, Any] = {}
-            _merge(trial, copy.deepcopy(data))
-            _merge(trial, copy.deepcopy(table))
-            trial.setdefault("model", {})["name"] = name
-            try:
-                config_from_dict(trial)
-            except (ConfigError, ValueError) as e:
-                raise ConfigError(f"[{FOR_MODEL}.{name}]: {e}") from None
+        _check_for_model(data, per_model)
         chosen = _model_name(_apply_overrides(copy.deepcopy(data), overrides))
-        _merge(data, copy.deepcopy(per_model.get(chosen, {})))
+        _merge(data, per_model.get(chosen, {}))
     return config_from_dict(_apply_overrides(data, overrides))
 
 
