@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from towerrec.build.models import build_model
 from towerrec.config import ConfigError, config_from_dict, config_to_toml, load_config
+from towerrec.data.synthetic import SyntheticSource
 from towerrec.models.dlrm import DLRM
 from towerrec.models.dmt import DMT, DMTConfig, LowRankFM, TowerKind, TowerModule
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
@@ -143,6 +145,39 @@ def test_compressing_towers_shrink_the_top():
     assert small.compression_ratio == 2.5
 
 
+def test_tower_outputs_by_tower_size():
+    """Default: one vector per 4 of a tower's features, rounded up; a count overrides it."""
+    assert DMTConfig().outputs_per_tower([5, 4]) == [2, 1]
+    assert DMTConfig().outputs_per_tower([1, 8, 9]) == [1, 2, 3]
+    assert DMTConfig(features_per_output=2).outputs_per_tower([5, 4]) == [3, 2]
+    assert DMTConfig(tower_outputs=1).outputs_per_tower([5, 4]) == [1, 1]
+
+
+def test_towers_with_their_own_output_counts():
+    torch.manual_seed(0)
+    model = DMT(make_ebc(), 3, [8, 4], [6, 1], PARTITION, tower="dot", tower_outputs=[2, 1])
+    dense, sparse, _ = make_batch()
+    x = model.bottom(dense)
+    outputs = [t(e, x) for t, e in zip(model.towers, model.tower_inputs(model.sparse(sparse)))]
+    assert [tuple(o.shape) for o in outputs] == [(6, 2, 4), (6, 1, 4)]
+    # x and 3 vectors: 6 dots; x and 3 flattened outputs
+    assert model.top[0].in_features == 4 + 3 * 4 + 6
+    assert model.compression_ratio == 5 / 3
+    torch.testing.assert_close(model(dense, sparse), model.interact(x, outputs))
+    with pytest.raises(ValueError, match="lists 3 counts for 2 towers"):
+        DMT(make_ebc(), 3, [8, 4], [6, 1], PARTITION, tower_outputs=[1, 1, 1])
+
+
+def test_built_dmt_sends_the_configured_outputs():
+    groups = "[['cat_0', 'cat_1', 'cat_2', 'cat_3', 'cat_4'], ['cat_5', 'cat_6', 'cat_7', 'cat_8']]"
+    sets = ["model.name=dmt", f"model.dmt.partition={groups}"]
+    for extra, counts in (([], [2, 1]), (["model.dmt.tower_outputs=1"], [1, 1])):
+        config = load_config(None, [*sets, *extra])
+        schema = SyntheticSource(config.data.synthetic).schema
+        model = build_model(config, schema, torch.device("cpu"))
+        assert [t.num_outputs for t in model.towers] == counts
+
+
 @pytest.mark.parametrize(
     "partition, match",
     [
@@ -177,8 +212,10 @@ def test_dmt_config_validation_and_toml():
         load_config(None, ["model.dmt.partition=best"])
     with pytest.raises(ConfigError, match=r"model\.dmt\.tower = 'mlp' is not one of"):
         load_config(None, ["model.dmt.tower=mlp"])
-    with pytest.raises(ValueError, match="tower_outputs must be >= 1"):
-        DMTConfig(tower_outputs=0)
+    with pytest.raises(ValueError, match="tower_outputs must be >= 0"):
+        DMTConfig(tower_outputs=-1)
+    with pytest.raises(ValueError, match="features_per_output must be >= 1"):
+        DMTConfig(features_per_output=0)
     with pytest.raises(ValueError, match="must be >= 0 with a sum <= 1"):
         DMTConfig(memory_weight=0.5, count_weight=0.7)
 

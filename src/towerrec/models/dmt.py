@@ -23,7 +23,9 @@ its output. Kinds:
   model is a DLRM whose features are listed in tower order; ``from_dlrm``
   copies a DLRM's weights so that both compute the same function.
 - ``dot``: the tower's pairwise dots, concatenated with its flattened
-  embeddings, projected by an MLP to ``K_t = tower_outputs`` vectors of dim D.
+  embeddings, projected by an MLP to ``K_t`` vectors of dim D: ``tower_outputs``
+  per tower, or by default (``DMTConfig.tower_outputs = 0``) one per
+  ``features_per_output`` (4) of the tower's features, rounded up.
 - ``fm``: as ``dot`` with a low-rank factorization machine instead of all
   dots: ``E_t (E_t^T Y)`` for a learned ``Y [T_t, r]``, ``[B, T_t, r]``.
 
@@ -37,6 +39,7 @@ tower transform splits it at ``tower_inputs`` / ``towers[t]`` / ``interact``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -89,12 +92,21 @@ class DMTConfig:
     clusters of the features' embeddings learned by the same pilot run; ``random``;
     ``cost``: balance the towers' cost only; ``contiguous``: features in order)
     or an explicit list of feature-name groups, one per tower.
+
+    A compressing tower of ``T_t`` features sends ``tower_outputs`` vectors of dim D,
+    or with ``tower_outputs = 0`` (the default) ``ceil(T_t / features_per_output)``:
+    one vector per 4 features, the compression the paper's shapes use. One vector for
+    a whole host's features is too few: on the synthetic data (each feature a 4-dim
+    teacher embedding) 9 features in towers of 5 and 4 with one vector each train to
+    0.007 AUC below flat DLRM at 300 steps; 2 and 1 vectors match it
+    (docs/benchmarks.md, ``bench dmt``).
     """
 
     num_towers: int = 2
     partition: str | tuple[tuple[str, ...], ...] = "auto"
     tower: TowerKind = TowerKind.DOT
-    tower_outputs: int = 1  # vectors of dim model.embedding_dim per compressing tower
+    tower_outputs: int = 0  # vectors of dim model.embedding_dim per compressing tower; 0: by size
+    features_per_output: int = 4  # tower_outputs = 0: a tower of T features sends ceil(T / this)
     tower_mlp: tuple[int, ...] = ()  # hidden widths of the projection (empty: one linear)
     fm_rank: int = 4
     tower_dense: bool = False  # give each tower the bottom output x as one more vector
@@ -124,7 +136,8 @@ class DMTConfig:
                     f"{self.num_towers}; give one group of features per tower"
                 )
             object.__setattr__(self, "partition", groups)
-        at_least("model.dmt.tower_outputs", self.tower_outputs, 1)
+        at_least("model.dmt.tower_outputs", self.tower_outputs, 0)
+        at_least("model.dmt.features_per_output", self.features_per_output, 1)
         at_least("model.dmt.fm_rank", self.fm_rank, 1)
         if any(w < 1 for w in self.tower_mlp):
             raise ValueError(f"model.dmt.tower_mlp widths must be >= 1, got {list(self.tower_mlp)}")
@@ -135,6 +148,12 @@ class DMTConfig:
                 f"({self.count_weight}) must be >= 0 with a sum <= 1"
             )
         at_least("model.dmt.balance_tolerance", self.balance_tolerance, 0)
+
+    def outputs_per_tower(self, tower_sizes: Sequence[int]) -> list[int]:
+        """Vectors each compressing tower sends, for towers of ``tower_sizes`` features."""
+        if self.tower_outputs:
+            return [self.tower_outputs] * len(tower_sizes)
+        return [math.ceil(size / self.features_per_output) for size in tower_sizes]
 
 
 def check_partition(groups: Sequence[Sequence[str]], features: Sequence[str]) -> None:
@@ -250,6 +269,8 @@ class DMT(SparseArchModel):
     ``partition`` lists the feature names of each tower (every feature of
     ``sparse`` exactly once). ``sparse`` maps a ``KeyedJaggedTensor`` to a
     ``KeyedTensor`` (the ``EmbeddingBagCollection`` or a sharded twin).
+    ``tower_outputs``: the vectors every compressing tower sends, or a count per tower
+    (``DMTConfig.outputs_per_tower``).
     """
 
     tower_order: torch.Tensor
@@ -263,7 +284,7 @@ class DMT(SparseArchModel):
         partition: Sequence[Sequence[str]],
         *,
         tower: TowerKind | str = TowerKind.DOT,
-        tower_outputs: int = 1,
+        tower_outputs: int | Sequence[int] = 1,
         tower_mlp: Sequence[int] = (),
         fm_rank: int = 4,
         tower_dense: bool = False,
@@ -297,19 +318,28 @@ class DMT(SparseArchModel):
         order = [index[name] for group in self.partition for name in group]
         self.register_buffer("tower_order", torch.tensor(order), persistent=False)
         self.tower_sizes = [len(group) for group in self.partition]
+        if isinstance(tower_outputs, int):
+            outputs = [tower_outputs] * len(self.tower_sizes)
+        elif len(tower_outputs) == len(self.tower_sizes):
+            outputs = list(tower_outputs)
+        else:
+            raise ValueError(
+                f"tower_outputs lists {len(tower_outputs)} counts for {len(self.tower_sizes)} "
+                "towers; give one count per tower, or one int for all"
+            )
         self.towers = nn.ModuleList(
             TowerModule(
                 size,
                 dim,
                 tower,
-                outputs=tower_outputs,
+                outputs=k,
                 hidden=tower_mlp,
                 fm_rank=fm_rank,
                 use_dense=tower_dense,
                 dropout=dropout,
                 batch_norm=batch_norm,
             )
-            for size in self.tower_sizes
+            for size, k in zip(self.tower_sizes, outputs, strict=True)
         )
         self.num_tower_vectors = sum(
             t.num_outputs for t in cast("Iterable[TowerModule]", self.towers)
