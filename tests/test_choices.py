@@ -189,7 +189,7 @@ def _candidates():
 
 @pytest.mark.parametrize(
     ("seconds", "expected"),
-    [({"fp32": 2.0, "bf16": 1.0}, "bf16"), ({"fp32": 1.1, "bf16": 1.0}, "fp32")],
+    [({"fp32": 2.0, "bf16": 1.0}, "bf16"), ({"fp32": 1.04, "bf16": 1.0}, "fp32")],
 )
 def test_auto_precision_is_bf16_only_when_clearly_faster(monkeypatch, measuring, seconds, expected):
     monkeypatch.setattr(choices, "bf16_units", lambda device: "avx512_bf16")
@@ -200,6 +200,25 @@ def test_auto_precision_is_bf16_only_when_clearly_faster(monkeypatch, measuring,
     assert autocast_dtype(resolved.train.precision) == (
         torch.bfloat16 if expected == "bf16" else None
     )
+
+
+@pytest.mark.parametrize(
+    ("timed_s", "rounds"),
+    [(0.3, 5), (0.75, 8), (5.0, 11)],  # the minimum; until timed_s; the budget (1 s) stops it
+)
+def test_precision_timing_runs_rounds_until_its_timed_seconds(one_thread, timed_s, rounds):
+    ticks = iter(range(1000))
+
+    def now() -> float:  # 0.1 s a reading: the start, then one per round
+        return 0.1 * next(ticks)
+
+    config = _config("train.precision=auto", "embedding.backend=torch")
+    stats = TimingStats()
+    best = choices.time_precisions(
+        config, _schema(config), CPU, 8, warmup=1, stats=stats, timed_s=timed_s, now=now
+    )
+    assert [len(stats.steps[p]) for p in ("fp32", "bf16")] == [rounds, rounds]
+    assert best["fp32"] == min(stats.steps["fp32"]) and best["bf16"] == min(stats.steps["bf16"])
 
 
 def test_auto_precision_is_fp32_without_bf16_units(monkeypatch, measuring):

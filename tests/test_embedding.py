@@ -240,6 +240,23 @@ def test_ids_outside_the_table_are_refused_on_every_backend(backend):
         torch.testing.assert_close(mapped(negative).values()[0, 4:], w["b"][row])
 
 
+def test_each_feature_is_checked_against_its_own_table():
+    """The check takes each feature's largest id: an id that fits the larger table but not
+    its own is refused, one at the last row passes, and a feature without ids is skipped."""
+    tables = [TableConfig("a", 10, 4), TableConfig("b", 5, 4), TableConfig("c", 3, 4)]
+    ebc = EmbeddingBagCollection(tables, backend="torch")
+    lengths = torch.tensor([1, 1, 0, 0, 1, 1])  # feature b has no ids
+    fits = KeyedJaggedTensor(["a", "b", "c"], torch.tensor([9, 0, 2, 1]), lengths)
+    assert ebc(fits).values().shape == (2, 12)
+    for values, match in (
+        ([9, 0, 3, 1], r"id 3 of feature 'c' \(sample 0\) is out of range for its table of 3"),
+        ([10, 0, 2, 1], r"id 10 of feature 'a' \(sample 0\)"),
+    ):
+        batch = KeyedJaggedTensor(["a", "b", "c"], torch.tensor(values), lengths, validate=False)
+        with pytest.raises(ValueError, match=match):
+            ebc(batch)
+
+
 @pytest.mark.parametrize("backend", ["torch", pytest.param("fbgemm", marks=needs_fbgemm)])
 def test_per_id_weights_with_mean_pooling_are_refused_on_every_backend(backend):
     ebc = EmbeddingBagCollection(TABLES, backend=backend)
