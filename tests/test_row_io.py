@@ -168,16 +168,27 @@ def test_a_read_waits_only_for_the_writes_in_flight_of_its_rows(store):
     assert torch.equal(got[0], torch.cat([expected(torch.tensor([3])), records[1:]]))
 
 
-def test_cached_ssd_stores_write_behind_unless_told_not_to(tmp_path):
+@pytest.mark.parametrize(
+    ("setting", "cpus", "want"),
+    [
+        ("on", 1, True),
+        ("off", 8, False),
+        (True, 1, True),
+        (False, 8, False),
+        ("auto", 3, True),
+        ("auto", 2, False),
+    ],
+)
+def test_cached_ssd_stores_write_behind_as_told_or_where_a_core_is_spare(
+    tmp_path, monkeypatch, one_thread, setting, cpus, want
+):
     from towerrec.modules.cached import build_store
     from towerrec.modules.tiers import TierConfig
 
-    on = TierConfig("cached", backing="ssd", backing_path=str(tmp_path / "on"))
-    off = TierConfig(
-        "cached", backing="ssd", backing_path=str(tmp_path / "off"), write_behind=False
-    )
-    assert build_store(LAYOUT, on).writes_behind
-    assert not build_store(LAYOUT, off).writes_behind
+    torch.set_num_threads(2)  # (one_thread restores the count)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    tier = TierConfig("cached", backing="ssd", backing_path=str(tmp_path), write_behind=setting)
+    assert build_store(LAYOUT, tier).writes_behind is want
 
 
 def _compiler() -> str | None:
