@@ -75,9 +75,10 @@ def test_reads_return_each_rows_record(store, method, rows):
     assert torch.equal(store.read(rows), expected(rows))
 
 
+@pytest.mark.parametrize("uring_writes", [False, True])  # uring's writes: the loop or its own
 @pytest.mark.parametrize("method", METHODS)
-def test_writes_land_where_single_rows_would(store, method):
-    store.io = RowIO(method, max_run_rows=16)
+def test_writes_land_where_single_rows_would(store, method, uring_writes):
+    store.io = RowIO(method, max_run_rows=16, uring_writes=uring_writes)
     gen = torch.Generator().manual_seed(1)
     scattered = torch.randperm(LAYOUT.num_embeddings, generator=gen)[:700]  # > ring entries
     rows = torch.cat([scattered, torch.arange(2960, 3000)]).unique()  # with a long last run

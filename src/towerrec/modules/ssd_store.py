@@ -24,8 +24,8 @@ walks every block of a folio on each later write into it, so a write-back of one
 row into the file cost 5-12 us instead of 1.4 us (measured on ext4, kernel 6.18;
 ``docs/benchmarks.md``). ``read`` and ``write`` move a batch's records with
 ``pread`` / ``pwrite`` or io_uring (``row_io.py``: sorted rows coalesced into runs of
-adjacent rows, one transfer a run, the GIL released for the whole batch), which map
-nothing: a fault through the mapping would map the large folio around the row (about
+adjacent rows, one transfer a run, the GIL released for the whole batch; io_uring reads,
+its writes go through the native loop), which map nothing: a fault through the mapping would map the large folio around the row (about
 512 KiB a row was measured with transparent huge pages), only for a drop to unmap it
 again. The read descriptor is advised ``POSIX_FADV_RANDOM`` (no read-ahead from disk
 around a missed row). The mapping serves the full-table views of ``records``
@@ -236,7 +236,7 @@ class SsdStore(BackingStore):
         width = self.layout.record_width
         block = max(1, INIT_CHUNK_BYTES // (4 * width * INIT_BLOCK_ROWS)) * INIT_BLOCK_ROWS
         chunk = torch.zeros(min(block, rows) * width + PAGE_FLOATS)  # room for the last page
-        pages = RowIO(self.io.method, max_run_rows=1)  # one page a transfer (module doc)
+        pages = RowIO(self.io.method, max_run_rows=1)  # one page a call (module doc)
         fd = os.open(self.path, os.O_WRONLY)
         try:
             for lo in range(0, rows, block):
