@@ -69,7 +69,6 @@ from towerrec.modules.table_state import (
     other_entries,
     save_table_weights,
     table_key,
-    table_states,
 )
 from towerrec.modules.tables import TableConfig, fill_table_block
 from towerrec.modules.tier_store import BackingStore, HostStore, RowLayout, StoreError
@@ -246,10 +245,10 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         return {name: cache.stats for name, cache in self.caches.items()}
 
     def _slot_weight(self, table: str) -> torch.Tensor:
-        return self._inner.table_weights()[table]
+        return self._inner.table_views(table)[0]  # (one table's slices: cheap)
 
     def _slot_states(self, table: str) -> dict[str, torch.Tensor]:
-        return table_states(self._inner.optimizer_state_dict(), table)
+        return self._inner.table_views(table)[1]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
