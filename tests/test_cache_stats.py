@@ -159,6 +159,7 @@ def test_run_summary_counts_equal_an_lru_over_the_lookups(tmp_path, monkeypatch,
             "embedding.cache_min_rows=100",
             "embedding.backing=ssd",
             f"embedding.backing_path={tmp_path / 'store'}",
+            "embedding.prefetch=on",  # (auto: on or off by this machine's cores)
         ],
     )
     with caplog.at_level("INFO", logger="towerrec"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_fbgemm
 
 from towerrec.bench.tiers_data import zipf_ids
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
@@ -80,3 +81,31 @@ def test_bench_tiers_runs_tables_from_files_without_a_reference(tmp_path):
         stats = result["results"][variant]
         assert stats["samples_per_s"] > 0 and stats["train_peak_rss_fraction"] > 0
     assert not any((tmp_path / "files").iterdir())  # every variant's files deleted
+
+
+@pytest.mark.parametrize(
+    ("backend", "optimizer"),
+    [
+        ("torch", "rowwise_adagrad"),
+        ("torch", "adam"),  # a state of the table's width, and a step
+        pytest.param("fbgemm", "rowwise_adagrad", marks=needs_fbgemm),
+    ],
+)
+def test_one_tables_views_are_those_of_every_tables(backend, optimizer):
+    from towerrec.optim.sparse import EmbeddingOptimizerConfig
+
+    tables = [TableConfig("a", 300, 8), TableConfig("b", 50, 8), TableConfig("c", 20, 4)]
+    ebc = EmbeddingBagCollection(
+        tables, EmbeddingOptimizerConfig(kind=optimizer), backend=backend, seed=1
+    )
+    weights, state = ebc.table_weights(), ebc.optimizer_state_dict()
+    for table in tables:
+        weight, states = ebc.table_views(table.name)
+        assert torch.equal(weight, weights[table.name])
+        assert weight.data_ptr() == weights[table.name].data_ptr()  # a view: writes reach it
+        prefix = f"embedding_bags.{table.name}."
+        assert set(states) == {k[len(prefix) :] for k in state if k.startswith(prefix)}
+        for name, value in states.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(state[prefix + name]))
+    with pytest.raises(KeyError, match="'z'"):
+        ebc.table_views("z")

@@ -3,7 +3,7 @@ read starts once the lookup before its batch is done, so in a pipelined run ever
 comes from the read-ahead and no row is read twice; a pipeline left with a batch read
 ahead but never looked up (the end of an epoch) does not stop the next one reading
 ahead; training equals the tables in memory bit for bit throughout, with the SSD
-stores writing behind (the default) and without."""
+stores writing behind and without."""
 
 from __future__ import annotations
 

@@ -75,9 +75,10 @@ def test_reads_return_each_rows_record(store, method, rows):
     assert torch.equal(store.read(rows), expected(rows))
 
 
+@pytest.mark.parametrize("uring_writes", [False, True])  # uring's writes: the loop or its own
 @pytest.mark.parametrize("method", METHODS)
-def test_writes_land_where_single_rows_would(store, method):
-    store.io = RowIO(method, max_run_rows=16)
+def test_writes_land_where_single_rows_would(store, method, uring_writes):
+    store.io = RowIO(method, max_run_rows=16, uring_writes=uring_writes)
     gen = torch.Generator().manual_seed(1)
     scattered = torch.randperm(LAYOUT.num_embeddings, generator=gen)[:700]  # > ring entries
     rows = torch.cat([scattered, torch.arange(2960, 3000)]).unique()  # with a long last run
@@ -168,16 +169,27 @@ def test_a_read_waits_only_for_the_writes_in_flight_of_its_rows(store):
     assert torch.equal(got[0], torch.cat([expected(torch.tensor([3])), records[1:]]))
 
 
-def test_cached_ssd_stores_write_behind_unless_told_not_to(tmp_path):
+@pytest.mark.parametrize(
+    ("setting", "cpus", "want"),
+    [
+        ("on", 1, True),
+        ("off", 8, False),
+        (True, 1, True),
+        (False, 8, False),
+        ("auto", 3, True),
+        ("auto", 2, False),
+    ],
+)
+def test_cached_ssd_stores_write_behind_as_told_or_where_a_core_is_spare(
+    tmp_path, monkeypatch, one_thread, setting, cpus, want
+):
     from towerrec.modules.cached import build_store
     from towerrec.modules.tiers import TierConfig
 
-    on = TierConfig("cached", backing="ssd", backing_path=str(tmp_path / "on"))
-    off = TierConfig(
-        "cached", backing="ssd", backing_path=str(tmp_path / "off"), write_behind=False
-    )
-    assert build_store(LAYOUT, on).writes_behind
-    assert not build_store(LAYOUT, off).writes_behind
+    torch.set_num_threads(2)  # (one_thread restores the count)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    tier = TierConfig("cached", backing="ssd", backing_path=str(tmp_path), write_behind=setting)
+    assert build_store(LAYOUT, tier).writes_behind is want
 
 
 def _compiler() -> str | None:

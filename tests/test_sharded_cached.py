@@ -9,6 +9,7 @@ background, and the run still equals the in-memory one bit for bit.
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -238,6 +239,35 @@ def test_trainer_reads_sharded_rows_ahead_as_configured(tmp_path, prefetch):
     assert _prefetches_rows(config, torch.nn.Sequential(cached)) is prefetch
     assert cached.prefetch_rows is prefetch
     assert not _prefetches_rows(config, _sharded(topology, ShardingType.ROW_WISE, None))
+
+
+@pytest.mark.parametrize(
+    ("cpus", "others", "want"), [(3, True, True), (2, True, False), (3, False, False)]
+)
+def test_auto_reads_rows_ahead_where_every_rank_has_a_spare_core(
+    tmp_path, monkeypatch, one_thread, caplog, cpus, others, want
+):
+    """``embedding.prefetch = auto`` (the default) reads ahead where this process's cores
+    exceed its torch threads (2 here) and every other rank's do too (``others``), logged."""
+    torch.set_num_threads(2)  # (one_thread restores the count)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    config = load_config(None, [])
+    assert config.embedding.prefetch == "auto"
+    cached = _sharded(Topology(world_size=1, hosts=1, rank=0), ShardingType.ROW_WISE, tmp_path)
+    asked = []
+
+    def all_agree(flag: bool) -> bool:
+        asked.append(flag)
+        return flag and others
+
+    with caplog.at_level("INFO", logger="towerrec"):
+        assert _prefetches_rows(config, torch.nn.Sequential(cached), all_agree) is want
+    assert cached.prefetch_rows is want
+    assert asked == [cpus > 2]
+    said = "on" if cpus > 2 else "off"
+    assert f"embedding.prefetch = auto: {said} ({cpus} cores for this process, 2 torch" in (
+        caplog.text
+    )
 
 
 def _resume(topology, tmp_path):

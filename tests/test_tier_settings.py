@@ -15,7 +15,14 @@ from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.compact_config import CompactConfig, TableStorageConfig
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.tables import TableConfig
-from towerrec.modules.tiers import Memory, TablePlacement, TableTiers, TierConfig
+from towerrec.modules.tiers import (
+    Background,
+    Memory,
+    TablePlacement,
+    TableTiers,
+    TierConfig,
+    background_on,
+)
 
 
 def test_the_config_keys_of_a_tier_are_the_fields_of_tier_config():
@@ -101,3 +108,53 @@ def test_build_model_places_tables_as_the_config_says():
     assert set(placements) == {f.name for f in schema.sparse}
     for feature in schema.sparse:
         assert placements[feature.name].cache_rows == (feature.num_embeddings + 1) // 2
+
+
+def test_background_threads_take_auto_on_off_or_a_bool_and_refuse_other_values():
+    config = load_config(
+        None,
+        [
+            "embedding.write_behind=false",
+            "embedding.prefetch=on",
+            "embedding.tables.cat_1.write_behind=true",
+            "embedding.tables.cat_2.write_behind=auto",
+        ],
+    )
+    tiers = config.embedding.tiers()
+    assert config.embedding.prefetch is Background.ON
+    assert tiers.of("cat_0").write_behind is Background.OFF
+    assert tiers.of("cat_1").write_behind is Background.ON
+    assert tiers.of("cat_2").write_behind is Background.AUTO
+    assert EmbeddingConfig().write_behind is EmbeddingConfig().prefetch is Background.AUTO
+    with pytest.raises(ValueError, match=r"embedding\.prefetch.*'sometimes'.*auto"):
+        load_config(None, ["embedding.prefetch=sometimes"])
+
+
+@pytest.mark.parametrize(
+    ("setting", "cpus", "threads", "want"),
+    [
+        ("auto", 2, 2, False),  # every core has a torch thread: no spare one
+        ("auto", 3, 2, True),
+        ("auto", 16, 1, True),
+        ("auto", 1, 1, False),
+        ("on", 1, 4, True),  # forced on or off wins
+        ("off", 64, 1, False),
+        (True, 1, 1, True),
+        (False, 64, 1, False),
+    ],
+)
+def test_a_background_thread_runs_where_a_core_is_spare_unless_forced(
+    caplog, setting, cpus, threads, want
+):
+    with caplog.at_level("INFO", logger="towerrec"):
+        got = background_on(setting, "embedding.write_behind", cpus=cpus, torch_threads=threads)
+    assert got is want
+    logged = [r.getMessage() for r in caplog.records if "embedding.write_behind" in r.getMessage()]
+    if setting == "auto":
+        said = "on" if want else "off"
+        assert logged and logged[0].startswith(
+            f"embedding.write_behind = auto: {said} ({cpus} cores for this process, "
+            f"{threads} torch threads"
+        )
+    else:
+        assert not logged  # a forced setting decides nothing

@@ -43,17 +43,21 @@ def mapped_kib(path: Path) -> int:
     return total
 
 
-def test_chunked_init_writes_the_rows_of_the_in_memory_init(tmp_path, monkeypatch):
-    monkeypatch.setattr(tier_store, "INIT_CHUNK_BYTES", 1)  # one init block per write
+@pytest.mark.parametrize("io", available_methods())
+def test_chunked_init_writes_the_rows_of_the_in_memory_init(tmp_path, monkeypatch, io):
+    # 3 chunks of whole init blocks, written a page a call; the last page is partial
+    monkeypatch.setattr(tier_store, "INIT_CHUNK_BYTES", 1)  # one init block per chunk
     host = HostStore(LAYOUT)
     host.initialize(fill)
-    ssd = SsdStore(LAYOUT, tmp_path / "t.tstore")
+    ssd = SsdStore(LAYOUT, tmp_path / "t.tstore", io=io)
     ssd.records[:] = 7.0  # a run's leftovers: initialize overwrites every row
     ssd.flush()
     ssd.initialize(fill)
     assert torch.equal(ssd.records, host.records)
     assert np.array_equal(file_rows(ssd.path), host.records.numpy())
     assert host.records[:, 8].eq(0).all() and host.records[:, :8].ne(0).any()
+    assert ssd.path.stat().st_size == HEADER_BYTES + LAYOUT.num_embeddings * 9 * 4  # cut back
+    assert (LAYOUT.num_embeddings * 9) % 1024  # (the last page is partial)
 
 
 @pytest.mark.parametrize("io", available_methods())

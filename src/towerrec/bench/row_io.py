@@ -255,7 +255,7 @@ def run_row_io_benchmark(args: argparse.Namespace) -> dict:
             for _ in range(args.rounds):
                 for method in methods:
                     for store in stores:
-                        store.io = RowIO(method if method != "row" else "python")
+                        store.io = RowIO(method if method != "row" else "python", uring_writes=True)
                     if mode == "cold":
                         _drop(stores)
                     got = _pass(method, stores, steps)

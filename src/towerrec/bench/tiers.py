@@ -11,11 +11,17 @@ variant in turn:
 - ``ssd``: the same over row files under ``--path`` (read and written in batches by
   ``row_io`` in the output); with ``--cold`` the files' pages are dropped from the page
   cache first (``posix_fadvise``), so misses read the disk until the page cache warms;
+- ``host``, ``ssd`` and ``kv`` run the defaults: the background read ahead of the next
+  batch's rows and the SSD store's write-behind where the process has a core beyond its
+  torch threads (``embedding.prefetch``, ``embedding.write_behind`` = ``auto``; the JSON's
+  ``background`` says what each variant ran);
 - ``host-sync``, ``ssd-sync``: ``host``, ``ssd`` without the background prefetch of the
   next batch's rows (``ssd-sync`` also writes its evictions back within the step: every
   transfer of the store in the step);
-- ``ssd-write-through``: ``ssd`` with its evictions written back within the step
-  (``embedding.write_behind = false``), the write-behind's share beside ``ssd``;
+- ``ssd-threads``: ``ssd`` with both background threads on, whatever the cores;
+- ``ssd-write-through``: ``ssd`` with the read ahead on and its evictions written back
+  within the step (``embedding.write_behind = off``), the write-behind's share beside
+  ``ssd-threads``;
 - ``kv``: the same caches (each table's slots as ``host``'s) over LMDB stores of rows
   keyed by id under ``--path``, each row made from its id on first touch; nothing is
   written up front, so the store holds only the rows written back (``kv_rows_stored``,
@@ -103,14 +109,25 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, fused_embeddi
 from towerrec.modules.interfaces import CachingCollection
 from towerrec.modules.row_io import available_methods
 from towerrec.modules.ssd_store import SsdStore
+from towerrec.modules.tiers import Background, background_on
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.pipeline import pipelined
 from towerrec.train.step import train_step
 
 __all__ = ["BENCHMARK", "criteo_rows", "run_tiers_benchmark"]
 
-VARIANTS = ("device", "host", "ssd", "host-sync", "ssd-sync", "ssd-write-through", "kv", "mmap")
-SHARDED_VARIANTS = ("device", "host", "ssd", "host-sync", "ssd-sync", "ssd-write-through")
+# The background threads of each cached variant: (embedding.prefetch, embedding.write_behind).
+BACKGROUND = {
+    "host": (Background.AUTO, Background.AUTO),
+    "ssd": (Background.AUTO, Background.AUTO),
+    "kv": (Background.AUTO, Background.AUTO),
+    "host-sync": (Background.OFF, Background.OFF),
+    "ssd-sync": (Background.OFF, Background.OFF),
+    "ssd-threads": (Background.ON, Background.ON),
+    "ssd-write-through": (Background.ON, Background.OFF),
+}
+VARIANTS = ("device", *BACKGROUND, "mmap")
+SHARDED_VARIANTS = tuple(v for v in VARIANTS if v not in ("kv", "mmap"))
 
 
 def _overrides(args: argparse.Namespace, rows: list[int], variant: str, path: Path) -> list[str]:
@@ -136,7 +153,8 @@ def _overrides(args: argparse.Namespace, rows: list[int], variant: str, path: Pa
         f"embedding.backing={backing}",
         f"embedding.backing_path={path}",
         f"embedding.cache_maps={args.cache_maps}",
-        f"embedding.write_behind={str(variant not in ('ssd-sync', 'ssd-write-through')).lower()}",
+        f"embedding.prefetch={BACKGROUND[variant][0].value}",
+        f"embedding.write_behind={BACKGROUND[variant][1].value}",
     ]
     if variant == "kv":  # each table's slots as cache_fraction gives the others
         slots = {
@@ -182,7 +200,9 @@ def _run_variant(
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    reads_ahead = variant in ("host", "ssd", "ssd-write-through", "kv")
+    reads_ahead = variant in BACKGROUND and background_on(
+        config.embedding.prefetch, "embedding.prefetch"
+    )
     if variant == "mmap":
         model = build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)
         mmap_tables(model, path)
@@ -225,6 +245,7 @@ def _run_variant(
     peak = peak_rss_mb()
     out = {
         "samples_per_s": round(args.batch_size / statistics.median(times), 1),
+        "background": _background(model, reads_ahead),
         "samples_per_s_mean": round(args.batch_size / statistics.mean(times), 1),
         "step_s": times,
         "build_s": round(build_s, 2),
@@ -272,6 +293,23 @@ def _run_variant(
             ),
         )
     return out
+
+
+def _background(model: torch.nn.Module, reads_ahead: bool) -> dict[str, bool]:
+    """The background threads a variant ran: the read ahead, the SSD stores' write-behind."""
+    stores = [
+        cache.store
+        for _, module in fused_embedding_modules(model)
+        for module in [
+            module.cached_shards if isinstance(module, ShardedEmbeddingBagCollection) else module
+        ]
+        if isinstance(module, CachedEmbeddingBagCollection)
+        for cache in module.caches.values()
+    ]
+    return {
+        "read_ahead": reads_ahead,
+        "write_behind": any(s.writes_behind for s in stores),
+    }
 
 
 def _rank_part(batch: Batch, rank: int, world: int) -> Batch:
@@ -451,13 +489,15 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
         for name, r in results.items()
         if ref and name != "device"
     }
+    if "ssd-threads" in results and "ssd-write-through" in results:  # the write-behind's share
+        through = results["ssd-write-through"]["samples_per_s"]
+        ratios["ssd-threads/ssd-write-through"] = round(
+            results["ssd-threads"]["samples_per_s"] / through, 3
+        )
     for name in ("host", "ssd"):  # the background read ahead against none
         if name in results and f"{name}-sync" in results:
             sync = results[f"{name}-sync"]["samples_per_s"]
             ratios[f"{name}/{name}-sync"] = round(results[name]["samples_per_s"] / sync, 3)
-    if "ssd" in results and "ssd-write-through" in results:  # the write-behind against none
-        through = results["ssd-write-through"]["samples_per_s"]
-        ratios["ssd/ssd-write-through"] = round(results["ssd"]["samples_per_s"] / through, 3)
     link = measure_link(device)
     ratios.update(link_bounds(args, results, link))
     row_bytes = 4 * (args.dim + 1)

@@ -21,7 +21,16 @@ from towerrec.modules.tables import (
     check_init_scale,
     resolve_init,
 )
-from towerrec.modules.tiers import Backing, CacheMaps, CachePolicy, Memory, TableTiers, TierConfig
+from towerrec.modules.tiers import (
+    Background,
+    Backing,
+    CacheMaps,
+    CachePolicy,
+    Memory,
+    TableTiers,
+    TierConfig,
+    parse_background,
+)
 from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig, WeightDecayMode
 from towerrec.utils import at_least, positive
 
@@ -74,16 +83,22 @@ class EmbeddingConfig:
     # host) | host | device (beside the slot tables: only missed and evicted rows cross)
     cache_maps: CacheMaps = CacheMaps.AUTO
     # cached over ssd: an eviction's write-back lands in a thread of the store's own while the
-    # step goes on (a read waits for it first); false: written within the lookup
-    write_behind: bool = True
-    prefetch: bool = True  # cached: read the next batch's misses while this step computes
-    # (sharded runs: under the pipelined input_dist, which this turns on)
+    # step goes on (a read waits for it first); off (or false): written within the lookup;
+    # auto: on when the process has a core beyond its torch threads (logged); on (or true)
+    write_behind: Background | bool = Background.AUTO
+    # cached: read the next batch's misses in a background thread while this step computes
+    # (sharded runs: under the pipelined input_dist, which this turns on); auto | on | off as
+    # write_behind (auto: on where every rank has a core beyond its torch threads)
+    prefetch: Background | bool = Background.AUTO
     # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*, dim, memory,
     # cache_*, backing*, init, init_scale; unset: the above.
     tables: dict[str, TableStorageConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         positive("embedding.lr", self.lr)
+        for key in ("write_behind", "prefetch"):
+            value = parse_background(getattr(self, key), f"embedding.{key}")
+            object.__setattr__(self, key, value)
         positive("embedding.eps", self.eps)
         object.__setattr__(self, "init", canonical_init(self.init, "embedding.init"))
         check_init_scale(self.init_scale, "embedding.init_scale")

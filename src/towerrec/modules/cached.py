@@ -69,11 +69,16 @@ from towerrec.modules.table_state import (
     other_entries,
     save_table_weights,
     table_key,
-    table_states,
 )
 from towerrec.modules.tables import TableConfig, fill_table_block
 from towerrec.modules.tier_store import BackingStore, HostStore, RowLayout, StoreError
-from towerrec.modules.tiers import Backing, TablePlacement, TableTiers, TierConfig
+from towerrec.modules.tiers import (
+    Backing,
+    TablePlacement,
+    TableTiers,
+    TierConfig,
+    background_on,
+)
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum
@@ -240,10 +245,10 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         return {name: cache.stats for name, cache in self.caches.items()}
 
     def _slot_weight(self, table: str) -> torch.Tensor:
-        return self._inner.table_weights()[table]
+        return self._inner.table_views(table)[0]  # (one table's slices: cheap)
 
     def _slot_states(self, table: str) -> dict[str, torch.Tensor]:
-        return table_states(self._inner.optimizer_state_dict(), table)
+        return self._inner.table_views(table)[1]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -538,7 +543,8 @@ def build_store(
     """The backing store ``tier`` asks for (one file per table: ``<path>/<name>.tstore``,
     ``name`` defaulting to the table's; a shard's store names its shard). A kv store
     needs ``table`` and ``seed``: it initialises rows from them on first touch. An SSD
-    store writes behind (``SsdStore.write_behind``) unless ``tier.write_behind`` is off."""
+    store writes behind (``SsdStore.write_behind``) as ``tier.write_behind`` says
+    (``auto``: where the process has a core beyond its torch threads, ``background_on``)."""
     if tier.backing is Backing.HOST:
         return HostStore(layout)
     if tier.backing is Backing.KV:
@@ -548,7 +554,7 @@ def build_store(
             layout, Path(tier.backing_path) / f"{name or layout.table}{KV_SUFFIX}", table, seed
         )
     store = SsdStore(layout, Path(tier.backing_path) / f"{name or layout.table}{SUFFIX}")
-    if tier.write_behind:
+    if background_on(tier.write_behind, "embedding.write_behind"):
         store.write_behind()
     return store
 

@@ -16,7 +16,15 @@ from enum import StrEnum
 
 from towerrec.modules.compositional import PartitionScheme
 from towerrec.modules.tables import TableConfig, canonical_init, check_init_scale
-from towerrec.modules.tiers import Backing, CacheMaps, CachePolicy, Memory, TierConfig
+from towerrec.modules.tiers import (
+    Background,
+    Backing,
+    CacheMaps,
+    CachePolicy,
+    Memory,
+    TierConfig,
+    parse_background,
+)
 from towerrec.utils import above, at_least, parse_enum
 
 __all__ = ["Combine", "CompactConfig", "EmbeddingKind", "TableStorageConfig"]
@@ -59,7 +67,7 @@ class TableStorageConfig:
     backing_path: str | None = None
     cache_slots: int | None = None
     cache_maps: CacheMaps | None = None
-    write_behind: bool | None = None
+    write_behind: Background | bool | None = None
     # How the table's rows start (``modules/tables.py``, ``INIT_RULES``): any kind.
     init: str | None = None
     init_scale: float | None = None
@@ -88,6 +96,10 @@ class TableStorageConfig:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, parse_enum(cls, value, name))
+        if self.write_behind is not None:
+            object.__setattr__(
+                self, "write_behind", parse_background(self.write_behind, "write_behind")
+            )
         if self.cache_fraction is not None and not (
             math.isfinite(self.cache_fraction) and self.cache_fraction > 0
         ):

@@ -276,6 +276,17 @@ class EmbeddingBagCollection(FusedEmbeddingCollection):
         self._require_tables()
         return {t.name: w for t, w in self._table_weights()}
 
+    def table_views(self, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Table ``name``'s weight ``[rows, dim]`` and optimizer states by canonical name
+        (the views ``table_weights`` and ``optimizer_state_dict`` hold), split from its
+        own kernel only: a cached table's lookup asks for them each time."""
+        self._require_tables()
+        for group, kernel in zip(self._groups, self._kernels):
+            for i, table in enumerate(group):
+                if table.name == name:
+                    return kernel.table_views(i)
+        raise KeyError(f"no table {name!r} in this collection")
+
     def dense_table_weights(self) -> dict[str, torch.Tensor]:
         """``table_weights``: every table here is a dense array (a cached collection's kv
         tables are not)."""

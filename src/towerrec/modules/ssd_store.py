@@ -16,12 +16,16 @@ or optimizer, or a damaged header, is refused rather than read as rows. A store 
 (re)filled by ``initialize`` (a new run) or a checkpoint load, so a file's rows are
 never trusted across runs; the check guards against two runs sharing a path.
 
-Memory: the SSD store's rows are never all in the process. ``initialize`` writes the
-file with ``pwrite`` in chunks of ``INIT_CHUNK_BYTES`` (the kernel's page cache takes
-them, not the process's mapping); ``read`` and ``write`` move a batch's records with
+Memory: the SSD store's rows are never all in the process. ``initialize`` fills the
+rows in chunks of ``INIT_CHUNK_BYTES`` and writes them one 4 KiB page a call (the
+kernel's page cache takes them, not the process's mapping). One page a call keeps the
+page cache's folios small: a large write makes large folios (up to 2 MiB), and ext4
+walks every block of a folio on each later write into it, so a write-back of one 260-byte
+row into the file cost 5-12 us instead of 1.4 us (measured on ext4, kernel 6.18;
+``docs/benchmarks.md``). ``read`` and ``write`` move a batch's records with
 ``pread`` / ``pwrite`` or io_uring (``row_io.py``: sorted rows coalesced into runs of
-adjacent rows, one transfer a run, the GIL released for the whole batch), which map
-nothing: a fault through the mapping would map the large folio around the row (about
+adjacent rows, one transfer a run, the GIL released for the whole batch; io_uring reads,
+its writes go through the native loop), which map nothing: a fault through the mapping would map the large folio around the row (about
 512 KiB a row was measured with transparent huge pages), only for a drop to unmap it
 again. The read descriptor is advised ``POSIX_FADV_RANDOM`` (no read-ahead from disk
 around a missed row). The mapping serves the full-table views of ``records``
@@ -65,7 +69,9 @@ MAGIC = b"TWRSTORE"
 VERSION = 1
 HEADER_BYTES = 4096
 SUFFIX = ".tstore"
-INIT_CHUNK_BYTES = 64 << 20  # initialize's write size (whole init blocks of rows)
+INIT_CHUNK_BYTES = 64 << 20  # initialize's fill size (whole init blocks of rows)
+PAGE_BYTES = 4096  # initialize writes the rows one page a call (module doc)
+PAGE_FLOATS = PAGE_BYTES // 4
 
 
 class SsdStore(BackingStore):
@@ -229,18 +235,24 @@ class SsdStore(BackingStore):
         rows, dim = self.layout.num_embeddings, self.layout.embedding_dim
         width = self.layout.record_width
         block = max(1, INIT_CHUNK_BYTES // (4 * width * INIT_BLOCK_ROWS)) * INIT_BLOCK_ROWS
-        chunk = torch.zeros(min(block, rows), width)
+        chunk = torch.zeros(min(block, rows) * width + PAGE_FLOATS)  # room for the last page
+        pages = RowIO(self.io.method, max_run_rows=1)  # one page a call (module doc)
         fd = os.open(self.path, os.O_WRONLY)
         try:
             for lo in range(0, rows, block):
                 hi = min(rows, lo + block)
-                part = chunk[: hi - lo]
-                part.zero_()
+                part = chunk[: (hi - lo) * width].view(hi - lo, width)
+                chunk.zero_()
                 fill_weights(part[:, :dim], lo, hi)
-                data = part.numpy().data.cast("B")
-                offset, done = HEADER_BYTES + lo * width * 4, 0
-                while done < len(data):
-                    done += os.pwrite(fd, data[done:], offset + done)
+                # a chunk starts at a page (``block`` is whole init blocks); the last one's
+                # tail page is padded with zeros past the file's end, which it is cut back to
+                count = -(-(hi - lo) * width // PAGE_FLOATS)
+                first = (HEADER_BYTES + lo * width * 4) // PAGE_BYTES
+                data = chunk[: count * PAGE_FLOATS].view(count, PAGE_FLOATS)
+                short = pages.write(fd, torch.arange(first, first + count), data, 0)
+                if short >= 0:
+                    raise StoreError(f"backing store {self.path}: a page of rows was not written")
+            os.ftruncate(fd, HEADER_BYTES + rows * width * 4)
         finally:
             os.close(fd)
 

@@ -31,16 +31,21 @@ Settings, as the run config writes them::
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import torch
+
 from towerrec.modules.tables import TableConfig
 from towerrec.utils import at_least, parse_enum
 
 __all__ = [
+    "Background",
     "Backing",
     "CacheMaps",
     "CachePolicy",
@@ -48,7 +53,11 @@ __all__ = [
     "TablePlacement",
     "TableTiers",
     "TierConfig",
+    "background_on",
+    "parse_background",
 ]
+
+log = logging.getLogger("towerrec")
 
 
 class Memory(StrEnum):
@@ -79,6 +88,52 @@ class Backing(StrEnum):
     KV = "kv"  # an LMDB store under backing_path keyed by row id; rows made on first touch
 
 
+class Background(StrEnum):
+    """Whether a cache's background thread runs (the read ahead, the write-behind)."""
+
+    AUTO = "auto"  # on when this process has cores beyond its torch threads (``background_on``)
+    ON = "on"
+    OFF = "off"
+
+
+def parse_background(value: bool | str | Background, key: str) -> Background:
+    """A background setting as the config gives it: ``true`` / ``false`` or a
+    ``Background`` name."""
+    if isinstance(value, bool):
+        return Background.ON if value else Background.OFF
+    return parse_enum(Background, value, key)
+
+
+def background_on(
+    setting: bool | Background,
+    what: str,
+    *,
+    cpus: int | None = None,
+    torch_threads: int | None = None,
+) -> bool:
+    """Whether the background thread ``what`` runs: ``on`` / ``off`` as set; ``auto`` when
+    the cores this process may run on (``cpus``: ``os.sched_getaffinity``) exceed its torch
+    threads (``torch_threads``: ``torch.get_num_threads``), decided now and logged. A
+    background thread on cores the step's torch threads fill takes its time from the step:
+    with the rows in the page cache, 2 cores and 2 torch threads, the read ahead and
+    write-behind made an SSD-backed step slower, not faster (docs/benchmarks.md)."""
+    choice = parse_background(setting, what)
+    if choice is not Background.AUTO:
+        return choice is Background.ON
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    torch_threads = torch.get_num_threads() if torch_threads is None else torch_threads
+    on = cpus > torch_threads
+    log.info(
+        "%s = auto: %s (%d cores for this process, %d torch threads%s)",
+        what,
+        "on" if on else "off",
+        cpus,
+        torch_threads,
+        "" if on else "; no spare core for a background thread",
+    )
+    return on
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """Where one table's rows live (module doc); validated on construction. The fields
@@ -93,9 +148,13 @@ class TierConfig:
     cache_min_rows: int = 0  # cached: only tables with more rows are cached
     cache_slots: int = 0  # cached: the cache's rows (0: cache_fraction); kv needs it
     cache_maps: CacheMaps = CacheMaps.AUTO  # cached: where the id -> slot maps live
-    write_behind: bool = True  # cached over ssd: evicted rows land in a thread of the store's
+    # cached over ssd: evicted rows land in a thread of the store's: auto | on | off (or a bool)
+    write_behind: Background | bool = Background.AUTO
 
     def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "write_behind", parse_background(self.write_behind, "embedding.write_behind")
+        )
         object.__setattr__(self, "memory", parse_enum(Memory, self.memory, "embedding.memory"))
         object.__setattr__(
             self, "cache_maps", parse_enum(CacheMaps, self.cache_maps, "embedding.cache_maps")

@@ -90,6 +90,15 @@ class RunContext:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def all_agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (one all-reduce MIN of a 0/1 flag), for a
+        choice each rank makes from its own machine that the ranks must share."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
+
     def local_batch(self, global_batch: int, what: str = "train.batch_size") -> int:
         if global_batch % self.world_size:
             raise ValueError(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -27,6 +27,7 @@ from towerrec.data.batch import Batch
 from towerrec.data.source import DataSource
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.modules.interfaces import CachingCollection
+from towerrec.modules.tiers import Background, background_on
 from towerrec.train.hooks import Checkpointing, EarlyStop, Hooks, TrainLog
 from towerrec.train.loss import BCE, TrainObjective
 from towerrec.train.metrics import EvalMetrics
@@ -223,7 +224,7 @@ def train_batches(session: Session, start: int) -> Iterator[Batch]:
     s, ctx = session, session.ctx
     local_batch = ctx.local_batch(s.config.train.batch_size)
     batches = _batches(s.source, local_batch, start, s.device, ctx.rank, ctx.world_size)
-    reads_rows_ahead = _prefetches_rows(s.config, s.model)
+    reads_rows_ahead = _prefetches_rows(s.config, s.model, ctx.all_agree)
     if s.config.distributed.pipeline:
         if s.config.optimizer.draws_samples:
             raise ValueError(
@@ -249,15 +250,22 @@ def _batches(
         yield batch.to(device, non_blocking=True)
 
 
-def _prefetches_rows(config: Config, model: nn.Module) -> bool:
-    """Whether cached tables read each next batch's missing rows ahead (``embedding.prefetch``).
+def _prefetches_rows(
+    config: Config, model: nn.Module, all_agree: Callable[[bool], bool] = bool
+) -> bool:
+    """Whether cached tables read each next batch's missing rows ahead (``embedding.prefetch``;
+    ``auto``: when this process has a core beyond its torch threads, on every rank:
+    ``all_agree``, ``modules/tiers.background_on``).
 
     Sharded cached tables read ahead under the pipelined input_dist (it gives a rank the
     next batch's ids of its shards), so this turns the pipeline on for them too; each
     caching collection is told whether to read ahead (``CachingCollection``). Decided on
     every rank alike (on the tables cached on any rank), as the pipeline's collectives
     need."""
-    on = config.embedding.prefetch and not config.optimizer.draws_samples
+    setting = config.embedding.prefetch
+    on = not config.optimizer.draws_samples and setting is not Background.OFF
+    if on and setting is Background.AUTO:
+        on = all_agree(background_on(setting, "embedding.prefetch"))
     found = False
     for _, module in fused_embedding_modules(model):
         if isinstance(module, CachingCollection):

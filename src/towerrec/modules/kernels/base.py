@@ -120,6 +120,11 @@ class EmbeddingKernel(nn.Module):
         """Per-table views of the optimizer state, by canonical name (``momentum1``)."""
         raise NotImplementedError
 
+    def table_views(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Table ``index``'s entries of ``split_weights`` and ``split_optimizer_states``
+        (a kernel that can slice one table alone overrides this)."""
+        return self.split_weights()[index], self.split_optimizer_states()[index]
+
     def set_learning_rate(self, lr: float) -> None:
         raise NotImplementedError
 

@@ -122,6 +122,11 @@ class TorchKernel(EmbeddingKernel):
             ]
         )
 
+    def table_views(self, index: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        a, b = self.row_offsets[index], self.row_offsets[index + 1]
+        states = self._with_step([{name: s[a:b] for name, s in self.state.items()}])[0]
+        return self.weight[a:b], states
+
     def set_learning_rate(self, lr: float) -> None:
         self.lr = lr
 
