@@ -158,3 +158,17 @@ def test_a_background_thread_runs_where_a_core_is_spare_unless_forced(
         )
     else:
         assert not logged  # a forced setting decides nothing
+
+
+@pytest.mark.parametrize("setting", ["auto", "off"])
+def test_background_threads_run_where_the_step_computes_on_an_accelerator(caplog, setting):
+    """On a GPU the step's torch threads leave the host's cores free: auto turns the thread
+    on even where the cores are no more than the torch threads; a forced off still wins."""
+    with caplog.at_level("INFO", logger="towerrec"):
+        got = background_on(setting, "embedding.prefetch", device="cuda", cpus=2, torch_threads=2)
+    assert got is (setting == "auto")
+    assert (
+        background_on(setting, "embedding.prefetch", device="cpu", cpus=2, torch_threads=2) is False
+    )
+    if setting == "auto":
+        assert "embedding.prefetch = auto: on (the step computes on cuda)" in caplog.text

@@ -201,7 +201,7 @@ def _run_variant(
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     reads_ahead = variant in BACKGROUND and background_on(
-        config.embedding.prefetch, "embedding.prefetch"
+        config.embedding.prefetch, "embedding.prefetch", device=device
     )
     if variant == "mmap":
         model = build_model(config, schema, torch.device("cpu"), materialize_embeddings=False)

@@ -84,11 +84,11 @@ class EmbeddingConfig:
     cache_maps: CacheMaps = CacheMaps.AUTO
     # cached over ssd: an eviction's write-back lands in a thread of the store's own while the
     # step goes on (a read waits for it first); off (or false): written within the lookup;
-    # auto: on when the process has a core beyond its torch threads (logged); on (or true)
+    # auto: on on a GPU, or when the process has a core beyond its torch threads (logged); on
     write_behind: Background | bool = Background.AUTO
     # cached: read the next batch's misses in a background thread while this step computes
     # (sharded runs: under the pipelined input_dist, which this turns on); auto | on | off as
-    # write_behind (auto: on where every rank has a core beyond its torch threads)
+    # write_behind (auto: on a GPU, or where every rank has a core beyond its torch threads)
     prefetch: Background | bool = Background.AUTO
     # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*, dim, memory,
     # cache_*, backing*, init, init_scale; unset: the above.

@@ -183,6 +183,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
                     store_name,
                     table=table if block is None else block.table,
                     seed=seed,
+                    device=self._inner.device,
                 ),
                 weight=partial(self._slot_weight, table.name),
                 states=partial(self._slot_states, table.name),
@@ -539,12 +540,14 @@ def build_store(
     name: str | None = None,
     table: TableConfig | None = None,
     seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> BackingStore:
     """The backing store ``tier`` asks for (one file per table: ``<path>/<name>.tstore``,
     ``name`` defaulting to the table's; a shard's store names its shard). A kv store
     needs ``table`` and ``seed``: it initialises rows from them on first touch. An SSD
     store writes behind (``SsdStore.write_behind``) as ``tier.write_behind`` says
-    (``auto``: where the process has a core beyond its torch threads, ``background_on``)."""
+    (``auto``: where the step runs on ``device``, an accelerator, or the process has a core
+    beyond its torch threads: ``background_on``)."""
     if tier.backing is Backing.HOST:
         return HostStore(layout)
     if tier.backing is Backing.KV:
@@ -554,7 +557,7 @@ def build_store(
             layout, Path(tier.backing_path) / f"{name or layout.table}{KV_SUFFIX}", table, seed
         )
     store = SsdStore(layout, Path(tier.backing_path) / f"{name or layout.table}{SUFFIX}")
-    if background_on(tier.write_behind, "embedding.write_behind"):
+    if background_on(tier.write_behind, "embedding.write_behind", device=device):
         store.write_behind()
     return store
 

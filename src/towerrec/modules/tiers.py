@@ -108,18 +108,25 @@ def background_on(
     setting: bool | Background,
     what: str,
     *,
+    device: torch.device | str = "cpu",
     cpus: int | None = None,
     torch_threads: int | None = None,
 ) -> bool:
-    """Whether the background thread ``what`` runs: ``on`` / ``off`` as set; ``auto`` when
-    the cores this process may run on (``cpus``: ``os.sched_getaffinity``) exceed its torch
-    threads (``torch_threads``: ``torch.get_num_threads``), decided now and logged. A
-    background thread on cores the step's torch threads fill takes its time from the step:
-    with the rows in the page cache, 2 cores and 2 torch threads, the read ahead and
-    write-behind made an SSD-backed step slower, not faster (docs/benchmarks.md)."""
+    """Whether the background thread ``what`` runs: ``on`` / ``off`` as set; ``auto``, decided
+    now and logged: on where the step computes on an accelerator (``device``: its torch
+    threads leave the host's cores free), else when the cores this process may run on
+    (``cpus``: ``os.sched_getaffinity``) exceed its torch threads (``torch_threads``:
+    ``torch.get_num_threads``). A background thread on cores the step's torch threads fill
+    takes its time from the step: with the rows in the page cache, 2 cores and 2 torch
+    threads, the read ahead and write-behind made an SSD-backed step slower, not faster
+    (docs/benchmarks.md)."""
     choice = parse_background(setting, what)
     if choice is not Background.AUTO:
         return choice is Background.ON
+    kind = torch.device(device).type
+    if kind != "cpu":
+        log.info("%s = auto: on (the step computes on %s)", what, kind)
+        return True
     cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
     torch_threads = torch.get_num_threads() if torch_threads is None else torch_threads
     on = cpus > torch_threads

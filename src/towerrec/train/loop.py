@@ -224,7 +224,7 @@ def train_batches(session: Session, start: int) -> Iterator[Batch]:
     s, ctx = session, session.ctx
     local_batch = ctx.local_batch(s.config.train.batch_size)
     batches = _batches(s.source, local_batch, start, s.device, ctx.rank, ctx.world_size)
-    reads_rows_ahead = _prefetches_rows(s.config, s.model, ctx.all_agree)
+    reads_rows_ahead = _prefetches_rows(s.config, s.model, ctx.all_agree, s.device)
     if s.config.distributed.pipeline:
         if s.config.optimizer.draws_samples:
             raise ValueError(
@@ -251,11 +251,14 @@ def _batches(
 
 
 def _prefetches_rows(
-    config: Config, model: nn.Module, all_agree: Callable[[bool], bool] = bool
+    config: Config,
+    model: nn.Module,
+    all_agree: Callable[[bool], bool] = bool,
+    device: torch.device | str = "cpu",
 ) -> bool:
     """Whether cached tables read each next batch's missing rows ahead (``embedding.prefetch``;
-    ``auto``: when this process has a core beyond its torch threads, on every rank:
-    ``all_agree``, ``modules/tiers.background_on``).
+    ``auto``: when the step runs on an accelerator or this process has a core beyond its
+    torch threads, on every rank: ``all_agree``, ``modules/tiers.background_on``).
 
     Sharded cached tables read ahead under the pipelined input_dist (it gives a rank the
     next batch's ids of its shards), so this turns the pipeline on for them too; each
@@ -265,7 +268,7 @@ def _prefetches_rows(
     setting = config.embedding.prefetch
     on = not config.optimizer.draws_samples and setting is not Background.OFF
     if on and setting is Background.AUTO:
-        on = all_agree(background_on(setting, "embedding.prefetch"))
+        on = all_agree(background_on(setting, "embedding.prefetch", device=device))
     found = False
     for _, module in fused_embedding_modules(model):
         if isinstance(module, CachingCollection):
