@@ -159,6 +159,7 @@ def test_dmt_variants_need_the_tower_transform(monkeypatch):
 def test_every_variant_trains_the_same_shape():
     shape = bench_overrides(steps=7, batch_size=64, embedding_dim=32, threads=1)
     assert "model.embedding_dim=32" in shape and "model.bottom_mlp=[64, 32]" in shape
+    assert "train.precision=fp32" in shape  # never each layout's own timed choice
     for layout, overrides in VARIANTS.values():
         keys = {item.split("=")[0] for item in overrides}
         assert not keys & {item.split("=")[0] for item in shape}, layout
@@ -217,8 +218,12 @@ def test_a_run_is_read_from_its_summary_and_log(tmp_path):
         "04:31:25 INFO towerrec: tower partition [['cat_0', 'cat_2'], ['cat_1']]: 80.0% of ...\n"
     )
     (out / "summary.json").write_text(json.dumps(fake_summary(10.0, 0.8, 5.0)))
+    (out / "config.toml").write_text(
+        '[embedding]\nbackend = "fbgemm"\n\n[train]\nprecision = "fp32"\n'
+    )
     run = dmt_runs.read_summary(out, log, [0, 0])
     assert run["partition"] == "[['cat_0', 'cat_2'], ['cat_1']]" and run["auc"] == 0.8
+    assert run["precision"] == "fp32" and run["backend"] == "fbgemm"
     # a failed host: the error line of the log, never the stale summary's numbers
     log.write_text("Traceback ...\nerror: model.dmt.num_towers = 3 but 2 hosts\n")
     failed = dmt_runs.read_summary(out, log, [0, 1])

@@ -87,9 +87,12 @@ def bench_overrides(
 ) -> tuple[str, ...]:
     """The shape every variant trains: the synthetic default data (9 features), evaluation
     only at the end, a train record every ``warmup`` steps (the first one, warm-up, is left
-    out of samples/s)."""
+    out of samples/s), fp32: ``train.precision = "auto"`` times each variant's own dense
+    part and could give the layouts different precisions (each run's resolved precision
+    and kernel are in its row, ``precision`` and ``backend``)."""
     return (
         f"train.steps={steps}",
+        "train.precision=fp32",
         f"train.batch_size={batch_size}",
         f"train.threads={threads}",
         "train.eval_every=0",

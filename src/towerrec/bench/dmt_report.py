@@ -123,7 +123,15 @@ def _row(
     if calls:  # one rank's collective calls per training step (embedding and dense)
         row["collective_calls_per_step"] = calls
         row["collective_calls_per_step_total"] = sum(calls.values())
-    for key in ("partition", "train_s", "steps", "batch_size", "samples_per_s_all_steps"):
+    for key in (
+        "partition",
+        "train_s",
+        "steps",
+        "batch_size",
+        "samples_per_s_all_steps",
+        "precision",
+        "backend",
+    ):
         if key in last:
             row[key] = last[key]
     batch = last.get("batch_size")

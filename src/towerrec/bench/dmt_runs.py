@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -202,4 +203,9 @@ def read_summary(out: Path, log: Path, codes: list[int]) -> dict:
     found = re.search(r"tower partition (\[\[.*?\]\])", log.read_text(errors="replace"))
     if found:
         summary["partition"] = found.group(1)
+    resolved = out / "config.toml"  # what the run's auto settings became
+    if resolved.exists():
+        config = tomllib.loads(resolved.read_text())
+        summary["precision"] = config.get("train", {}).get("precision")
+        summary["backend"] = config.get("embedding", {}).get("backend")
     return summary
