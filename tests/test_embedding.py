@@ -269,3 +269,95 @@ def test_per_id_weights_with_mean_pooling_are_refused_on_every_backend(backend):
         ebc(weighted)
     sum_tables = [*TABLES[:2], TableConfig("c", 30, 4)]
     EmbeddingBagCollection(sum_tables, backend=backend)(weighted)  # sum pooling: weighted
+
+
+def _dense_path_run(monkeypatch, rows_per_id, weighted, native=True):
+    """Six steps of two small tables (ids of 40 samples, up to 4 per bag) with the dense
+    update allowed up to ``rows_per_id`` rows per id (its row gradients from the native
+    extension or PyTorch); the collection and the number of dense updates."""
+    from towerrec.modules.kernels import base, torch_kernel
+    from towerrec.optim import sparse
+
+    monkeypatch.setattr(sparse, "DENSE_ROWS_PER_ID", rows_per_id)
+    if not native:
+        monkeypatch.setattr(base, "fused", None)
+    calls = []
+    real = torch_kernel.dense_rowwise_update
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_kernel, "dense_rowwise_update", counted)
+    pooling = "sum" if weighted else "mean"  # per-id weights need sum pooling
+    tables = [TableConfig("a", 50, 8), TableConfig("c", 30, 8, pooling=pooling)]
+    ebc = EmbeddingBagCollection(tables, EmbeddingOptimizerConfig(lr=0.1), backend="torch")
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        lengths = torch.randint(0, 5, (2 * 40,), generator=gen)
+        values = torch.randint(0, 30, (int(lengths.sum()),), generator=gen)
+        weights = torch.rand(values.shape, generator=gen) if weighted else None
+        out = ebc(KeyedJaggedTensor(["a", "c"], values, lengths, weights)).values()
+        out.backward(torch.randn(out.shape, generator=gen))
+    monkeypatch.undo()
+    return ebc, len(calls)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_small_tables_take_the_dense_update_with_the_same_result_bit_for_bit(
+    monkeypatch, weighted, native
+):
+    """Row-wise Adagrad over every row of a small table (no dedup) against the update of
+    the touched rows alone: the same weights and statistics, bit for bit, with the row
+    gradients from the native extension (where built) and from PyTorch."""
+    from towerrec.modules.native import fused
+
+    if native and fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    dense, dense_calls = _dense_path_run(monkeypatch, 1.0, weighted, native)
+    sparse, sparse_calls = _dense_path_run(monkeypatch, 0.0, weighted)
+    assert dense_calls > 0 and sparse_calls == 0
+    for name, w in dense.table_weights().items():
+        assert torch.equal(w, sparse.table_weights()[name]), name
+    theirs = sparse.optimizer_state_dict()
+    for key, state in dense.optimizer_state_dict().items():
+        assert torch.equal(state, theirs[key]), key
+    assert any(s.abs().sum() > 0 for s in theirs.values())  # the statistics did move
+
+
+def test_dense_update_applies_only_where_it_matches():
+    from towerrec.optim.sparse import dense_update_applies
+
+    rowwise = EmbeddingOptimizerConfig()
+    assert dense_update_applies(rowwise, rows=100, ids=100)
+    assert not dense_update_applies(rowwise, rows=101, ids=100)
+    assert not dense_update_applies(EmbeddingOptimizerConfig(kind="adagrad"), 10, 100)
+    assert not dense_update_applies(EmbeddingOptimizerConfig(weight_decay=0.01), 10, 100)
+    l2 = EmbeddingOptimizerConfig(weight_decay=0.01, weight_decay_mode="l2")
+    assert not dense_update_applies(l2, 10, 100)
+    assert not dense_update_applies(EmbeddingOptimizerConfig(eps=1e-40), 10, 100)
+
+
+def test_native_row_gradients_refuse_bad_offsets_and_ids():
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    ids = torch.tensor([0, 2, 1])
+    grad = torch.ones(2, 4)
+    out = torch.zeros(3, 4)
+
+    def call(ids, offsets, rows=3):
+        fused.bag_grad(
+            ids.numpy(), offsets.numpy(), grad.numpy(), None, False, out.numpy(), 2, 4, rows
+        )
+
+    call(ids, torch.tensor([0, 1, 3]))
+    assert out.sum(1).tolist() == [4.0, 4.0, 4.0]
+    with pytest.raises(ValueError, match="from 0 to the number of ids"):
+        call(ids, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="decrease"):
+        call(ids, torch.tensor([0, 4, 3]))
+    with pytest.raises(ValueError, match="outside"):
+        call(torch.tensor([0, 3, 1]), torch.tensor([0, 1, 3]))

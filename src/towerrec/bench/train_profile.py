@@ -7,7 +7,7 @@
     loss              BCE on the logits        zero_grad     the dense gradients dropped
     embedding_bwd     the lookup's backward with the fused row-wise Adagrad update
     mlp_bwd           the linear layers' and ReLUs' backward (matmuls, bias sums)
-    interaction_bwd   the dots' backward (one bmm)
+    interaction_bwd   the dots' backward (one bmm, or the fused CPU call)
     copies_bwd        backward of concatenation, stacking, padding, casts
     loss_bwd          BCE's backward           grad_accumulate  gradients stored
     backward_other    the autograd engine around them

@@ -6,16 +6,53 @@
                                                       (one gather, row-major pairs)
     backward: grad [B, P] ──► S [B, F, F]: S[i,j] = S[j,i] = grad of pair (i,j)
               (one gather) ──► grad X = S X (one bmm, instead of two and a sum)
+
+On the CPU, where the native extension ``_fused`` is built (``_fused.c``; ``pip install``
+builds it where a C compiler is found) and D is a multiple of 16, both directions are
+one fused call instead: the pairs' dot products straight into ``[B, P]`` and grad X
+straight from grad, computed in float32 whatever the autocast dtype (the dots are
+handed on in the autocast dtype, as the bmm's are), its threads the torch
+intra-op threads where the batch is large enough to pay for them. A batched matmul of
+[F, D] matrices this small runs far below the machine's peak on the CPU, and the gather
+and scatter of the triangle cost as much again. Elsewhere (GPUs, float64, other dims,
+no compiler, and under ``torch.export``, ``torch.compile`` and tracing, so that an
+exported model holds only torch operators) the batched matmuls above serve.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-__all__ = ["DotInteraction"]
+from towerrec.modules.native import fused
+
+__all__ = ["DotInteraction", "native_dots_available"]
+
+_native: ModuleType | None = fused  # None where not built: the batched matmuls serve
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def native_dots_available() -> bool:
+    """Whether the fused CPU interaction (``_fused.c``) is built in this install."""
+    return _native is not None
+
+
+def _native_applies(x: torch.Tensor) -> bool:
+    lanes = 16 if _native is None else int(_native.LANES)
+    return (
+        _native is not None
+        and type(x) is torch.Tensor  # not a fake or traced tensor (export, compile)
+        and not torch.jit.is_tracing()
+        and not torch.compiler.is_compiling()
+        and x.device.type == "cpu"
+        and x.dtype in _NATIVE_DTYPES
+        and x.shape[2] % lanes == 0
+        and x.shape[2] > 0
+    )
 
 
 def _columns(matrix: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -55,16 +92,58 @@ class _PairwiseDots(torch.autograd.Function):
         return torch.bmm(symmetric, x.to(symmetric.dtype)), None, None, None
 
 
+class _NativePairwiseDots(torch.autograd.Function):
+    """The fused CPU kernel (module doc): float32 ``x [B, F, D]`` -> ``[B, P]``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        assert _native is not None
+        batch, features, dim = x.shape
+        pairs = rows.numel()
+        x = x.detach().contiguous()
+        out = x.new_empty(batch, pairs)
+        threads = torch.get_num_threads()
+        _native.forward(
+            x.numpy(), rows.numpy(), cols.numpy(), out.numpy(), batch, features, dim, pairs, threads
+        )
+        ctx.save_for_backward(x, rows, cols)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        assert _native is not None
+        x, rows, cols = ctx.saved_tensors
+        batch, features, dim = x.shape
+        grad = grad.detach().to(torch.float32).contiguous()
+        gx = torch.empty_like(x)
+        _native.backward(
+            x.numpy(),
+            rows.numpy(),
+            cols.numpy(),
+            grad.numpy(),
+            gx.numpy(),
+            batch,
+            features,
+            dim,
+            rows.numel(),
+            torch.get_num_threads(),
+        )
+        return gx, None, None
+
+
 class DotInteraction(nn.Module):
     """Pairwise dot products of F vectors: the upper triangle of ``X X^T``.
 
     ``[B, F, D] -> [B, F(F-1)/2]`` (``[B, F(F+1)/2]`` with ``self_interaction``),
     pairs in row-major order (0,1), (0,2), ..., (1,2), ...; one batched matmul
-    and one gather forward, one batched matmul backward.
+    and one gather forward, one batched matmul backward, or the fused CPU kernel
+    (module doc).
     """
 
     flat_index: torch.Tensor
     pair_of_position: torch.Tensor
+    pair_rows: torch.Tensor
+    pair_cols: torch.Tensor
 
     def __init__(self, num_features: int, self_interaction: bool = False) -> None:
         super().__init__()
@@ -76,6 +155,8 @@ class DotInteraction(nn.Module):
             num_features, num_features, offset=0 if self_interaction else 1
         )
         self.register_buffer("flat_index", rows * num_features + cols, persistent=False)
+        self.register_buffer("pair_rows", rows.contiguous(), persistent=False)
+        self.register_buffer("pair_cols", cols.contiguous(), persistent=False)
         # For backward: position (i, j) of the F x F grid -> its pair, or the
         # number of pairs (a zero column) on the diagonal without self pairs.
         pairs = torch.arange(rows.numel())
@@ -92,6 +173,16 @@ class DotInteraction(nn.Module):
         return 2 * self.num_features * self.num_features * dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if _native_applies(x):
+            dots = cast(
+                torch.Tensor,
+                _NativePairwiseDots.apply(  # type: ignore[no-untyped-call]  # torch leaves it untyped
+                    x.float(), self.pair_rows, self.pair_cols
+                ),
+            )
+            # under autocast the next layer reads the autocast dtype, as from the bmm
+            return dots.to(torch.get_autocast_dtype(x.device.type)) if autocast else dots
+        if autocast:
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return _PairwiseDots.apply(x, self.flat_index, self.pair_of_position, self.self_interaction)  # type: ignore[no-untyped-call,no-any-return]  # torch leaves Function.apply untyped

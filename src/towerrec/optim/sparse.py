@@ -23,6 +23,13 @@ takes either mode of FBGEMM's ``weight_decay_mode``:
     decoupled   w[r] = (1 - lr wd) w[r] - lr * g[r] / (sqrt(m[r]) + eps)
 
 FBGEMM has no weight decay for sgd and adagrad; nor has cf_sgd.
+
+Small tables (``dense_update_applies``): row-wise Adagrad without weight decay over
+tables with no more rows than the lookup has ids is updated over every row at once
+(``dense_rowwise_update``): the gradient summed into a zero table by id instead of
+deduplicating the ids (a sort), and the update run on all rows. An untouched row's
+gradient is 0, so its statistic gains 0 and its weight loses 0: the same result, bit for
+bit, as the update of the touched rows alone.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ __all__ = [
     "EmbeddingOptimizer",
     "EmbeddingOptimizerConfig",
     "WeightDecayMode",
+    "dense_rowwise_update",
+    "dense_update_applies",
     "l2_gradient",
     "rowwise_update",
     "sparse_update",
@@ -182,6 +191,37 @@ def sparse_update(
     else:  # pragma: no cover - the enum is closed
         raise ValueError(f"unsupported embedding optimizer {kind}")
     weight.index_copy_(0, rows, weight.index_select(0, rows).sub_(step))
+
+
+DENSE_ROWS_PER_ID = 1.0  # dense update up to this many table rows per looked-up id
+
+
+def dense_update_applies(opt: EmbeddingOptimizerConfig, rows: int, ids: int) -> bool:
+    """Whether ``dense_rowwise_update`` serves a lookup of ``ids`` ids into ``rows`` rows
+    (module doc): row-wise Adagrad without weight decay, and no more rows than
+    ``DENSE_ROWS_PER_ID`` per id, where a pass over every row costs less than the sort.
+    An untouched row is multiplied by at most lr / eps; eps from 1e-12 keeps that finite
+    (0 times an infinite factor would be NaN)."""
+    return (
+        opt.kind is EmbeddingOptimizer.ROWWISE_ADAGRAD
+        and not opt.weight_decay
+        and opt.eps >= 1e-12
+        and rows <= DENSE_ROWS_PER_ID * ids
+    )
+
+
+def dense_rowwise_update(
+    opt: EmbeddingOptimizerConfig,
+    weight: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    grad: torch.Tensor,
+    lr: float,
+) -> None:
+    """Row-wise Adagrad over every row of ``weight [R, D]`` given every row's summed
+    gradient ``grad [R, D]`` (0 where the lookup did not touch it; overwritten): the
+    result of ``rowwise_update`` on the touched rows alone (module doc)."""
+    momentum = state["momentum1"].add_(grad.square().mean(dim=1))
+    weight.sub_(grad.mul_((lr / momentum.sqrt().add_(opt.eps)).unsqueeze(1)))
 
 
 def _moving_average(

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from towerrec.memory import register_parent_only
+from towerrec.modules.native import fused
 from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import (
     EmbeddingOptimizerConfig,
@@ -201,6 +202,58 @@ class EmbeddingKernel(nn.Module):
         rowwise_update(self.optimizer, weight, state, rows, grad, mean_square, self.lr, iteration)
 
 
+def id_gradients(
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    grad_bags: torch.Tensor,
+    pooling: Pooling,
+    num_ids: int,
+) -> torch.Tensor:
+    """Each looked-up id's gradient ``[num_ids, dim]`` from the bags' gradients
+    ``grad_bags [bags, dim]`` (its bag's, scaled by its weight and the mean's 1/length)."""
+    lengths = offsets.diff()
+    bag_of_id = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=num_ids
+    )
+    if pooling is Pooling.MEAN:
+        grad_bags = grad_bags / lengths.clamp(min=1).unsqueeze(1).to(grad_bags.dtype)
+    grad_ids = grad_bags.index_select(0, bag_of_id)
+    if weights is not None:
+        grad_ids = grad_ids * weights.unsqueeze(1)
+    return grad_ids
+
+
+def dense_gradient(
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    grad_bags: torch.Tensor,
+    pooling: Pooling,
+    rows: int,
+) -> torch.Tensor:
+    """Every row's summed gradient ``[rows, dim]`` (0 where no id is), for the dense
+    update of small tables: ``id_gradients`` added up by ``index_add_``, or the same sums
+    in the same order in one call of the native extension on the CPU (``_fused.c``)."""
+    dim = grad_bags.shape[1]
+    out = torch.zeros(rows, dim, dtype=grad_bags.dtype, device=grad_bags.device)
+    if fused is not None and grad_bags.device.type == "cpu" and grad_bags.dtype == torch.float32:
+        weights = None if weights is None else weights.detach().float().contiguous()
+        fused.bag_grad(
+            ids.long().contiguous().numpy(),
+            offsets.long().contiguous().numpy(),
+            grad_bags.detach().contiguous().numpy(),
+            None if weights is None else weights.numpy(),
+            pooling is Pooling.MEAN,
+            out.numpy(),
+            offsets.numel() - 1,
+            dim,
+            rows,
+        )
+        return out
+    grad_ids = id_gradients(offsets, weights, grad_bags, pooling, ids.numel())
+    return out.index_add_(0, ids, grad_ids)
+
+
 def row_gradients(
     ids: torch.Tensor,
     offsets: torch.Tensor,
@@ -211,15 +264,7 @@ def row_gradients(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unique ``rows [U]`` of ``ids`` and their summed gradients ``[U, dim]`` from the
     bags' gradients ``grad_bags [bags, dim]``."""
-    lengths = offsets.diff()
-    bag_of_id = torch.repeat_interleave(
-        torch.arange(lengths.numel(), device=ids.device), lengths, output_size=ids.numel()
-    )
-    if pooling is Pooling.MEAN:
-        grad_bags = grad_bags / lengths.clamp(min=1).unsqueeze(1).to(grad_bags.dtype)
-    grad_ids = grad_bags.index_select(0, bag_of_id)
-    if weights is not None:
-        grad_ids = grad_ids * weights.unsqueeze(1)
+    grad_ids = id_gradients(offsets, weights, grad_bags, pooling, ids.numel())
     rows, inverse = torch.unique(ids, return_inverse=True)
     grad_rows = torch.zeros(rows.numel(), dim, dtype=grad_ids.dtype, device=ids.device)
     if ids.is_cuda:

@@ -13,10 +13,16 @@ from towerrec.modules.kernels.base import (
     EmbeddingKernel,
     RowwiseStep,
     TableSpec,
+    dense_gradient,
     row_gradients,
 )
 from towerrec.modules.tables import Pooling
-from towerrec.optim.sparse import EmbeddingOptimizerConfig, sparse_update
+from towerrec.optim.sparse import (
+    EmbeddingOptimizerConfig,
+    dense_rowwise_update,
+    dense_update_applies,
+    sparse_update,
+)
 
 Storage = Callable[[str, tuple[int, ...]], torch.Tensor]
 
@@ -158,6 +164,13 @@ class TorchKernel(EmbeddingKernel):
         grad_bags: torch.Tensor,
         iteration: int,
     ) -> None:
+        if not ids.is_cuda and dense_update_applies(
+            self.optimizer, self.weight.shape[0], ids.numel()
+        ):  # small tables: no dedup (optim/sparse.py); on CUDA index_add_ is not deterministic
+            rows = self.weight.shape[0]
+            grad = dense_gradient(ids, offsets, weights, grad_bags, self.pooling, rows)
+            dense_rowwise_update(self.optimizer, self.weight, self.state, grad, self.lr)
+            return
         rows, grad_rows = row_gradients(
             ids, offsets, weights, grad_bags, self.pooling, self.embedding_dim
         )

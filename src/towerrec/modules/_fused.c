@@ -1,0 +1,417 @@
+/* towerrec.modules._fused: fused CPU kernels of the training step.
+ *
+ * DLRM's pairwise dot interaction (interaction.py). For each sample b of X [B, F, D] (float32, contiguous) and each of P pairs
+ * (rows[p], cols[p]) (int64):
+ *
+ *   forward(x, rows, cols, out, B, F, D, P, threads)
+ *       out[b, p] = X[b, rows[p]] . X[b, cols[p]]
+ *   backward(x, rows, cols, grad, gx, B, F, D, P, threads)
+ *       gx[b, i] = the sum, over the pairs holding i, of grad[b, p] times the pair's
+ *       other vector (twice the vector on a self pair)
+ *
+ * D a multiple of 16 (the caller falls back to batched matmuls otherwise). The forward
+ * multiplies 16 pairs' vectors lane by lane and sums the 16 products of each pair with
+ * one transposing reduction tree (15 adds of two-source shuffles for 16 sums); the
+ * backward accumulates each sample's gradient rows with vector multiply-adds. Both
+ * replace a batched matmul of tiny [F, D] matrices, a gather of the upper triangle
+ * (forward) and a scatter into a symmetric matrix (backward). The GIL is released for
+ * the whole batch, which is split among up to `threads` threads (this one included)
+ * where it holds enough work; each sample's sums run in the same order on any split. Each function is compiled for AVX-512, AVX2 and the baseline and
+ * chosen at load time (GCC's target_clones) where the compiler supports it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define DOTS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DOTS_CLONES
+#endif
+
+static inline __attribute__((always_inline)) vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* Lane k of the result: the sum of the 16 lanes of a[k] (a is overwritten). */
+static inline __attribute__((always_inline)) vf reduce16(vf *a) {
+    const vi m8a = {0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi m8b = {8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi m4a = {0, 1, 2, 3, 20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31};
+    const vi m4b = {4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27};
+    const vi m2a = {0, 1, 18, 19, 4, 5, 22, 23, 8, 9, 26, 27, 12, 13, 30, 31};
+    const vi m2b = {2, 3, 16, 17, 6, 7, 20, 21, 10, 11, 24, 25, 14, 15, 28, 29};
+    const vi m1a = {0, 17, 2, 19, 4, 21, 6, 23, 8, 25, 10, 27, 12, 29, 14, 31};
+    const vi m1b = {1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30};
+    /* After each level, vector k's lanes hold partial sums of a[k], a[k + half], ...
+     * in interleaved blocks, the blocks halving in width. */
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++)
+        a[k] = __builtin_shuffle(a[k], a[k + 8], m8a) + __builtin_shuffle(a[k], a[k + 8], m8b);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++)
+        a[k] = __builtin_shuffle(a[k], a[k + 4], m4a) + __builtin_shuffle(a[k], a[k + 4], m4b);
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++)
+        a[k] = __builtin_shuffle(a[k], a[k + 2], m2a) + __builtin_shuffle(a[k], a[k + 2], m2b);
+    return __builtin_shuffle(a[0], a[1], m1a) + __builtin_shuffle(a[0], a[1], m1b);
+}
+
+/* One sample's pairs: the D / 16 products of each pair's two vectors summed lane by
+ * lane, then the lanes of 16 pairs summed at once (reduce16). off: each pair's two
+ * vectors' offsets into the sample, the pairs padded to a multiple of 16 with (0, 0)
+ * (whose sums are not written). DIM16: dim is 16 (one vector a row, the default). */
+static inline __attribute__((always_inline)) void sample_dots(const float *s,
+                                                              const Py_ssize_t *off, float *o,
+                                                              Py_ssize_t dim, Py_ssize_t pairs,
+                                                              int dim16) {
+    for (Py_ssize_t p0 = 0; p0 < pairs; p0 += LANES) {
+        vf acc[LANES];
+#pragma GCC unroll 16
+        for (int k = 0; k < LANES; k++) {
+            const float *u = s + off[2 * (p0 + k)], *v = s + off[2 * (p0 + k) + 1];
+            vf a = load(u) * load(v);
+            if (!dim16)
+                for (Py_ssize_t d = LANES; d < dim; d += LANES) a += load(u + d) * load(v + d);
+            acc[k] = a;
+        }
+        vf sums = reduce16(acc);
+        if (pairs - p0 >= LANES) {
+            store(o + p0, sums);
+        } else {
+            for (Py_ssize_t k = 0; k < pairs - p0; k++) o[p0 + k] = sums[k];
+        }
+    }
+}
+
+DOTS_CLONES
+static void dots_forward(const float *x, const Py_ssize_t *off, float *out, Py_ssize_t batch,
+                         Py_ssize_t features, Py_ssize_t dim, Py_ssize_t pairs) {
+    const Py_ssize_t stride = features * dim;
+    if (dim == LANES)
+        for (Py_ssize_t b = 0; b < batch; b++)
+            sample_dots(x + b * stride, off, out + b * pairs, LANES, pairs, 1);
+    else
+        for (Py_ssize_t b = 0; b < batch; b++)
+            sample_dots(x + b * stride, off, out + b * pairs, dim, pairs, 0);
+}
+
+/* One sample's gradient rows t = S X, S the symmetric matrix of the pairs' gradients.
+ * The first vector's gradient is summed in a register while consecutive pairs share that
+ * vector and added when it changes: any order of pairs is right, and the row-major order
+ * the interaction lists them in adds it once a row. */
+static inline __attribute__((always_inline)) void sample_grad(const float *s, const float *g,
+                                                              float *t, const Py_ssize_t *off,
+                                                              Py_ssize_t dim, Py_ssize_t pairs) {
+    for (Py_ssize_t d = 0; d < dim; d += LANES) {
+        Py_ssize_t cur = off[0] + d;
+        vf a = (vf){0};
+        for (Py_ssize_t p = 0; p < pairs; p++) {
+            const Py_ssize_t i = off[2 * p] + d, j = off[2 * p + 1] + d;
+            if (i != cur) {
+                store(t + cur, load(t + cur) + a);
+                a = (vf){0};
+                cur = i;
+            }
+            const float w = g[p];
+            a += w * load(s + j);
+            store(t + j, load(t + j) + w * load(s + i));
+        }
+        store(t + cur, load(t + cur) + a);
+    }
+}
+
+DOTS_CLONES
+static void dots_backward(const float *x, const Py_ssize_t *off, const float *grad, float *gx,
+                          Py_ssize_t batch, Py_ssize_t features, Py_ssize_t dim,
+                          Py_ssize_t pairs) {
+    const Py_ssize_t stride = features * dim;
+    memset(gx, 0, (size_t)(batch * stride) * sizeof(float));
+    if (dim == LANES)
+        for (Py_ssize_t b = 0; b < batch; b++)
+            sample_grad(x + b * stride, grad + b * pairs, gx + b * stride, off, LANES, pairs);
+    else
+        for (Py_ssize_t b = 0; b < batch; b++)
+            sample_grad(x + b * stride, grad + b * pairs, gx + b * stride, off, dim, pairs);
+}
+
+/* One thread's share of a call: samples [lo, hi). */
+typedef struct {
+    const float *x, *grad;
+    const Py_ssize_t *off;
+    float *out;
+    Py_ssize_t lo, hi, features, dim, pairs;
+    int backward;
+} Job;
+
+static void run_job(Job *j) {
+    const Py_ssize_t stride = j->features * j->dim;
+    if (j->backward)
+        dots_backward(j->x + j->lo * stride, j->off, j->grad + j->lo * j->pairs,
+                      j->out + j->lo * stride, j->hi - j->lo, j->features, j->dim, j->pairs);
+    else
+        dots_forward(j->x + j->lo * stride, j->off, j->out + j->lo * j->pairs, j->hi - j->lo,
+                     j->features, j->dim, j->pairs);
+}
+
+static void *job_thread(void *arg) {
+    run_job(arg);
+    return NULL;
+}
+
+#define MAX_THREADS 64
+/* Multiply-adds a thread must have for its start to pay (measured: a thread's start and
+ * join cost about as much as a million). */
+#define MIN_WORK_PER_THREAD (2 << 20)
+
+/* The batch split among up to `threads` threads (this one included), in equal shares;
+ * a thread that cannot be started leaves its share to this one. */
+static void run_split(Job job, Py_ssize_t batch, Py_ssize_t threads) {
+    Py_ssize_t n = batch * job.pairs * job.dim / MIN_WORK_PER_THREAD;
+    if (n > threads) n = threads;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    if (n < 1) n = 1;
+    Job jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (Py_ssize_t k = 0; k < n; k++) {
+        jobs[k] = job;
+        jobs[k].lo = batch * k / n;
+        jobs[k].hi = batch * (k + 1) / n;
+        if (k > 0) started[k] = pthread_create(&ids[k], NULL, job_thread, &jobs[k]) == 0;
+    }
+    run_job(&jobs[0]);
+    for (Py_ssize_t k = 1; k < n; k++) {
+        if (started[k])
+            pthread_join(ids[k], NULL);
+        else
+            run_job(&jobs[k]);
+    }
+}
+
+/* The embedding lookup's gradient summed into its rows, for the dense update of small
+ * tables (kernels/base.py: dense_gradient): out[ids[k]] += grad_bags[bag of k] (divided by
+ * the bag's length under mean pooling, then times weights[k] where given), k in order,
+ * which is the arithmetic and the order of the PyTorch path (a gather of each id's bag
+ * gradient, then index_add_), so the sums match it bit for bit. */
+static void bag_grad(const int64_t *ids, const int64_t *offsets, const float *grad_bags,
+                     const float *weights, int mean, float *out, Py_ssize_t bags,
+                     Py_ssize_t dim) {
+    for (Py_ssize_t b = 0; b < bags; b++) {
+        const int64_t lo = offsets[b], hi = offsets[b + 1];
+        const float *g = grad_bags + b * dim;
+        const float length = (float)(hi - lo > 1 ? hi - lo : 1);
+        for (int64_t k = lo; k < hi; k++) {
+            float *row = out + ids[k] * dim;
+            if (weights == NULL && !mean) {
+                for (Py_ssize_t d = 0; d < dim; d++) row[d] += g[d];
+            } else {
+                const float w = weights == NULL ? 1.0f : weights[k];
+                for (Py_ssize_t d = 0; d < dim; d++) {
+                    const float v = mean ? g[d] / length : g[d];
+                    row[d] += weights == NULL ? v : v * w;
+                }
+            }
+        }
+    }
+}
+
+/* Buffers and sizes, checked against each other; 0 on success. */
+static int check(Py_buffer *buf, Py_ssize_t want, const char *name) {
+    if (buf->len != want) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, expected %zd", name, buf->len, want);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_pairs(const int64_t *rows, const int64_t *cols, Py_ssize_t pairs,
+                       Py_ssize_t features) {
+    for (Py_ssize_t p = 0; p < pairs; p++) {
+        if (rows[p] < 0 || rows[p] >= features || cols[p] < 0 || cols[p] >= features) {
+            PyErr_Format(PyExc_ValueError, "pair %zd names a feature outside [0, %zd)", p,
+                         features);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int check_sizes(Py_ssize_t batch, Py_ssize_t features, Py_ssize_t dim,
+                       Py_ssize_t pairs) {
+    if (batch < 0 || features < 1 || pairs < 1 || dim < LANES || dim % LANES) {
+        PyErr_Format(PyExc_ValueError,
+                     "dots need batch >= 0, features >= 1, pairs >= 1 and a dim that is a "
+                     "multiple of %d; got %zd, %zd, %zd, %zd",
+                     LANES, batch, features, pairs, dim);
+        return -1;
+    }
+    return 0;
+}
+
+/* Each pair's two vectors' offsets into a sample (floats), interleaved, the pairs
+ * padded to a multiple of LANES with (0, 0); NULL on error. */
+static Py_ssize_t *pair_offsets(const int64_t *rows, const int64_t *cols, Py_ssize_t pairs,
+                                Py_ssize_t dim) {
+    const Py_ssize_t padded = (pairs + LANES - 1) / LANES * LANES;
+    Py_ssize_t *off = PyMem_Calloc((size_t)padded * 2, sizeof(Py_ssize_t));
+    if (off == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t p = 0; p < pairs; p++) {
+        off[2 * p] = (Py_ssize_t)rows[p] * dim;
+        off[2 * p + 1] = (Py_ssize_t)cols[p] * dim;
+    }
+    return off;
+}
+
+static PyObject *py_forward(PyObject *self, PyObject *args) {
+    Py_buffer x, rows, cols, out;
+    Py_ssize_t batch, features, dim, pairs, threads;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnn", &x, &rows, &cols, &out, &batch, &features, &dim,
+                          &pairs, &threads))
+        return NULL;
+    PyObject *result = NULL;
+    if (check_sizes(batch, features, dim, pairs) ||
+        check(&x, batch * features * dim * 4, "x") || check(&rows, pairs * 8, "rows") ||
+        check(&cols, pairs * 8, "cols") || check(&out, batch * pairs * 4, "out") ||
+        check_pairs(rows.buf, cols.buf, pairs, features))
+        goto done;
+    Py_ssize_t *off = pair_offsets(rows.buf, cols.buf, pairs, dim);
+    if (off == NULL) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    Job job = {x.buf, NULL, off, out.buf, 0, 0, features, dim, pairs, 0};
+    run_split(job, batch, threads);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(off);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&cols);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *py_backward(PyObject *self, PyObject *args) {
+    Py_buffer x, rows, cols, grad, gx;
+    Py_ssize_t batch, features, dim, pairs, threads;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnnn", &x, &rows, &cols, &grad, &gx, &batch,
+                          &features, &dim, &pairs, &threads))
+        return NULL;
+    PyObject *result = NULL;
+    if (check_sizes(batch, features, dim, pairs) ||
+        check(&x, batch * features * dim * 4, "x") || check(&rows, pairs * 8, "rows") ||
+        check(&cols, pairs * 8, "cols") || check(&grad, batch * pairs * 4, "grad") ||
+        check(&gx, batch * features * dim * 4, "gx") ||
+        check_pairs(rows.buf, cols.buf, pairs, features))
+        goto done;
+    Py_ssize_t *off = pair_offsets(rows.buf, cols.buf, pairs, dim);
+    if (off == NULL) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    Job job = {x.buf, grad.buf, off, gx.buf, 0, 0, features, dim, pairs, 1};
+    run_split(job, batch, threads);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(off);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&cols);
+    PyBuffer_Release(&grad);
+    PyBuffer_Release(&gx);
+    return result;
+}
+
+static PyObject *py_bag_grad(PyObject *self, PyObject *args) {
+    Py_buffer ids, offsets, grad, weights = {0}, out;
+    PyObject *weights_obj;
+    Py_ssize_t bags, dim, rows;
+    int mean;
+    if (!PyArg_ParseTuple(args, "y*y*y*Opw*nnn", &ids, &offsets, &grad, &weights_obj, &mean,
+                          &out, &bags, &dim, &rows))
+        return NULL;
+    PyObject *result = NULL;
+    int have_weights = weights_obj != Py_None;
+    if (have_weights && PyObject_GetBuffer(weights_obj, &weights, PyBUF_SIMPLE) < 0) {
+        have_weights = -1;
+        goto done;
+    }
+    if (bags < 0 || dim < 1 || rows < 0 || check(&offsets, (bags + 1) * 8, "offsets") ||
+        check(&grad, bags * dim * 4, "grad_bags") || check(&out, rows * dim * 4, "out"))
+        goto done;
+    const int64_t *off = offsets.buf, *id = ids.buf;
+    const Py_ssize_t n = ids.len / 8;
+    if (ids.len % 8 || off[0] != 0 || off[bags] != n ||
+        (have_weights && check(&weights, n * 4, "weights"))) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "offsets must run from 0 to the number of ids");
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < bags; b++) {
+        if (off[b + 1] < off[b]) {
+            PyErr_Format(PyExc_ValueError, "offsets decrease at bag %zd", b);
+            goto done;
+        }
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (id[k] < 0 || id[k] >= rows) {
+            PyErr_Format(PyExc_ValueError, "id %lld at %zd outside [0, %zd)", (long long)id[k], k,
+                         rows);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    bag_grad(id, off, grad.buf, have_weights ? weights.buf : NULL, mean, out.buf, bags, dim);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&grad);
+    PyBuffer_Release(&out);
+    if (have_weights == 1) PyBuffer_Release(&weights);
+    return result;
+}
+
+static PyMethodDef dots_methods[] = {
+    {"forward", py_forward, METH_VARARGS,
+     "forward(x, rows, cols, out, batch, features, dim, pairs, threads): out[b, p] = the "
+     "dot of x[b, rows[p]] and x[b, cols[p]]"},
+    {"backward", py_backward, METH_VARARGS,
+     "backward(x, rows, cols, grad, gx, batch, features, dim, pairs, threads): gx, the "
+     "gradient of x given grad, the gradient of out"},
+    {"bag_grad", py_bag_grad, METH_VARARGS,
+     "bag_grad(ids, offsets, grad_bags, weights or None, mean, out, bags, dim, rows): "
+     "add each id's share of its bag's gradient into out[rows, dim]"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef dots_module = {
+    PyModuleDef_HEAD_INIT, "towerrec.modules._fused",
+    "Fused CPU kernels of the training step (_fused.c).", -1, dots_methods,
+};
+
+PyMODINIT_FUNC PyInit__fused(void) {
+    PyObject *m = PyModule_Create(&dots_module);
+    if (m != NULL && PyModule_AddIntConstant(m, "LANES", LANES) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,132 @@
+"""The fused CPU pairwise dot interaction (``modules/_fused.c``) against a float64
+reference, against the batched-matmul path it replaces, and its argument checks."""
+
+import itertools
+
+import pytest
+import torch
+
+from towerrec.modules import interaction
+from towerrec.modules.interaction import DotInteraction, native_dots_available
+
+pytestmark = pytest.mark.skipif(
+    not native_dots_available(), reason="the native extension _fused is not built here"
+)
+
+
+def reference(x: torch.Tensor, self_interaction: bool) -> torch.Tensor:
+    """Each pair's dot product in float64, pairs in row-major order."""
+    f = x.shape[1]
+    pairs = (
+        itertools.combinations_with_replacement(range(f), 2)
+        if self_interaction
+        else itertools.combinations(range(f), 2)
+    )
+    x = x.double()
+    return torch.stack([(x[:, i] * x[:, j]).sum(1) for i, j in pairs], dim=1)
+
+
+@pytest.mark.parametrize(
+    ("batch", "features", "dim", "self_interaction"),
+    [
+        (7, 10, 16, False),  # the default model: 45 pairs, a short last group of 13
+        (5, 2, 16, False),  # one pair
+        (9, 17, 48, False),  # 136 pairs (8 groups of 16 and 8), three vectors a row
+        (6, 5, 32, True),  # self pairs: d(x.x)/dx = 2x
+        (1024, 27, 16, False),  # the Criteo shape, large enough to run on two threads
+    ],
+)
+def test_native_dots_match_float64_reference(batch, features, dim, self_interaction):
+    torch.manual_seed(0)
+    x = torch.randn(batch, features, dim, requires_grad=True)
+    module = DotInteraction(features, self_interaction)
+    out = module(x)
+    assert "NativePairwiseDots" in type(out.grad_fn).__name__
+    x64 = x.detach().double().requires_grad_()
+    expected = reference(x64, self_interaction)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    (ours,) = torch.autograd.grad(out, x, grad)
+    (theirs,) = torch.autograd.grad(expected, x64, grad.double())
+    torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_native_dots_match_the_batched_matmul_path(monkeypatch):
+    torch.manual_seed(1)
+    x = torch.randn(64, 10, 16, requires_grad=True)
+    module = DotInteraction(10)
+    grad = torch.randn(64, module.out_features)
+    native = module(x)
+    (native_grad,) = torch.autograd.grad(native, x, grad)
+    monkeypatch.setattr(interaction, "_native", None)
+    matmul = module(x)
+    assert "NativePairwiseDots" not in type(matmul.grad_fn).__name__
+    (matmul_grad,) = torch.autograd.grad(matmul, x, grad)
+    torch.testing.assert_close(native, matmul)
+    torch.testing.assert_close(native_grad, matmul_grad)
+
+
+def test_native_dots_do_not_depend_on_the_thread_count():
+    """Threads split the batch; each sample's sums run in the same order on any split."""
+    torch.manual_seed(2)
+    x = torch.randn(2048, 27, 16, requires_grad=True)
+    module = DotInteraction(27)
+    grad = torch.randn(2048, module.out_features)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 4):
+            torch.set_num_threads(count)
+            out = module(x)
+            results.append((out, *torch.autograd.grad(out, x, grad)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_native_dots_under_bf16_autocast_hand_on_bf16():
+    torch.manual_seed(3)
+    x = torch.randn(8, 6, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = DotInteraction(6)(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    reference(x64, False).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize(("dim", "dtype"), [(8, torch.float32), (16, torch.float64)])
+def test_other_dims_and_dtypes_take_the_batched_matmuls(dim, dtype):
+    x = torch.randn(3, 4, dim, dtype=dtype)
+    out = DotInteraction(4)(x.requires_grad_())
+    assert "NativePairwiseDots" not in type(out.grad_fn).__name__
+    torch.testing.assert_close(out.double(), reference(x, False), rtol=1e-5, atol=1e-5)
+
+
+def test_extension_refuses_mismatched_arguments():
+    native = interaction._native
+    x = torch.randn(2, 3, 16)
+    rows, cols = torch.triu_indices(3, 3, offset=1)
+    out = torch.empty(2, 3)
+    arrays = (x.numpy(), rows.numpy(), cols.numpy())
+    with pytest.raises(ValueError, match="out holds"):
+        native.forward(*arrays, torch.empty(2, 2).numpy(), 2, 3, 16, 3, 1)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.forward(*arrays, out.numpy(), 2, 3, 12, 3, 1)
+    bad = torch.tensor([0, 0, 3])
+    with pytest.raises(ValueError, match="outside"):
+        native.forward(x.numpy(), bad.numpy(), cols.numpy(), out.numpy(), 2, 3, 16, 3, 1)
+    with pytest.raises(ValueError, match="gx holds"):
+        native.backward(*arrays, out.numpy(), torch.empty(2, 3).numpy(), 2, 3, 16, 3, 1)
+
+
+def test_export_traces_the_batched_matmuls():
+    """An exported model holds torch operators only: export takes the matmul path."""
+    x = torch.randn(4, 10, 16)
+    module = DotInteraction(10)
+    exported = torch.export.export(module, (x,))
+    targets = {str(node.target) for node in exported.graph.nodes}
+    assert any("bmm" in t for t in targets), targets
+    torch.testing.assert_close(exported.module()(x), module(x))
