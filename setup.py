@@ -21,7 +21,7 @@ setup(
         Extension(
             "towerrec.modules._fused",
             sources=["src/towerrec/modules/_fused.c"],
-            extra_compile_args=["-O3", "-std=gnu11", "-Wno-psabi", "-pthread"],
+            extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wno-psabi", "-pthread"],
             extra_link_args=["-pthread"],
             optional=True,
         ),

@@ -345,12 +345,12 @@ def test_native_row_gradients_refuse_bad_offsets_and_ids():
     if fused is None:
         pytest.skip("the native extension _fused is not built here")
     ids = torch.tensor([0, 2, 1])
-    grad = torch.ones(2, 4)
+    grad = torch.ones(1, 2 * 4)  # one sample, two features of dim 4
     out = torch.zeros(3, 4)
 
     def call(ids, offsets, rows=3):
         fused.bag_grad(
-            ids.numpy(), offsets.numpy(), grad.numpy(), None, False, out.numpy(), 2, 4, rows
+            out.numpy(), ids.numpy(), offsets.numpy(), grad.numpy(), None, False, 2, 1, 4, rows
         )
 
     call(ids, torch.tensor([0, 1, 3]))
@@ -361,3 +361,40 @@ def test_native_row_gradients_refuse_bad_offsets_and_ids():
         call(ids, torch.tensor([0, 4, 3]))
     with pytest.raises(ValueError, match="outside"):
         call(torch.tensor([0, 3, 1]), torch.tensor([0, 1, 3]))
+    with pytest.raises(ValueError, match="table holds"):
+        call(ids, torch.tensor([0, 1, 3]), rows=4)
+
+
+@pytest.mark.parametrize(("pooling", "weighted"), [("sum", False), ("sum", True), ("mean", False)])
+def test_native_lookup_matches_embedding_bag(pooling, weighted):
+    """The native pooled lookup (sample-major) against embedding_bag over the same bags,
+    empty bags included."""
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    gen = torch.Generator().manual_seed(4)
+    features, batch, dim, rows = 3, 5, 8, 20
+    table = torch.randn(rows, dim, generator=gen)
+    lengths = torch.randint(0, 4, (features * batch,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    ids = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+    weights = torch.rand(ids.shape, generator=gen) if weighted else None
+    out = torch.empty(batch, features * dim)
+    fused.bag_sum(
+        table.numpy(),
+        ids.numpy(),
+        offsets.numpy(),
+        out.numpy(),
+        None if weights is None else weights.numpy(),
+        pooling == "mean",
+        features,
+        batch,
+        dim,
+        rows,
+    )
+    bags = torch.nn.functional.embedding_bag(
+        ids, table, offsets, mode=pooling, per_sample_weights=weights, include_last_offset=True
+    )
+    expected = bags.view(features, batch, dim).transpose(0, 1).reshape(batch, features * dim)
+    torch.testing.assert_close(out, expected)

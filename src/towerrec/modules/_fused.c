@@ -1,6 +1,7 @@
 /* towerrec.modules._fused: fused CPU kernels of the training step.
  *
- * DLRM's pairwise dot interaction (interaction.py). For each sample b of X [B, F, D] (float32, contiguous) and each of P pairs
+ * DLRM's pairwise dot interaction (interaction.py), and the torch kernel's pooled lookup
+ * and row gradients (bag_sum, bag_grad below). For each sample b of X [B, F, D] (float32, contiguous) and each of P pairs
  * (rows[p], cols[p]) (int64):
  *
  *   forward(x, rows, cols, out, B, F, D, P, threads)
@@ -200,28 +201,83 @@ static void run_split(Job job, Py_ssize_t batch, Py_ssize_t threads) {
     }
 }
 
-/* The embedding lookup's gradient summed into its rows, for the dense update of small
- * tables (kernels/base.py: dense_gradient): out[ids[k]] += grad_bags[bag of k] (divided by
- * the bag's length under mean pooling, then times weights[k] where given), k in order,
- * which is the arithmetic and the order of the PyTorch path (a gather of each id's bag
- * gradient, then index_add_), so the sums match it bit for bit. */
-static void bag_grad(const int64_t *ids, const int64_t *offsets, const float *grad_bags,
-                     const float *weights, int mean, float *out, Py_ssize_t bags,
-                     Py_ssize_t dim) {
-    for (Py_ssize_t b = 0; b < bags; b++) {
-        const int64_t lo = offsets[b], hi = offsets[b + 1];
-        const float *g = grad_bags + b * dim;
+/* The torch kernel's lookup (kernels/torch_kernel.py), for `features` features of
+ * `batch` samples each, bags feature-major (bag j = f * batch + b, the collection's
+ * order) and the pooled output sample-major, as the model reads it:
+ *
+ *   bag_sum   out[b, f] = the sum of weight[ids[k]] (times weights[k] where given) over
+ *             bag j's ids in order, divided by their count under mean pooling (0 for an
+ *             empty bag)
+ *   bag_grad  out[ids[k]] += grad[b, f] (divided by bag j's length under mean pooling,
+ *             then times weights[k] where given), k in order: the small tables' summed row
+ *             gradients (kernels/base.py: dense_gradient), in the order and with the
+ *             arithmetic of the PyTorch path (a gather of each id's bag gradient, then
+ *             index_add_), so the sums match it bit for bit
+ *
+ * The bag_sum writes the output layout directly, where embedding_bag's feature-major
+ * bags cost a transposing copy each way. The file is compiled without contracting a
+ * multiply and an add into one rounding (-ffp-contract=off), as PyTorch's separate
+ * operators round. */
+#define FOR_BAGS(features, batch, j, f, b)            \
+    for (Py_ssize_t f = 0, j = 0; f < (features); f++) \
+        for (Py_ssize_t b = 0; b < (batch); b++, j++)
+
+DOTS_CLONES
+static void bag_sum(const float *weight, const int64_t *ids, const int64_t *offsets,
+                    const float *weights, int mean, float *out, Py_ssize_t features,
+                    Py_ssize_t batch, Py_ssize_t dim) {
+    const int vector = dim % LANES == 0;
+    FOR_BAGS(features, batch, j, f, b) {
+        const int64_t lo = offsets[j], hi = offsets[j + 1];
+        float *o = out + (b * features + f) * dim;
+        const float length = (float)(hi - lo);
+        if (vector) {
+            for (Py_ssize_t d = 0; d < dim; d += LANES) {
+                vf acc = (vf){0};
+                for (int64_t k = lo; k < hi; k++) {
+                    const vf row = load(weight + ids[k] * dim + d);
+                    acc += weights == NULL ? row : weights[k] * row;
+                }
+                store(o + d, mean && hi > lo ? acc / length : acc);
+            }
+            continue;
+        }
+        for (Py_ssize_t d = 0; d < dim; d++) o[d] = 0.0f;
+        for (int64_t k = lo; k < hi; k++) {
+            const float *row = weight + ids[k] * dim;
+            const float w = weights == NULL ? 1.0f : weights[k];
+            for (Py_ssize_t d = 0; d < dim; d++) o[d] += weights == NULL ? row[d] : w * row[d];
+        }
+        if (mean && hi > lo)
+            for (Py_ssize_t d = 0; d < dim; d++) o[d] /= length;
+    }
+}
+
+DOTS_CLONES
+static void bag_grad(const int64_t *ids, const int64_t *offsets, const float *grad,
+                     const float *weights, int mean, float *out, Py_ssize_t features,
+                     Py_ssize_t batch, Py_ssize_t dim) {
+    const int vector = dim % LANES == 0;
+    FOR_BAGS(features, batch, j, f, b) {
+        const int64_t lo = offsets[j], hi = offsets[j + 1];
+        const float *g = grad + (b * features + f) * dim;
         const float length = (float)(hi - lo > 1 ? hi - lo : 1);
         for (int64_t k = lo; k < hi; k++) {
             float *row = out + ids[k] * dim;
-            if (weights == NULL && !mean) {
-                for (Py_ssize_t d = 0; d < dim; d++) row[d] += g[d];
-            } else {
-                const float w = weights == NULL ? 1.0f : weights[k];
-                for (Py_ssize_t d = 0; d < dim; d++) {
-                    const float v = mean ? g[d] / length : g[d];
-                    row[d] += weights == NULL ? v : v * w;
+            const float w = weights == NULL ? 1.0f : weights[k];
+            if (vector) {
+                for (Py_ssize_t d = 0; d < dim; d += LANES) {
+                    vf v = load(g + d);
+                    if (mean) v = v / length;
+                    if (weights != NULL) v = v * w;
+                    store(row + d, load(row + d) + v);
                 }
+                continue;
+            }
+            for (Py_ssize_t d = 0; d < dim; d++) {
+                float v = mean ? g[d] / length : g[d];
+                if (weights != NULL) v = v * w;
+                row[d] += v;
             }
         }
     }
@@ -337,56 +393,86 @@ done:
     return result;
 }
 
-static PyObject *py_bag_grad(PyObject *self, PyObject *args) {
-    Py_buffer ids, offsets, grad, weights = {0}, out;
-    PyObject *weights_obj;
-    Py_ssize_t bags, dim, rows;
-    int mean;
-    if (!PyArg_ParseTuple(args, "y*y*y*Opw*nnn", &ids, &offsets, &grad, &weights_obj, &mean,
-                          &out, &bags, &dim, &rows))
-        return NULL;
-    PyObject *result = NULL;
-    int have_weights = weights_obj != Py_None;
-    if (have_weights && PyObject_GetBuffer(weights_obj, &weights, PyBUF_SIMPLE) < 0) {
-        have_weights = -1;
-        goto done;
+/* bag_sum and bag_grad's arguments: (table, ids, offsets, bags, weights or None, mean,
+ * out, features, batch, dim, rows), `table` read and `bags` written by bag_sum, the other
+ * way round by bag_grad. Checks every size and id; 0 on success. */
+typedef struct {
+    Py_buffer table, ids, offsets, bags, weights;
+    int have_weights, mean;
+    Py_ssize_t features, batch, dim, rows;
+} BagArgs;
+
+static void release_bags(BagArgs *a) {
+    PyBuffer_Release(&a->table);
+    PyBuffer_Release(&a->ids);
+    PyBuffer_Release(&a->offsets);
+    PyBuffer_Release(&a->bags);
+    if (a->have_weights) PyBuffer_Release(&a->weights);
+}
+
+static int parse_bags(PyObject *args, BagArgs *a, int sum) {
+    PyObject *weights;
+    memset(a, 0, sizeof *a);
+    const char *format = sum ? "y*y*y*w*Opnnnn" : "w*y*y*y*Opnnnn";
+    if (!PyArg_ParseTuple(args, format, &a->table, &a->ids, &a->offsets, &a->bags, &weights,
+                          &a->mean, &a->features, &a->batch, &a->dim, &a->rows))
+        return -1;
+    if (weights != Py_None) {
+        if (PyObject_GetBuffer(weights, &a->weights, PyBUF_SIMPLE) < 0) goto fail;
+        a->have_weights = 1;
     }
-    if (bags < 0 || dim < 1 || rows < 0 || check(&offsets, (bags + 1) * 8, "offsets") ||
-        check(&grad, bags * dim * 4, "grad_bags") || check(&out, rows * dim * 4, "out"))
-        goto done;
-    const int64_t *off = offsets.buf, *id = ids.buf;
-    const Py_ssize_t n = ids.len / 8;
-    if (ids.len % 8 || off[0] != 0 || off[bags] != n ||
-        (have_weights && check(&weights, n * 4, "weights"))) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "offsets must run from 0 to the number of ids");
-        goto done;
+    const Py_ssize_t n = a->ids.len / 8, bags = a->features * a->batch;
+    if (a->features < 1 || a->batch < 0 || a->dim < 1 || a->rows < 0 || a->ids.len % 8 ||
+        check(&a->table, a->rows * a->dim * 4, "table") ||
+        check(&a->offsets, (bags + 1) * 8, "offsets") ||
+        check(&a->bags, bags * a->dim * 4, "bags") ||
+        (a->have_weights && check(&a->weights, n * 4, "weights")))
+        goto fail;
+    const int64_t *off = a->offsets.buf, *id = a->ids.buf;
+    if (off[0] != 0 || off[bags] != n) {
+        PyErr_SetString(PyExc_ValueError, "offsets must run from 0 to the number of ids");
+        goto fail;
     }
-    for (Py_ssize_t b = 0; b < bags; b++) {
-        if (off[b + 1] < off[b]) {
-            PyErr_Format(PyExc_ValueError, "offsets decrease at bag %zd", b);
-            goto done;
+    for (Py_ssize_t j = 0; j < bags; j++) {
+        if (off[j + 1] < off[j]) {
+            PyErr_Format(PyExc_ValueError, "offsets decrease at bag %zd", j);
+            goto fail;
         }
     }
     for (Py_ssize_t k = 0; k < n; k++) {
-        if (id[k] < 0 || id[k] >= rows) {
+        if (id[k] < 0 || id[k] >= a->rows) {
             PyErr_Format(PyExc_ValueError, "id %lld at %zd outside [0, %zd)", (long long)id[k], k,
-                         rows);
-            goto done;
+                         a->rows);
+            goto fail;
         }
     }
+    return 0;
+fail:
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad bag arguments");
+    release_bags(a);
+    return -1;
+}
+
+static PyObject *py_bag_sum(PyObject *self, PyObject *args) {
+    BagArgs a;
+    if (parse_bags(args, &a, 1) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    bag_grad(id, off, grad.buf, have_weights ? weights.buf : NULL, mean, out.buf, bags, dim);
+    bag_sum(a.table.buf, a.ids.buf, a.offsets.buf, a.have_weights ? a.weights.buf : NULL, a.mean,
+            a.bags.buf, a.features, a.batch, a.dim);
     Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyBuffer_Release(&ids);
-    PyBuffer_Release(&offsets);
-    PyBuffer_Release(&grad);
-    PyBuffer_Release(&out);
-    if (have_weights == 1) PyBuffer_Release(&weights);
-    return result;
+    release_bags(&a);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_bag_grad(PyObject *self, PyObject *args) {
+    BagArgs a;
+    if (parse_bags(args, &a, 0) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    bag_grad(a.ids.buf, a.offsets.buf, a.bags.buf, a.have_weights ? a.weights.buf : NULL,
+             a.mean, a.table.buf, a.features, a.batch, a.dim);
+    Py_END_ALLOW_THREADS
+    release_bags(&a);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef dots_methods[] = {
@@ -396,9 +482,13 @@ static PyMethodDef dots_methods[] = {
     {"backward", py_backward, METH_VARARGS,
      "backward(x, rows, cols, grad, gx, batch, features, dim, pairs, threads): gx, the "
      "gradient of x given grad, the gradient of out"},
+    {"bag_sum", py_bag_sum, METH_VARARGS,
+     "bag_sum(table, ids, offsets, out, weights or None, mean, features, batch, dim, rows): "
+     "the pooled bags (feature-major) into out[batch, features * dim]"},
     {"bag_grad", py_bag_grad, METH_VARARGS,
-     "bag_grad(ids, offsets, grad_bags, weights or None, mean, out, bags, dim, rows): "
-     "add each id's share of its bag's gradient into out[rows, dim]"},
+     "bag_grad(out, ids, offsets, grad, weights or None, mean, features, batch, dim, rows): "
+     "add each id's share of its bag's gradient grad[batch, features * dim] into "
+     "out[rows, dim]"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -223,33 +223,45 @@ def id_gradients(
     return grad_ids
 
 
+def sample_major_to_bags(grad: torch.Tensor, features: int, dim: int) -> torch.Tensor:
+    """A lookup's gradient ``[B, F*D]`` (sample-major) as its bags' ``[F*B, D]``."""
+    batch = grad.shape[0]
+    return grad.reshape(batch, features, dim).transpose(0, 1).reshape(features * batch, dim)
+
+
 def dense_gradient(
     ids: torch.Tensor,
     offsets: torch.Tensor,
     weights: torch.Tensor | None,
-    grad_bags: torch.Tensor,
+    grad: torch.Tensor,
     pooling: Pooling,
     rows: int,
+    features: int,
 ) -> torch.Tensor:
     """Every row's summed gradient ``[rows, dim]`` (0 where no id is), for the dense
-    update of small tables: ``id_gradients`` added up by ``index_add_``, or the same sums
-    in the same order in one call of the native extension on the CPU (``_fused.c``)."""
-    dim = grad_bags.shape[1]
-    out = torch.zeros(rows, dim, dtype=grad_bags.dtype, device=grad_bags.device)
-    if fused is not None and grad_bags.device.type == "cpu" and grad_bags.dtype == torch.float32:
+    update of small tables, from the lookup's gradient ``grad [B, F*D]`` (sample-major,
+    ``features`` features; bags feature-major in ``offsets``): ``id_gradients`` added up
+    by ``index_add_``, or the same sums in the same order in one call of the native
+    extension on the CPU (``_fused.c``)."""
+    batch = grad.shape[0]
+    dim = grad.shape[1] // features
+    out = torch.zeros(rows, dim, dtype=grad.dtype, device=grad.device)
+    if fused is not None and grad.device.type == "cpu" and grad.dtype == torch.float32:
         weights = None if weights is None else weights.detach().float().contiguous()
         fused.bag_grad(
+            out.numpy(),
             ids.long().contiguous().numpy(),
             offsets.long().contiguous().numpy(),
-            grad_bags.detach().contiguous().numpy(),
+            grad.detach().contiguous().numpy(),
             None if weights is None else weights.numpy(),
             pooling is Pooling.MEAN,
-            out.numpy(),
-            offsets.numel() - 1,
+            features,
+            batch,
             dim,
             rows,
         )
         return out
+    grad_bags = sample_major_to_bags(grad, features, dim)
     grad_ids = id_gradients(offsets, weights, grad_bags, pooling, ids.numel())
     return out.index_add_(0, ids, grad_ids)
 

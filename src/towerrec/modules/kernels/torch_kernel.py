@@ -1,10 +1,15 @@
 """``TorchKernel``: one ``embedding_bag`` over the tables' concatenated rows and an
-exact sparse update (sort + segment-sum) in a custom autograd function."""
+exact sparse update (sort + segment-sum) in a custom autograd function.
+
+On the CPU, where the native extension is built (``_fused.c``), the lookup is one call
+that pools the feature-major bags straight into the sample-major ``[B, F*D]`` the model
+reads, so neither direction copies through a transpose; the gradient arrives in that
+layout, and small tables' dense update reads it there (``dense_gradient``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +20,9 @@ from towerrec.modules.kernels.base import (
     TableSpec,
     dense_gradient,
     row_gradients,
+    sample_major_to_bags,
 )
+from towerrec.modules.native import fused
 from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import (
     EmbeddingOptimizerConfig,
@@ -28,7 +35,8 @@ Storage = Callable[[str, tuple[int, ...]], torch.Tensor]
 
 
 class _FusedLookup(torch.autograd.Function):
-    """``embedding_bag`` forward; backward applies the sparse optimizer in place."""
+    """The lookup forward (sample-major ``[B, F*D]``); backward applies the sparse
+    optimizer in place."""
 
     @staticmethod
     def forward(
@@ -44,31 +52,51 @@ class _FusedLookup(torch.autograd.Function):
         ctx.kernel, ctx.step, ctx.trigger_shape = kernel, step, trigger.shape
         ctx.iteration = iteration
         ctx.save_for_backward(ids, offsets, weights)
-        mode = "sum" if kernel.pooling is Pooling.SUM else "mean"
-        return F.embedding_bag(
+        features, dim = kernel.num_features, kernel.embedding_dim
+        batch = (offsets.numel() - 1) // features
+        mean = kernel.pooling is Pooling.MEAN
+        if kernel.native_lookup(weights):
+            assert fused is not None
+            out = kernel.weight.new_empty(batch, features * dim)
+            fused.bag_sum(
+                kernel.weight.numpy(),
+                ids.contiguous().numpy(),
+                offsets.contiguous().numpy(),
+                out.numpy(),
+                None if weights is None else weights.contiguous().numpy(),
+                mean,
+                features,
+                batch,
+                dim,
+                kernel.weight.shape[0],
+            )
+            return out
+        bags = F.embedding_bag(
             ids,
             kernel.weight,
             offsets,
-            mode=mode,
+            mode="mean" if mean else "sum",
             per_sample_weights=weights,
             include_last_offset=True,
         )
+        # [F*B, D] feature-major -> [B, F*D] sample-major
+        return bags.view(features, batch, dim).transpose(0, 1).reshape(batch, features * dim)
 
     @staticmethod
     def backward(
-        ctx: Any, grad_bags: torch.Tensor
+        ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         ids, offsets, weights = ctx.saved_tensors
-        if ctx.step is None:
-            ctx.kernel.apply_gradient(ids, offsets, weights, grad_bags, ctx.iteration)
-            return None, None, None, None, None, None, None
         kernel = ctx.kernel
-        rows, grad_rows = row_gradients(
-            ids, offsets, weights, grad_bags, kernel.pooling, kernel.embedding_dim
-        )
+        if ctx.step is None:
+            kernel.apply_gradient(ids, offsets, weights, grad, ctx.iteration)
+            return None, None, None, None, None, None, None
+        dim = kernel.embedding_dim
+        grad_bags = sample_major_to_bags(grad, kernel.num_features, dim)
+        rows, grad_rows = row_gradients(ids, offsets, weights, grad_bags, kernel.pooling, dim)
         kernel._update_split(rows, grad_rows, ctx.step, ctx.iteration)
         # A gradient for the step's trigger, so its backward runs after this one.
-        return grad_bags.new_zeros(ctx.trigger_shape), None, None, None, None, None, None
+        return grad.new_zeros(ctx.trigger_shape), None, None, None, None, None, None
 
 
 class TorchKernel(EmbeddingKernel):
@@ -139,20 +167,28 @@ class TorchKernel(EmbeddingKernel):
     def forward(
         self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
-        num_bags = offsets.numel() - 1
-        batch = num_bags // self.num_features
         ids = self._global_ids(values, offsets)
         step = self._sync.step() if self._sync is not None else None
         trigger = step.trigger if step is not None else self._trigger
         iteration = self._next_iteration()
-        bags: torch.Tensor = _FusedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves Function.apply untyped
-            trigger, self, ids, offsets.long(), weights, step, iteration
+        return cast(
+            torch.Tensor,
+            _FusedLookup.apply(  # type: ignore[no-untyped-call]  # torch leaves it untyped
+                trigger, self, ids, offsets.long(), weights, step, iteration
+            ),
         )
-        # [F*B, D] feature-major -> [B, F*D] sample-major
+
+    def native_lookup(self, weights: torch.Tensor | None) -> bool:
+        """Whether the lookup runs in the native extension (module doc): built, on the
+        CPU, float32 rows and weights, no tracing."""
         return (
-            bags.view(self.num_features, batch, self.embedding_dim)
-            .transpose(0, 1)
-            .reshape(batch, self.num_features * self.embedding_dim)
+            fused is not None
+            and self.weight.device.type == "cpu"
+            and self.weight.dtype == torch.float32
+            and self.weight.is_contiguous()
+            and (weights is None or weights.dtype == torch.float32)
+            and not torch.jit.is_tracing()
+            and not torch.compiler.is_compiling()
         )
 
     @torch.no_grad()
@@ -161,19 +197,20 @@ class TorchKernel(EmbeddingKernel):
         ids: torch.Tensor,
         offsets: torch.Tensor,
         weights: torch.Tensor | None,
-        grad_bags: torch.Tensor,
+        grad: torch.Tensor,
         iteration: int,
     ) -> None:
+        """Update the rows of a lookup given its gradient ``grad [B, F*D]``."""
+        features, dim = self.num_features, self.embedding_dim
         if not ids.is_cuda and dense_update_applies(
             self.optimizer, self.weight.shape[0], ids.numel()
         ):  # small tables: no dedup (optim/sparse.py); on CUDA index_add_ is not deterministic
             rows = self.weight.shape[0]
-            grad = dense_gradient(ids, offsets, weights, grad_bags, self.pooling, rows)
-            dense_rowwise_update(self.optimizer, self.weight, self.state, grad, self.lr)
+            summed = dense_gradient(ids, offsets, weights, grad, self.pooling, rows, features)
+            dense_rowwise_update(self.optimizer, self.weight, self.state, summed, self.lr)
             return
-        rows, grad_rows = row_gradients(
-            ids, offsets, weights, grad_bags, self.pooling, self.embedding_dim
-        )
+        grad_bags = sample_major_to_bags(grad, features, dim)
+        rows, grad_rows = row_gradients(ids, offsets, weights, grad_bags, self.pooling, dim)
         sparse_update(
             self.optimizer, self.weight, self.state, rows, grad_rows, self.lr, iteration=iteration
         )
