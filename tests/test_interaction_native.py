@@ -85,18 +85,6 @@ def test_native_dots_do_not_depend_on_the_thread_count():
     assert torch.equal(results[0][1], results[1][1])
 
 
-def test_native_dots_under_bf16_autocast_hand_on_bf16():
-    torch.manual_seed(3)
-    x = torch.randn(8, 6, 16, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = DotInteraction(6)(x)
-    assert out.dtype == torch.bfloat16
-    out.float().sum().backward()
-    x64 = x.detach().double().requires_grad_()
-    reference(x64, False).sum().backward()
-    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=0.02, atol=0.02)
-
-
 @pytest.mark.parametrize(("dim", "dtype"), [(8, torch.float32), (16, torch.float64)])
 def test_other_dims_and_dtypes_take_the_batched_matmuls(dim, dtype):
     x = torch.randn(3, 4, dim, dtype=dtype)

@@ -37,9 +37,10 @@ def test_interaction_gradient_matches_autograd_reference(self_interaction):
     assert torch.autograd.gradcheck(lambda t: module(t), (x,))
 
 
-def test_interaction_under_bf16_autocast_runs_in_bf16_and_backpropagates():
+@pytest.mark.parametrize("dim", [8, 16])  # 16: the fused CPU kernel, where it is built
+def test_interaction_under_bf16_autocast_runs_in_bf16_and_backpropagates(dim):
     torch.manual_seed(0)
-    x = torch.randn(4, 3, 8, requires_grad=True)
+    x = torch.randn(4, 3, dim, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = DotInteraction(3)(x)
     assert out.dtype == torch.bfloat16

@@ -333,22 +333,29 @@ static Py_ssize_t *pair_offsets(const int64_t *rows, const int64_t *cols, Py_ssi
     return off;
 }
 
-static PyObject *py_forward(PyObject *self, PyObject *args) {
-    Py_buffer x, rows, cols, out;
+/* forward(x, rows, cols, out, ...) and backward(x, rows, cols, grad, gx, ...). */
+static PyObject *run_dots(PyObject *args, int backward) {
+    Py_buffer x, rows, cols, grad = {0}, out;
     Py_ssize_t batch, features, dim, pairs, threads;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*nnnnn", &x, &rows, &cols, &out, &batch, &features, &dim,
-                          &pairs, &threads))
-        return NULL;
+    const int parsed =
+        backward ? PyArg_ParseTuple(args, "y*y*y*y*w*nnnnn", &x, &rows, &cols, &grad, &out,
+                                    &batch, &features, &dim, &pairs, &threads)
+                 : PyArg_ParseTuple(args, "y*y*y*w*nnnnn", &x, &rows, &cols, &out, &batch,
+                                    &features, &dim, &pairs, &threads);
+    if (!parsed) return NULL;
     PyObject *result = NULL;
     if (check_sizes(batch, features, dim, pairs) ||
         check(&x, batch * features * dim * 4, "x") || check(&rows, pairs * 8, "rows") ||
-        check(&cols, pairs * 8, "cols") || check(&out, batch * pairs * 4, "out") ||
+        check(&cols, pairs * 8, "cols") ||
+        (backward && check(&grad, batch * pairs * 4, "grad")) ||
+        check(&out, batch * (backward ? features * dim : pairs) * 4, backward ? "gx" : "out") ||
         check_pairs(rows.buf, cols.buf, pairs, features))
         goto done;
     Py_ssize_t *off = pair_offsets(rows.buf, cols.buf, pairs, dim);
     if (off == NULL) goto done;
     Py_BEGIN_ALLOW_THREADS
-    Job job = {x.buf, NULL, off, out.buf, 0, 0, features, dim, pairs, 0};
+    Job job = {x.buf, backward ? grad.buf : NULL, off, out.buf, 0, 0, features, dim, pairs,
+               backward};
     run_split(job, batch, threads);
     Py_END_ALLOW_THREADS
     PyMem_Free(off);
@@ -359,39 +366,13 @@ done:
     PyBuffer_Release(&rows);
     PyBuffer_Release(&cols);
     PyBuffer_Release(&out);
+    if (backward) PyBuffer_Release(&grad);
     return result;
 }
 
-static PyObject *py_backward(PyObject *self, PyObject *args) {
-    Py_buffer x, rows, cols, grad, gx;
-    Py_ssize_t batch, features, dim, pairs, threads;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*nnnnn", &x, &rows, &cols, &grad, &gx, &batch,
-                          &features, &dim, &pairs, &threads))
-        return NULL;
-    PyObject *result = NULL;
-    if (check_sizes(batch, features, dim, pairs) ||
-        check(&x, batch * features * dim * 4, "x") || check(&rows, pairs * 8, "rows") ||
-        check(&cols, pairs * 8, "cols") || check(&grad, batch * pairs * 4, "grad") ||
-        check(&gx, batch * features * dim * 4, "gx") ||
-        check_pairs(rows.buf, cols.buf, pairs, features))
-        goto done;
-    Py_ssize_t *off = pair_offsets(rows.buf, cols.buf, pairs, dim);
-    if (off == NULL) goto done;
-    Py_BEGIN_ALLOW_THREADS
-    Job job = {x.buf, grad.buf, off, gx.buf, 0, 0, features, dim, pairs, 1};
-    run_split(job, batch, threads);
-    Py_END_ALLOW_THREADS
-    PyMem_Free(off);
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&rows);
-    PyBuffer_Release(&cols);
-    PyBuffer_Release(&grad);
-    PyBuffer_Release(&gx);
-    return result;
-}
+static PyObject *py_forward(PyObject *self, PyObject *args) { return run_dots(args, 0); }
+
+static PyObject *py_backward(PyObject *self, PyObject *args) { return run_dots(args, 1); }
 
 /* bag_sum and bag_grad's arguments: (table, ids, offsets, bags, weights or None, mean,
  * out, features, batch, dim, rows), `table` read and `bags` written by bag_sum, the other
