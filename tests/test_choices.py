@@ -221,6 +221,35 @@ def test_precision_timing_runs_rounds_until_its_timed_seconds(one_thread, timed_
     assert best["fp32"] == min(stats.steps["fp32"]) and best["bf16"] == min(stats.steps["bf16"])
 
 
+def test_precision_timing_runs_each_precision_in_blocks(one_thread, monkeypatch):
+    """Each round runs ``block`` steps of one precision in a row, then of the other."""
+    seen: list[bool] = []
+    build = choices.build_model
+
+    def counted(*args, **kwargs):
+        model = build(*args, **kwargs)
+        model.register_forward_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+        return model
+
+    monkeypatch.setattr(choices, "build_model", counted)
+    ticks = iter(range(1000))
+    config = _config("train.precision=auto", "embedding.backend=torch")
+    stats = TimingStats()
+    choices.time_precisions(
+        config,
+        _schema(config),
+        CPU,
+        8,
+        warmup=1,
+        stats=stats,
+        now=lambda: 0.1 * next(ticks),
+        block=3,
+    )
+    rounds = len(stats.steps["fp32"])
+    assert rounds == 5 and len(stats.steps["bf16"]) == rounds
+    assert seen == ([False] * 3 + [True] * 3) * (1 + rounds)  # the warmup round, then the timed
+
+
 def test_auto_precision_is_fp32_without_bf16_units(monkeypatch, measuring):
     monkeypatch.setattr(choices, "bf16_units", lambda device: None)
     monkeypatch.setattr(choices, "time_precisions", None)  # never called

@@ -26,8 +26,9 @@ kernel (``embedding.backend``) and the dense part's precision (``train.precision
   (``towerrec.hardware.bf16_units``: AMX or AVX-512 BF16 on a CPU, a CUDA GPU with
   bf16); elsewhere fp32 without timing. The workload is the run's model with small
   tables (its dense part is the run's) at the batch per rank; forward and backward
-  steps in fp32 and under bf16 autocast are timed round-robin (at least
-  ``PRECISION_ROUNDS`` rounds and ``PRECISION_TIMED_S`` of them), and bf16 is chosen when
+  steps in fp32 and under bf16 autocast are timed round-robin, ``PRECISION_BLOCK`` steps of
+  one precision in a row (at least ``PRECISION_ROUNDS`` rounds and ``PRECISION_TIMED_S`` of
+  them), and bf16 is chosen when
   its step takes at most ``1 / BF16_MIN_SPEEDUP`` of fp32's. Tables and optimizer
   states keep their precision; autocast is the only source of bf16
   (``train/numerics.py`` pins IEEE fp32 matmuls).
@@ -85,6 +86,7 @@ from towerrec.train.step import autocast
 __all__ = [
     "BF16_MIN_SPEEDUP",
     "MEASURE_ENV",
+    "PRECISION_BLOCK",
     "Choice",
     "choose_backend",
     "choose_precision",
@@ -105,6 +107,11 @@ BF16_MIN_SPEEDUP = 1.05
 # of timed wall time (at most PRECISION_MAX_ROUNDS): on a 2-core machine five rounds of a
 # small model's ~4 ms step put the fp32/bf16 ratio anywhere in 0.94-1.18, forty in 0.99-1.02.
 PRECISION_ROUNDS, PRECISION_MAX_ROUNDS, PRECISION_TIMED_S = 5, 40, 0.3
+# Steps of one precision in a row within a round, timed together: training runs one
+# precision step after step, and alternating them every step hides part of what fp32's
+# larger activations cost (measured: 1.04x against the whole step's 1.10-1.16x on the
+# planted model at one thread)
+PRECISION_BLOCK = 4
 TIMING_ROWS = 64  # rows per table of the model whose dense part the precision timing runs
 
 
@@ -267,10 +274,12 @@ def time_precisions(
     timed_s: float = PRECISION_TIMED_S,
     max_steps: int = PRECISION_MAX_ROUNDS,
     now: Callable[[], float] = time.perf_counter,
+    block: int = PRECISION_BLOCK,
 ) -> dict[str, float]:
     """Seconds of one forward and backward of the run's model (small tables) in fp32 and
     under bf16 autocast: the fastest of the timed rounds, taken round-robin after
-    ``warmup`` rounds (the first steps of a process are slower). At least ``steps``
+    ``warmup`` rounds (the first steps of a process are slower); a round times ``block``
+    consecutive steps of each precision together (``PRECISION_BLOCK``). At least ``steps``
     rounds, then more until ``timed_s`` of them (at most ``max_steps``); no new round
     after ``BUDGET_S`` (wall seconds by ``now``). ``stats``, when given, receives the timed
     rounds' wall and CPU seconds and steps."""
@@ -283,17 +292,22 @@ def time_precisions(
     one_thread_cpu = torch.get_num_threads() == 1 and device.type == "cpu"
     clock = time.process_time if one_thread_cpu else time.perf_counter
 
-    def step(dtype: torch.dtype | None) -> float:
-        start = clock()
+    def one(dtype: torch.dtype | None) -> None:
         with autocast(device, dtype):
             logits = model(data.dense, data.sparse)
         loss = F.binary_cross_entropy_with_logits(logits.float(), data.labels)
         loss.backward()
         for p in params:
             p.grad = None
+
+    def step(dtype: torch.dtype | None) -> float:
+        """Seconds a step over ``block`` consecutive steps in one precision."""
+        start = clock()
+        for _ in range(block):
+            one(dtype)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return clock() - start
+        return (clock() - start) / block
 
     precisions: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}
     best = {name: math.inf for name in precisions}
