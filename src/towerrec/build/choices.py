@@ -269,7 +269,7 @@ def time_precisions(
     device: torch.device,
     batch: int,
     steps: int = PRECISION_ROUNDS,
-    warmup: int = 3,
+    warmup: int = 1,
     stats: TimingStats | None = None,
     timed_s: float = PRECISION_TIMED_S,
     max_steps: int = PRECISION_MAX_ROUNDS,
@@ -278,8 +278,9 @@ def time_precisions(
 ) -> dict[str, float]:
     """Seconds of one forward and backward of the run's model (small tables) in fp32 and
     under bf16 autocast: the fastest of the timed rounds, taken round-robin after
-    ``warmup`` rounds (the first steps of a process are slower); a round times ``block``
-    consecutive steps of each precision together (``PRECISION_BLOCK``). At least ``steps``
+    ``warmup`` rounds (the first steps of a process are slower: one round is ``block``
+    steps of each); a round times ``block`` consecutive steps of each precision together
+    (``PRECISION_BLOCK``). At least ``steps``
     rounds, then more until ``timed_s`` of them (at most ``max_steps``); no new round
     after ``BUDGET_S`` (wall seconds by ``now``). ``stats``, when given, receives the timed
     rounds' wall and CPU seconds and steps."""
