@@ -398,3 +398,30 @@ def test_native_lookup_matches_embedding_bag(pooling, weighted):
     )
     expected = bags.view(features, batch, dim).transpose(0, 1).reshape(batch, features * dim)
     torch.testing.assert_close(out, expected)
+
+
+def test_native_lookup_serves_small_tables_and_matches_embedding_bag(monkeypatch):
+    """Small tables (no more rows than ids) take the native lookup, larger ones
+    embedding_bag; both give the same pooled output and the same update."""
+    from towerrec.modules.kernels import torch_kernel
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    tables = [TableConfig("a", 50, 8), TableConfig("c", 30, 8)]
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 4, (2 * 40,), generator=gen)
+    values = torch.randint(0, 30, (int(lengths.sum()),), generator=gen)
+    grad = torch.randn(40, 16, generator=gen)
+    results = []
+    for rows_per_id in (1.0, 0.0):  # the native lookup, then embedding_bag
+        monkeypatch.setattr(torch_kernel, "NATIVE_ROWS_PER_ID", rows_per_id)
+        ebc = EmbeddingBagCollection(tables, EmbeddingOptimizerConfig(lr=0.1), backend="torch")
+        kernel = ebc._kernels[0]
+        assert kernel.native_lookup(None, values.numel()) == (rows_per_id > 0)
+        out = ebc(KeyedJaggedTensor(["a", "c"], values, lengths)).values()
+        out.backward(grad)
+        results.append((out.detach(), ebc.table_weights()))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for name, w in results[0][1].items():
+        torch.testing.assert_close(w, results[1][1][name])
