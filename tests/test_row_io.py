@@ -104,6 +104,37 @@ def test_a_truncated_file_is_refused_naming_the_first_missing_row(store, method)
         store.read(torch.tensor([3, 500, 501]))
 
 
+NATIVE = [m for m in METHODS if m != "python"]
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native extension is not built here")
+@pytest.mark.parametrize("method", NATIVE)
+def test_a_large_read_split_over_threads_reads_what_one_thread_reads(store, method):
+    gen = torch.Generator().manual_seed(3)
+    scattered = torch.randperm(LAYOUT.num_embeddings, generator=gen)[:1500]
+    rows = torch.cat([scattered, torch.arange(2900, 3000)]).unique()  # with a long last run
+    assert rows.numel() >= 3 * row_io.SPLIT_READ_ROWS  # three pieces
+    store.io = RowIO(method, max_run_rows=16, read_threads=3)
+    assert store.io.pieces() == 3
+    split = store.read(rows)
+    store.io = RowIO(method, read_threads=1)
+    assert torch.equal(split, store.read(rows))
+    assert torch.equal(split, expected(rows))
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native extension is not built here")
+@pytest.mark.parametrize("method", NATIVE)
+def test_a_split_read_names_the_first_row_past_a_truncated_end(store, method):
+    record = LAYOUT.record_width * 4
+    os.truncate(store.path, HEADER_BYTES + 2500 * record)  # rows 2500.. are gone
+    store.io = RowIO(method, read_threads=4)
+    rows = torch.cat([torch.arange(0, 2000, 2), torch.arange(2400, 2600)])  # last piece cut
+    with pytest.raises(StoreError, match=r"ends before row 2500 "):
+        store.read(rows)
+    with pytest.raises(ValueError, match="read_threads must be >= 1"):
+        RowIO(method, read_threads=0)
+
+
 def test_rows_outside_the_table_and_unknown_methods_are_refused(store):
     with pytest.raises(IndexError, match="outside table 't' of 3000 rows"):
         store.read(torch.tensor([1, 3000]))
@@ -247,13 +278,25 @@ def test_bench_row_io_times_every_method_warm_and_cold_on_the_same_rows(tmp_path
     args = parser.parse_args([*argv.split(), "--path", str(tmp_path / "files")])
     result = BENCHMARKS["row-io"].run(args)
     assert result["cached_tables"] > 0 and result["rows_read_per_step"] > 0
-    ran = {"row", *METHODS}
+    # the native methods as the store runs them (auto) and in one thread (``-1t``)
+    ran = {"row", *METHODS, *(f"{m}-1t" for m in NATIVE)}
+    assert result["read_pieces_auto"] >= 1
     assert set(result["results"]) == {"warm", "cold"}
     for pass_ in ("warm", "cold"):
         assert set(result["results"][pass_]) == ran
         for stats in result["results"][pass_].values():
             assert stats["read_us_per_row"] > 0
     assert result["disk"]["sequential_read_mb_s"] > 0
+
+
+def test_bench_row_io_refuses_a_bad_read_thread_count(tmp_path):
+    from towerrec.cli.bench import BENCHMARKS
+
+    parser = __import__("argparse").ArgumentParser()
+    BENCHMARKS["row-io"].add_arguments(parser)
+    args = parser.parse_args(["--read-threads", "auto,0", "--path", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--read-threads takes 'auto' or counts >= 1, got '0'"):
+        BENCHMARKS["row-io"].run(args)
 
 
 def test_bench_row_io_probes_the_disk_without_the_native_extension(tmp_path, monkeypatch):

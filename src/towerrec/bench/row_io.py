@@ -14,11 +14,14 @@ step by step:
 - ``row``: the store's way before batching: one ``os.preadv`` per row from Python,
   writes through the file's mapping (its pages dropped every 128 rows);
 - ``python``, ``pread``, ``uring``: ``towerrec.modules.row_io``'s methods (sorted rows
-  in runs of adjacent rows; ``pread`` and ``uring`` native, the GIL released).
+  in runs of adjacent rows; ``pread`` and ``uring`` native, the GIL released). The
+  native ones run once for each ``--read-threads`` value: ``auto`` (the store's
+  default, reported under the method's name) and each number ``k`` (``METHOD-kt``), a
+  large read split into that many pieces read at once (``row_io``'s module doc).
 
 With the files in the page cache (``warm``), and with ``--cold`` also after dropping
 them from it (``posix_fadvise``) before each method's pass. Per method: wall and
-calling-thread CPU microseconds per row read and per row written, the best of
+process CPU microseconds (every thread's) per row read and per row written, the best of
 ``--rounds``. ``--probe`` measures the disk under ``--path``, the bound of a cold read:
 sequential read MB/s (1 MiB reads), and random 4 KiB reads per second one at a time
 (``pread``) and ``RING_ENTRIES`` in flight (io_uring).
@@ -151,30 +154,30 @@ def _drop(stores: list[SsdStore]) -> None:
 
 
 def _pass(method: str, stores: list[SsdStore], steps: Steps) -> dict[str, float]:
-    """One method over every step: seconds and calling-thread CPU seconds of the reads
-    and of the writes."""
+    """One method over every step: seconds and process CPU seconds (a split read's
+    threads too) of the reads and of the writes."""
     fds = [os.open(s.path, os.O_RDONLY) for s in stores]
     out = dict.fromkeys(("read_s", "read_cpu_s", "write_s", "write_cpu_s"), 0.0)
     try:
         for step in steps:
             for store, fd, (read, written) in zip(stores, fds, step, strict=True):
-                t, c = time.perf_counter(), time.thread_time()
+                t, c = time.perf_counter(), time.process_time()
                 if method == "row":
                     records = _legacy_read(store, fd, read)
                 else:
                     records = store.read(read)
                 out["read_s"] += time.perf_counter() - t
-                out["read_cpu_s"] += time.thread_time() - c
+                out["read_cpu_s"] += time.process_time() - c
                 back = records[: written.numel()]
                 if back.shape[0] < written.numel():
                     back = torch.zeros(written.numel(), store.layout.record_width)
-                t, c = time.perf_counter(), time.thread_time()
+                t, c = time.perf_counter(), time.process_time()
                 if method == "row":
                     _legacy_write(store, written, back)
                 else:
                     store.write(written, back)
                 out["write_s"] += time.perf_counter() - t
-                out["write_cpu_s"] += time.thread_time() - c
+                out["write_cpu_s"] += time.process_time() - c
     finally:
         for fd in fds:
             os.close(fd)
@@ -220,6 +223,33 @@ def _probe(path: Path, stores: list[SsdStore], count: int) -> dict[str, float]:
         os.close(fd)
 
 
+def _read_threads(text: str) -> list[int | None]:
+    """``--read-threads``: ``auto`` (None) or counts of at least 1."""
+    out: list[int | None] = []
+    for item in comma_list(text):
+        if item == "auto":
+            out.append(None)
+        elif item.isdigit() and int(item) >= 1:
+            out.append(int(item))
+        else:
+            raise ValueError(f"--read-threads takes 'auto' or counts >= 1, got {item!r}")
+    return out or [None]
+
+
+def _labelled_runs(
+    methods: list[str], threads: list[int | None]
+) -> list[tuple[str, str, int | None]]:
+    """``(label, method, read_threads)`` of each pass: the native methods once per
+    ``threads`` value, the others once (their reads are not split)."""
+    out: list[tuple[str, str, int | None]] = []
+    for method in methods:
+        if method in ("pread", "uring"):
+            out += [(method if t is None else f"{method}-{t}t", method, t) for t in threads]
+        else:
+            out.append((method, method, None))
+    return out
+
+
 def run_row_io_benchmark(args: argparse.Namespace) -> dict:
     methods = list(comma_list(args.methods))
     unknown = sorted(set(methods) - set(METHODS))
@@ -228,6 +258,7 @@ def run_row_io_benchmark(args: argparse.Namespace) -> dict:
     usable = ("row", *available_methods())
     skipped = [m for m in methods if m not in usable]
     methods = [m for m in methods if m in usable]
+    runs = _labelled_runs(methods, _read_threads(args.read_threads))
     all_rows = criteo_rows(args.gib, args.dim)
     rows = [n for n in all_rows if n > args.min_rows]
     loadavg_start = os.getloadavg()
@@ -253,14 +284,18 @@ def run_row_io_benchmark(args: argparse.Namespace) -> dict:
                 _pass("pread" if "pread" in usable else "python", stores, steps)  # pages in
             best: dict[str, dict[str, float]] = {}
             for _ in range(args.rounds):
-                for method in methods:
+                for label, method, threads in runs:
                     for store in stores:
-                        store.io = RowIO(method if method != "row" else "python", uring_writes=True)
+                        store.io = RowIO(
+                            method if method != "row" else "python",
+                            uring_writes=True,
+                            read_threads=threads,
+                        )
                     if mode == "cold":
                         _drop(stores)
                     got = _pass(method, stores, steps)
-                    prev = best.get(method)
-                    best[method] = (
+                    prev = best.get(label)
+                    best[label] = (
                         got if prev is None else {k: min(v, prev[k]) for k, v in got.items()}
                     )
             for method, got in best.items():
@@ -300,6 +335,7 @@ def run_row_io_benchmark(args: argparse.Namespace) -> dict:
         "read_runs_per_step": round(runs_per_step, 1),
         "write_files_s": round(write_s, 1),
         "methods_skipped": skipped,
+        "read_pieces_auto": RowIO(read_threads=None).pieces(),
         "results": results,
         "disk": probe,
         "mmap_page_bytes": mmap.PAGESIZE,
@@ -317,6 +353,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=20, help="steps that fill the cache first")
     parser.add_argument("--methods", default=",".join(METHODS), help=", ".join(METHODS))
     parser.add_argument("--rounds", type=int, default=3, help="passes per method (the best)")
+    parser.add_argument(
+        "--read-threads",
+        default="1,auto",
+        help="pieces of a native read: 'auto' (the store's default) and counts",
+    )
     parser.add_argument(
         "--cold", action="store_true", help="also with the files out of the page cache"
     )
