@@ -464,6 +464,16 @@ def test_bench_tiers_reports_each_variant():
         "host/link_bound",
         "ssd/link_bound",
     }
+    assert set(result["ratios_median_round"]) == {"host/device", "ssd/device"}
+    assert all(len(v) == 1 for v in result["ratios_by_round"].values())  # one round
+
+
+def test_bench_tiers_pairs_each_round_with_the_in_memory_run_of_that_round():
+    from towerrec.bench.tiers import round_ratios
+
+    rounds = {"device": [100.0, 50.0, 80.0], "ssd": [60.0, 45.0, 40.0], "host": [90.0, 40.0, 80.0]}
+    assert round_ratios(rounds) == {"ssd/device": [0.6, 0.9, 0.5], "host/device": [0.9, 0.8, 1.0]}
+    assert round_ratios({"ssd": [1.0]}) == {}  # no in-memory run to pair with
 
 
 @pytest.mark.parametrize(

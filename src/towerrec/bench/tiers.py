@@ -67,6 +67,9 @@ The variants run one after another (holding every layout at once would need seve
 the tables), ``--rounds`` times in turn; each reports its best round (on a shared machine other
 tenants only slow a round down; the first variant of a process is often slowed too) with every
 round's samples/s beside it, and the load average at start and end belongs in the record.
+``ratios_by_round`` pairs each cached variant with the in-memory run of the same round, and
+``ratios_median_round`` gives their median: the best rounds' ratio can pair rounds far apart
+in time, and on these machines the speed drifts between them.
 """
 
 from __future__ import annotations
@@ -500,6 +503,7 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
             ratios[f"{name}/{name}-sync"] = round(results[name]["samples_per_s"] / sync, 3)
     link = measure_link(device)
     ratios.update(link_bounds(args, results, link))
+    by_round = round_ratios({v: [r["samples_per_s"] for r in outs] for v, outs in runs.items()})
     row_bytes = 4 * (args.dim + 1)
     return {
         "benchmark": "tiers",
@@ -528,7 +532,24 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
         "link": {k: round(v / 1e9, 3) for k, v in link.items()},  # GB/s
         "results": results,
         "ratios": ratios,
+        "ratios_by_round": by_round,
+        "ratios_median_round": {k: round(statistics.median(v), 3) for k, v in by_round.items()},
         "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+
+
+def round_ratios(rounds: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each cached variant's samples/s over the in-memory variant's, round by round:
+    the variants of a round run one after the other, so a drift of the machine's speed
+    between rounds (the best round of each variant may come from different rounds)
+    cancels in these pairs. Their median sits beside the best rounds' ratio."""
+    device = rounds.get("device")
+    if not device:
+        return {}
+    return {
+        f"{name}/device": [round(a / b, 3) for a, b in zip(speeds, device, strict=True)]
+        for name, speeds in rounds.items()
+        if name != "device"
     }
 
 
