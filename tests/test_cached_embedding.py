@@ -468,6 +468,21 @@ def test_bench_tiers_reports_each_variant():
     assert all(len(v) == 1 for v in result["ratios_by_round"].values())  # one round
 
 
+def test_bench_tiers_runs_the_write_behind_alone_beside_the_synchronous_step(tmp_path):
+    from towerrec.cli.bench import BENCHMARKS
+
+    parser = __import__("argparse").ArgumentParser()
+    BENCHMARKS["tiers"].add_arguments(parser)
+    argv = "--gib 0.03 --batch-size 64 --steps 2 --warmup 1 --dim 8 --variants ssd-sync,ssd-write-behind"
+    result = BENCHMARKS["tiers"].run(parser.parse_args([*argv.split(), "--path", str(tmp_path)]))
+    ran = {name: r["background"] for name, r in result["results"].items()}
+    assert ran == {
+        "ssd-sync": {"read_ahead": False, "write_behind": False},
+        "ssd-write-behind": {"read_ahead": False, "write_behind": True},
+    }
+    assert "ssd-write-behind/ssd-sync" in result["ratios"]
+
+
 def test_bench_tiers_pairs_each_round_with_the_in_memory_run_of_that_round():
     from towerrec.bench.tiers import round_ratios
 

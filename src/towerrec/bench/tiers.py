@@ -22,6 +22,9 @@ variant in turn:
 - ``ssd-write-through``: ``ssd`` with the read ahead on and its evictions written back
   within the step (``embedding.write_behind = off``), the write-behind's share beside
   ``ssd-threads``;
+- ``ssd-write-behind``: ``ssd`` with the write-behind on and no read ahead (its evictions'
+  writes run while the lookup reads its misses), the write-behind's share beside
+  ``ssd-sync``;
 - ``kv``: the same caches (each table's slots as ``host``'s) over LMDB stores of rows
   keyed by id under ``--path``, each row made from its id on first touch; nothing is
   written up front, so the store holds only the rows written back (``kv_rows_stored``,
@@ -128,6 +131,7 @@ BACKGROUND = {
     "ssd-sync": (Background.OFF, Background.OFF),
     "ssd-threads": (Background.ON, Background.ON),
     "ssd-write-through": (Background.ON, Background.OFF),
+    "ssd-write-behind": (Background.OFF, Background.ON),
 }
 VARIANTS = ("device", *BACKGROUND, "mmap")
 SHARDED_VARIANTS = tuple(v for v in VARIANTS if v not in ("kv", "mmap"))
@@ -496,6 +500,11 @@ def run_tiers_benchmark(args: argparse.Namespace) -> dict:
         through = results["ssd-write-through"]["samples_per_s"]
         ratios["ssd-threads/ssd-write-through"] = round(
             results["ssd-threads"]["samples_per_s"] / through, 3
+        )
+    if "ssd-write-behind" in results and "ssd-sync" in results:  # the write-behind alone
+        sync = results["ssd-sync"]["samples_per_s"]
+        ratios["ssd-write-behind/ssd-sync"] = round(
+            results["ssd-write-behind"]["samples_per_s"] / sync, 3
         )
     for name in ("host", "ssd"):  # the background read ahead against none
         if name in results and f"{name}-sync" in results:
