@@ -115,9 +115,8 @@ def test_a_large_read_split_over_threads_reads_what_one_thread_reads(store, meth
     rows = torch.cat([scattered, torch.arange(2900, 3000)]).unique()  # with a long last run
     assert rows.numel() >= 3 * row_io.SPLIT_READ_ROWS  # three pieces
     store.io = RowIO(method, max_run_rows=16, read_threads=3)
-    assert store.io.pieces() == 3
     split = store.read(rows)
-    store.io = RowIO(method, read_threads=1)
+    store.io = RowIO(method)  # one piece
     assert torch.equal(split, store.read(rows))
     assert torch.equal(split, expected(rows))
 
@@ -278,9 +277,8 @@ def test_bench_row_io_times_every_method_warm_and_cold_on_the_same_rows(tmp_path
     args = parser.parse_args([*argv.split(), "--path", str(tmp_path / "files")])
     result = BENCHMARKS["row-io"].run(args)
     assert result["cached_tables"] > 0 and result["rows_read_per_step"] > 0
-    # the native methods as the store runs them (auto) and in one thread (``-1t``)
-    ran = {"row", *METHODS, *(f"{m}-1t" for m in NATIVE)}
-    assert result["read_pieces_auto"] >= 1
+    # the native methods as the store runs them (one piece) and split in two (``-2t``)
+    ran = {"row", *METHODS, *(f"{m}-2t" for m in NATIVE)}
     assert set(result["results"]) == {"warm", "cold"}
     for pass_ in ("warm", "cold"):
         assert set(result["results"][pass_]) == ran
@@ -294,8 +292,8 @@ def test_bench_row_io_refuses_a_bad_read_thread_count(tmp_path):
 
     parser = __import__("argparse").ArgumentParser()
     BENCHMARKS["row-io"].add_arguments(parser)
-    args = parser.parse_args(["--read-threads", "auto,0", "--path", str(tmp_path)])
-    with pytest.raises(ValueError, match=r"--read-threads takes 'auto' or counts >= 1, got '0'"):
+    args = parser.parse_args(["--read-threads", "1,0", "--path", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--read-threads takes counts >= 1, got '0'"):
         BENCHMARKS["row-io"].run(args)
 
 

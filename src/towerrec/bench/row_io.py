@@ -15,9 +15,9 @@ step by step:
   writes through the file's mapping (its pages dropped every 128 rows);
 - ``python``, ``pread``, ``uring``: ``towerrec.modules.row_io``'s methods (sorted rows
   in runs of adjacent rows; ``pread`` and ``uring`` native, the GIL released). The
-  native ones run once for each ``--read-threads`` value: ``auto`` (the store's
-  default, reported under the method's name) and each number ``k`` (``METHOD-kt``), a
-  large read split into that many pieces read at once (``row_io``'s module doc).
+  native ones run once for each ``--read-threads`` count ``k``: a large read split into
+  that many pieces read at once (``row_io``'s module doc), reported as ``METHOD-kt``, and
+  under the method's name for 1 (the store's way).
 
 With the files in the page cache (``warm``), and with ``--cold`` also after dropping
 them from it (``posix_fadvise``) before each method's pass. Per method: wall and
@@ -223,30 +223,25 @@ def _probe(path: Path, stores: list[SsdStore], count: int) -> dict[str, float]:
         os.close(fd)
 
 
-def _read_threads(text: str) -> list[int | None]:
-    """``--read-threads``: ``auto`` (None) or counts of at least 1."""
-    out: list[int | None] = []
+def _read_threads(text: str) -> list[int]:
+    """``--read-threads``: counts of at least 1."""
+    out: list[int] = []
     for item in comma_list(text):
-        if item == "auto":
-            out.append(None)
-        elif item.isdigit() and int(item) >= 1:
-            out.append(int(item))
-        else:
-            raise ValueError(f"--read-threads takes 'auto' or counts >= 1, got {item!r}")
-    return out or [None]
+        if not (item.isdigit() and int(item) >= 1):
+            raise ValueError(f"--read-threads takes counts >= 1, got {item!r}")
+        out.append(int(item))
+    return out or [1]
 
 
-def _labelled_runs(
-    methods: list[str], threads: list[int | None]
-) -> list[tuple[str, str, int | None]]:
+def _labelled_runs(methods: list[str], threads: list[int]) -> list[tuple[str, str, int]]:
     """``(label, method, read_threads)`` of each pass: the native methods once per
-    ``threads`` value, the others once (their reads are not split)."""
-    out: list[tuple[str, str, int | None]] = []
+    ``threads`` count, the others once (their reads are not split)."""
+    out: list[tuple[str, str, int]] = []
     for method in methods:
         if method in ("pread", "uring"):
-            out += [(method if t is None else f"{method}-{t}t", method, t) for t in threads]
+            out += [(method if t == 1 else f"{method}-{t}t", method, t) for t in threads]
         else:
-            out.append((method, method, None))
+            out.append((method, method, 1))
     return out
 
 
@@ -335,7 +330,6 @@ def run_row_io_benchmark(args: argparse.Namespace) -> dict:
         "read_runs_per_step": round(runs_per_step, 1),
         "write_files_s": round(write_s, 1),
         "methods_skipped": skipped,
-        "read_pieces_auto": RowIO(read_threads=None).pieces(),
         "results": results,
         "disk": probe,
         "mmap_page_bytes": mmap.PAGESIZE,
@@ -355,8 +349,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="passes per method (the best)")
     parser.add_argument(
         "--read-threads",
-        default="1,auto",
-        help="pieces of a native read: 'auto' (the store's default) and counts",
+        default="1,2",
+        help="pieces of a large native read, each count in turn (1: the store's way)",
     )
     parser.add_argument(
         "--cold", action="store_true", help="also with the files out of the page cache"

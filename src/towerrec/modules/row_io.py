@@ -23,16 +23,15 @@ overlap the step. ``RowIO(method)`` picks one (default: the first of ``uring``,
 A transfer returns ``-1`` when every record moved, else the index of the first row
 the file ends before (a truncated file), which the store reports.
 
-A native read of at least ``SPLIT_READ_ROWS`` rows is split into equal pieces of its
-rows, read at once by the calling thread and a shared pool's threads (each with its own
-ring): ``read_threads`` pieces (default ``auto``: the torch intra-op threads, at most
-``MAX_READ_THREADS``). A read from the page cache waits on memory, not on the disk (the
-page cache's tree, then the row; 1.5 us a row, one thread), and a cache's misses are
-read while the step's torch threads have nothing to do, so the pieces overlap those
-waits on the idle cores. On 2 cores a step's misses read 1.2x faster (most tables miss
-too few rows to split) and a read of 5,000 rows 1.7x, for 11 % more CPU in all
-(``bench row-io``, docs/benchmarks.md). Writes stay
-in one thread (a file's buffered writes take its inode lock, one writer at a time).
+A native read of at least ``SPLIT_READ_ROWS`` rows a piece may be split into
+``read_threads`` pieces of its rows (default 1: not split), read at once by the calling
+thread and a shared pool's threads, each with its own ring. A read from the page cache
+waits on memory (the page cache's tree, then the row; 1.2-1.5 us a row), so pieces overlap
+those waits: on 2 cores a step's misses read 1.2x faster in 2 pieces, for 11 % more CPU
+(``bench row-io``). Inside a training step on the same 2 cores it gained nothing (steps
+alternating between 1 and 2 pieces, 54.6 ms each at the median), so the store reads in
+one piece; more pieces may pay where cores sit idle during the lookup. Writes stay in one
+thread (a file's buffered writes take its inode lock, one writer at a time).
 """
 
 from __future__ import annotations
@@ -48,7 +47,6 @@ import numpy as np
 import torch
 
 __all__ = [
-    "MAX_READ_THREADS",
     "MAX_RUN_ROWS",
     "METHODS",
     "SPLIT_READ_ROWS",
@@ -61,7 +59,6 @@ METHODS = ("uring", "pread", "python")
 MAX_RUN_ROWS = 4096  # rows in one transfer at most (bounds one call's size)
 RING_ENTRIES = 256  # io_uring requests in flight at most
 SPLIT_READ_ROWS = 256  # rows per piece of a split read, at least (module doc)
-MAX_READ_THREADS = 4  # pieces of one read at most (``read_threads = None``)
 
 _native: ModuleType | None
 try:
@@ -126,7 +123,7 @@ class RowIO:
         method: str | None = None,
         max_run_rows: int = MAX_RUN_ROWS,
         uring_writes: bool = False,
-        read_threads: int | None = None,
+        read_threads: int = 1,
     ) -> None:
         usable = available_methods()
         if method is None:
@@ -141,18 +138,18 @@ class RowIO:
             )
         if max_run_rows < 1:
             raise ValueError(f"max_run_rows must be >= 1, got {max_run_rows}")
-        if read_threads is not None and read_threads < 1:
-            raise ValueError(f"read_threads must be >= 1 (or None: auto), got {read_threads}")
+        if read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
         self.method = method
         self.max_run_rows = max_run_rows
         self.uring_writes = uring_writes  # uring: writes by io_uring too (module doc)
-        self.read_threads = read_threads  # pieces of a native read; None: auto (module doc)
+        self.read_threads = read_threads  # pieces of a large native read (module doc)
         self._rings = threading.local()
 
     def read(self, fd: int, rows: torch.Tensor, out: torch.Tensor, base: int) -> int:
         """Read the records of ``rows [n]`` into ``out [n, W]`` (contiguous float32); in
-        pieces on several threads when it pays (module doc)."""
-        pieces = min(self.pieces(), rows.numel() // SPLIT_READ_ROWS)
+        up to ``read_threads`` pieces at once (module doc)."""
+        pieces = min(self.read_threads, rows.numel() // SPLIT_READ_ROWS)
         if pieces <= 1 or self.method == "python":  # Python's loop holds the GIL
             return self._transfer(fd, rows, out, base, write=False)
         n = rows.numel()
@@ -172,12 +169,6 @@ class RowIO:
             if short >= 0:  # the first piece with a row past the end: its first such row
                 return lo + short
         return -1
-
-    def pieces(self) -> int:
-        """How many pieces a large native read is split into now (module doc)."""
-        if self.read_threads is not None:
-            return self.read_threads
-        return max(1, min(torch.get_num_threads(), MAX_READ_THREADS))
 
     def write(self, fd: int, rows: torch.Tensor, records: torch.Tensor, base: int) -> int:
         """Write ``records [n, W]`` (contiguous float32) at ``rows [n]``."""
