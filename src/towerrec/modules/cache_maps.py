@@ -15,6 +15,8 @@ pass instead of a walk with a host decision per chunk.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 __all__ = ["PROTECTED", "DenseSlotMap", "RecencyQueue", "SortedSlotMap", "lowest_slots"]
@@ -27,6 +29,11 @@ class DenseSlotMap:
 
     def __init__(self, rows: int, device: torch.device | None = None) -> None:
         self._slot = torch.full((rows,), -1, dtype=torch.int32, device=device)
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The map itself (a native caller reads and updates it in place)."""
+        return self._slot
 
     def get(self, ids: torch.Tensor) -> torch.Tensor:
         """Slots (int64) of ``ids``, -1 for ids not cached."""
@@ -127,6 +134,44 @@ class RecencyQueue:
             need -= at.numel()
             self._head = self._head + int(at[-1]) + 1 if need == 0 else end
         return torch.cat(taken)
+
+    def native_victims(
+        self,
+        lib: ModuleType,
+        slot: torch.Tensor,
+        count: int,
+        filled: int,
+        last_used: torch.Tensor,
+        protected: torch.Tensor,
+    ) -> tuple[torch.Tensor, int]:
+        """``count`` slots to reuse, in one call of the native bookkeeping (``_cache.c``):
+        the empty slots from ``filled`` first, then ``oldest``'s, never a slot in ``slot``
+        (a lookup's slots, -1 where missed; ``protected``, all False, is scratch); and how
+        many of them were empty."""
+        out = torch.empty(count, dtype=torch.int64)
+        self._head, empty = lib.victims(
+            slot.numpy(),
+            count,
+            filled,
+            last_used.numpy(),
+            protected.numpy(),
+            self._slots.numpy(),
+            self._stamps.numpy(),
+            self._head,
+            self._tail,
+            out.numpy(),
+        )
+        return out, empty
+
+    def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The buffers and the place where ``n`` uses appended now go, the tail moved past
+        them, for a native caller to write; the place is -1 (nothing reserved) when the
+        buffer must be compacted first (``push`` them then)."""
+        if self._tail + n > self._slots.numel():
+            return self._slots, self._stamps, -1
+        at = self._tail
+        self._tail += n
+        return self._slots, self._stamps, at
 
     def _compact(self, last_used: torch.Tensor, room: int) -> None:
         slots = self._slots[self._head : self._tail]

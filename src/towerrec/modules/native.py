@@ -1,15 +1,21 @@
-"""The optional native extension of fused CPU kernels (``_fused.c``): the module, or
-``None`` where ``pip install`` found no C compiler to build it (its callers then take
-their PyTorch paths)."""
+"""The optional native extensions: the fused CPU kernels (``_fused.c``) and the host
+bookkeeping of cached tables (``_cache.c``); each module, or ``None`` where ``pip
+install`` found no C compiler to build it (its callers then take their PyTorch paths)."""
 
 from __future__ import annotations
 
 from types import ModuleType
 
-__all__ = ["fused"]
+__all__ = ["cache", "fused"]
 
 fused: ModuleType | None
 try:
     from towerrec.modules import _fused as fused  # type: ignore[attr-defined,no-redef,unused-ignore]
 except ImportError:  # not built here
     fused = None
+
+cache: ModuleType | None
+try:
+    from towerrec.modules import _cache as cache  # type: ignore[attr-defined,no-redef,unused-ignore]
+except ImportError:  # not built here
+    cache = None

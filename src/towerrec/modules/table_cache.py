@@ -34,7 +34,10 @@ of two places (``CacheMaps``, ``modules/tiers.py``)::
              synchronously.
 
 Both choose the same victims, so their hits, misses and write-backs are equal (LFU up to
-its ties). The id -> slot map is a dense array of one int32 a row (``DenseSlotMap``) for
+its ties). On the host, a table of dense ids does its lookup's bookkeeping in a few calls
+of the native extension (``_cache.c``, one pass over the ids each: the sorted distinct
+ids, the victims, the write-back's dirty rows, the map's update, the stamps) where it is
+built, and in some 25 tensor operations otherwise; both paths leave the same state. The id -> slot map is a dense array of one int32 a row (``DenseSlotMap``) for
 tables of dense id ranges, and sorted keys searched with ``searchsorted``
 (``SortedSlotMap``, memory a function of the cache's size) for kv tables, whose ids span
 up to 2**63.
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from towerrec.modules import native
 from towerrec.modules.cache_maps import DenseSlotMap, RecencyQueue, SortedSlotMap, lowest_slots
 from towerrec.modules.tables import TableConfig
 from towerrec.modules.tier_store import BackingStore
@@ -56,6 +60,7 @@ from towerrec.modules.tiers import CachePolicy
 __all__ = ["CacheStats", "TableCache"]
 
 CPU = torch.device("cpu")
+NO_QUEUE = torch.empty(0, dtype=torch.int64)  # the native calls' queue where none is kept
 
 
 class CacheStats:
@@ -200,6 +205,10 @@ class TableCache:
             order = torch.argsort(self.last_used[: self.filled])
             self.recency.push(order, self.last_used[order], self.last_used)
         self.on_device, self.device = on_device, target
+        dense = isinstance(self.slot_of, DenseSlotMap)
+        self._native = native.cache if dense and not on_device else None
+        if self._native is not None and not self._protected.numel():
+            self._protected = torch.zeros(self.cache_rows, dtype=torch.bool)
 
     # --------------------------------------------------------------- prefetch
     def prefetch(self, key: int, ids: torch.Tensor, executor: ThreadPoolExecutor) -> None:
@@ -220,6 +229,18 @@ class TableCache:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(unique ids, each id's place among them, their slots (-1: not cached), the
         missing ids)`` of a lookup of ``ids`` now."""
+        if self._native is not None and isinstance(self.slot_of, DenseSlotMap):
+            flat = ids.reshape(-1).long().contiguous()
+            out = torch.empty(4, flat.numel(), dtype=torch.int64)
+            u, m = self._native.find(
+                flat.numpy(),
+                self.slot_of.table.numpy(),
+                out[0].numpy(),
+                out[1].numpy(),
+                out[2].numpy(),
+                out[3].numpy(),
+            )
+            return out[0, :u], out[1].view(ids.shape), out[2, :u], out[3, :m]
         unique, inverse = torch.unique(ids, return_inverse=True)
         slot = self.slot_of.get(unique)
         return unique, inverse, slot, unique[slot < 0]
@@ -289,23 +310,56 @@ class TableCache:
                 f"cache_slots) to at least {unique.numel()}, or, with cache_slots = 0, "
                 f"cache_fraction to at least {need:.4g}; or use smaller batches"
             )
-        miss = slot < 0
         if missing.numel():
-            victims, empty = self._victims(missing.numel(), slot[~miss])
+            victims, empty = self._victims(missing.numel(), slot)
             self._evict(victims[empty:])  # the first ``empty`` held no row
             if ahead is not None:
                 records = ahead.records
                 self.stats.prefetched += missing.numel()
             else:
                 records = self._read(missing, taken)
-            self._fill(victims, missing, records)
+            if ahead is not None or self._native is None:
+                slot = slot.clone()  # (a read ahead's finding is not written into)
+            self._fill(victims, empty, missing, records, slot)
             self._version += 1
             self.filled += empty  # the empty slots are taken in order
-            slot = slot.clone()  # (a read ahead's finding is not written into)
-            slot[miss] = victims
         self.clock += 1
+        out = self._touch(slot, inverse, training)
+        self.stats.lookups += unique.numel()
+        self.stats.hits += unique.numel() - missing.numel()
+        if training:
+            self.stats.train_lookups += unique.numel()
+            self.stats.train_hits += unique.numel() - missing.numel()
+        return out
+
+    def _touch(self, slot: torch.Tensor, inverse: torch.Tensor, training: bool) -> torch.Tensor:
+        """Record the lookup of the rows in ``slot`` (its distinct ids' slots, in id order)
+        at the clock: recency stamps, uses, dirty bits when ``training``; the slot of each
+        id (``slot[inverse]``)."""
         # Recency: the lookup's clock, then its rows in id order (no ties: ``_victims``
         # picks the same rows as an LRU list updated in that order).
+        if self._native is not None:
+            out = torch.empty(inverse.shape, dtype=torch.int64)
+            q_slots, q_stamps, at = NO_QUEUE, NO_QUEUE, -1
+            if self.recency is not None:
+                q_slots, q_stamps, at = self.recency.reserve(slot.numel())
+            self._native.touch(
+                slot.numpy(),
+                inverse.reshape(-1).numpy(),
+                out.view(-1).numpy(),
+                self.clock,
+                training,
+                self.last_used.numpy(),
+                self.uses.numpy(),
+                self.dirty.numpy(),
+                q_slots.numpy(),
+                q_stamps.numpy(),
+                at,
+            )
+            if self.recency is not None and at < 0:  # the queue is compacted first
+                stamps = (self.clock << 32) + torch.arange(slot.numel())
+                self.recency.push(slot, stamps, self.last_used)
+            return out
         stamps = (self.clock << 32) + torch.arange(slot.numel(), device=slot.device)
         self.last_used[slot] = stamps
         if self.recency is not None:
@@ -313,16 +367,16 @@ class TableCache:
         self.uses[slot] += 1
         if training:
             self.dirty[slot] = True
-        self.stats.lookups += unique.numel()
-        self.stats.hits += unique.numel() - missing.numel()
-        if training:
-            self.stats.train_lookups += unique.numel()
-            self.stats.train_hits += unique.numel() - missing.numel()
         return slot[inverse]
 
-    def _victims(self, count: int, keep: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``count`` slots to reuse: empty ones first, then by the policy, never ``keep``;
-        and how many of them were empty."""
+    def _victims(self, count: int, slot: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``count`` slots to reuse: empty ones first, then by the policy, never one of the
+        lookup's ``slot`` (-1 where missed); and how many of them were empty."""
+        if self._native is not None and self.recency is not None:
+            return self.recency.native_victims(
+                self._native, slot, count, self.filled, self.last_used, self._protected
+            )
+        keep = slot[slot >= 0]
         empty = min(count, self.cache_rows - self.filled)
         out = torch.arange(self.filled, self.filled + empty, device=self.device)
         if empty == count:
@@ -377,7 +431,23 @@ class TableCache:
         return out
 
     def _evict(self, slots: torch.Tensor) -> None:
-        """Empty ``slots`` (each holds a row), writing the dirty ones back."""
+        """Empty ``slots`` (each holds a row), writing the dirty ones back (the native
+        bookkeeping takes their ids out of the map in ``_fill``)."""
+        if self._native is not None:
+            found = torch.empty(2, slots.numel(), dtype=torch.int64)
+            k = self._native.evicted(
+                slots.numpy(),
+                self.id_of.numpy(),
+                self.dirty.numpy(),
+                found[0].numpy(),
+                found[1].numpy(),
+            )
+            if k:
+                written = found[0, :k]
+                self._written(written)
+                self.store.write(written, self._gather(found[1, :k]))
+                self.stats.written(k)
+            return
         ids = self.id_of[slots]
         write = self.dirty[slots]
         written = ids[write]
@@ -387,7 +457,17 @@ class TableCache:
             self.stats.written(written.numel())
         self.slot_of.remove(ids)
 
-    def _fill(self, slots: torch.Tensor, ids: torch.Tensor, records: torch.Tensor) -> None:
+    def _fill(
+        self,
+        slots: torch.Tensor,
+        empty: int,
+        ids: torch.Tensor,
+        records: torch.Tensor,
+        slot: torch.Tensor,
+    ) -> None:
+        """The rows ``ids`` (their ``records``) into the victims' ``slots`` (the first
+        ``empty`` held no row; the others were emptied by ``_evict``), and the lookup's
+        ``slot`` (-1 where missed, in missed ids' order) given them."""
         weight, states = self._weight(), self._states()
         at = slots.to(weight.device)
         records = records.to(weight.device)
@@ -396,6 +476,19 @@ class TableCache:
         for name, (col, width) in self.store.layout.state_columns().items():
             value = records[:, col] if width == 1 else records[:, col : col + width]
             states[name].index_copy_(0, at, value)
+        if self._native is not None and isinstance(self.slot_of, DenseSlotMap):
+            self._native.fill(
+                slots.numpy(),
+                empty,
+                ids.numpy(),
+                slot.numpy(),
+                self.slot_of.table.numpy(),
+                self.id_of.numpy(),
+                self.dirty.numpy(),
+                self.uses.numpy(),
+            )
+            return
+        slot[slot < 0] = slots
         self.slot_of.set(ids, slots)
         self.id_of[slots] = ids
         self.dirty[slots] = False
