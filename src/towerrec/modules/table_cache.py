@@ -34,13 +34,16 @@ of two places (``CacheMaps``, ``modules/tiers.py``)::
              synchronously.
 
 Both choose the same victims, so their hits, misses and write-backs are equal (LFU up to
-its ties). On the host, a table of dense ids does its lookup's bookkeeping in a few calls
-of the native extension (``_cache.c``, one pass over the ids each: the sorted distinct
-ids, the victims, the write-back's dirty rows, the map's update, the stamps) where it is
-built, and in some 25 tensor operations otherwise; both paths leave the same state. The id -> slot map is a dense array of one int32 a row (``DenseSlotMap``) for
+its ties). The id -> slot map is a dense array of one int32 a row (``DenseSlotMap``) for
 tables of dense id ranges, and sorted keys searched with ``searchsorted``
 (``SortedSlotMap``, memory a function of the cache's size) for kv tables, whose ids span
 up to 2**63.
+
+On the host, a table of dense ids does a lookup's bookkeeping in five calls of the
+native extension (``_cache.c``, one pass over the ids each: the sorted distinct ids with
+their slots and misses, the victims, the dirty rows to write back, the map's update, the
+stamps) where it is built, and in some 25 tensor operations otherwise; both paths leave
+the same state (tests/test_cache_native.py).
 """
 
 from __future__ import annotations
