@@ -158,7 +158,7 @@ def test_native_find_refuses_an_id_outside_the_table(bad):
         lib.find(ids.numpy(), slot_map.numpy(), *(out[i].numpy() for i in range(4)))
 
 
-def test_native_victims_are_an_lru_lists():
+def test_native_victims_are_an_lru_lists_oldest():
     """Empty slots first, then the least recently used by an independent list, skipping
     stale queue entries and the lookup's own slots."""
     slots = 6
