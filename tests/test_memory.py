@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import platform
+import subprocess
 import sys
 
 import pytest
@@ -296,3 +298,37 @@ def test_full_tables_beyond_the_devices_memory_are_refused_before_allocation(mon
     compact.build_embedding_collection(tables, CompactConfig(), adam, materialize=False)
     monkeypatch.setattr(compact, "device_memory_bytes", lambda device: 4000 * 24 * 4)
     assert compact.build_embedding_collection(tables, CompactConfig(), adam).is_materialized
+
+
+_HEAP_PROBE = """
+import sys
+import torch
+from towerrec.memory import reuse_freed_memory
+if sys.argv[1] == "reuse":
+    assert reuse_freed_memory()
+block = torch.empty(1 << 20, dtype=torch.uint8)  # 1 MiB: mmap'd at glibc's defaults
+address = block.data_ptr()
+with open("/proc/self/maps") as f:
+    heaps = [line.split()[0] for line in f if line.rstrip().endswith("[heap]")]
+inside = any(int(a, 16) <= address < int(b, 16) for a, b in (h.split("-") for h in heaps))
+print("heap" if inside else "mapped")
+"""
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="glibc's allocator",
+)
+@pytest.mark.parametrize("mode,where", [("reuse", "heap"), ("default", "mapped")])
+def test_reuse_freed_memory_serves_large_blocks_from_the_heap(mode: str, where: str) -> None:
+    """A fresh process puts its first 1 MiB block in a mapping of its own at glibc's
+    defaults (each such block faults in fresh pages), and on the heap, where freed
+    memory is reused, after reuse_freed_memory()."""
+    out = subprocess.run(
+        [sys.executable, "-c", _HEAP_PROBE, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert out.stdout.strip() == where

@@ -24,6 +24,9 @@
 #include <Python.h>
 
 #include <pthread.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 
@@ -176,13 +179,32 @@ static void *job_thread(void *arg) {
  * join cost about as much as a million). */
 #define MIN_WORK_PER_THREAD (2 << 20)
 
-/* The batch split among up to `threads` threads (this one included), in equal shares;
- * a thread that cannot be started leaves its share to this one. */
+/* The batch split among up to `threads` threads (this one included), in equal shares.
+ * Built with OpenMP (setup.py adds -fopenmp where the compiler takes it), the threads are
+ * OpenMP's: torch's CPU build loads its own libgomp.so.1 first (native.py imports torch
+ * before this module), and the loader binds this module to that same library, so the
+ * split runs on the threads torch's operators use. Threads of our own would compete with
+ * them: after each parallel region an OpenMP worker spins for a while on the other core,
+ * which cost the interaction's backward 3x in a training step on two cores. Without
+ * OpenMP, POSIX threads: a thread that cannot be started leaves its share to this one. */
 static void run_split(Job job, Py_ssize_t batch, Py_ssize_t threads) {
     Py_ssize_t n = batch * job.pairs * job.dim / MIN_WORK_PER_THREAD;
     if (n > threads) n = threads;
     if (n > MAX_THREADS) n = MAX_THREADS;
     if (n < 1) n = 1;
+#ifdef _OPENMP
+    if (n > 1) {
+#pragma omp parallel num_threads((int)n)
+        {
+            const Py_ssize_t k = omp_get_thread_num(), m = omp_get_num_threads();
+            Job mine = job;
+            mine.lo = batch * k / m;
+            mine.hi = batch * (k + 1) / m;
+            run_job(&mine);
+        }
+        return;
+    }
+#endif
     Job jobs[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};

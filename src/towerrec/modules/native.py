@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
+# torch first: its CPU build loads its own libgomp.so.1, and _fused, built with OpenMP,
+# then binds to that library and so to the threads torch's operators run on
+import torch  # noqa: F401
+
 __all__ = ["cache", "fused"]
 
 fused: ModuleType | None

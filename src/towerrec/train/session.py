@@ -25,6 +25,7 @@ from towerrec.config import Config, load_config
 from towerrec.data.batch import Batch
 from towerrec.data.registry import SOURCES
 from towerrec.data.source import DataSource
+from towerrec.memory import reuse_freed_memory
 from towerrec.models.interfaces import RecommendationModel
 from towerrec.modules.embedding_bag import fused_embedding_modules
 from towerrec.optim.shampoo import Shampoo
@@ -151,6 +152,7 @@ def set_up(
         _set_aside_after(resume_from, checkpoints, best)
     threads = _run_threads(config, ctx, start)
     torch.set_num_threads(threads)  # before any numbers are made (a synthetic teacher's too)
+    reuse_freed_memory()  # each step's buffers reused, not faulted in afresh (memory.py)
     source: DataSource = build_source(config.data)
     if SOURCES[config.data.source].configured_periods(config.data) > 1:
         log.warning(
