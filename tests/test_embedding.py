@@ -400,28 +400,142 @@ def test_native_lookup_matches_embedding_bag(pooling, weighted):
     torch.testing.assert_close(out, expected)
 
 
-def test_native_lookup_serves_small_tables_and_matches_embedding_bag(monkeypatch):
-    """Small tables (no more rows than ids) take the native lookup, larger ones
-    embedding_bag; both give the same pooled output and the same update."""
+def _native_or_torch_steps(
+    monkeypatch, native: bool, pooling: str, weighted: bool, batch: int = 64, big: int = 3000
+):
+    """Three training lookups of the torch kernel over a small table (20 rows, the dense
+    update) and two larger ones (500 and ``big`` rows, the sparse update; two features
+    look up the last), with repeated ids; the pooled outputs, then each table's weights
+    and row statistics."""
     from towerrec.modules.kernels import torch_kernel
+
+    if not native:
+        monkeypatch.setattr(torch_kernel, "fused", None)
+    tables = [
+        TableConfig("small", 20, 16, pooling=pooling),
+        TableConfig("mid", 500, 16, pooling=pooling),
+        TableConfig("big", big, 16, pooling=pooling, feature_names=("big", "again")),
+    ]
+    ebc = EmbeddingBagCollection(tables, EmbeddingOptimizerConfig(lr=0.05), backend="torch")
+    kernel = ebc._kernels[0]
+    assert kernel.native_lookup(None, 1) == native
+    assert kernel._native_rowwise(torch.zeros(1), None) == native
+    gen = torch.Generator().manual_seed(11)
+    outs = []
+    for _ in range(3):
+        lengths = torch.randint(0, 5, (4 * batch,), generator=gen)
+        per_feature = lengths.view(4, batch).sum(1).tolist()
+        values = torch.cat(
+            [
+                torch.randint(0, r, (n,), generator=gen)
+                for r, n in zip((20, 40, big, 200), per_feature)
+            ]
+        )  # "mid" draws from its first 40 rows: many repeats; "again" shares big's first rows
+        weights = torch.rand(values.shape, generator=gen) if weighted else None
+        lookup = KeyedJaggedTensor(["small", "mid", "big", "again"], values, lengths, weights)
+        out = ebc(lookup).values()
+        out.backward(torch.randn(out.shape, generator=gen))
+        outs.append(out.detach())
+    return outs, kernel.weight.clone(), kernel.state["momentum1"].clone()
+
+
+@pytest.mark.parametrize("pooling,weighted", [("sum", False), ("mean", False), ("sum", True)])
+def test_native_lookup_and_update_match_the_pytorch_path(monkeypatch, pooling, weighted):
+    """The native lookup (every table) and update (the dense one of small tables,
+    row-wise Adagrad over the distinct rows of larger ones) against embedding_bag, the
+    sort and segment sums and sparse_update: the same outputs, weights and row
+    statistics over three steps, bit for bit; with per-id weights to float32 rounding
+    (embedding_bag's weighted sums fuse the multiply and the add)."""
     from towerrec.modules.native import fused
 
     if fused is None:
         pytest.skip("the native extension _fused is not built here")
-    tables = [TableConfig("a", 50, 8), TableConfig("c", 30, 8)]
-    gen = torch.Generator().manual_seed(5)
-    lengths = torch.randint(0, 4, (2 * 40,), generator=gen)
-    values = torch.randint(0, 30, (int(lengths.sum()),), generator=gen)
-    grad = torch.randn(40, 16, generator=gen)
+    with monkeypatch.context() as patch:
+        reference = _native_or_torch_steps(patch, False, pooling, weighted)
+    native = _native_or_torch_steps(monkeypatch, True, pooling, weighted)
+    same = torch.testing.assert_close if weighted else _assert_equal
+    for got, want in zip(native[0], reference[0]):
+        same(got, want)
+    same(native[1], reference[1])
+    same(native[2], reference[2])
+    assert not torch.equal(native[1], _fresh_torch_weights(pooling))  # the steps trained
+
+
+def _assert_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+def _fresh_torch_weights(pooling: str) -> torch.Tensor:
+    tables = [
+        TableConfig(n, r, 16, pooling=pooling)
+        for n, r in (("small", 20), ("mid", 500), ("big", 3000))
+    ]
+    ebc = EmbeddingBagCollection(tables, EmbeddingOptimizerConfig(lr=0.05), backend="torch")
+    return ebc._kernels[0].weight.clone()
+
+
+def test_native_rowwise_adagrad_does_not_depend_on_the_thread_count(monkeypatch):
+    """The native lookup and update split their bags and rows among torch's threads
+    (batches of some 24,000 ids, 12,000 distinct rows: large enough for 3): the same
+    bits on 1 and 3."""
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    threads = torch.get_num_threads()
     results = []
-    for rows_per_id in (1.0, 0.0):  # the native lookup, then embedding_bag
-        monkeypatch.setattr(torch_kernel, "NATIVE_ROWS_PER_ID", rows_per_id)
-        ebc = EmbeddingBagCollection(tables, EmbeddingOptimizerConfig(lr=0.1), backend="torch")
-        kernel = ebc._kernels[0]
-        assert kernel.native_lookup(None, values.numel()) == (rows_per_id > 0)
-        out = ebc(KeyedJaggedTensor(["a", "c"], values, lengths)).values()
-        out.backward(grad)
-        results.append((out.detach(), ebc.table_weights()))
-    torch.testing.assert_close(results[0][0], results[1][0])
-    for name, w in results[0][1].items():
-        torch.testing.assert_close(w, results[1][1][name])
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            results.append(
+                _native_or_torch_steps(monkeypatch, True, "sum", True, batch=4096, big=100_000)
+            )
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
+    assert torch.equal(results[0][1], results[1][1])
+    assert torch.equal(results[0][2], results[1][2])
+
+
+def test_native_rowwise_adagrad_checks_its_arguments():
+    """Ids and rows outside the table and buffers of the wrong size are refused by name;
+    repeated ids are summed into one row."""
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    weight, momentum = torch.zeros(10, 16), torch.zeros(10)
+    offsets = torch.tensor([0, 1, 2])
+    grad = torch.ones(2, 16)
+    rows, sums = torch.empty(2, dtype=torch.int64), torch.empty(2, 16)
+
+    def row_sums(ids: torch.Tensor, out_rows: torch.Tensor = rows) -> int:
+        return fused.row_sums(
+            ids.numpy(), offsets.numpy(), grad.numpy(), None, False, 1, 2, 16, 10,
+            out_rows.numpy(), sums.numpy(), torch.zeros(1, dtype=torch.int64).numpy(),
+        )  # fmt: skip
+
+    def update(r: torch.Tensor, m: torch.Tensor, count: int) -> None:
+        state = torch.full((count,), 4.0)
+        factor = 0.1 / state.sqrt().add_(1e-8)
+        fused.adagrad_rows(
+            weight.numpy(), m.numpy(), r[:count].numpy(), sums[:count].numpy(),
+            state.numpy(), factor.numpy(), count, 16,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="id 10 at 1 outside"):
+        row_sums(torch.tensor([3, 10]))
+    with pytest.raises(ValueError, match="out_rows holds 8 bytes"):
+        row_sums(torch.tensor([3, 3]), torch.empty(1, dtype=torch.int64))
+    assert row_sums(torch.tensor([3, 3])) == 1  # one distinct row, its gradient 2
+    assert rows[0] == 3 and sums[0].eq(2).all()
+    with pytest.raises(ValueError, match="momentum holds 36 bytes"):
+        update(rows, torch.zeros(9), 1)
+    with pytest.raises(ValueError, match="row 12 at 0 outside"):
+        update(torch.tensor([12]), momentum, 1)
+    update(rows, momentum, 1)
+    # m = 4, w = -2 * 0.1 / (2 + 1e-8)
+    torch.testing.assert_close(momentum[3], torch.tensor(4.0))
+    torch.testing.assert_close(weight[3], torch.full((16,), -0.1))
+    assert weight[torch.arange(10) != 3].eq(0).all()

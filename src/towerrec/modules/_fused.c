@@ -244,13 +244,22 @@ static void run_split(Job job, Py_ssize_t batch, Py_ssize_t threads) {
     for (Py_ssize_t f = 0, j = 0; f < (features); f++) \
         for (Py_ssize_t b = 0; b < (batch); b++, j++)
 
+/* Ids ahead whose rows a gather asks the memory for (a table's rows are far apart). */
+#define PREFETCH 16
+
+/* Bags [lo, hi) of bag_sum (below). */
 DOTS_CLONES
-static void bag_sum(const float *weight, const int64_t *ids, const int64_t *offsets,
-                    const float *weights, int mean, float *out, Py_ssize_t features,
-                    Py_ssize_t batch, Py_ssize_t dim) {
+static void bag_sum_range(const float *weight, const int64_t *ids, const int64_t *offsets,
+                          const float *weights, int mean, float *out, Py_ssize_t features,
+                          Py_ssize_t batch, Py_ssize_t dim, Py_ssize_t first, Py_ssize_t last) {
     const int vector = dim % LANES == 0;
-    FOR_BAGS(features, batch, j, f, b) {
+    const int64_t end = offsets[last];
+    for (Py_ssize_t j = first; j < last; j++) {
+        const Py_ssize_t f = j / batch, b = j % batch;
         const int64_t lo = offsets[j], hi = offsets[j + 1];
+        /* the rows are scattered over the tables: ask for those a few ids ahead now */
+        for (int64_t k = lo; k < hi; k++)
+            if (k + PREFETCH < end) __builtin_prefetch(weight + ids[k + PREFETCH] * dim);
         float *o = out + (b * features + f) * dim;
         const float length = (float)(hi - lo);
         if (vector) {
@@ -275,6 +284,66 @@ static void bag_sum(const float *weight, const int64_t *ids, const int64_t *offs
     }
 }
 
+/* Rows a thread must gather for its start to pay. */
+#define MIN_ROWS_PER_THREAD 4096
+
+/* The threads a call over `work` units (MIN_PER_THREAD a thread) takes: OpenMP's
+ * current count (torch's intra-op threads, set on this thread by torch.set_num_threads),
+ * 1 without OpenMP. */
+static int threads_for(Py_ssize_t work, Py_ssize_t min_per_thread) {
+#ifdef _OPENMP
+    Py_ssize_t n = work / min_per_thread, most = omp_get_max_threads();
+    if (n > most) n = most;
+    return n < 1 ? 1 : (int)n;
+#else
+    (void)work;
+    (void)min_per_thread;
+    return 1;
+#endif
+}
+
+/* Each bag's sum depends on its own ids alone, in order: the same on any split. */
+static void bag_sum(const float *weight, const int64_t *ids, const int64_t *offsets,
+                    const float *weights, int mean, float *out, Py_ssize_t features,
+                    Py_ssize_t batch, Py_ssize_t dim) {
+    const Py_ssize_t bags = features * batch;
+    const int n = threads_for(offsets[bags], MIN_ROWS_PER_THREAD);
+    if (n == 1) {
+        bag_sum_range(weight, ids, offsets, weights, mean, out, features, batch, dim, 0, bags);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n)
+    {
+        const Py_ssize_t k = omp_get_thread_num(), m = omp_get_num_threads();
+        bag_sum_range(weight, ids, offsets, weights, mean, out, features, batch, dim,
+                      bags * k / m, bags * (k + 1) / m);
+    }
+#endif
+}
+
+/* row += one id's share of its bag's gradient g: g divided by the bag's length under
+ * mean pooling, then times the id's weight where given. */
+static inline __attribute__((always_inline)) void add_share(float *row, const float *g,
+                                                            float length, float w, int mean,
+                                                            int weighted, Py_ssize_t dim,
+                                                            int vector) {
+    if (vector) {
+        for (Py_ssize_t d = 0; d < dim; d += LANES) {
+            vf v = load(g + d);
+            if (mean) v = v / length;
+            if (weighted) v = v * w;
+            store(row + d, load(row + d) + v);
+        }
+        return;
+    }
+    for (Py_ssize_t d = 0; d < dim; d++) {
+        float v = mean ? g[d] / length : g[d];
+        if (weighted) v = v * w;
+        row[d] += v;
+    }
+}
+
 DOTS_CLONES
 static void bag_grad(const int64_t *ids, const int64_t *offsets, const float *grad,
                      const float *weights, int mean, float *out, Py_ssize_t features,
@@ -284,25 +353,122 @@ static void bag_grad(const int64_t *ids, const int64_t *offsets, const float *gr
         const int64_t lo = offsets[j], hi = offsets[j + 1];
         const float *g = grad + (b * features + f) * dim;
         const float length = (float)(hi - lo > 1 ? hi - lo : 1);
-        for (int64_t k = lo; k < hi; k++) {
-            float *row = out + ids[k] * dim;
-            const float w = weights == NULL ? 1.0f : weights[k];
-            if (vector) {
-                for (Py_ssize_t d = 0; d < dim; d += LANES) {
-                    vf v = load(g + d);
-                    if (mean) v = v / length;
-                    if (weights != NULL) v = v * w;
-                    store(row + d, load(row + d) + v);
+        for (int64_t k = lo; k < hi; k++)
+            add_share(out + ids[k] * dim, g, length, weights == NULL ? 1.0f : weights[k], mean,
+                      weights != NULL, dim, vector);
+    }
+}
+
+/* Row-wise Adagrad on the rows a lookup touched (the torch kernel's tables with more
+ * rows than the lookup has ids; optim/sparse.py: sparse_update), in two calls around
+ * PyTorch's mean of squares:
+ *
+ *   row_sums       each distinct id of the lookup and its gradient from
+ *                  grad[batch, features * dim] (sample-major): its shares (add_share,
+ *                  bag_grad's arithmetic) summed in the ids' order from zero, as
+ *                  index_add_ sums them; the distinct ids found table by table with an
+ *                  open-addressing hash table of at least twice the table's ids
+ *   adagrad_rows   given each row's new statistic m and step factor f, computed by the
+ *                  caller with PyTorch's operators as rowwise_update computes them (the
+ *                  mean of squares' order of adds and the square root's rounding are
+ *                  PyTorch's to choose):
+ *                    momentum[r] = m;  w[r] = w[r] - g * f
+ *                  so the two paths agree bit for bit. The rows are split among OpenMP's
+ *                  threads (each depends on itself alone: the same on any split). */
+typedef struct {
+    int64_t id, slot; /* id -1: empty */
+} Entry;
+
+/* The hash table's size for `count` ids: a power of two of at least twice as many. */
+static int hash_bits(Py_ssize_t count) {
+    int bits = 4;
+    while (((Py_ssize_t)1 << bits) < 2 * count) bits++;
+    return bits;
+}
+
+/* row_sums over the features of one table at a time (tables[f]: feature f's table), each
+ * with a hash table sized for that table's ids alone, which stays in the core's caches. */
+DOTS_CLONES
+static Py_ssize_t distinct_sums(const int64_t *ids, const int64_t *offsets, const float *grad,
+                                const float *weights, const int64_t *tables, int mean,
+                                Py_ssize_t features, Py_ssize_t batch, Py_ssize_t dim,
+                                Entry *hash, int64_t *rows, float *sums) {
+    const int vector = dim % LANES == 0;
+    Py_ssize_t distinct = 0;
+    for (Py_ssize_t first = 0; first < features; first++) {
+        int seen = 0;
+        for (Py_ssize_t e = 0; e < first && !seen; e++) seen = tables[e] == tables[first];
+        if (seen) continue; /* its table's features were summed with an earlier one's */
+        Py_ssize_t count = 0;
+        for (Py_ssize_t f = first; f < features; f++)
+            if (tables[f] == tables[first]) count += offsets[(f + 1) * batch] - offsets[f * batch];
+        const int bits = hash_bits(count);
+        const size_t mask = ((size_t)1 << bits) - 1;
+        memset(hash, 0xff, (mask + 1) * sizeof *hash); /* every id -1: empty */
+        for (Py_ssize_t f = first; f < features; f++) {
+            if (tables[f] != tables[first]) continue;
+            for (Py_ssize_t b = 0; b < batch; b++) {
+                const Py_ssize_t j = f * batch + b;
+                const int64_t lo = offsets[j], hi = offsets[j + 1];
+                const float *g = grad + (b * features + f) * dim;
+                const float length = (float)(hi - lo > 1 ? hi - lo : 1);
+                for (int64_t k = lo; k < hi; k++) {
+                    const int64_t id = ids[k];
+                    size_t h = (size_t)(((uint64_t)id * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+                    while (hash[h].id != -1 && hash[h].id != id) h = (h + 1) & mask;
+                    if (hash[h].id == -1) {
+                        hash[h].id = id;
+                        hash[h].slot = distinct;
+                        rows[distinct] = id;
+                        memset(sums + distinct * dim, 0, (size_t)dim * sizeof(float));
+                        distinct++;
+                    }
+                    add_share(sums + hash[h].slot * dim, g, length,
+                              weights == NULL ? 1.0f : weights[k], mean, weights != NULL, dim,
+                              vector);
                 }
-                continue;
-            }
-            for (Py_ssize_t d = 0; d < dim; d++) {
-                float v = mean ? g[d] / length : g[d];
-                if (weights != NULL) v = v * w;
-                row[d] += v;
             }
         }
     }
+    return distinct;
+}
+
+DOTS_CLONES
+static void adagrad_rows(float *weight, float *momentum, const int64_t *rows, const float *sums,
+                         const float *state, const float *factor, Py_ssize_t dim, Py_ssize_t lo,
+                         Py_ssize_t hi) {
+    for (Py_ssize_t u = lo; u < hi; u++) {
+        if (u + PREFETCH < hi) {
+            __builtin_prefetch(weight + rows[u + PREFETCH] * dim, 1);
+            __builtin_prefetch(momentum + rows[u + PREFETCH], 1);
+        }
+        const float *g = sums + u * dim;
+        float *w = weight + rows[u] * dim;
+        momentum[rows[u]] = state[u];
+        const float f = factor[u];
+        for (Py_ssize_t d = 0; d < dim; d++) w[d] = w[d] - g[d] * f;
+    }
+}
+
+/* Rows a thread must update for its start to pay. */
+#define MIN_UPDATES_PER_THREAD 2048
+
+static void adagrad_update(float *weight, float *momentum, const int64_t *rows,
+                           const float *sums, const float *state, const float *factor,
+                           Py_ssize_t distinct, Py_ssize_t dim) {
+    const int n = threads_for(distinct, MIN_UPDATES_PER_THREAD);
+    if (n == 1) {
+        adagrad_rows(weight, momentum, rows, sums, state, factor, dim, 0, distinct);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n)
+    {
+        const Py_ssize_t k = omp_get_thread_num(), m = omp_get_num_threads();
+        adagrad_rows(weight, momentum, rows, sums, state, factor, dim, distinct * k / m,
+                     distinct * (k + 1) / m);
+    }
+#endif
 }
 
 /* Buffers and sizes, checked against each other; 0 on success. */
@@ -398,7 +564,8 @@ static PyObject *py_backward(PyObject *self, PyObject *args) { return run_dots(a
 
 /* bag_sum and bag_grad's arguments: (table, ids, offsets, bags, weights or None, mean,
  * out, features, batch, dim, rows), `table` read and `bags` written by bag_sum, the other
- * way round by bag_grad. Checks every size and id; 0 on success. */
+ * way round by bag_grad. Checks every size (the table's left to the caller with
+ * own_table_size) and id; 0 on success. */
 typedef struct {
     Py_buffer table, ids, offsets, bags, weights;
     int have_weights, mean;
@@ -413,7 +580,7 @@ static void release_bags(BagArgs *a) {
     if (a->have_weights) PyBuffer_Release(&a->weights);
 }
 
-static int parse_bags(PyObject *args, BagArgs *a, int sum) {
+static int parse_bags(PyObject *args, BagArgs *a, int sum, int own_table_size) {
     PyObject *weights;
     memset(a, 0, sizeof *a);
     const char *format = sum ? "y*y*y*w*Opnnnn" : "w*y*y*y*Opnnnn";
@@ -426,7 +593,7 @@ static int parse_bags(PyObject *args, BagArgs *a, int sum) {
     }
     const Py_ssize_t n = a->ids.len / 8, bags = a->features * a->batch;
     if (a->features < 1 || a->batch < 0 || a->dim < 1 || a->rows < 0 || a->ids.len % 8 ||
-        check(&a->table, a->rows * a->dim * 4, "table") ||
+        (!own_table_size && check(&a->table, a->rows * a->dim * 4, "table")) ||
         check(&a->offsets, (bags + 1) * 8, "offsets") ||
         check(&a->bags, bags * a->dim * 4, "bags") ||
         (a->have_weights && check(&a->weights, n * 4, "weights")))
@@ -458,7 +625,7 @@ fail:
 
 static PyObject *py_bag_sum(PyObject *self, PyObject *args) {
     BagArgs a;
-    if (parse_bags(args, &a, 1) < 0) return NULL;
+    if (parse_bags(args, &a, 1, 0) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     bag_sum(a.table.buf, a.ids.buf, a.offsets.buf, a.have_weights ? a.weights.buf : NULL, a.mean,
             a.bags.buf, a.features, a.batch, a.dim);
@@ -469,13 +636,115 @@ static PyObject *py_bag_sum(PyObject *self, PyObject *args) {
 
 static PyObject *py_bag_grad(PyObject *self, PyObject *args) {
     BagArgs a;
-    if (parse_bags(args, &a, 0) < 0) return NULL;
+    if (parse_bags(args, &a, 0, 0) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     bag_grad(a.ids.buf, a.offsets.buf, a.bags.buf, a.have_weights ? a.weights.buf : NULL,
              a.mean, a.table.buf, a.features, a.batch, a.dim);
     Py_END_ALLOW_THREADS
     release_bags(&a);
     Py_RETURN_NONE;
+}
+
+/* row_sums(ids, offsets, grad, weights or None, mean, features, batch, dim, rows,
+ * out_rows, out_sums, tables) -> the number U of distinct ids; out_rows[:U] and
+ * out_sums[:U] hold them and their gradients (out_rows and out_sums hold room for every
+ * id); tables[f]: the table feature f looks up (features of one table share ids). */
+static PyObject *py_row_sums(PyObject *self, PyObject *args) {
+    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 12) {
+        PyErr_SetString(PyExc_TypeError,
+                        "row_sums takes ids, offsets, grad, weights, mean, features, batch, dim, "
+                        "rows, out_rows, out_sums, tables");
+        return NULL;
+    }
+    /* parse_bags's layout (table, ids, offsets, bags, weights, mean, features, batch, dim,
+     * rows), out_sums in the table's place (its size is checked below) */
+    PyObject *bag_args = Py_BuildValue("(OOOOOOOOOO)", PyTuple_GET_ITEM(args, 10),
+                                       PyTuple_GET_ITEM(args, 0), PyTuple_GET_ITEM(args, 1),
+                                       PyTuple_GET_ITEM(args, 2), PyTuple_GET_ITEM(args, 3),
+                                       PyTuple_GET_ITEM(args, 4), PyTuple_GET_ITEM(args, 5),
+                                       PyTuple_GET_ITEM(args, 6), PyTuple_GET_ITEM(args, 7),
+                                       PyTuple_GET_ITEM(args, 8));
+    if (bag_args == NULL) return NULL;
+    BagArgs a;
+    const int parsed = parse_bags(bag_args, &a, 0, 1);
+    Py_DECREF(bag_args);
+    if (parsed < 0) return NULL;
+    Py_buffer rows_out, tables;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, 9), &rows_out, PyBUF_WRITABLE) < 0) {
+        release_bags(&a);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, 11), &tables, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&rows_out);
+        release_bags(&a);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const Py_ssize_t n = a.ids.len / 8;
+    Entry *hash = NULL;
+    if (check(&rows_out, n * 8, "out_rows") || check(&a.table, n * a.dim * 4, "out_sums") ||
+        check(&tables, a.features * 8, "tables"))
+        goto done;
+    hash = PyMem_RawMalloc(((size_t)1 << hash_bits(n)) * sizeof *hash);
+    if (hash == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t distinct;
+    Py_BEGIN_ALLOW_THREADS
+    distinct = distinct_sums(a.ids.buf, a.offsets.buf, a.bags.buf,
+                             a.have_weights ? a.weights.buf : NULL, tables.buf, a.mean,
+                             a.features, a.batch, a.dim, hash, rows_out.buf, a.table.buf);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(distinct);
+done:
+    PyMem_RawFree(hash);
+    PyBuffer_Release(&tables);
+    PyBuffer_Release(&rows_out);
+    release_bags(&a);
+    return result;
+}
+
+/* adagrad_rows(weight, momentum, rows, sums, state, factor, count, dim). */
+static PyObject *py_adagrad_rows(PyObject *self, PyObject *args) {
+    Py_buffer weight, momentum, rows, sums, state, factor;
+    Py_ssize_t count, dim;
+    if (!PyArg_ParseTuple(args, "w*w*y*y*y*y*nn", &weight, &momentum, &rows, &sums, &state,
+                          &factor, &count, &dim))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t table_rows = dim > 0 ? weight.len / 4 / dim : 0;
+    if (dim < 1 || count < 0 || weight.len % (4 * dim)) {
+        PyErr_Format(PyExc_ValueError, "weight holds %zd bytes, not rows of %zd floats",
+                     weight.len, dim);
+        goto done;
+    }
+    if (check(&momentum, table_rows * 4, "momentum") || check(&rows, count * 8, "rows") ||
+        check(&sums, count * dim * 4, "sums") || check(&state, count * 4, "state") ||
+        check(&factor, count * 4, "factor"))
+        goto done;
+    const int64_t *r = rows.buf;
+    for (Py_ssize_t u = 0; u < count; u++) {
+        if (r[u] < 0 || r[u] >= table_rows) {
+            PyErr_Format(PyExc_ValueError, "row %lld at %zd outside [0, %zd)", (long long)r[u],
+                         u, table_rows);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    adagrad_update(weight.buf, momentum.buf, rows.buf, sums.buf, state.buf, factor.buf, count,
+                   dim);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&weight);
+    PyBuffer_Release(&momentum);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&sums);
+    PyBuffer_Release(&state);
+    PyBuffer_Release(&factor);
+    return result;
 }
 
 static PyMethodDef dots_methods[] = {
@@ -492,6 +761,13 @@ static PyMethodDef dots_methods[] = {
      "bag_grad(out, ids, offsets, grad, weights or None, mean, features, batch, dim, rows): "
      "add each id's share of its bag's gradient grad[batch, features * dim] into "
      "out[rows, dim]"},
+    {"row_sums", py_row_sums, METH_VARARGS,
+     "row_sums(ids, offsets, grad, weights or None, mean, features, batch, dim, rows, "
+     "out_rows, out_sums, tables): the distinct ids into out_rows and their summed "
+     "gradients, given grad[batch, features * dim], into out_sums; returns their count"},
+    {"adagrad_rows", py_adagrad_rows, METH_VARARGS,
+     "adagrad_rows(weight, momentum, rows, sums, state, factor, count, dim): "
+     "momentum[rows[u]] = state[u] and weight[rows[u]] -= sums[u] * factor[u]"},
     {NULL, NULL, 0, NULL},
 };
 

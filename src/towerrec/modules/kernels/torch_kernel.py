@@ -1,11 +1,15 @@
 """``TorchKernel``: one ``embedding_bag`` over the tables' concatenated rows and an
 exact sparse update (sort + segment-sum) in a custom autograd function.
 
-On the CPU, where the native extension is built (``_fused.c``), the lookup of small
-tables (``NATIVE_ROWS_PER_ID``) is one call that pools the feature-major bags straight
-into the sample-major ``[B, F*D]`` the model reads, so neither direction copies through
-a transpose; the gradient arrives in that
-layout, and small tables' dense update reads it there (``dense_gradient``)."""
+On the CPU, where the native extension is built (``_fused.c``), the lookup is one call
+that pools the feature-major bags straight into the sample-major ``[B, F*D]`` the model
+reads, so neither direction copies through a transpose, its bags split among torch's
+intra-op threads (OpenMP). The gradient arrives in that layout and the update reads it
+there: small tables' dense update (``dense_gradient``), and row-wise Adagrad without
+weight decay on larger tables in two calls (``_fused.c``: ``row_sums``, the distinct
+ids' summed gradients; ``adagrad_rows``, each row's update on torch's threads) around
+PyTorch's mean of squares, in place of the transposing copy, the sort, the segment sums
+and the gathers and scatters of ``sparse_update``, with the same bits."""
 
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from towerrec.modules.kernels.base import (
 from towerrec.modules.native import fused
 from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import (
+    EmbeddingOptimizer,
     EmbeddingOptimizerConfig,
     dense_rowwise_update,
     dense_update_applies,
@@ -33,10 +38,6 @@ from towerrec.optim.sparse import (
 )
 
 Storage = Callable[[str, tuple[int, ...]], torch.Tensor]
-# The native lookup gathers on one thread: over tables with more rows than this per id
-# the gathers wait on memory and embedding_bag's threads win (an 8 GiB table in memory
-# trained at 0.82x of embedding_bag's speed on 2 threads).
-NATIVE_ROWS_PER_ID = 1.0
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -147,6 +148,7 @@ class TorchKernel(EmbeddingKernel):
             for name, shape in optimizer.kind.state_shapes(1, dim).items()
             if shape  # not the step (``iteration``)
         }
+        self._feature_tables = torch.tensor(self.feature_table_map, dtype=torch.int64)
         # Leaf that makes autograd call backward; not a parameter of any model.
         self._trigger = torch.zeros(0, device=self.device, requires_grad=True)
 
@@ -185,16 +187,76 @@ class TorchKernel(EmbeddingKernel):
 
     def native_lookup(self, weights: torch.Tensor | None, num_ids: int) -> bool:
         """Whether the lookup runs in the native extension (module doc): built, on the
-        CPU, float32 rows and weights, no tracing, and small tables (``NATIVE_ROWS_PER_ID``)."""
+        CPU, float32 rows and weights, no tracing."""
         return (
             fused is not None
-            and self.weight.shape[0] <= NATIVE_ROWS_PER_ID * num_ids
             and self.weight.device.type == "cpu"
             and self.weight.dtype == torch.float32
             and self.weight.is_contiguous()
             and (weights is None or weights.dtype == torch.float32)
             and not torch.jit.is_tracing()
             and not torch.compiler.is_compiling()
+        )
+
+    def _native_rowwise(self, grad: torch.Tensor, weights: torch.Tensor | None) -> bool:
+        """Whether ``apply_gradient`` takes the native row-wise Adagrad (module doc)."""
+        momentum = self.state.get("momentum1")
+        return (
+            fused is not None
+            and self.optimizer.kind is EmbeddingOptimizer.ROWWISE_ADAGRAD
+            and not self.optimizer.weight_decay
+            and momentum is not None
+            and momentum.is_contiguous()
+            and momentum.dtype == torch.float32
+            and grad.device.type == "cpu"
+            and grad.dtype == torch.float32
+            and self.weight.device.type == "cpu"
+            and self.weight.dtype == torch.float32
+            and self.weight.is_contiguous()
+            and (weights is None or weights.dtype == torch.float32)
+        )
+
+    def _native_rowwise_update(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        grad: torch.Tensor,
+    ) -> None:
+        """``sparse_update``'s row-wise Adagrad in two native calls (``_fused.c``:
+        ``row_sums``, ``adagrad_rows``) around the per-row arithmetic of
+        ``rowwise_update`` in PyTorch's operators on ``[U]`` vectors: the same bits."""
+        assert fused is not None
+        features, dim = self.num_features, self.embedding_dim
+        rows = torch.empty(ids.numel(), dtype=torch.int64)
+        sums = torch.empty(ids.numel(), dim)
+        distinct = fused.row_sums(
+            ids.contiguous().numpy(),
+            offsets.contiguous().numpy(),
+            grad.detach().contiguous().numpy(),
+            None if weights is None else weights.detach().contiguous().numpy(),
+            self.pooling is Pooling.MEAN,
+            features,
+            grad.shape[0],
+            dim,
+            self.weight.shape[0],
+            rows.numpy(),
+            sums.numpy(),
+            self._feature_tables.numpy(),
+        )
+        rows, sums = rows[:distinct], sums[:distinct]
+        momentum = self.state["momentum1"]
+        state = momentum.index_select(0, rows).add_(sums.square().mean(dim=1))
+        factor = self.lr / state.sqrt().add_(self.optimizer.eps)
+        fused.adagrad_rows(
+            self.weight.numpy(),
+            momentum.numpy(),
+            rows.numpy(),
+            sums.numpy(),
+            state.numpy(),
+            factor.numpy(),
+            distinct,
+            dim,
         )
 
     @torch.no_grad()
@@ -214,6 +276,9 @@ class TorchKernel(EmbeddingKernel):
             rows = self.weight.shape[0]
             summed = dense_gradient(ids, offsets, weights, grad, self.pooling, rows, features)
             dense_rowwise_update(self.optimizer, self.weight, self.state, summed, self.lr)
+            return
+        if self._native_rowwise(grad, weights):
+            self._native_rowwise_update(ids, offsets, weights, grad)
             return
         grad_bags = sample_major_to_bags(grad, features, dim)
         rows, grad_rows = row_gradients(ids, offsets, weights, grad_bags, self.pooling, dim)
