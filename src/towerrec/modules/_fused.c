@@ -141,13 +141,18 @@ static void dots_backward(const float *x, const Py_ssize_t *off, const float *gr
                           Py_ssize_t batch, Py_ssize_t features, Py_ssize_t dim,
                           Py_ssize_t pairs) {
     const Py_ssize_t stride = features * dim;
-    memset(gx, 0, (size_t)(batch * stride) * sizeof(float));
+    /* each sample's rows zeroed just before they are summed into, in the core's cache:
+     * one pass over gx, not two */
     if (dim == LANES)
-        for (Py_ssize_t b = 0; b < batch; b++)
+        for (Py_ssize_t b = 0; b < batch; b++) {
+            memset(gx + b * stride, 0, (size_t)stride * sizeof(float));
             sample_grad(x + b * stride, grad + b * pairs, gx + b * stride, off, LANES, pairs);
+        }
     else
-        for (Py_ssize_t b = 0; b < batch; b++)
+        for (Py_ssize_t b = 0; b < batch; b++) {
+            memset(gx + b * stride, 0, (size_t)stride * sizeof(float));
             sample_grad(x + b * stride, grad + b * pairs, gx + b * stride, off, dim, pairs);
+        }
 }
 
 /* One thread's share of a call: samples [lo, hi). */
@@ -247,6 +252,23 @@ static void run_split(Job job, Py_ssize_t batch, Py_ssize_t threads) {
 /* Ids ahead whose rows a gather asks the memory for (a table's rows are far apart). */
 #define PREFETCH 16
 
+/* Ask for every cache line of a row of `dim` floats (for writing where `write`). */
+static inline __attribute__((always_inline)) void prefetch_row(const float *row, Py_ssize_t dim,
+                                                               int write) {
+    const char *p = (const char *)row;
+    const Py_ssize_t bytes = dim * (Py_ssize_t)sizeof(float);
+    for (Py_ssize_t c = 0; c < bytes; c += 64) {
+        if (write)
+            __builtin_prefetch(p + c, 1);
+        else
+            __builtin_prefetch(p + c, 0);
+    }
+    if (write)
+        __builtin_prefetch(p + bytes - 1, 1); /* a row that straddles one line more */
+    else
+        __builtin_prefetch(p + bytes - 1, 0);
+}
+
 /* Bags [lo, hi) of bag_sum (below). */
 DOTS_CLONES
 static void bag_sum_range(const float *weight, const int64_t *ids, const int64_t *offsets,
@@ -259,7 +281,7 @@ static void bag_sum_range(const float *weight, const int64_t *ids, const int64_t
         const int64_t lo = offsets[j], hi = offsets[j + 1];
         /* the rows are scattered over the tables: ask for those a few ids ahead now */
         for (int64_t k = lo; k < hi; k++)
-            if (k + PREFETCH < end) __builtin_prefetch(weight + ids[k + PREFETCH] * dim);
+            if (k + PREFETCH < end) prefetch_row(weight + ids[k + PREFETCH] * dim, dim, 0);
         float *o = out + (b * features + f) * dim;
         const float length = (float)(hi - lo);
         if (vector) {
@@ -439,7 +461,7 @@ static void adagrad_rows(float *weight, float *momentum, const int64_t *rows, co
                          Py_ssize_t hi) {
     for (Py_ssize_t u = lo; u < hi; u++) {
         if (u + PREFETCH < hi) {
-            __builtin_prefetch(weight + rows[u + PREFETCH] * dim, 1);
+            prefetch_row(weight + rows[u + PREFETCH] * dim, dim, 1);
             __builtin_prefetch(momentum + rows[u + PREFETCH], 1);
         }
         const float *g = sums + u * dim;
