@@ -418,7 +418,7 @@ def _native_or_torch_steps(
     ]
     ebc = EmbeddingBagCollection(tables, EmbeddingOptimizerConfig(lr=0.05), backend="torch")
     kernel = ebc._kernels[0]
-    assert kernel.native_lookup(None, 1) == native
+    assert kernel.native_lookup(None) == native
     assert kernel._native_rowwise(torch.zeros(1), None) == native
     gen = torch.Generator().manual_seed(11)
     outs = []

@@ -8,8 +8,9 @@ intra-op threads (OpenMP). The gradient arrives in that layout and the update re
 there: small tables' dense update (``dense_gradient``), and row-wise Adagrad without
 weight decay on larger tables in two calls (``_fused.c``: ``row_sums``, the distinct
 ids' summed gradients; ``adagrad_rows``, each row's update on torch's threads) around
-PyTorch's mean of squares, in place of the transposing copy, the sort, the segment sums
-and the gathers and scatters of ``sparse_update``, with the same bits."""
+the per-row arithmetic in PyTorch's operators, in place of the transposing copy, the
+sort, the segment sums and the gathers and scatters of ``sparse_update``, with the same
+bits."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ class _FusedLookup(torch.autograd.Function):
         features, dim = kernel.num_features, kernel.embedding_dim
         batch = (offsets.numel() - 1) // features
         mean = kernel.pooling is Pooling.MEAN
-        if kernel.native_lookup(weights, ids.numel()):
+        if kernel.native_lookup(weights):
             assert fused is not None
             out = kernel.weight.new_empty(batch, features * dim)
             fused.bag_sum(
@@ -185,7 +186,7 @@ class TorchKernel(EmbeddingKernel):
             ),
         )
 
-    def native_lookup(self, weights: torch.Tensor | None, num_ids: int) -> bool:
+    def native_lookup(self, weights: torch.Tensor | None) -> bool:
         """Whether the lookup runs in the native extension (module doc): built, on the
         CPU, float32 rows and weights, no tracing."""
         return (
