@@ -17,6 +17,7 @@ import ctypes.util
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -332,3 +333,46 @@ def test_reuse_freed_memory_serves_large_blocks_from_the_heap(mode: str, where: 
         timeout=120,
     )
     assert out.stdout.strip() == where
+
+
+def test_huge_page_range_is_the_whole_2mib_pages_inside():
+    from towerrec.memory import HUGE_PAGE, huge_page_range
+
+    assert huge_page_range(3 * HUGE_PAGE + 100, 10 << 20) == (4 * HUGE_PAGE, 4 * HUGE_PAGE)
+    assert huge_page_range(4 * HUGE_PAGE, 2 * HUGE_PAGE) == (4 * HUGE_PAGE, 2 * HUGE_PAGE)
+    assert huge_page_range(HUGE_PAGE + 1, HUGE_PAGE) == (2 * HUGE_PAGE, 0)  # none inside
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+    reason="a Linux kernel with transparent huge pages",
+)
+def test_torch_kernel_tables_are_advised_huge_pages():
+    """A CPU table of 16 MiB and more is advised MADV_HUGEPAGE ("hg" among its mapping's
+    flags) before its zeros are written; a small one is left alone."""
+    from towerrec.memory import HUGE_PAGE, advise_huge_pages, huge_page_range
+
+    big = EmbeddingBagCollection(
+        [TableConfig("t", 1 << 18, 16)], EmbeddingOptimizerConfig(lr=0.1), backend="torch"
+    )
+    weight = big._kernels[0].weight
+    start, length = huge_page_range(weight.data_ptr(), weight.nbytes)
+    assert length >= HUGE_PAGE
+    assert "hg" in _vm_flags(start)
+    assert "hg" in _vm_flags(start + length - 1)
+    small = torch.empty(1 << 20, dtype=torch.uint8)
+    assert advise_huge_pages(small.data_ptr(), small.nbytes) == 0  # below HUGE_PAGES_FROM

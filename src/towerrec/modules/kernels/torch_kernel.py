@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
+from towerrec.memory import advise_huge_pages
 from towerrec.modules.kernels.base import (
     EmbeddingKernel,
     RowwiseStep,
@@ -127,6 +128,10 @@ class TorchKernel(EmbeddingKernel):
         dim = self.embedding_dim
 
         def allocate(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if storage is None and self.device.type == "cpu":
+                out = torch.empty(shape)
+                advise_huge_pages(out.data_ptr(), out.nbytes)  # before its pages are touched
+                return out.zero_()
             if storage is None:
                 return torch.zeros(shape, device=self.device)
             out = storage(name, shape)
