@@ -176,7 +176,7 @@ def _sync(device: torch.device) -> None:
 def time_backends(
     workload: KernelWorkload,
     backends: Sequence[Backend],
-    steps: int = 4,
+    steps: int = 8,
     warmup: int = 2,
     seed: int = 0,
     budget_s: float = BUDGET_S,
@@ -190,7 +190,8 @@ def time_backends(
     gen = torch.Generator().manual_seed(seed)
     # a batch of fresh ids every step, as in training: a repeated batch finds its rows in
     # the caches, which hid a native lookup's read-ahead (the Criteo tables, two threads:
-    # the torch kernel over FBGEMM 0.78-1.00 over two repeated batches, 0.83-0.95 fresh)
+    # the torch kernel over FBGEMM 0.78-1.00 over two repeated batches, 0.72-0.98 fresh
+    # and over 8 steps, in 16 timings)
     batches = [_batch(workload, gen) for _ in range(warmup + steps)]
     collections = {b: _collection(workload, b) for b in backends}
     width = sum(d for d in workload.dims)
