@@ -205,10 +205,11 @@ class TorchKernel(EmbeddingKernel):
         )
 
     def _native_rowwise(self, grad: torch.Tensor, weights: torch.Tensor | None) -> bool:
-        """Whether ``apply_gradient`` takes the native row-wise Adagrad (module doc)."""
+        """Whether ``apply_gradient`` takes the native row-wise Adagrad (module doc): where
+        the lookup is native, for row-wise Adagrad without weight decay on float32."""
         momentum = self.state.get("momentum1")
         return (
-            fused is not None
+            self.native_lookup(weights)
             and self.optimizer.kind is EmbeddingOptimizer.ROWWISE_ADAGRAD
             and not self.optimizer.weight_decay
             and momentum is not None
@@ -216,10 +217,6 @@ class TorchKernel(EmbeddingKernel):
             and momentum.dtype == torch.float32
             and grad.device.type == "cpu"
             and grad.dtype == torch.float32
-            and self.weight.device.type == "cpu"
-            and self.weight.dtype == torch.float32
-            and self.weight.is_contiguous()
-            and (weights is None or weights.dtype == torch.float32)
         )
 
     def _native_rowwise_update(
