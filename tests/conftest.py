@@ -29,6 +29,11 @@ TEARDOWN_LOG = Path(tempfile.mkdtemp(prefix="towerrec-test-teardown-")) / "crash
 TEARDOWN_LOG.touch()
 os.environ["TOWERREC_TEARDOWN_LOG"] = str(TEARDOWN_LOG)
 
+from towerrec.train.numerics import (  # noqa: E402 (after the variables)
+    flushing_subnormals,
+    set_flush_subnormals,
+)
+
 # Set by pytest for each test, by torch the first time it needs its compile cache, and by
 # scikit-learn's import (OpenMP settings of its own).
 _OWN_VARIABLES = (
@@ -44,6 +49,7 @@ def _process_state() -> dict:
     return {
         "threads": torch.get_num_threads(),
         "fp32 matmul precision": torch.backends.mkldnn.matmul.fp32_precision,
+        "subnormals flushed": flushing_subnormals(),
         "environment": {k: v for k, v in os.environ.items() if k not in _OWN_VARIABLES},
     }
 
@@ -55,6 +61,8 @@ def _restore(state: dict) -> None:
     torch.set_num_threads(state["threads"])
     if torch.backends.mkldnn.matmul.fp32_precision != state["fp32 matmul precision"]:
         torch.backends.mkldnn.matmul.fp32_precision = state["fp32 matmul precision"]
+    if flushing_subnormals() != state["subnormals flushed"]:
+        set_flush_subnormals(state["subnormals flushed"])
     for name in set(os.environ) - set(state["environment"]) - set(_OWN_VARIABLES):
         del os.environ[name]
     os.environ.update(state["environment"])

@@ -10,8 +10,15 @@ import torch
 from conftest import run_cli
 from test_trainer import QUICK, final_state, quick_config
 
+from towerrec.bench.common import keeps_process_settings
 from towerrec.train import loop
-from towerrec.train.numerics import available_cores, pinned, resolve_threads
+from towerrec.train.numerics import (
+    available_cores,
+    flush_subnormals,
+    flushing_subnormals,
+    pinned,
+    resolve_threads,
+)
 from towerrec.workflows import training as trainer
 
 
@@ -94,11 +101,53 @@ def test_a_resume_keeps_the_thread_count_its_checkpoint_records(tmp_path, monkey
 
 
 def test_pinned_restores_the_process_settings_on_error():
-    before = torch.get_num_threads()
+    before = torch.get_num_threads(), flushing_subnormals()
     with pytest.raises(RuntimeError, match="boom"), pinned():
-        torch.set_num_threads(1 if before > 1 else 2)
+        torch.set_num_threads(1 if before[0] > 1 else 2)
+        assert flushing_subnormals()
         raise RuntimeError("boom")
-    assert torch.get_num_threads() == before
+    assert (torch.get_num_threads(), flushing_subnormals()) == before
+
+
+def _subnormal_product(threads: int) -> torch.Tensor:
+    """A matrix product whose every entry is subnormal in fp32 (about 6.4e-39), at
+    ``threads`` intra-op threads (split among them at this size)."""
+    a = torch.full((256, 64), 1e-20)
+    b = torch.full((64, 256), 1e-21)
+    torch.set_num_threads(threads)
+    return a @ b
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_subnormals_are_flushed_in_a_run_and_kept_outside(threads):
+    before = torch.get_num_threads()
+    try:
+        assert not flushing_subnormals()  # the process's own mode: IEEE subnormals
+        assert (_subnormal_product(threads) > 0).all()
+        with flush_subnormals():
+            assert flushing_subnormals()
+            assert (_subnormal_product(threads) == 0).all()  # on every thread of the product
+        assert not flushing_subnormals()
+        assert (_subnormal_product(threads) > 0).all()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_run_and_a_benchmark_step_with_subnormals_flushed(tmp_path, monkeypatch):
+    """``towerrec train``'s steps and a benchmark's run with subnormals flushed, and the
+    process has its IEEE mode back after each."""
+    config = quick_config("train.steps=3", "embedding.backend=torch")
+    modes: list[bool] = []
+    step = loop.train_step
+
+    def recording(*args, **kwargs):
+        modes.append(flushing_subnormals())
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", recording)
+    trainer.train(config, tmp_path / "run")
+    assert modes == [True] * 3 and not flushing_subnormals()
+    assert keeps_process_settings(flushing_subnormals)() and not flushing_subnormals()
 
 
 def test_resume_through_the_cli_is_exact_on_a_loaded_machine(tmp_path):

@@ -18,6 +18,7 @@ import torch
 from towerrec.bench.roofline import matmul_peak
 from towerrec.calibration.machine import machine_info
 from towerrec.config.files import UNSET_PREFIX
+from towerrec.train.numerics import flush_subnormals
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -140,16 +141,19 @@ def time_interleaved(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def keeps_process_threads(fn: Callable[P, R]) -> Callable[P, R]:
+def keeps_process_settings(fn: Callable[P, R]) -> Callable[P, R]:
     """A benchmark entry that may set its own thread count (``--threads``, or one thread
-    for a measurement): the caller's count comes back when it returns, so that a
-    benchmark run from Python (a test, a notebook) leaves the process as it found it."""
+    for a measurement), and runs with subnormals flushed as ``towerrec train`` does
+    (``train/numerics.py``): the caller's thread count and subnormal mode come back when it
+    returns, so that a benchmark run from Python (a test, a notebook) leaves the process
+    as it found it."""
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         before = torch.get_num_threads()
         try:
-            return fn(*args, **kwargs)
+            with flush_subnormals():
+                return fn(*args, **kwargs)
         finally:
             torch.set_num_threads(before)
 

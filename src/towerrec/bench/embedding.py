@@ -16,7 +16,7 @@ import torch
 
 from towerrec.bench.common import (
     Benchmark,
-    keeps_process_threads,
+    keeps_process_settings,
     machine_info,
     peak_rss_mb,
     set_threads,
@@ -79,7 +79,7 @@ def _torchrec_ebc(shape: dict):
     )
 
 
-@keeps_process_threads
+@keeps_process_settings
 def run_embedding_benchmark(
     steps: int = 30,
     warmup: int = 5,

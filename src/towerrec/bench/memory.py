@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from towerrec.bench.common import Benchmark, keeps_process_threads, machine_info
+from towerrec.bench.common import Benchmark, keeps_process_settings, machine_info
 from towerrec.distributed.comm import Comm
 from towerrec.distributed.embedding_bag import ShardedEmbeddingBagCollection
 from towerrec.distributed.launch import spawn_world
@@ -142,7 +142,7 @@ def _ranks(shape: dict, nproc: int, steps: int) -> dict:
     return out
 
 
-@keeps_process_threads
+@keeps_process_settings
 def _workers(shape: dict, workers: int, steps: int) -> dict:
     """One process with the full tables, training while ``workers`` forked loader
     workers assemble MovieLens batches; every process's RSS, PSS and USS at the end."""

@@ -36,7 +36,7 @@ from towerrec.bench.common import (
     Benchmark,
     add_overrides_argument,
     comma_list,
-    keeps_process_threads,
+    keeps_process_settings,
     machine_info,
     set_threads,
     time_interleaved,
@@ -152,7 +152,7 @@ def _ratio(runs: list[dict], key: str) -> list[float]:
     return [r["prune_grow"][key] / r["dense"][key] for r in runs]
 
 
-@keeps_process_threads
+@keeps_process_settings
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     seeds = [int(s) for s in comma_list(args.seeds)]

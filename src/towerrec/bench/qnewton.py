@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from towerrec.bench.common import (
     Benchmark,
     comma_list,
-    keeps_process_threads,
+    keeps_process_settings,
     machine_info,
     set_threads,
 )
@@ -294,7 +294,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None)
 
 
-@keeps_process_threads
+@keeps_process_settings
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     set_threads(args.threads)
     result: dict[str, Any] = {"machine": machine_info(), "settings": vars(args).copy()}

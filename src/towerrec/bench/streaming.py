@@ -53,7 +53,7 @@ from towerrec.bench.common import (
     Benchmark,
     add_overrides_argument,
     comma_list,
-    keeps_process_threads,
+    keeps_process_settings,
     machine_info,
 )
 from towerrec.build.models import build_model
@@ -281,7 +281,7 @@ def _recovered_spread(ne: dict[str, list[float]], seeds: int) -> dict:
     return {"adapter_recovered_per_seed": per_seed, "adapter_recovered_interval_5_95": interval}
 
 
-@keeps_process_threads
+@keeps_process_settings
 def _run(args: argparse.Namespace) -> dict:
     if args.seeds < 1 or args.periods < 2 or args.domains < 2 or args.student_seeds < 1:
         raise ValueError(

@@ -95,7 +95,7 @@ from towerrec.bench.common import (
     Benchmark,
     comma_list,
     current_rss_mb,
-    keeps_process_threads,
+    keeps_process_settings,
     machine_info,
     peak_rss_mb,
     set_threads,
@@ -423,7 +423,7 @@ def link_bounds(args: argparse.Namespace, results: dict, link: dict[str, float])
     return ratios
 
 
-@keeps_process_threads
+@keeps_process_settings
 def run_tiers_benchmark(args: argparse.Namespace) -> dict:
     set_threads(args.threads)
     variants = [v for v in comma_list(args.variants)]

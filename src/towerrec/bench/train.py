@@ -20,7 +20,7 @@ import torch
 from towerrec.bench.common import (
     Benchmark,
     comma_list,
-    keeps_process_threads,
+    keeps_process_settings,
     machine_info,
     peak_rss_mb,
     set_threads,
@@ -190,7 +190,7 @@ def _best(a: Roofline, b: Roofline) -> Roofline:
     )
 
 
-@keeps_process_threads
+@keeps_process_settings
 def run_train_benchmark(
     steps: int = 30,
     warmup: int = 5,

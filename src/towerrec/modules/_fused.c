@@ -29,6 +29,9 @@
 #endif
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #define LANES 16
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
@@ -769,7 +772,51 @@ done:
     return result;
 }
 
+/* The calling thread's flush-to-zero and denormals-are-zero modes (x86's MXCSR bits 15
+ * and 6, AArch64's FPCR.FZ): subnormal results and operands become zeros. Returns 0
+ * where the CPU has no such mode. */
+static int set_flush_mode(int on) {
+#if defined(__x86_64__) || defined(__i386__)
+    const unsigned int bits = 0x8040u;
+    unsigned int csr = _mm_getcsr();
+    _mm_setcsr(on ? (csr | bits) : (csr & ~bits));
+    return 1;
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    fpcr = on ? (fpcr | (UINT64_C(1) << 24)) : (fpcr & ~(UINT64_C(1) << 24));
+    __asm__ volatile("msr fpcr, %0" : : "r"(fpcr));
+    return 1;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+/* flush_subnormals(on): the mode on this thread and on every thread of OpenMP's pool (the
+ * threads torch's operators run on, as many as the machine has processors or as torch
+ * now asks for, whichever is more); threads the pool starts later inherit it from this
+ * one. torch.set_flush_denormal sets the calling thread's alone. */
+static PyObject *py_flush_subnormals(PyObject *self, PyObject *args) {
+    int on;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    int supported = set_flush_mode(on);
+#ifdef _OPENMP
+    int threads = omp_get_num_procs();
+    if (omp_get_max_threads() > threads) threads = omp_get_max_threads();
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(threads)
+    set_flush_mode(on);
+    Py_END_ALLOW_THREADS
+#endif
+    return PyBool_FromLong(supported);
+}
+
 static PyMethodDef dots_methods[] = {
+    {"flush_subnormals", py_flush_subnormals, METH_VARARGS,
+     "flush_subnormals(on): flush-to-zero and denormals-are-zero on this thread and on "
+     "OpenMP's threads; False where the CPU has no such mode"},
     {"forward", py_forward, METH_VARARGS,
      "forward(x, rows, cols, out, batch, features, dim, pairs, threads): out[b, p] = the "
      "dot of x[b, rows[p]] and x[b, cols[p]]"},

@@ -14,7 +14,18 @@ local ranks; a checkpoint records the count and ``--resume`` keeps it. The fp32
 matmul precision is pinned to IEEE fp32 for the run (``train.precision = "bf16"``
 asks for bf16 explicitly, by autocast), so a process-wide
 ``torch.set_float32_matmul_precision("medium")`` cannot turn a run's fp32 matmuls
-into bf16 ones. ``pinned`` restores the process's own settings when the run ends.
+into bf16 ones.
+
+Subnormal floats (below 1.2e-38 in fp32) are flushed to zero for the run
+(``flush_subnormals``; ``torch.set_flush_denormal``, the CPU's FTZ and DAZ modes), as
+TensorFlow does on CPUs by default. A model whose gradients fade towards zero makes
+subnormal operands, and on Intel CPUs every matrix product that reads them runs on a
+microcode path: measured on a Xeon with AMX, a Criteo-shaped fp32 step went from 53 ms
+to 250-310 ms within 40 steps of training on random labels, and a [2048, 512] x
+[512, 512] product of subnormals took 594 ms against 3.5 ms. Flushed, they are zeros,
+which no fp32 result above 1e-38 can tell apart.
+
+``pinned`` restores the process's own settings when the run ends.
 """
 
 from __future__ import annotations
@@ -27,7 +38,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["available_cores", "local_processes", "pinned", "resolve_threads"]
+from towerrec.modules import native
+
+__all__ = [
+    "available_cores",
+    "flush_subnormals",
+    "flushing_subnormals",
+    "local_processes",
+    "pinned",
+    "resolve_threads",
+    "set_flush_subnormals",
+]
 
 log = logging.getLogger("towerrec")
 
@@ -64,11 +85,41 @@ def local_processes(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
 
 
+def flushing_subnormals() -> bool:
+    """Whether this thread's float operations flush subnormals to zero: a product whose
+    exact result is subnormal in fp32 (1e-30 x 1e-10) comes out as 0."""
+    tiny = torch.tensor([1e-30], dtype=torch.float32)
+    return bool((tiny * 1e-10).item() == 0.0)
+
+
+def set_flush_subnormals(on: bool) -> None:
+    """The mode on this thread and on the intra-op threads: the native extension reaches
+    OpenMP's threads (``_fused.c``); without it, ``torch.set_flush_denormal`` sets this
+    thread's alone (then a product split among threads flushes in this thread's part)."""
+    torch.set_flush_denormal(on)
+    if native.fused is not None:
+        native.fused.flush_subnormals(on)
+
+
+@contextmanager
+def flush_subnormals() -> Iterator[None]:
+    """Subnormal floats flushed to zero in the body (module doc), on this thread and on
+    the intra-op threads; the process's own mode afterwards, on error too. Where the CPU
+    has no such mode the body runs as it would have."""
+    before = flushing_subnormals()
+    set_flush_subnormals(True)
+    try:
+        yield
+    finally:
+        set_flush_subnormals(before)
+
+
 @contextmanager
 def pinned() -> Iterator[None]:
-    """IEEE fp32 matmuls for the body, and the process's thread count and matmul
-    precision as they were before it afterwards, on error too (the run sets its own
-    thread count with ``torch.set_num_threads(resolve_threads(...))``)."""
+    """IEEE fp32 matmuls with subnormals flushed for the body, and the process's thread
+    count, matmul precision and subnormal mode as they were before it afterwards, on
+    error too (the run sets its own thread count with
+    ``torch.set_num_threads(resolve_threads(...))``)."""
     before_threads = torch.get_num_threads()
     backends = _matmul_backends()
     before_precision = [b.fp32_precision for b in backends]
@@ -77,7 +128,8 @@ def pinned() -> Iterator[None]:
             log.info("fp32 matmuls run as IEEE fp32 in this run (the process had %r)", precision)
             backend.fp32_precision = "ieee"
     try:
-        yield
+        with flush_subnormals():
+            yield
     finally:
         torch.set_num_threads(before_threads)
         for backend, precision in zip(backends, before_precision):
