@@ -13,7 +13,7 @@ from towerrec.bench.device_train import run_device_train_benchmark, step_rooflin
 from towerrec.bench.dmt_compute import check_shape, load_shapes, measure_shape, run_dmt_compute
 from towerrec.bench.plain_dlrm import plain_dlrm
 from towerrec.bench.tiers import add_arguments, link_bounds, run_tiers_benchmark
-from towerrec.bench.train import build_tables, make_batches
+from towerrec.bench.train import build_tables, make_batches, table_rows
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
 
@@ -67,27 +67,32 @@ def tiny_shapes():
     ]
 
 
+# tables of different sizes, one of them several ids a sample (as the planted shape's)
+UNEVEN_SHAPE = {**SHAPE, "num_embeddings": [30, 50, 70, 40], "pooling_factors": [1, 2.5, 1, 3]}
+
+
 @torch.no_grad()
-def assert_peer_equals_towerrec(device):
+def assert_peer_equals_towerrec(device, shape=SHAPE):
     """Both plain models, given towerrec's DLRM's weights, give its logits."""
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(build_tables(SHAPE), backend="torch", device=device)
-    model = DLRM(ebc, SHAPE["num_dense"], SHAPE["bottom_mlp"], SHAPE["top_mlp"]).to(device)
-    batch = make_batches(SHAPE, 32, count=1)[0].to(device)
+    ebc = EmbeddingBagCollection(build_tables(shape), backend="torch", device=device)
+    model = DLRM(ebc, shape["num_dense"], shape["bottom_mlp"], shape["top_mlp"]).to(device)
+    batch = make_batches(shape, 32, count=1)[0].to(device)
     expected = model(batch.dense, batch.sparse)
     mine = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weights = ebc.table_weights()
-    rows = SHAPE["num_embeddings"]
+    rows = table_rows(shape)
     for fused in (True, False):
-        peer, _ = plain_dlrm(SHAPE, device, fused, 0.1, 0.1)
+        peer, _ = plain_dlrm(shape, device, fused, 0.1, 0.1)
         theirs = [m for m in peer.modules() if isinstance(m, torch.nn.Linear)]
         assert len(mine) == len(theirs)
         for a, b in zip(mine, theirs, strict=True):
             b.weight.copy_(a.weight[:, : b.in_features])  # towerrec may pad the top's input
             b.bias.copy_(a.bias)
-        for t in range(SHAPE["num_tables"]):
+        for t in range(shape["num_tables"]):
             if fused:
-                peer.tables[0].weight[t * rows : (t + 1) * rows] = weights[f"t{t}"]
+                start = sum(rows[:t])
+                peer.tables[0].weight[start : start + rows[t]] = weights[f"t{t}"]
             else:
                 peer.tables[t].weight.copy_(weights[f"t{t}"])
         sparse = batch.sparse
@@ -95,8 +100,9 @@ def assert_peer_equals_towerrec(device):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_plain_peer_computes_towerrecs_dlrm():
-    assert_peer_equals_towerrec(torch.device("cpu"))
+@pytest.mark.parametrize("shape", [SHAPE, UNEVEN_SHAPE], ids=["even", "uneven"])
+def test_plain_peer_computes_towerrecs_dlrm(shape):
+    assert_peer_equals_towerrec(torch.device("cpu"), shape)
 
 
 def test_device_train_benchmark_reports_ratios_and_roofline_fractions():

@@ -83,6 +83,29 @@ def test_ratios_against_the_faster_torchrec_by_wall_and_by_cpu_time():
     assert results["towerrec_torch"]["cpu_vs_torchrec"] == 1.5
     assert header["ratios"]["towerrec_torch/torchrec_no_dmp"] == 2.0
     assert "vs_torchrec" not in results["towerrec_fbgemm"]
+    # with TorchRec alone beside towerrec, the strongest peer is its fastest row
+    assert header["strongest_peer"] == "torchrec_no_dmp"
+    assert results["towerrec_torch"]["vs_strongest_peer"] == 2.0
+
+
+def test_the_strongest_peer_is_the_fastest_row_of_any_other_system_at_any_precision():
+    results = {
+        "towerrec_torch": {"samples_per_s": 300.0, "cpu_ms_per_step": 10.0},
+        "towerrec_default": {"samples_per_s": 600.0, "cpu_ms_per_step": 5.0},
+        "torchrec": {"samples_per_s": 100.0, "cpu_ms_per_step": 15.0},
+        "torchrec_bf16": {"samples_per_s": 200.0, "cpu_ms_per_step": 12.0},
+        "plain_fused": {"samples_per_s": 150.0, "cpu_ms_per_step": 8.0},
+        "plain_per_table_bf16": {"samples_per_s": 400.0, "cpu_ms_per_step": 9.0},
+    }
+    header = add_torchrec_ratios(results)
+    assert header["torchrec_reference"] == "torchrec_bf16"  # TorchRec's fastest, in bf16
+    assert header["cpu_torchrec_reference"] == "torchrec_bf16"
+    assert header["strongest_peer"] == "plain_per_table_bf16"  # towerrec's rows never count
+    assert header["cpu_strongest_peer"] == "plain_fused"
+    assert results["towerrec_default"]["vs_torchrec"] == 3.0
+    assert results["towerrec_default"]["vs_strongest_peer"] == 1.5
+    assert results["towerrec_default"]["cpu_vs_strongest_peer"] == 1.6
+    assert results["plain_per_table_bf16"]["vs_strongest_peer"] == 1.0
 
 
 def test_each_row_reports_its_precisions_roofline_and_the_default_row_its_choices(one_thread):
@@ -98,7 +121,16 @@ def test_each_row_reports_its_precisions_roofline_and_the_default_row_its_choice
         measure=fake_roofline,
     )
     results = out["results"]
-    assert set(results) == {"towerrec_torch", "towerrec_torch_bf16", DEFAULT_ROW}
+    peers = {"plain_fused", "plain_fused_bf16", "plain_per_table", "plain_per_table_bf16"}
+    assert set(results) == {"towerrec_torch", "towerrec_torch_bf16", DEFAULT_ROW} | peers
+    for name in peers:
+        assert results[name]["precision"] == ("bf16" if name.endswith("_bf16") else "fp32")
+        assert results[name]["backend"].startswith("plain PyTorch")
+    fastest = max(peers, key=lambda n: results[n]["samples_per_s"])
+    assert out["strongest_peer"] == fastest
+    assert results[DEFAULT_ROW]["vs_strongest_peer"] == round(
+        results[DEFAULT_ROW]["samples_per_s"] / results[fastest]["samples_per_s"], 3
+    )
     flops, nbytes = out["train_flops_per_step"], out["embedding_bytes_per_step"]
     assert nbytes == round(batch_embedding_bytes(make_batches(SHAPE, 16), 8))
     for name in ("towerrec_torch", "towerrec_torch_bf16", DEFAULT_ROW):
@@ -134,6 +166,7 @@ def test_profile_splits_the_step_into_its_phases(one_thread):
         warmup=1,
         backends="torch",
         torchrec=False,
+        plain=False,
         batch_size=16,
         shape=SHAPE,
         rounds=1,

@@ -10,7 +10,7 @@ What a PyTorch user writes for the same shape, with no towerrec code in it::
     Z = bmm([x, E], [x, E]^T), its strict upper triangle ─► dots [B, (T+1)T/2]
     top MLP(concat[x, dots]) ─► logit [B]; BCE with logits
 
-Optimizers: Adam (fused where the device has it) on the MLPs, as towerrec's step;
+Optimizers: fused Adam on the MLPs, as towerrec's step;
 ``torch.optim.Adagrad`` on the tables' sparse gradients (element-wise Adagrad: it keeps
 D state floats a row where towerrec's exact row-wise Adagrad keeps one).
 """
@@ -48,7 +48,7 @@ class PlainDLRM(nn.Module):
     def __init__(
         self,
         num_tables: int,
-        num_embeddings: int,
+        num_embeddings: int | list[int],
         embedding_dim: int,
         num_dense: int,
         bottom_mlp: list[int],
@@ -61,25 +61,25 @@ class PlainDLRM(nn.Module):
                 f"the bottom MLP must end at the embedding dim {embedding_dim}, "
                 f"got {bottom_mlp[-1]}"
             )
-        self.num_tables, self.rows, self.dim, self.fused = (
-            num_tables,
-            num_embeddings,
-            embedding_dim,
-            fused,
+        rows = (
+            [num_embeddings] * num_tables
+            if isinstance(num_embeddings, int)
+            else list(num_embeddings)
         )
-        count = 1 if fused else num_tables
-        rows = num_tables * num_embeddings if fused else num_embeddings
+        if len(rows) != num_tables:
+            raise ValueError(f"{len(rows)} row counts for {num_tables} tables")
+        self.num_tables, self.rows, self.dim, self.fused = num_tables, rows, embedding_dim, fused
         self.tables = nn.ModuleList(
-            nn.EmbeddingBag(rows, embedding_dim, mode="sum", sparse=True) for _ in range(count)
+            nn.EmbeddingBag(n, embedding_dim, mode="sum", sparse=True)
+            for n in ([sum(rows)] if fused else rows)
         )
         self.bottom = _mlp([num_dense, *bottom_mlp], final_relu=True)
         vectors = num_tables + 1
         self.top = _mlp([embedding_dim + vectors * (vectors - 1) // 2, *top_mlp], False)
         rows_i, cols_i = torch.triu_indices(vectors, vectors, offset=1)
         self.register_buffer("pairs", rows_i * vectors + cols_i, persistent=False)
-        self.register_buffer(
-            "table_base", torch.arange(num_tables) * num_embeddings, persistent=False
-        )
+        base = torch.tensor([0, *itertools.accumulate(rows)][:-1], dtype=torch.long)
+        self.register_buffer("table_base", base, persistent=False)
 
     def embeddings(
         self, values: torch.Tensor, lengths: torch.Tensor, counts: list[int]
@@ -131,7 +131,7 @@ def plain_dlrm(
     ).to(device)
     dense = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
     optimizers: list[torch.optim.Optimizer] = [
-        torch.optim.Adam(dense, lr=dense_lr, fused=device.type == "cuda"),
+        torch.optim.Adam(dense, lr=dense_lr, fused=True),
         torch.optim.Adagrad(list(model.tables.parameters()), lr=emb_lr),
     ]
     return model, optimizers

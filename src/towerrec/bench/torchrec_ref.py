@@ -199,11 +199,14 @@ def torchrec_dlrm_fused(
     return model, _dense_adam(dense, dense_lr)
 
 
-def torchrec_step(model, optimizer, batch) -> None:
-    """One TorchRec training step on ``batch = (dense, KeyedJaggedTensor, labels)``."""
+def torchrec_step(model, optimizer, batch, autocast_dtype: torch.dtype | None = None) -> None:
+    """One TorchRec training step on ``batch = (dense, KeyedJaggedTensor, labels)``, the
+    forward under ``autocast_dtype`` when given (as a TorchRec user runs bf16: FBGEMM's
+    tables stay fp32, autocast's operators take the dense part)."""
     dense, sparse, labels = batch
-    logits = model(dense, sparse).squeeze(1)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        logits = model(dense, sparse).squeeze(1)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), labels)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ from towerrec.bench.common import (
     time_interleaved,
 )
 from towerrec.bench.device_train import PRECISIONS, run_device_train_benchmark
+from towerrec.bench.plain_dlrm import plain_dlrm, plain_step
 from towerrec.bench.roofline import Roofline, measure_roofline
 from towerrec.bench.torchrec_ref import (
     quiet_torchrec_logs,
@@ -198,6 +200,7 @@ def run_train_benchmark(
     torchrec: bool = True,
     batch_size: int = 2048,
     shape: dict | None = None,
+    plain: bool = True,
     rounds: int = 5,
     threads: int | None = None,
     precisions: Sequence[str] = ("fp32",),
@@ -206,10 +209,13 @@ def run_train_benchmark(
     measure: Measure = _measure,
 ) -> dict:
     """Every row trained on the same batches, round-robin; each row's roofline at its
-    precision and ratios against TorchRec's faster configuration (``train_report.py``).
-    Rows: ``towerrec_<backend>[_<precision>]`` per forced backend and precision,
-    ``towerrec_default`` (``default_choices``: what the target is judged on), TorchRec
-    under DMP and without it (fp32). ``measure(dtype, clock)``: the roofline's peaks
+    precision and ratios against TorchRec's fastest configuration and against the fastest
+    peer (``train_report.py``). Rows: ``towerrec_<backend>[_<precision>]`` per forced
+    backend and precision, ``towerrec_default`` (``default_choices``: what the target is
+    judged on), and the peers at each precision (``_bf16``: the dense part under bf16
+    autocast, as for towerrec's rows): TorchRec under DMP and without it (``torchrec``),
+    and the plain PyTorch DLRM with one ``nn.EmbeddingBag`` for every table or one per
+    table (``plain``, ``plain_dlrm.py``). ``measure(dtype, clock)``: the roofline's peaks
     (a test passes fake ones); ``profile_steps``: each towerrec row's phase table
     (``train_profile.py``) over that many steps after the timing."""
     set_threads(threads)
@@ -227,7 +233,7 @@ def run_train_benchmark(
     rows: dict[str, dict[str, Any]] = {}  # what each row runs
     train_flops = 0
     named = [
-        (f"towerrec_{b}" + ("" if p == "fp32" else f"_{p}"), b, p)
+        (_row_name(f"towerrec_{b}", p), b, p)
         for b in selected_backends(backends, results)
         for p in precisions
     ]
@@ -261,14 +267,27 @@ def run_train_benchmark(
                 EMB_LR,
                 DENSE_LR,
             )
-            for name, build in (
-                ("torchrec", torchrec_dlrm),
-                ("torchrec_no_dmp", torchrec_dlrm_fused),
+            for (name, build), p in itertools.product(
+                (("torchrec", torchrec_dlrm), ("torchrec_no_dmp", torchrec_dlrm_fused)),
+                precisions,
             ):
                 trec_model, trec_opt = build(*dims)
-                rows[name] = {"backend": "torchrec (fbgemm)", "precision": "fp32"}
-                systems[name] = lambda i, m=trec_model, o=trec_opt: torchrec_step(
-                    m, o, trec_batches[i % len(trec_batches)]
+                dtype = autocast_dtype(p)
+                rows[_row_name(name, p)] = {"backend": "torchrec (fbgemm)", "precision": p}
+                systems[_row_name(name, p)] = lambda i, m=trec_model, o=trec_opt, d=dtype: (
+                    torchrec_step(m, o, trec_batches[i % len(trec_batches)], d)
+                )
+        if plain:
+            for fused, p in itertools.product((True, False), precisions):
+                peer, peer_opts = plain_dlrm(shape, torch.device("cpu"), fused, EMB_LR, DENSE_LR)
+                name = _row_name("plain_fused" if fused else "plain_per_table", p)
+                kind = (
+                    "one nn.EmbeddingBag for all tables" if fused else "nn.EmbeddingBag per table"
+                )
+                dtype = autocast_dtype(p)
+                rows[name] = {"backend": f"plain PyTorch ({kind})", "precision": p}
+                systems[name] = lambda i, m=peer, o=peer_opts, d=dtype: plain_step(
+                    m, o, batches[i % len(batches)], d
                 )
         used = sorted({r["precision"] for r in rows.values()}, key=list(PRECISION_DTYPES).index)
         clocks = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -323,6 +342,11 @@ def run_train_benchmark(
     return out
 
 
+def _row_name(name: str, precision: str) -> str:
+    """A row's name: the system's, with ``_<precision>`` unless fp32."""
+    return name if precision == "fp32" else f"{name}_{precision}"
+
+
 def add_timing_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments ``bench train`` and ``bench embedding`` share."""
     parser.add_argument("--steps", type=int, default=30, help="timed steps per backend")
@@ -347,8 +371,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer",
         choices=("torchrec", "plain"),
         default=None,
-        help="the step's peer: TorchRec (the default on the CPU) or a plain PyTorch DLRM "
-        "(the default off it; --device cpu --peer plain runs the GPU comparison's code here)",
+        help="the step's peers: TorchRec and a plain PyTorch DLRM (the default on the CPU), or "
+        "the plain PyTorch DLRM alone (the default off it; --device cpu --peer plain runs the "
+        "GPU comparison's code here)",
+    )
+    parser.add_argument(
+        "--no-plain",
+        action="store_true",
+        help="skip the plain PyTorch DLRM rows of the CPU run",
     )
     parser.add_argument(
         "--precisions",
@@ -407,6 +437,7 @@ def _run(args: argparse.Namespace) -> dict:
         torchrec=not args.no_torchrec,
         batch_size=args.batch_size,
         shape=SHAPES[args.shape],
+        plain=not args.no_plain,
         threads=args.threads,
         rounds=args.rounds,
         precisions=comma_list(args.precisions or "fp32"),

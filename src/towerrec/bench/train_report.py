@@ -19,14 +19,16 @@ wall-clock peaks; ``cpu_roofline_fraction`` the same in CPU seconds of this proc
 against the peaks per CPU second (with one thread, one core's bound however busy the
 machine is). 1 is the bound.
 
-Ratios: each row's samples/s over the faster TorchRec configuration's (``vs_torchrec``),
-and the TorchRec configuration with the least CPU time per step over the row's
-(``cpu_vs_torchrec``), both from the same round-robin run.
+Ratios, all from the same round-robin run: each row's samples/s over the fastest TorchRec
+row's, at any precision (``vs_torchrec``), and over the fastest peer's, TorchRec or the
+plain PyTorch DLRM (``vs_strongest_peer``); the CPU time per step of the TorchRec row, or
+of the peer, with the least of it over the row's (``cpu_vs_torchrec``,
+``cpu_vs_strongest_peer``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +42,23 @@ __all__ = [
     "batch_embedding_bytes",
     "cpu_ratios_to",
     "fastest_torchrec",
+    "is_peer",
+    "is_torchrec",
     "ratios_to",
     "roofline_fields",
 ]
 
-TORCHREC_ROWS = ("torchrec", "torchrec_no_dmp")
+TORCHREC_PREFIX, PLAIN_PREFIX = "torchrec", "plain_"
+
+
+def is_torchrec(name: str) -> bool:
+    """A TorchRec row: ``torchrec`` (under DMP), ``torchrec_no_dmp``, ``_bf16`` of either."""
+    return name == TORCHREC_PREFIX or name.startswith(TORCHREC_PREFIX + "_")
+
+
+def is_peer(name: str) -> bool:
+    """A row of another system than towerrec: TorchRec or the plain PyTorch DLRM."""
+    return is_torchrec(name) or name.startswith(PLAIN_PREFIX)
 
 
 def batch_embedding_bytes(
@@ -103,31 +117,45 @@ def cpu_ratios_to(results: dict, reference: str) -> dict[str, float]:
     }
 
 
-def fastest_torchrec(results: dict, by: str = "samples_per_s") -> str:
-    """The faster of TorchRec's single-device configurations (under DMP or its fused
-    collection alone) by ``by``: ``samples_per_s`` (wall clock, higher is faster) or
-    ``cpu_ms_per_step`` (lower is faster). Each ratio is taken against it."""
-    timed = [n for n in TORCHREC_ROWS if by in results.get(n, {})]
+def _fastest(results: dict, rows: Callable[[str], bool], by: str, default: str) -> str:
+    timed = [n for n, r in results.items() if rows(n) and by in r]
     if by == "cpu_ms_per_step":
-        return min(timed, key=lambda n: results[n][by], default="torchrec")
-    return max(timed, key=lambda n: results[n][by], default="torchrec")
+        return min(timed, key=lambda n: results[n][by], default=default)
+    return max(timed, key=lambda n: results[n][by], default=default)
 
 
-def add_torchrec_ratios(results: dict) -> dict:
-    """Each timed row's ``vs_torchrec`` and ``cpu_vs_torchrec`` (module doc), in place; the
-    references and the ratio tables for the report's header."""
-    reference = fastest_torchrec(results)
-    cpu_reference = fastest_torchrec(results, "cpu_ms_per_step")
+def fastest_torchrec(results: dict, by: str = "samples_per_s") -> str:
+    """The fastest of TorchRec's single-device rows (under DMP or its fused collection
+    alone, at any precision) by ``by``: ``samples_per_s`` (wall clock, higher is faster)
+    or ``cpu_ms_per_step`` (lower is faster). Each ``vs_torchrec`` is taken against it."""
+    return _fastest(results, is_torchrec, by, TORCHREC_PREFIX)
+
+
+def _add_ratios(results: dict, reference: str, cpu_reference: str, key: str) -> None:
     base = results.get(reference, {}).get("samples_per_s")
     cpu_base = results.get(cpu_reference, {}).get("cpu_ms_per_step")
     for row in results.values():
         if base and "samples_per_s" in row:
-            row["vs_torchrec"] = round(row["samples_per_s"] / base, 3)
+            row[key] = round(row["samples_per_s"] / base, 3)
         if cpu_base and row.get("cpu_ms_per_step"):
-            row["cpu_vs_torchrec"] = round(cpu_base / row["cpu_ms_per_step"], 3)
+            row[f"cpu_{key}"] = round(cpu_base / row["cpu_ms_per_step"], 3)
+
+
+def add_torchrec_ratios(results: dict) -> dict:
+    """Each timed row's ``vs_torchrec``, ``cpu_vs_torchrec``, ``vs_strongest_peer`` and
+    ``cpu_vs_strongest_peer`` (module doc), in place; the references and the ratio tables
+    for the report's header."""
+    reference = fastest_torchrec(results)
+    cpu_reference = fastest_torchrec(results, "cpu_ms_per_step")
+    _add_ratios(results, reference, cpu_reference, "vs_torchrec")
+    peer = _fastest(results, is_peer, "samples_per_s", reference)
+    cpu_peer = _fastest(results, is_peer, "cpu_ms_per_step", cpu_reference)
+    _add_ratios(results, peer, cpu_peer, "vs_strongest_peer")
     return {
         "torchrec_reference": reference,
         "ratios": ratios_to(results, reference),
         "cpu_torchrec_reference": cpu_reference,
         "cpu_ratios": cpu_ratios_to(results, cpu_reference),
+        "strongest_peer": peer,
+        "cpu_strongest_peer": cpu_peer,
     }
