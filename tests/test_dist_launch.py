@@ -116,7 +116,7 @@ def test_ranks_that_return_and_exit_cleanly_report_nothing(monkeypatch, tmp_path
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("how", ["abort", "hang"])
-def test_a_rank_that_returned_then_died_in_teardown_is_reported(how, monkeypatch, tmp_path):
+def test_a_rank_that_returned_then_died_in_teardown_is_reported(how, monkeypatch, tmp_path, capfd):
     log = tmp_path / "crashes.jsonl"
     monkeypatch.setenv(launch_module.TEARDOWN_LOG_ENV, str(log))
     if how == "hang":  # every rank hangs: none can end before the grace runs out
@@ -136,6 +136,9 @@ def test_a_rank_that_returned_then_died_in_teardown_is_reported(how, monkeypatch
         else [{**crash, "rank": r, "exitcode": None} for r in (0, 1)]
     )
     assert [json.loads(line) for line in log.read_text().splitlines()] == expected
+    if how == "abort":  # the dying rank printed where it died
+        err = capfd.readouterr().err
+        assert "Fatal Python error: Aborted" in err and "in _spawned" in err
 
 
 @pytest.mark.multiprocess

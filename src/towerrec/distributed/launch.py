@@ -26,6 +26,7 @@ How ``spawn_world`` tells a rank's end (``RankEnd``):
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -146,6 +147,10 @@ def _spawned(
     results_dir: str,
     args: tuple,
 ) -> None:
+    # A fatal signal (the SIGABRT of a C++ std::terminate) prints every thread's Python
+    # stack to stderr: whether a rank died inside destroy_process_group, or after the
+    # interpreter's finalization (no stack: C++ static destructors at exit).
+    faulthandler.enable(all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
