@@ -34,6 +34,8 @@ def reference(x: torch.Tensor, self_interaction: bool) -> torch.Tensor:
         (9, 17, 48, False),  # 136 pairs (8 groups of 16 and 8), three vectors a row
         (6, 5, 32, True),  # self pairs: d(x.x)/dx = 2x
         (1024, 27, 16, False),  # the Criteo shape, large enough to run on two threads
+        (512, 27, 64, False),  # above dim 16: S X with the rows in registers, two threads
+        (5, 6, 80, True),  # four lane groups and one more, self pairs
     ],
 )
 def test_native_dots_match_float64_reference(batch, features, dim, self_interaction):
@@ -66,10 +68,11 @@ def test_native_dots_match_the_batched_matmul_path(monkeypatch):
     torch.testing.assert_close(native_grad, matmul_grad)
 
 
-def test_native_dots_do_not_depend_on_the_thread_count():
+@pytest.mark.parametrize("dim", [16, 64])
+def test_native_dots_do_not_depend_on_the_thread_count(dim):
     """Threads split the batch; each sample's sums run in the same order on any split."""
     torch.manual_seed(2)
-    x = torch.randn(2048, 27, 16, requires_grad=True)
+    x = torch.randn(2048, 27, dim, requires_grad=True)
     module = DotInteraction(27)
     grad = torch.randn(2048, module.out_features)
     threads = torch.get_num_threads()
@@ -83,6 +86,33 @@ def test_native_dots_do_not_depend_on_the_thread_count():
         torch.set_num_threads(threads)
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("dim", [16, 48])
+@pytest.mark.parametrize("order", ["shuffled", "repeated"])
+def test_native_backward_takes_pairs_in_any_order_and_repeated(dim, order):
+    """The extension's backward for any list of pairs (the module lists each once, in
+    row-major order): shuffled, with a self pair, or with pairs listed twice, whose
+    gradients add up."""
+    torch.manual_seed(3)
+    batch, features = 9, 6
+    pairs = list(itertools.combinations_with_replacement(range(features), 2))
+    pairs = [pairs[k] for k in torch.randperm(len(pairs)).tolist()]
+    if order == "repeated":
+        pairs += pairs[:4]
+    rows = torch.tensor([i for i, _ in pairs])
+    cols = torch.tensor([j for _, j in pairs])
+    x = torch.randn(batch, features, dim)
+    grad = torch.randn(batch, len(pairs))
+    gx = torch.full_like(x, float("nan"))  # every entry written
+    interaction._native.backward(
+        x.numpy(), rows.numpy(), cols.numpy(), grad.numpy(), gx.numpy(),
+        batch, features, dim, len(pairs), 2,
+    )  # fmt: skip
+    x64 = x.double().requires_grad_()
+    dots = torch.stack([(x64[:, i] * x64[:, j]).sum(1) for i, j in pairs], dim=1)
+    (expected,) = torch.autograd.grad(dots, x64, grad.double())
+    torch.testing.assert_close(gx.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("dim", "dtype"), [(8, torch.float32), (16, torch.float64)])
