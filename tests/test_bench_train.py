@@ -22,7 +22,7 @@ from towerrec.bench.train import (
 from towerrec.bench.train_profile import backward_phase
 from towerrec.bench.train_report import (
     StepWork,
-    add_torchrec_ratios,
+    add_peer_ratios,
     batch_embedding_bytes,
     roofline_fields,
 )
@@ -76,7 +76,7 @@ def test_ratios_against_the_faster_torchrec_by_wall_and_by_cpu_time():
         "torchrec_no_dmp": {"samples_per_s": 150.0, "cpu_ms_per_step": 20.0},
         "towerrec_fbgemm": {"skipped": "fbgemm_gpu is not installed"},
     }
-    header = add_torchrec_ratios(results)
+    header = add_peer_ratios(results)
     assert header["torchrec_reference"] == "torchrec_no_dmp"  # more samples/s
     assert header["cpu_torchrec_reference"] == "torchrec"  # less CPU per step
     assert results["towerrec_torch"]["vs_torchrec"] == 2.0
@@ -97,7 +97,7 @@ def test_the_strongest_peer_is_the_fastest_row_of_any_other_system_at_any_precis
         "plain_fused": {"samples_per_s": 150.0, "cpu_ms_per_step": 8.0},
         "plain_per_table_bf16": {"samples_per_s": 400.0, "cpu_ms_per_step": 9.0},
     }
-    header = add_torchrec_ratios(results)
+    header = add_peer_ratios(results)
     assert header["torchrec_reference"] == "torchrec_bf16"  # TorchRec's fastest, in bf16
     assert header["cpu_torchrec_reference"] == "torchrec_bf16"
     assert header["strongest_peer"] == "plain_per_table_bf16"  # towerrec's rows never count

@@ -41,7 +41,7 @@ from towerrec.bench.torchrec_ref import (
 from towerrec.bench.train_profile import profile_step
 from towerrec.bench.train_report import (
     StepWork,
-    add_torchrec_ratios,
+    add_peer_ratios,
     batch_embedding_bytes,
     roofline_fields,
 )
@@ -315,7 +315,7 @@ def run_train_benchmark(
         }
     if choices:
         results[DEFAULT_ROW]["chosen"] = {k: c.as_dict() for k, c in choices.items()}
-    header = add_torchrec_ratios(results)
+    header = add_peer_ratios(results)
     out: dict[str, Any] = {
         "benchmark": "train",
         "machine": {

@@ -1,6 +1,6 @@
 """What ``towerrec bench train`` reports of each row: its roofline and its ratios against
-TorchRec's faster configuration, from the row's timings and the machine's bounds measured
-in the same run (``roofline.py``).
+TorchRec's fastest configuration and against the strongest peer, from the row's timings
+and the machine's bounds measured in the same run (``roofline.py``).
 
 A row's roofline is the least time its step can take at the measured peaks of the
 precision the row runs::
@@ -38,7 +38,7 @@ from towerrec.data.batch import Batch
 
 __all__ = [
     "StepWork",
-    "add_torchrec_ratios",
+    "add_peer_ratios",
     "batch_embedding_bytes",
     "cpu_ratios_to",
     "fastest_torchrec",
@@ -141,7 +141,7 @@ def _add_ratios(results: dict, reference: str, cpu_reference: str, key: str) -> 
             row[f"cpu_{key}"] = round(cpu_base / row["cpu_ms_per_step"], 3)
 
 
-def add_torchrec_ratios(results: dict) -> dict:
+def add_peer_ratios(results: dict) -> dict:
     """Each timed row's ``vs_torchrec``, ``cpu_vs_torchrec``, ``vs_strongest_peer`` and
     ``cpu_vs_strongest_peer`` (module doc), in place; the references and the ratio tables
     for the report's header."""
