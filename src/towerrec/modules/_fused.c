@@ -15,7 +15,7 @@
  * one transposing reduction tree (15 adds of two-source shuffles for 16 sums); the
  * backward adds each pair's two products into the sample's gradient rows at dim 16, and
  * above it multiplies the symmetric [F, F] matrix of the pairs' gradients into X, each
- * gradient row's lanes held in registers (1.6-1.9x faster at dim 64). Both
+ * gradient row's lanes held in registers (1.6-1.8x faster at dim 64). Both
  * replace a batched matmul of tiny [F, D] matrices, a gather of the upper triangle
  * (forward) and a scatter into a symmetric matrix (backward). The GIL is released for
  * the whole batch, which is split among up to `threads` threads (this one included)
@@ -219,7 +219,7 @@ typedef struct {
     float *out;
     Py_ssize_t lo, hi, features, dim, pairs;
     int backward;
-    float *scratch; /* backward: P + 1 floats for each thread (gl_stride apart), `slot` this one's */
+    float *scratch; /* backward: P + 1 floats a thread, gl_stride apart; `slot`: this one's */
     Py_ssize_t slot;
 } Job;
 
@@ -585,8 +585,8 @@ static int check_sizes(Py_ssize_t batch, Py_ssize_t features, Py_ssize_t dim,
     if (batch < 0 || features < 1 || pairs < 1 || pairs >= INT32_MAX || dim < LANES ||
         dim % LANES) {
         PyErr_Format(PyExc_ValueError,
-                     "dots need batch >= 0, features >= 1, pairs >= 1 and a dim that is a "
-                     "multiple of %d; got %zd, %zd, %zd, %zd",
+                     "dots need batch >= 0, features >= 1, 1 <= pairs < 2^31 and a dim that "
+                     "is a multiple of %d; got %zd, %zd, %zd, %zd",
                      LANES, batch, features, pairs, dim);
         return -1;
     }
@@ -610,7 +610,6 @@ static Py_ssize_t *pair_offsets(const int64_t *rows, const int64_t *cols, Py_ssi
     return off;
 }
 
-/* forward(x, rows, cols, out, ...) and backward(x, rows, cols, grad, gx, ...). */
 /* The backward's tables of the pairs (int32): [0] whether they are distinct, [1] whether
  * any is a self pair, then their rows, their cols, and pos [F, F]: the pair holding i
  * and j (either order), P where none does. */
@@ -636,6 +635,7 @@ static int32_t *pair_tables(const int64_t *rows, const int64_t *cols, Py_ssize_t
     return idx;
 }
 
+/* forward(x, rows, cols, out, ...) and backward(x, rows, cols, grad, gx, ...). */
 static PyObject *run_dots(PyObject *args, int backward) {
     Py_buffer x, rows, cols, grad = {0}, out;
     Py_ssize_t batch, features, dim, pairs, threads;
