@@ -498,6 +498,83 @@ def test_native_rowwise_adagrad_does_not_depend_on_the_thread_count(monkeypatch)
     assert torch.equal(results[0][2], results[1][2])
 
 
+@pytest.mark.parametrize("mean,weighted", [(False, False), (True, True)])
+def test_native_row_sums_split_among_threads_match_a_numpy_oracle(mean, weighted):
+    """row_sums splits the tables among torch's threads (about 26,000 ids here: 2 threads
+    have enough) and moves each thread's rows behind the ones before: on 1 and 2 threads
+    the same distinct rows in order of first appearance, table by table, with the sums
+    np.add.at gives and the statistics momentum[rows] gives."""
+    import numpy as np
+
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    gen = torch.Generator().manual_seed(5)
+    features, batch, dim = 5, 2048, 16
+    table_rows = (30, 4000, 9000, 9000)  # features 3 and 4 look up table 3; table 0 repeats
+    tables = torch.tensor([0, 1, 2, 3, 3])
+    starts = np.cumsum((0, *table_rows))
+    lengths = torch.randint(0, 5, (features * batch,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    per_feature = lengths.view(features, batch).sum(1).tolist()
+    ids = torch.cat(
+        [
+            torch.randint(0, table_rows[t], (n,), generator=gen) + int(starts[t])
+            for t, n in zip(tables.tolist(), per_feature)
+        ]
+    )
+    total = int(starts[-1])
+    grad = torch.randn(batch, features * dim, generator=gen)
+    weights = torch.rand(ids.shape, generator=gen) if weighted else None
+    momentum = torch.rand(total, generator=gen)
+
+    # the oracle: ids table by table in order (a table's features one after another),
+    # each id's share of its bag's gradient added in that order
+    want_rows, shares = [], []
+    ids_np, off_np, grad_np = ids.numpy(), offsets.numpy(), grad.numpy()
+    for t in dict.fromkeys(tables.tolist()):
+        for f in [f for f in range(features) if tables[f] == t]:
+            for b in range(batch):
+                lo, hi = off_np[f * batch + b], off_np[f * batch + b + 1]
+                g = grad_np[b, f * dim : (f + 1) * dim]
+                for k in range(lo, hi):
+                    share = g / np.float32(max(hi - lo, 1)) if mean else g
+                    if weights is not None:
+                        share = share * weights[k].numpy()
+                    want_rows.append(ids_np[k])
+                    shares.append(share)
+    order = list(dict.fromkeys(want_rows))
+    slot = {r: i for i, r in enumerate(order)}
+    want_sums = np.zeros((len(order), dim), np.float32)
+    for r, s in zip(want_rows, shares):
+        want_sums[slot[r]] += s
+
+    threads = torch.get_num_threads()
+    got = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            rows = torch.empty(ids.numel(), dtype=torch.int64)
+            sums = torch.empty(ids.numel(), dim)
+            state = torch.empty(ids.numel())
+            distinct = fused.row_sums(
+                ids.numpy(), offsets.numpy(), grad.numpy(),
+                None if weights is None else weights.numpy(), mean, features, batch, dim,
+                total, rows.numpy(), sums.numpy(), tables.numpy(), momentum.numpy(),
+                state.numpy(),
+            )  # fmt: skip
+            got.append((rows[:distinct], sums[:distinct], state[:distinct]))
+    finally:
+        torch.set_num_threads(threads)
+    assert ids.numel() > 2 * 8192  # two threads' worth (MIN_SUMS_PER_THREAD)
+    for rows, sums, state in got:
+        assert rows.tolist() == order
+        np.testing.assert_array_equal(sums.numpy(), want_sums)
+        assert torch.equal(state, momentum[rows])
+    assert torch.equal(got[0][1], got[1][1])
+
+
 def test_native_rowwise_adagrad_checks_its_arguments():
     """Ids and rows outside the table and buffers of the wrong size are refused by name;
     repeated ids are summed into one row."""

@@ -455,7 +455,10 @@ static void bag_grad(const int64_t *ids, const int64_t *offsets, const float *gr
  *                  grad[batch, features * dim] (sample-major): its shares (add_share,
  *                  bag_grad's arithmetic) summed in the ids' order from zero, as
  *                  index_add_ sums them; the distinct ids found table by table with an
- *                  open-addressing hash table of at least twice the table's ids
+ *                  open-addressing hash table of at least twice the table's ids, the
+ *                  tables split among OpenMP's threads; and, given the statistics, each
+ *                  distinct row's copied out as it is found (the gather the caller's
+ *                  arithmetic starts from)
  *   adagrad_rows   given each row's new statistic m and step factor f, computed by the
  *                  caller with PyTorch's operators as rowwise_update computes them (the
  *                  mean of squares' order of adds and the square root's rounding are
@@ -474,49 +477,104 @@ static int hash_bits(Py_ssize_t count) {
     return bits;
 }
 
-/* row_sums over the features of one table at a time (tables[f]: feature f's table), each
- * with a hash table sized for that table's ids alone, which stays in the core's caches. */
+/* One table's distinct ids and their summed gradients (`first`: the table's first
+ * feature; `count`: its ids, over every feature of the table), appended at rows[at] and
+ * sums[at * dim] with an open-addressing hash table of at least twice as many entries,
+ * which stays in the core's caches; with `momentum`, each new row's statistic is copied
+ * to state[at] too. Returns the rows appended. */
 DOTS_CLONES
+static Py_ssize_t table_sums(const int64_t *ids, const int64_t *offsets, const float *grad,
+                             const float *weights, const int64_t *tables, int mean,
+                             Py_ssize_t features, Py_ssize_t batch, Py_ssize_t dim,
+                             Py_ssize_t first, Py_ssize_t count, Entry *hash, int64_t *rows,
+                             float *sums, const float *momentum, float *state) {
+    const int vector = dim % LANES == 0;
+    const int bits = hash_bits(count);
+    const size_t mask = ((size_t)1 << bits) - 1;
+    Py_ssize_t distinct = 0;
+    memset(hash, 0xff, (mask + 1) * sizeof *hash); /* every id -1: empty */
+    for (Py_ssize_t f = first; f < features; f++) {
+        if (tables[f] != tables[first]) continue;
+        for (Py_ssize_t b = 0; b < batch; b++) {
+            const Py_ssize_t j = f * batch + b;
+            const int64_t lo = offsets[j], hi = offsets[j + 1];
+            const float *g = grad + (b * features + f) * dim;
+            const float length = (float)(hi - lo > 1 ? hi - lo : 1);
+            for (int64_t k = lo; k < hi; k++) {
+                const int64_t id = ids[k];
+                size_t h = (size_t)(((uint64_t)id * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+                while (hash[h].id != -1 && hash[h].id != id) h = (h + 1) & mask;
+                if (hash[h].id == -1) {
+                    hash[h].id = id;
+                    hash[h].slot = distinct;
+                    rows[distinct] = id;
+                    if (momentum != NULL) state[distinct] = momentum[id];
+                    memset(sums + distinct * dim, 0, (size_t)dim * sizeof(float));
+                    distinct++;
+                }
+                add_share(sums + hash[h].slot * dim, g, length,
+                          weights == NULL ? 1.0f : weights[k], mean, weights != NULL, dim,
+                          vector);
+            }
+        }
+    }
+    return distinct;
+}
+
+/* Ids a thread must sum for its start to pay. */
+#define MIN_SUMS_PER_THREAD 8192
+
+/* row_sums table by table: the tables (`firsts[t]`: table t's first feature, `counts[t]`:
+ * its ids, in the order of their first features) split among OpenMP's threads in runs of
+ * about equal ids, each run written from the ids before it (an upper bound of its rows'
+ * start) with a hash table of its own (`hash`: `threads` tables of `hash_size` entries),
+ * then moved down behind the run before it: the same rows, in the same order, with the
+ * same sums on any split. Returns the distinct rows. */
 static Py_ssize_t distinct_sums(const int64_t *ids, const int64_t *offsets, const float *grad,
                                 const float *weights, const int64_t *tables, int mean,
                                 Py_ssize_t features, Py_ssize_t batch, Py_ssize_t dim,
-                                Entry *hash, int64_t *rows, float *sums) {
-    const int vector = dim % LANES == 0;
+                                const Py_ssize_t *firsts, const Py_ssize_t *counts,
+                                Py_ssize_t ntables, int threads, Entry *hash, size_t hash_size,
+                                int64_t *rows, float *sums, const float *momentum,
+                                float *state) {
+    Py_ssize_t total = 0;
+    for (Py_ssize_t t = 0; t < ntables; t++) total += counts[t];
+    Py_ssize_t starts[65], found[64]; /* each run's first table; its rows */
+    int runs = threads < 1 ? 1 : (threads > 64 ? 64 : threads);
+    if (runs > ntables) runs = (int)(ntables > 0 ? ntables : 1);
+    /* run k starts at the first table whose ids begin at or after total * k / runs */
+    Py_ssize_t before = 0, t = 0;
+    starts[0] = 0;
+    for (int k = 1; k < runs; k++) {
+        while (t < ntables && before < total * k / runs) before += counts[t++];
+        starts[k] = t;
+    }
+    starts[runs] = ntables;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(runs) schedule(static, 1) if (runs > 1)
+#endif
+    for (int k = 0; k < runs; k++) {
+        Py_ssize_t at = 0, n = 0;
+        for (Py_ssize_t u = 0; u < starts[k]; u++) at += counts[u];
+        for (Py_ssize_t u = starts[k]; u < starts[k + 1]; u++)
+            n += table_sums(ids, offsets, grad, weights, tables, mean, features, batch, dim,
+                            firsts[u], counts[u], hash + (size_t)k * hash_size, rows + at + n,
+                            sums + (at + n) * dim, momentum,
+                            momentum == NULL ? NULL : state + at + n);
+        found[k] = n;
+    }
     Py_ssize_t distinct = 0;
-    for (Py_ssize_t first = 0; first < features; first++) {
-        int seen = 0;
-        for (Py_ssize_t e = 0; e < first && !seen; e++) seen = tables[e] == tables[first];
-        if (seen) continue; /* its table's features were summed with an earlier one's */
-        Py_ssize_t count = 0;
-        for (Py_ssize_t f = first; f < features; f++)
-            if (tables[f] == tables[first]) count += offsets[(f + 1) * batch] - offsets[f * batch];
-        const int bits = hash_bits(count);
-        const size_t mask = ((size_t)1 << bits) - 1;
-        memset(hash, 0xff, (mask + 1) * sizeof *hash); /* every id -1: empty */
-        for (Py_ssize_t f = first; f < features; f++) {
-            if (tables[f] != tables[first]) continue;
-            for (Py_ssize_t b = 0; b < batch; b++) {
-                const Py_ssize_t j = f * batch + b;
-                const int64_t lo = offsets[j], hi = offsets[j + 1];
-                const float *g = grad + (b * features + f) * dim;
-                const float length = (float)(hi - lo > 1 ? hi - lo : 1);
-                for (int64_t k = lo; k < hi; k++) {
-                    const int64_t id = ids[k];
-                    size_t h = (size_t)(((uint64_t)id * 0x9E3779B97F4A7C15ull) >> (64 - bits));
-                    while (hash[h].id != -1 && hash[h].id != id) h = (h + 1) & mask;
-                    if (hash[h].id == -1) {
-                        hash[h].id = id;
-                        hash[h].slot = distinct;
-                        rows[distinct] = id;
-                        memset(sums + distinct * dim, 0, (size_t)dim * sizeof(float));
-                        distinct++;
-                    }
-                    add_share(sums + hash[h].slot * dim, g, length,
-                              weights == NULL ? 1.0f : weights[k], mean, weights != NULL, dim,
-                              vector);
-                }
-            }
+    for (int k = 0; k < runs; k++) {
+        Py_ssize_t at = 0;
+        for (Py_ssize_t u = 0; u < starts[k]; u++) at += counts[u];
+        if (at != distinct && found[k] > 0) {
+            memmove(rows + distinct, rows + at, (size_t)found[k] * sizeof *rows);
+            memmove(sums + distinct * dim, sums + at * dim,
+                    (size_t)(found[k] * dim) * sizeof *sums);
+            if (momentum != NULL)
+                memmove(state + distinct, state + at, (size_t)found[k] * sizeof *state);
         }
+        distinct += found[k];
     }
     return distinct;
 }
@@ -775,14 +833,17 @@ static PyObject *py_bag_grad(PyObject *self, PyObject *args) {
 }
 
 /* row_sums(ids, offsets, grad, weights or None, mean, features, batch, dim, rows,
- * out_rows, out_sums, tables) -> the number U of distinct ids; out_rows[:U] and
- * out_sums[:U] hold them and their gradients (out_rows and out_sums hold room for every
- * id); tables[f]: the table feature f looks up (features of one table share ids). */
+ * out_rows, out_sums, tables[, momentum, out_state]) -> the number U of distinct ids;
+ * out_rows[:U] and out_sums[:U] hold them and their gradients (out_rows, out_sums and
+ * out_state hold room for every id); tables[f]: the table feature f looks up (features of
+ * one table share ids); with momentum (a statistic a row), out_state[:U] holds the
+ * distinct rows' statistics, as momentum.index_select(0, rows) would. */
 static PyObject *py_row_sums(PyObject *self, PyObject *args) {
-    if (!PyTuple_Check(args) || PyTuple_GET_SIZE(args) != 12) {
+    const Py_ssize_t nargs = PyTuple_Check(args) ? PyTuple_GET_SIZE(args) : -1;
+    if (nargs != 12 && nargs != 14) {
         PyErr_SetString(PyExc_TypeError,
                         "row_sums takes ids, offsets, grad, weights, mean, features, batch, dim, "
-                        "rows, out_rows, out_sums, tables");
+                        "rows, out_rows, out_sums, tables[, momentum, out_state]");
         return NULL;
     }
     /* parse_bags's layout (table, ids, offsets, bags, weights, mean, features, batch, dim,
@@ -798,23 +859,52 @@ static PyObject *py_row_sums(PyObject *self, PyObject *args) {
     const int parsed = parse_bags(bag_args, &a, 0, 1);
     Py_DECREF(bag_args);
     if (parsed < 0) return NULL;
-    Py_buffer rows_out, tables;
-    if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, 9), &rows_out, PyBUF_WRITABLE) < 0) {
-        release_bags(&a);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, 11), &tables, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&rows_out);
-        release_bags(&a);
-        return NULL;
-    }
+    Py_buffer rows_out, tables, momentum, state_out;
+    int have_rows = 0, have_tables = 0, have_momentum = 0, have_state = 0;
     PyObject *result = NULL;
-    const Py_ssize_t n = a.ids.len / 8;
     Entry *hash = NULL;
+    Py_ssize_t *groups = NULL;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, 9), &rows_out, PyBUF_WRITABLE) < 0) goto done;
+    have_rows = 1;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, 11), &tables, PyBUF_SIMPLE) < 0) goto done;
+    have_tables = 1;
+    if (nargs == 14) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, 12), &momentum, PyBUF_SIMPLE) < 0)
+            goto done;
+        have_momentum = 1;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(args, 13), &state_out, PyBUF_WRITABLE) < 0)
+            goto done;
+        have_state = 1;
+    }
+    const Py_ssize_t n = a.ids.len / 8;
     if (check(&rows_out, n * 8, "out_rows") || check(&a.table, n * a.dim * 4, "out_sums") ||
-        check(&tables, a.features * 8, "tables"))
+        check(&tables, a.features * 8, "tables") ||
+        (have_momentum &&
+         (check(&momentum, a.rows * 4, "momentum") || check(&state_out, n * 4, "out_state"))))
         goto done;
-    hash = PyMem_RawMalloc(((size_t)1 << hash_bits(n)) * sizeof *hash);
+    /* the tables in the order of their first features, and each one's ids */
+    const int64_t *table_of = tables.buf, *off = a.offsets.buf;
+    groups = PyMem_RawMalloc(2 * (size_t)a.features * sizeof *groups);
+    if (groups == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t *firsts = groups, *counts = groups + a.features, ntables = 0, largest = 0;
+    for (Py_ssize_t first = 0; first < a.features; first++) {
+        int seen = 0;
+        for (Py_ssize_t e = 0; e < first && !seen; e++) seen = table_of[e] == table_of[first];
+        if (seen) continue; /* its table's features were counted with an earlier one's */
+        Py_ssize_t count = 0;
+        for (Py_ssize_t f = first; f < a.features; f++)
+            if (table_of[f] == table_of[first])
+                count += off[(f + 1) * a.batch] - off[f * a.batch];
+        firsts[ntables] = first;
+        counts[ntables++] = count;
+        if (count > largest) largest = count;
+    }
+    const int threads = threads_for(n, MIN_SUMS_PER_THREAD);
+    const size_t hash_size = (size_t)1 << hash_bits(largest);
+    hash = PyMem_RawMalloc((size_t)threads * hash_size * sizeof *hash);
     if (hash == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -822,14 +912,19 @@ static PyObject *py_row_sums(PyObject *self, PyObject *args) {
     Py_ssize_t distinct;
     Py_BEGIN_ALLOW_THREADS
     distinct = distinct_sums(a.ids.buf, a.offsets.buf, a.bags.buf,
-                             a.have_weights ? a.weights.buf : NULL, tables.buf, a.mean,
-                             a.features, a.batch, a.dim, hash, rows_out.buf, a.table.buf);
+                             a.have_weights ? a.weights.buf : NULL, table_of, a.mean, a.features,
+                             a.batch, a.dim, firsts, counts, ntables, threads, hash, hash_size,
+                             rows_out.buf, a.table.buf, have_momentum ? momentum.buf : NULL,
+                             have_state ? state_out.buf : NULL);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(distinct);
 done:
     PyMem_RawFree(hash);
-    PyBuffer_Release(&tables);
-    PyBuffer_Release(&rows_out);
+    PyMem_RawFree(groups);
+    if (have_state) PyBuffer_Release(&state_out);
+    if (have_momentum) PyBuffer_Release(&momentum);
+    if (have_tables) PyBuffer_Release(&tables);
+    if (have_rows) PyBuffer_Release(&rows_out);
     release_bags(&a);
     return result;
 }

@@ -7,7 +7,8 @@ reads, so neither direction copies through a transpose, its bags split among tor
 intra-op threads (OpenMP). The gradient arrives in that layout and the update reads it
 there: small tables' dense update (``dense_gradient``), and row-wise Adagrad without
 weight decay on larger tables in two calls (``_fused.c``: ``row_sums``, the distinct
-ids' summed gradients; ``adagrad_rows``, each row's update on torch's threads) around
+ids' summed gradients and statistics, table by table on torch's threads;
+``adagrad_rows``, each row's update on torch's threads) around
 the per-row arithmetic in PyTorch's operators, in place of the transposing copy, the
 sort, the segment sums and the gathers and scatters of ``sparse_update``, with the same
 bits."""
@@ -231,8 +232,10 @@ class TorchKernel(EmbeddingKernel):
         ``rowwise_update`` in PyTorch's operators on ``[U]`` vectors: the same bits."""
         assert fused is not None
         features, dim = self.num_features, self.embedding_dim
+        momentum = self.state["momentum1"]
         rows = torch.empty(ids.numel(), dtype=torch.int64)
         sums = torch.empty(ids.numel(), dim)
+        state = torch.empty(ids.numel())  # the rows' statistics, gathered as rows are found
         distinct = fused.row_sums(
             ids.contiguous().numpy(),
             offsets.contiguous().numpy(),
@@ -246,11 +249,12 @@ class TorchKernel(EmbeddingKernel):
             rows.numpy(),
             sums.numpy(),
             self._feature_tables.numpy(),
+            momentum.numpy(),
+            state.numpy(),
         )
-        rows, sums = rows[:distinct], sums[:distinct]
-        momentum = self.state["momentum1"]
+        rows, sums, state = rows[:distinct], sums[:distinct], state[:distinct]
         # sums * sums: square()'s bits (pow by 2 is one multiply), 2.7x faster on the CPU
-        state = momentum.index_select(0, rows).add_((sums * sums).mean(dim=1))
+        state = state.add_((sums * sums).mean(dim=1))
         factor = self.lr / state.sqrt().add_(self.optimizer.eps)
         fused.adagrad_rows(
             self.weight.numpy(),
