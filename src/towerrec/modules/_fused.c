@@ -539,40 +539,39 @@ static Py_ssize_t distinct_sums(const int64_t *ids, const int64_t *offsets, cons
                                 float *state) {
     Py_ssize_t total = 0;
     for (Py_ssize_t t = 0; t < ntables; t++) total += counts[t];
-    Py_ssize_t starts[65], found[64]; /* each run's first table; its rows */
+    /* run k: tables [starts[k], starts[k + 1]), written from the ids before them, at[k],
+     * its first table the first whose ids begin at or after total * k / runs */
+    Py_ssize_t starts[65], at[65], found[64];
     int runs = threads < 1 ? 1 : (threads > 64 ? 64 : threads);
     if (runs > ntables) runs = (int)(ntables > 0 ? ntables : 1);
-    /* run k starts at the first table whose ids begin at or after total * k / runs */
     Py_ssize_t before = 0, t = 0;
-    starts[0] = 0;
-    for (int k = 1; k < runs; k++) {
+    for (int k = 0; k < runs; k++) {
         while (t < ntables && before < total * k / runs) before += counts[t++];
         starts[k] = t;
+        at[k] = before;
     }
     starts[runs] = ntables;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(runs) schedule(static, 1) if (runs > 1)
 #endif
     for (int k = 0; k < runs; k++) {
-        Py_ssize_t at = 0, n = 0;
-        for (Py_ssize_t u = 0; u < starts[k]; u++) at += counts[u];
-        for (Py_ssize_t u = starts[k]; u < starts[k + 1]; u++)
+        Py_ssize_t n = 0;
+        for (Py_ssize_t u = starts[k]; u < starts[k + 1]; u++) {
+            const Py_ssize_t to = at[k] + n;
             n += table_sums(ids, offsets, grad, weights, tables, mean, features, batch, dim,
-                            firsts[u], counts[u], hash + (size_t)k * hash_size, rows + at + n,
-                            sums + (at + n) * dim, momentum,
-                            momentum == NULL ? NULL : state + at + n);
+                            firsts[u], counts[u], hash + (size_t)k * hash_size, rows + to,
+                            sums + to * dim, momentum, momentum == NULL ? NULL : state + to);
+        }
         found[k] = n;
     }
     Py_ssize_t distinct = 0;
     for (int k = 0; k < runs; k++) {
-        Py_ssize_t at = 0;
-        for (Py_ssize_t u = 0; u < starts[k]; u++) at += counts[u];
-        if (at != distinct && found[k] > 0) {
-            memmove(rows + distinct, rows + at, (size_t)found[k] * sizeof *rows);
-            memmove(sums + distinct * dim, sums + at * dim,
+        if (at[k] != distinct && found[k] > 0) {
+            memmove(rows + distinct, rows + at[k], (size_t)found[k] * sizeof *rows);
+            memmove(sums + distinct * dim, sums + at[k] * dim,
                     (size_t)(found[k] * dim) * sizeof *sums);
             if (momentum != NULL)
-                memmove(state + distinct, state + at, (size_t)found[k] * sizeof *state);
+                memmove(state + distinct, state + at[k], (size_t)found[k] * sizeof *state);
         }
         distinct += found[k];
     }
