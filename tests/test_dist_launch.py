@@ -141,6 +141,33 @@ def test_a_rank_that_returned_then_died_in_teardown_is_reported(how, monkeypatch
         assert "Fatal Python error: Aborted" in err and "in _spawned" in err
 
 
+def _reports_its_surroundings(topology):
+    print(f"rank {topology.rank} says hello")
+    print(f"rank {topology.rank} on stderr", file=sys.stderr)
+    return os.environ.get("TOWERREC_TEST_MARK"), os.getcwd(), torch.get_num_threads()
+
+
+@pytest.mark.multiprocess
+def test_ranks_take_the_callers_environment_directory_and_output_at_each_start(
+    monkeypatch, tmp_path, capfd
+):
+    """Ranks are forked from a server that started with the process's first world and
+    kept its environment, directory and output: a later world's ranks still see the
+    caller's as they are when it starts, as spawned processes would. (Run alone, this
+    test starts the server; in the suite another test may have.)"""
+    with capfd.disabled():  # the server runs, started with other output than the test's
+        spawn_world(_returns_rank, 2, 1)
+    monkeypatch.setenv("TOWERREC_TEST_MARK", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    got = spawn_world(_reports_its_surroundings, 2, 1)
+    assert got == [("set after the server started", str(tmp_path), 1)] * 2
+    out, err = capfd.readouterr()
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out
+    assert "rank 0 on stderr" in err and "rank 1 on stderr" in err
+    monkeypatch.delenv("TOWERREC_TEST_MARK")
+    assert spawn_world(_reports_its_surroundings, 2, 1)[0][0] is None
+
+
 @pytest.mark.multiprocess
 def test_a_rank_that_died_before_returning_fails_the_world():
     with pytest.raises(WorkerError, match=r"without a result \(rank 1: exit code -6\)"):

@@ -31,6 +31,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -39,7 +40,9 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from multiprocessing import reduction
 from multiprocessing.connection import wait as connection_wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -146,10 +149,20 @@ def _spawned(
     timeout_s: float,
     results_dir: str,
     args: tuple,
+    environ: dict[str, str],
+    cwd: str,
+    stdio: _CallerStdio,
 ) -> None:
+    # A rank forked from the fork server starts with that server's environment,
+    # directory and output; it takes the caller's, as a spawned process would.
+    stdio.use()
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
     # A fatal signal (the SIGABRT of a C++ std::terminate) prints every thread's Python
-    # stack to stderr: whether a rank died inside destroy_process_group, or after the
-    # interpreter's finalization (no stack: C++ static destructors at exit).
+    # stack to stderr: whether a rank died inside destroy_process_group, or later (a
+    # spawned rank's interpreter finalization: no stack, C++ static destructors at exit;
+    # a forked one ends with ``os._exit`` once ``fn`` has returned).
     faulthandler.enable(all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -234,6 +247,49 @@ def _wait_for_workers(
     return failed, stopped
 
 
+# What the fork server imports once, so that a world's ranks start in milliseconds
+# rather than each importing torch (1.5-2 s on 2 cores). ``__main__`` first, as
+# ``spawn`` would import it: a ``fn`` defined in the caller's script unpickles.
+_PRELOAD = ["__main__", "torch", "torch.distributed", "towerrec.distributed.launch"]
+
+
+class _CallerStdio:
+    """The caller's standard output and error as they are when a rank starts. Pickled
+    with the rank, it sends the two descriptors along (``reduction.DupFd``), so a rank
+    forked from the fork server writes where the caller's output goes now (a pytest
+    capture, a redirect), not where it went when the server started."""
+
+    def __init__(self, fds: tuple[Any, Any] | None = None) -> None:
+        self._fds = fds
+
+    def __reduce__(self) -> tuple[type[_CallerStdio], tuple[tuple[Any, Any]]]:
+        return _CallerStdio, ((reduction.DupFd(1), reduction.DupFd(2)),)
+
+    def use(self) -> None:
+        """In the rank: point descriptors 1 and 2 at the caller's."""
+        if self._fds is None:
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, fd in zip((1, 2), self._fds, strict=True):
+            received = fd.detach()
+            if received != target:
+                os.dup2(received, target)
+                os.close(received)
+
+
+def _rank_context() -> ForkServerContext | SpawnContext:
+    """The ``forkserver`` context where the platform has one (its server started fresh,
+    never forked from a process with threads), with ``_PRELOAD`` imported by the server;
+    ``spawn`` elsewhere. The preload takes effect when the server starts: the first
+    world of the process starts it, unless something else already did."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
 def spawn_world(
     fn: Callable[..., Any],
     world_size: int,
@@ -244,17 +300,19 @@ def spawn_world(
     """Run ``fn(topology, *args)`` on ``world_size`` gloo ranks; their return values.
 
     ``fn`` must be importable (a module-level function). Collectives wait at
-    most ``timeout_s`` for a peer. The ranks are started with the ``spawn``
-    method (never forked from this process, which may already run torch's
-    threads) and return their values through files, not a manager process.
+    most ``timeout_s`` for a peer. The ranks are forked from a fork server
+    that has imported torch (``_rank_context``; never forked from this process,
+    which may already run torch's threads), each with this process's environment
+    and directory, and return their values through files, not a manager process.
     """
-    context = mp.get_context("spawn")
+    context = _rank_context()
     port = free_port()
+    caller = (dict(os.environ), os.getcwd(), _CallerStdio())
     with tempfile.TemporaryDirectory(prefix="towerrec-world-") as results_dir:
         procs = [
             context.Process(
                 target=_spawned,
-                args=(rank, fn, world_size, hosts, port, timeout_s, results_dir, args),
+                args=(rank, fn, world_size, hosts, port, timeout_s, results_dir, args, *caller),
                 name=f"towerrec-rank{rank}",
             )
             for rank in range(world_size)
