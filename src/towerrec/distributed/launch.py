@@ -26,6 +26,7 @@ How ``spawn_world`` tells a rank's end (``RankEnd``):
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -151,11 +152,12 @@ def _spawned(
     args: tuple,
     environ: dict[str, str],
     cwd: str,
-    stdio: _CallerStdio,
+    stdio: _CallerStdio | None,
 ) -> None:
     # A rank forked from the fork server starts with that server's environment,
     # directory and output; it takes the caller's, as a spawned process would.
-    stdio.use()
+    if stdio is not None:
+        stdio.use()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
@@ -255,15 +257,17 @@ _PRELOAD = ["__main__", "torch", "torch.distributed", "towerrec.distributed.laun
 
 class _CallerStdio:
     """The caller's standard output and error as they are when a rank starts. Pickled
-    with the rank, it sends the two descriptors along (``reduction.DupFd``), so a rank
-    forked from the fork server writes where the caller's output goes now (a pytest
-    capture, a redirect), not where it went when the server started."""
+    with a rank of the fork server, it sends the two descriptors along
+    (``reduction.DupFd``), so the rank writes where the caller's output goes now (a
+    pytest capture, a redirect), not where it went when the server started. A
+    descriptor the caller has closed is closed in the rank too, and its stream is
+    ``None``, as in a spawned process."""
 
     def __init__(self, fds: tuple[Any, Any] | None = None) -> None:
         self._fds = fds
 
     def __reduce__(self) -> tuple[type[_CallerStdio], tuple[tuple[Any, Any]]]:
-        return _CallerStdio, ((reduction.DupFd(1), reduction.DupFd(2)),)
+        return _CallerStdio, ((_dup_for_rank(1), _dup_for_rank(2)),)
 
     def use(self) -> None:
         """In the rank: point descriptors 1 and 2 at the caller's."""
@@ -272,10 +276,24 @@ class _CallerStdio:
         sys.stdout.flush()
         sys.stderr.flush()
         for target, fd in zip((1, 2), self._fds, strict=True):
+            if fd is None:  # as in a spawned process: no descriptor, no stream
+                with contextlib.suppress(OSError):
+                    os.close(target)
+                setattr(sys, "stdout" if target == 1 else "stderr", None)
+                continue
             received = fd.detach()
             if received != target:
                 os.dup2(received, target)
                 os.close(received)
+
+
+def _dup_for_rank(fd: int) -> Any:
+    """``fd`` to send with the rank being started, or ``None`` when it is not open."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return reduction.DupFd(fd)
 
 
 def _rank_context() -> ForkServerContext | SpawnContext:
@@ -307,7 +325,8 @@ def spawn_world(
     """
     context = _rank_context()
     port = free_port()
-    caller = (dict(os.environ), os.getcwd(), _CallerStdio())
+    forked = context.get_start_method() == "forkserver"
+    caller = (dict(os.environ), os.getcwd(), _CallerStdio() if forked else None)
     with tempfile.TemporaryDirectory(prefix="towerrec-world-") as results_dir:
         procs = [
             context.Process(
