@@ -282,8 +282,6 @@ class _CallerStdio:
         """In the rank: point descriptors 1 and 2 at the caller's."""
         if self._fds is None:
             return
-        sys.stdout.flush()
-        sys.stderr.flush()
         for target, fd in zip((1, 2), self._fds, strict=True):
             if fd is None:  # as in a spawned process: no descriptor, no stream
                 with contextlib.suppress(OSError):
