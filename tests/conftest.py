@@ -1,6 +1,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -9,30 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from towerrec.train.numerics import flushing_subnormals, set_flush_subnormals
+
 HAS_FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
 HAS_TORCHREC = importlib.util.find_spec("torchrec") is not None and HAS_FBGEMM
 
 needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm_gpu is not installed")
 needs_torchrec = pytest.mark.skipif(not HAS_TORCHREC, reason="torchrec is not installed")
-
-
-# `auto` settings resolve by their fixed rules, not by timing (a test's numbers must not
-# depend on how busy the machine is), and measured choices never reach the user's cache;
-# the tests of the measurement (test_choices.py) turn it on with monkeypatch. Set before
-# the baseline below, so that every test and every process it starts inherits both.
-os.environ["TOWERREC_MEASURE"] = "0"
-os.environ["TOWERREC_CACHE_DIR"] = tempfile.mkdtemp(prefix="towerrec-test-cache-")
-# Every world of `spawn_world` whose rank crashed in teardown after returning its value,
-# in this process or in one a test started, is appended here (distributed/launch.py);
-# `_no_teardown_crash` fails the test that made it.
-TEARDOWN_LOG = Path(tempfile.mkdtemp(prefix="towerrec-test-teardown-")) / "crashes.jsonl"
-TEARDOWN_LOG.touch()
-os.environ["TOWERREC_TEARDOWN_LOG"] = str(TEARDOWN_LOG)
-
-from towerrec.train.numerics import (  # noqa: E402 (after the variables)
-    flushing_subnormals,
-    set_flush_subnormals,
-)
 
 # Set by pytest for each test, by torch the first time it needs its compile cache, and by
 # scikit-learn's import (OpenMP settings of its own).
@@ -54,7 +38,38 @@ def _process_state() -> dict:
     }
 
 
-_BASELINE = _process_state()  # the process's own, before any test ran
+_BASELINE: dict = {}  # the process's own, before any test ran (``pytest_configure``)
+TEARDOWN_LOG = Path()
+_SESSION_DIRS: list[Path] = []
+_NAMES = ("cache", "teardown")
+
+
+def pytest_configure(config):
+    """The session's settings, made by the pytest process alone (a rank that imports a
+    test module imports this file too, and inherits them instead of making its own);
+    its directories are removed when the session ends."""
+    global TEARDOWN_LOG
+    # `auto` settings resolve by their fixed rules, not by timing (a test's numbers must
+    # not depend on how busy the machine is), and measured choices never reach the
+    # user's cache; the tests of the measurement (test_choices.py) turn it on with
+    # monkeypatch. Set before the baseline, so that every test and every process it
+    # starts inherits both.
+    cache, teardown = (Path(tempfile.mkdtemp(prefix=f"towerrec-test-{n}-")) for n in _NAMES)
+    _SESSION_DIRS[:] = [cache, teardown]
+    os.environ["TOWERREC_MEASURE"] = "0"
+    os.environ["TOWERREC_CACHE_DIR"] = str(cache)
+    # Every world of `spawn_world` whose rank crashed in teardown after returning its
+    # value, in this process or in one a test started, is appended here
+    # (distributed/launch.py); `_no_teardown_crash` fails the test that made it.
+    TEARDOWN_LOG = teardown / "crashes.jsonl"
+    TEARDOWN_LOG.touch()
+    os.environ["TOWERREC_TEARDOWN_LOG"] = str(TEARDOWN_LOG)
+    _BASELINE.update(_process_state())
+
+
+def pytest_unconfigure(config):
+    for directory in _SESSION_DIRS:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _restore(state: dict) -> None:
