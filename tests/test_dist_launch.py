@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -55,6 +56,19 @@ def test_a_raising_rank_stops_every_rank_with_its_error():
     with pytest.raises(WorkerError, match=r"rank 1: ValueError: invalid sharding plan"):
         launch(_fail_on_rank_1, (), nproc=2)
     assert time.monotonic() - start < 120  # bounded: the agent stops rank 0, no hang
+
+
+def _rank_from_environment():
+    return int(os.environ["RANK"])
+
+
+@pytest.mark.multiprocess
+def test_a_launch_leaves_nothing_in_the_temp_folder(monkeypatch, tmp_path):
+    """The elastic agent's per-attempt log folders go with the launch's own temporary
+    folder, not one ``torchelastic_*`` folder left behind per run."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert launch(_rank_from_environment, (), nproc=2) == {0: 0, 1: 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def _returns_rank(topology):

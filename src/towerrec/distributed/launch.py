@@ -389,6 +389,7 @@ def launch(
     A failing worker stops all the others; after ``max_restarts`` restarts the
     launcher raises ``WorkerError`` with the first failure's message.
     """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -396,23 +397,26 @@ def launch(
         raise ValueError(f"--nproc must be >= 1, got {nproc}")
     if nproc % hosts:
         raise ValueError(f"--hosts {hosts} must divide --nproc {nproc}")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=run_id or uuid.uuid4().hex[:8],
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=max_restarts,
-        monitor_interval=0.2,
-        start_method="spawn",
-    )
     # The workers inherit the hosts through the environment; the launcher's process gets
     # its own environment back (the elastic agent adds variables of its own to it too).
     environ = dict(os.environ)
     os.environ[HOSTS_ENV] = str(hosts)
     try:
         with tempfile.TemporaryDirectory(prefix="towerrec-errors-") as errors_dir:
+            config = LaunchConfig(
+                min_nodes=1,
+                max_nodes=1,
+                nproc_per_node=nproc,
+                run_id=run_id or uuid.uuid4().hex[:8],
+                rdzv_backend="c10d",
+                rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                max_restarts=max_restarts,
+                monitor_interval=0.2,
+                start_method="spawn",
+                # The agent's per-attempt folders, which it would leave in the temp folder
+                # (``torchelastic_*``) after every run: removed with this one.
+                logs_specs=DefaultLogsSpecs(log_dir=os.path.join(errors_dir, "agent")),
+            )
             try:
                 return elastic_launch(config, _recording_errors)(entry, errors_dir, *args)
             except ChildFailedError as e:
