@@ -327,8 +327,9 @@ def spawn_world(
     ``fn`` must be importable (a module-level function). Collectives wait at
     most ``timeout_s`` for a peer. The ranks are forked from a fork server
     that has imported torch (``_rank_context``; never forked from this process,
-    which may already run torch's threads), each with this process's environment
-    and directory, and return their values through files, not a manager process.
+    which may already run torch's threads), each with this process's environment,
+    directory and output, and return their values through files, not a manager
+    process.
     """
     context = _rank_context()
     port = free_port()
