@@ -228,7 +228,7 @@ def test_learned_benchmark_protocol_end_to_end():
     from towerrec.bench.plan_learned import learned_part
 
     r = learned_part(None, cost_devices=6, train_tasks=3, test_tasks=3, measured=1,
-                     transfer_tasks=1, train_scale=0.02)  # fmt: skip
+                     transfer_tasks=1, train_scale=0.02, transfer_measured=0)  # fmt: skip
     assert r["protocol"]["train_tables"] + r["protocol"]["test_tables"] == 856
     unseen = r["unseen_test_tasks"]
     for planner in ("dreamshard", "autoshard", "lpt", "greedy_size"):

@@ -147,21 +147,25 @@ def learned_part(
     measured: int = 12,
     transfer_tasks: int = 4,
     train_scale: float = 1.0,
+    transfer_measured: int = 1,
 ) -> dict:
+    """The learned planners' protocol (module doc): ``measured`` of the unseen tasks and
+    ``transfer_measured`` of the 16-device transfer tasks also timed on real kernels."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _learned_part(
             calibration, seed, cost_devices, train_tasks, test_tasks, measured, transfer_tasks,
-            train_scale,
+            train_scale, transfer_measured,
         )  # fmt: skip
     finally:
         torch.set_num_threads(threads)
 
 
 def _learned_part(
-    calibration, seed, cost_devices, train_tasks, test_tasks, measured, transfer_tasks, scale
-) -> dict:
+    calibration, seed, cost_devices, train_tasks, test_tasks, measured, transfer_tasks, scale,
+    transfer_measured,
+) -> dict:  # fmt: skip
     suite = dlrm_like_suite(856, seed=0, batch_size=BATCH)
     capped = [
         replace(s, num_embeddings=min(s.num_embeddings, MAX_ROWS), distinct_per_batch=0.0)
@@ -203,7 +207,9 @@ def _learned_part(
         transfer = {}
         for devs in (16, 128):
             t = training_tasks(test, transfer_tasks, 100, 200, (devs,), seed + devs)
-            transfer[str(devs)] = _evaluate(t, calibration, weights, seed, 1 if devs == 16 else 0)
+            transfer[str(devs)] = _evaluate(
+                t, calibration, weights, seed, transfer_measured if devs == 16 else 0
+            )
         full_model = _model(calibration, 128)
         timing = {
             p: planner.plan(

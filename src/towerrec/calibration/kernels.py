@@ -30,6 +30,9 @@ from towerrec.planner.suites import zipf_hot_shares
 from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
 
+# Every weight of a measured device: a step's time does not depend on the values.
+INIT_VALUE = 0.01
+
 __all__ = [
     "FEATURES",
     "analytic_device_seconds",
@@ -80,8 +83,12 @@ def build_device(
         lengths.append(lens)
         values.append(ids)
     ebc = EmbeddingBagCollection(
-        tables, EmbeddingOptimizerConfig(lr=0.01), backend=backend, device=device
-    )
+        tables, EmbeddingOptimizerConfig(lr=0.01), backend=backend, device=device, materialize=False
+    ).materialize(init=False)
+    # One constant, not the seeded random init (most of a device's build time).
+    for weight in ebc.table_weights().values():
+        weight.fill_(INIT_VALUE)
+    ebc.zero_optimizer_states()
     features = KeyedJaggedTensor(
         [t.name for t in tables],
         torch.from_numpy(np.concatenate(values)),
