@@ -6,6 +6,7 @@ a store of another table, a damaged one, a read-only or full one are refused."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -328,8 +329,8 @@ def test_cli_trains_kv_tables_and_resumes_exactly(tmp_path, nproc):
     """``towerrec train`` (one process, and 2 ranks under ``plan.strategy = auto``) on a
     generated Criteo file hashed into 2**31-1 rows a table (the Criteo cache's int32
     ids), every table kv: one store and one checkpoint copy per table (on 2 ranks each
-    on its owner only), and a run resumed from its step-10 checkpoint ends with the same
-    metrics as one that did not stop."""
+    on its owner only), and the run resumed from its step-10 checkpoint (the step-20 one
+    removed, the stores as step 20 left them) ends with the metrics it first ended with."""
     from towerrec.data.criteo_gen import generate_criteo_file
 
     generate_criteo_file(tmp_path / "day_0", 3000, seed=1, file_index=0)
@@ -347,29 +348,26 @@ def test_cli_trains_kv_tables_and_resumes_exactly(tmp_path, nproc):
     launch = ["--nproc", "2"] if nproc > 1 else []
     if nproc > 1:
         common += ["plan.strategy=auto", "plan.stats_batches=2"]
-    summaries = []
-    for run in ("straight", "stopped"):
-        sets = [*common, f"embedding.backing_path={tmp_path / run / 'kv'}"]
-        args = [arg for key in sets for arg in ("--set", key)]
-        done = run_cli("train", *launch, *args, "--out", str(tmp_path / run), OMP_NUM_THREADS="1")
-        assert done.returncode == 0, done.stderr[-3000:]
-        summaries.append(json.loads((tmp_path / run / "summary.json").read_text()))
+    sets = [*common, f"embedding.backing_path={tmp_path / 'kv'}"]
+    args = [arg for key in sets for arg in ("--set", key)]
+    run = tmp_path / "run"
+    done = run_cli("train", *launch, *args, "--out", str(run), OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    straight = json.loads((run / "summary.json").read_text())
     tables = sorted(f"cat_{i}" for i in range(26))
-    stores = sorted(p.name for p in (tmp_path / "straight" / "kv").iterdir())
+    stores = sorted(p.name for p in (tmp_path / "kv").iterdir())
     assert stores == sorted(f"{t}.kvstore" for t in tables)
-    checkpoints = tmp_path / "stopped" / "checkpoint"
-    saved = checkpoints / "step_00000010" / "kv" / "sparse"
+    saved = run / "checkpoint" / "step_00000010" / "kv" / "sparse"
     assert sorted(p.name for p in saved.iterdir()) == tables
     assert all((saved / t / "store.json").is_file() for t in tables)
-    shutil.rmtree(checkpoints / "step_00000020")
-    done = run_cli(
-        "train", *launch, "--resume", "--out", str(tmp_path / "stopped"), OMP_NUM_THREADS="1"
-    )
+    # stopped after step 10: its later checkpoint gone, the stores as step 20 left them
+    shutil.rmtree(run / "checkpoint" / "step_00000020")
+    done = run_cli("train", *launch, "--resume", "--out", str(run), OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stderr
-    resumed = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    assert re.search(r"resumed from \S+ at step 10\b", done.stderr), done.stderr[-3000:]
+    resumed = json.loads((run / "summary.json").read_text())
     for key in ("auc", "logloss", "ne"):
-        assert resumed[key] == summaries[0][key], key
+        assert resumed[key] == straight[key], key
 
 
 def test_bench_tiers_kv_variant_sees_the_same_cache_traffic_as_host(tmp_path):
