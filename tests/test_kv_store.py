@@ -248,6 +248,35 @@ def test_damaged_read_only_or_full_kv_store_is_refused(tmp_path):
             small.write(torch.arange(start, start + 1000), torch.zeros(1000, 65))
 
 
+_REOPEN = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_kv_store import _open
+from towerrec.modules.tier_store import StoreError
+try:
+    _open({path!r})
+except StoreError as e:
+    print(e)
+"""
+
+
+def test_truncated_kv_store_is_refused_before_its_map_is_read(tmp_path):
+    path = tmp_path / "t.kvstore"
+    store = _open(path)
+    store.write(torch.arange(2000), torch.ones(2000, 9))
+    store.close()
+    data = path / "data.mdb"
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    # In a child: reading past the file's end through the map is a SIGBUS, not an error.
+    script = _REOPEN.format(tests=str(ROOT / "tests"), path=str(path))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    expected = f"table 't' is truncated ({data} has {size // 2} bytes, needs {size}); delete it"
+    assert expected in done.stdout, done.stdout
+
+
 def test_kv_config_and_unsupported_layouts_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"needs embedding.cache_slots"):
         TierConfig("cached", backing="kv", backing_path=str(tmp_path))

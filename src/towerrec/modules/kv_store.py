@@ -92,10 +92,26 @@ class KvStore(BackingStore):
                 metasync=False,
                 readahead=False,
             )
+            self._check_size()
             self._rows = self._env.open_db(b"rows")
             self._meta = self._env.open_db(b"meta")
         except lmdb.Error as e:
             raise self._error("cannot be opened", e) from None
+
+    def _check_size(self) -> None:
+        """Refuse a ``data.mdb`` shorter than its pages: reading past its end through
+        the map kills the process with SIGBUS. Runs before any page past the two meta
+        pages (which ``lmdb.open`` has read) is touched."""
+        need = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+        data = self.path / "data.mdb"
+        size = data.stat().st_size
+        if size < need:
+            self._env.close()
+            raise StoreError(
+                f"kv store {self.path} of table {self.layout.table!r} is truncated ({data} "
+                f"has {size} bytes, needs {need}); delete it (a run rewrites it from its init "
+                "or checkpoint)"
+            )
 
     def close(self) -> None:
         self._env.close()
