@@ -28,7 +28,7 @@ from towerrec.data.augmented import (
     AugmentedPeriods,
     AugmentedTimeout,
 )
-from towerrec.data.cache import PartWriter, read_manifest, write_manifest
+from towerrec.data.cache import CacheError, PartWriter, read_manifest, write_manifest
 from towerrec.data.loader import SplitRows
 from towerrec.data.period_files import SPLIT, open_period, read_stream, write_periods
 from towerrec.data.periods import PeriodSource
@@ -36,7 +36,7 @@ from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.serve.artefact import ArtefactError, load_artefact
 from towerrec.serve.export import export_run
 from towerrec.workflows import training as trainer
-from towerrec.workflows.distill.augment import COUNTERS, CRASH_ENV, AugmentService
+from towerrec.workflows.distill.augment import COUNTERS, CRASH_ENV, AugmentService, Counts, Memo
 
 CONFIGS = Path(__file__).parent.parent / "configs"
 ROWS = 300  # per period
@@ -373,6 +373,21 @@ def test_an_output_of_another_teacher_or_without_its_memo_is_refused(teacher, st
     shutil.rmtree(out / "memo")
     with pytest.raises(ValueError, match=r"lists periods \[0, 1, 2\] whose memo files are missing"):
         AugmentService(teacher, [students[0]], out)
+
+
+@pytest.mark.parametrize("damage", ["cut", "byte"])
+def test_a_damaged_memo_file_is_refused_naming_it(tmp_path, damage):
+    ids = np.arange(0, 400, 2, dtype=np.int64)
+    Memo(tmp_path).add("a", 0, ids, np.ones(ids.size, np.float32), Counts(ids.size, 0, ids.size))
+    file = tmp_path / "a.0.npz"
+    raw = bytearray(file.read_bytes())
+    if damage == "cut":
+        raw = raw[: len(raw) // 2]
+    else:
+        raw[len(raw) // 4] ^= 0xFF  # inside the ids array
+    file.write_bytes(raw)
+    with pytest.raises(CacheError, match=rf"memo file {file} is damaged.*fresh --out directory"):
+        Memo(tmp_path)
 
 
 @pytest.mark.multiprocess

@@ -45,6 +45,7 @@ import logging
 import os
 import signal
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,13 +147,22 @@ class Memo:
         self.counts: dict[tuple[str, int], Counts] = {}
         loaded_ids, loaded_logits = [], []
         for file in sorted(path.glob("*.npz")):
-            with np.load(file) as data:
-                loaded_ids.append(data["ids"])
-                loaded_logits.append(data["logits"])
-                student, period = file.stem.rsplit(".", 1)
-                self.counts[(student, int(period))] = Counts(
-                    int(data["teacher_calls"]), int(data["duplicates"]), int(data["rows"])
-                )
+            student, _, period = file.stem.rpartition(".")
+            try:
+                with np.load(file) as data:
+                    loaded_ids.append(data["ids"])
+                    loaded_logits.append(data["logits"])
+                    self.counts[(student, int(period))] = Counts(
+                        int(data["teacher_calls"]), int(data["duplicates"]), int(data["rows"])
+                    )
+            # What np.load and zipfile raise for a cut or changed file.
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError, RuntimeError) as e:
+                raise CacheError(
+                    f"memo file {file} is damaged or truncated ({type(e).__name__}: {e}); "
+                    "give a fresh --out directory (if the student's augmented manifest does "
+                    "not list that period yet, deleting the file is enough: the period is "
+                    "scored again)"
+                ) from None
         if loaded_ids:
             self._merge(np.concatenate(loaded_ids), np.concatenate(loaded_logits))
 
