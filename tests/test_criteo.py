@@ -4,6 +4,7 @@ import gzip
 import json
 import math
 import os
+import re
 from collections import Counter
 
 import numpy as np
@@ -300,10 +301,35 @@ def test_corrupt_cache_is_refused(days, tmp_path):
     with pytest.raises(CacheError, match=r"has 311992 bytes, the manifest says 312000.*rebuild it"):
         open_cache(out, verify=False)
     manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["manifest_sha256"]  # as a manifest of another version would not have it
     manifest["version"] = 99
     (out / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CacheError, match="rebuild the cache"):
+    with pytest.raises(CacheError, match=r"not a towerrec-cache version 1 manifest.*rebuild"):
         open_cache(out)
+
+
+def test_a_changed_value_in_the_manifest_is_refused(days, tmp_path):
+    """The manifest's digest of itself: a table size, a row count or a file's checksum
+    changed in it (still valid JSON) is refused at every open, verified or not."""
+    out = tmp_path / "cache"
+    preprocess_criteo(days[:1], out, CriteoOptions(num_embeddings=(SIZE,)), progress=False)
+    text = (out / "manifest.json").read_text()
+    open_cache(out)
+    rows = re.search(r'"train": (\d+)', text)
+    digest = re.search(r'"train\.labels\.bin": "(\w)', text)
+    assert rows and digest
+    edits = [
+        (f'"num_embeddings": {SIZE}', f'"num_embeddings": {SIZE + 1}'),
+        (rows.group(0), f'"train": {int(rows.group(1)) + 1}'),
+        (digest.group(0), digest.group(0)[:-1] + ("0" if digest.group(1) != "0" else "1")),
+    ]
+    for old, new in edits:
+        assert old in text
+        (out / "manifest.json").write_text(text.replace(old, new, 1))
+        with pytest.raises(CacheError, match=r"manifest\.json does not match its own.*rebuild"):
+            open_cache(out, verify=False)
+    (out / "manifest.json").write_text(text)
+    assert [f.num_embeddings for f in open_cache(out).schema.sparse] == [SIZE] * 26
 
 
 def test_options_are_checked():

@@ -16,7 +16,9 @@ rows::
     <feature>.values int32   [sum(lengths)]   multi-hot ids, sample after sample
     <feature>.lengths int32  [n]              ids per sample
 
-Every file's SHA-256 is in the manifest. ``open_cache`` checks sizes always and
+Every file's SHA-256 is in the manifest, and the manifest carries the SHA-256 of its
+own other keys (``manifest_sha256``): a changed table size, row count or checksum in it
+is refused at every read. ``open_cache`` checks the files' sizes always and
 checksums by ``Verify``: by default (``once``) it hashes the files on the first
 open and records the files' sizes and mtimes in ``DIR/verified.json``, then
 hashes again only when one of them changed, so a terabyte cache is not re-read
@@ -273,11 +275,25 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+# The manifest's digest of its own other keys (``_self_digest``): the files' checksums
+# are in the manifest, and this covers the manifest itself (sizes, rows, the checksums).
+SELF_DIGEST = "manifest_sha256"
+
+
+def _self_digest(body: dict[str, Any]) -> str:
+    """SHA-256 of ``body`` as canonical JSON (sorted keys, no spaces): the same for the
+    dict written and the dict read back, whatever the file's layout."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def write_manifest(cache_dir: Path, manifest: dict[str, Any], fsync: bool = False) -> Path:
     """Replace ``manifest.json`` atomically (temp file + rename; ``fsync``: durably)."""
     path = Path(cache_dir) / "manifest.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION, **manifest}, indent=1))
+    body = {"format": FORMAT, "version": VERSION, **manifest}
+    body.pop(SELF_DIGEST, None)  # a manifest read back and written again
+    tmp.write_text(json.dumps({**body, SELF_DIGEST: _self_digest(body)}, indent=1))
     if fsync:
         fsync_path(tmp)
     os.replace(tmp, path)
@@ -326,6 +342,13 @@ def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
         raise CacheError(f"{path} is not valid JSON ({e}); rebuild the cache") from None
     except UnicodeDecodeError:
         raise CacheError(f"{path} is not UTF-8 text; rebuild the cache") from None
+    if isinstance(manifest, dict) and SELF_DIGEST in manifest:  # none in caches written before it
+        recorded = manifest.pop(SELF_DIGEST)
+        if recorded != _self_digest(manifest):
+            raise CacheError(
+                f"{path} does not match its own {SELF_DIGEST}: the manifest is damaged (its "
+                "table sizes, rows or checksums cannot be trusted); rebuild the cache"
+            )
     if (
         not isinstance(manifest, dict)
         or manifest.get("format") != FORMAT
