@@ -74,15 +74,13 @@ class ChoiceCache:
     def _entries(self) -> dict[str, Any]:
         """The file's entries; {} (with a warning) where it is missing or damaged."""
         try:
-            text = self.path.read_text()
+            data = json.loads(self.path.read_text())
         except FileNotFoundError:
             return {}
         except OSError as e:
             log.warning("cannot read %s (%s); measuring again", self.path, e)
             return {}
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # not JSON, or not UTF-8
             log.warning("%s is damaged (%s); it will be rewritten", self.path, e)
             return {}
         entries = data.get("entries") if isinstance(data, dict) else None

@@ -215,7 +215,14 @@ def _spec(config: Config, args: argparse.Namespace, world_size: int) -> TierSpec
     topology = build_cost_model(config, world_size).topology
     storage = None
     if config.plan.calibration:
-        data = json.loads(Path(config.plan.calibration).read_text())
+        path = Path(config.plan.calibration)
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise ValueError(
+                f"calibration file {str(path)!r} is not valid JSON ({e}); write it again with "
+                "`towerrec plan --calibrate`"
+            ) from None
         storage = data.get("storage") if isinstance(data, dict) else None
     if args.device_memory is not None:
         topology = replace(topology, device_memory=args.device_memory * GiB)

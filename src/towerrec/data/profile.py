@@ -98,8 +98,10 @@ class LocalityProfile:
             )
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ProfileError(f"locality profile {path} is not valid JSON ({e})") from None
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise ProfileError(
+                f"locality profile {path} is not valid JSON ({e}); profile the data again"
+            ) from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ProfileError(
                 f'{path} is not a locality profile (no "format": "{FORMAT}"); write one '

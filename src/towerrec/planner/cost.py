@@ -84,11 +84,17 @@ class CostConstants:
             )
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"calibration file {str(path)!r} is not valid JSON: {e}") from None
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise ValueError(
+                f"calibration file {str(path)!r} is not valid JSON ({e}); write it again with "
+                "`towerrec plan --calibrate`"
+            ) from None
         known = {f.name for f in fields(CostConstants)}
         constants = {k: v for k, v in data.get("constants", data).items() if k in known}
-        return CostConstants(**constants)
+        try:
+            return CostConstants(**constants)
+        except ValueError as e:
+            raise ValueError(f"calibration file {str(path)!r}: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -190,7 +190,7 @@ class CostData:
             )
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # not JSON, or not UTF-8
             raise ValueError(
                 f"cost data file {str(path)!r} is not valid JSON ({e}); re-run "
                 f"`towerrec plan collect-costs --out {path}`"

@@ -185,22 +185,23 @@ def load_stats(path: str | Path) -> list[TableStats]:
         raise FileNotFoundError(f"statistics file {str(path)!r} does not exist")
     try:
         data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # not JSON, or not UTF-8
         raise ValueError(f"statistics file {str(path)!r} is not valid JSON: {e}") from None
     known = {f.name for f in fields(TableStats)}
     out = []
     for i, entry in enumerate(data if isinstance(data, list) else []):
+        where = f"statistics file {str(path)!r}, entry {i}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} is not a JSON object: {entry!r}")
         unknown = sorted(set(entry) - known)
         if unknown:
-            raise ValueError(
-                f"statistics entry {i}: unknown fields {unknown}; known: {sorted(known)}"
-            )
+            raise ValueError(f"{where}: unknown fields {unknown}; known: {sorted(known)}")
         try:
             out.append(
                 TableStats(**{**entry, "feature_names": tuple(entry.get("feature_names", ()))})
             )
-        except TypeError as e:
-            raise ValueError(f"statistics entry {i}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
     if not out:
         raise ValueError(f"statistics file {str(path)!r} holds no tables (expected a JSON list)")
     names = [s.name for s in out]

@@ -100,11 +100,12 @@ def read_runs(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: run `towerrec sweep --out DIR` first")
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    # Bytes, parsed line by line: a line that is not UTF-8 is named like one that is not JSON.
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
         if line.strip():
             try:
                 records.append(json.loads(line))
-            except json.JSONDecodeError as e:
+            except ValueError as e:  # not JSON, or not UTF-8
                 raise ValueError(f"{path}:{number} is not a JSON line: {e}") from e
     return records
 
