@@ -31,6 +31,7 @@ from towerrec.serve.artefact import ArtefactError, load_artefact
 from towerrec.serve.export import export_run, quantize_rowwise
 from towerrec.serve.predict import predict
 from towerrec.train.checkpoint import CheckpointError, CheckpointManager
+from towerrec.train.run_dir import RunDir, RunFileError
 from towerrec.workflows import training as trainer
 from towerrec.workflows.worker import train_worker
 
@@ -391,6 +392,9 @@ def test_export_takes_the_weights_the_run_returned(tmp_path):
     shutil.move(run / "checkpoint" / "step_00000006", run / "best" / "step_00000006")
     summary = json.loads((run / "summary.json").read_text())
     (run / "summary.json").write_text(json.dumps({**summary, "weights_step": 6}))
+    with pytest.raises(RunFileError, match=r"summary\.json changed since the run wrote it"):
+        export_run(run, tmp_path / "artefact")  # a file edited by hand
+    RunDir(run).write_summary({**summary, "weights_step": 6})  # as early stopping writes it
     manifest = export_run(run, tmp_path / "artefact")
     assert manifest["step"] == 6
     predict(tmp_path / "artefact", out=tmp_path / "p.parquet", progress=False)

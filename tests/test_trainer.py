@@ -12,6 +12,7 @@ from towerrec.data.synthetic import SyntheticSource
 from towerrec.modules.kernels.base import Backend
 from towerrec.train import loop, session
 from towerrec.train.checkpoint import embedding_optimizer_state_dict
+from towerrec.train.run_dir import RunDir, RunFileError
 from towerrec.workflows import training as trainer
 
 QUICK = [
@@ -171,8 +172,46 @@ def test_resume_with_other_model_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot change model.top_mlp = \[16, 1\]"):
         trainer.train(other, tmp_path, resume=True)
     (tmp_path / "config.toml").write_text(config_to_toml(other))  # edited by hand
+    with pytest.raises(RunFileError, match=r"config\.toml changed since the run wrote it"):
+        trainer.train(other, tmp_path, resume=True)
+    (tmp_path / "checksums.json").unlink()  # as in a run of a towerrec before checksums
     with pytest.raises(ValueError, match="does not fit this model"):
         trainer.train(other, tmp_path, resume=True)
+
+
+def test_a_changed_digit_in_the_runs_files_is_refused(tmp_path):
+    """config.toml and summary.json are recorded in the run's checksums.json as they are
+    written: a resume refuses a config.toml whose learning rate changed by one digit
+    (still valid TOML, and a setting a resume may not change), and the summary that
+    names the returned weights is refused once changed; restored, both are taken."""
+    run = RunDir(tmp_path)
+    trainer.train(quick_config("train.steps=4", "optimizer.lr=0.002"), tmp_path)
+    config_text, summary_text = run.config_path.read_text(), (tmp_path / "summary.json").read_text()
+    assert "lr = 0.002" in config_text
+    run.config_path.write_text(config_text.replace("lr = 0.002", "lr = 0.003", 1))
+    with pytest.raises(RunFileError, match=r"config\.toml changed.*--set.*--config"):
+        trainer.train(quick_config("train.steps=6"), tmp_path, resume=True)
+    run.config_path.write_text(config_text)
+    assert run.read_summary()["steps"] == 4
+    (tmp_path / "summary.json").write_text(summary_text.replace('"steps": 4', '"steps": 3'))
+    with pytest.raises(RunFileError, match=r"summary\.json changed.*--resume"):
+        run.read_summary()
+    (tmp_path / "summary.json").write_text(summary_text)
+    trainer.train(quick_config("train.steps=6"), tmp_path, resume=True)
+    assert run.read_summary()["steps"] == 6  # the resume's summary, recorded in its turn
+
+
+def test_metrics_jsonl_drops_a_torn_last_line_and_refuses_a_damaged_one(tmp_path):
+    run = RunDir(tmp_path)
+    run.start(quick_config(), resume=False)
+    for step in (5, 10):
+        run.log({"kind": "train", "step": step, "loss": 0.5})
+    whole = run.metrics_path.read_text()
+    run.metrics_path.write_text(whole + '{"kind": "train", "st')  # a crash mid-write
+    assert [r["step"] for r in run.records()] == [5, 10]
+    run.metrics_path.write_text(whole.replace('"step": 5', '"step": 5,,'))
+    with pytest.raises(RunFileError, match=r"metrics\.jsonl:1 is not a record"):
+        run.records()
 
 
 def test_nan_dense_feature_stops_training_with_a_clear_error(tmp_path, monkeypatch):

@@ -56,6 +56,7 @@ from towerrec.serve.artefact import (
 )
 from towerrec.sparse import KeyedTensor
 from towerrec.train.checkpoint import CheckpointError, CheckpointManager, capture_rng
+from towerrec.train.run_dir import RunDir
 
 __all__ = [
     "RUN_CONFIG",
@@ -134,7 +135,9 @@ def _pick_checkpoint(run: Path) -> tuple[Path, int]:
             "directory of a towerrec train run that has finished (or finish it with "
             "towerrec train --out RUN --resume)"
         )
-    summary = json.loads(summary_path.read_text())
+    files = RunDir(run)
+    files.check("config.toml")
+    summary = files.read_summary()
     if not summary.get("completed"):
         raise ValueError(
             f"the run in {run} stopped at step {summary.get('steps')} before it finished; "

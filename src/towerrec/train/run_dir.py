@@ -11,21 +11,57 @@
     <out>/tensorboard/     TensorBoard event files of the same records (train.tensorboard)
     <out>/checkpoint/      DCP checkpoints (step_<N>/)
     <out>/best/            with early stopping: the best validation step's checkpoint (step_<N>/)
+    <out>/checksums.json   SHA-256 of config.toml and summary.json (``towerrec/checksums.py``)
+
+config.toml and summary.json are read back: a resume continues with the config, and
+export, tune and a resumed tuner take the weights and metrics the summary names. Each
+is recorded in checksums.json as it is written, and refused when read back changed
+(``RunFileError``): a flipped digit in either would otherwise train with another
+learning rate, or export another step's weights, without a word. metrics.jsonl is
+appended line by line and rewritten by a resume; a line torn by a crash is dropped, and
+any other line that is not JSON is refused with its line number.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from towerrec.checksums import (
+    ChecksumError,
+    file_digest,
+    problems,
+    read_checksums,
+    write_checksums,
+)
 from towerrec.config import Config, ConfigFiles, config_to_toml, load_config, resume_changes
 
-__all__ = ["RunDir", "default_run_dir"]
+__all__ = ["RunDir", "RunFileError", "default_run_dir"]
+
+log = logging.getLogger(__name__)
+
+# What a user can do about each file read back changed (``RunDir.check``).
+_FIXES = {
+    "config.toml": (
+        "a resume may change only some settings, with --set (`towerrec train --help`); to "
+        "train with other settings, start a new run from it: towerrec train --config "
+        "{path} --out NEW_DIR"
+    ),
+    "summary.json": (
+        "it names the step whose weights the run returned; finish the run again from its "
+        "last checkpoint (delete summary.json, then towerrec train --out {run} --resume)"
+    ),
+}
+
+
+class RunFileError(ValueError):
+    """A run directory's config.toml or summary.json changed since the run wrote it."""
 
 
 def default_run_dir() -> Path:
@@ -99,7 +135,51 @@ class RunDir:
                 f"--resume: {self.path} has no config.toml, so it holds no run to continue; "
                 "start a new run without --resume"
             )
+        self.check("config.toml")
         return load_config(base=self.config_path)
+
+    def check(self, name: str) -> None:
+        """Refuse ``name`` (config.toml or summary.json) when it no longer matches the
+        digest recorded as the run wrote it (``RunFileError``); runs written before
+        checksums.json was, or without an entry for it, pass."""
+        path = self.path / name
+        try:
+            entries = read_checksums(self.path) or {}
+        except ChecksumError as e:
+            raise RunFileError(
+                f"{e}; it holds the digests of the run's config.toml and "
+                "summary.json: restore it, or delete it to skip the check"
+            ) from None
+        if name in entries and (found := problems(self.path, {name: entries[name]})):
+            raise RunFileError(
+                f"{path} changed since the run wrote it ({found[0]}); "
+                + _FIXES[name].format(path=path, run=self.path)
+            )
+
+    def read_summary(self) -> dict[str, Any]:
+        """The run's summary.json, checked (``check``); a missing file raises
+        ``FileNotFoundError``."""
+        path = self.path / "summary.json"
+        text = path.read_bytes()
+        self.check("summary.json")
+        fix = _FIXES["summary.json"].format(path=path, run=self.path)
+        try:
+            summary = json.loads(text)
+        except ValueError as e:
+            raise RunFileError(f"{path} is not JSON ({e}); {fix}") from None
+        if not isinstance(summary, dict):
+            raise RunFileError(f"{path} is not a JSON object; {fix}")
+        return summary
+
+    def _record(self, name: str) -> None:
+        """Add ``name``'s digest to checksums.json, the other entries kept as they are (a
+        summary written later does not bless a config.toml changed since)."""
+        try:
+            entries = read_checksums(self.path) or {}
+        except ChecksumError:
+            entries = {}  # damaged: what it held is lost; check() refused it on a resume
+        entries[name] = file_digest(self.path / name)
+        write_checksums(self.path, entries)
 
     def start(self, config: Config, *, resume: bool) -> None:
         """Create the directory; refuse to overwrite a run unless resuming it. A resumed
@@ -113,6 +193,7 @@ class RunDir:
             return
         self.path.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(config_to_toml(config))
+        self._record("config.toml")
         self.metrics_path.write_text("")
 
     def open_events(self, step: int) -> None:
@@ -144,9 +225,32 @@ class RunDir:
             self._events.flush()
 
     def records(self) -> list[dict[str, Any]]:
+        """metrics.jsonl's records; a last line torn by a crash is dropped (a resume
+        rewrites the file), any other line that is not a JSON object is refused."""
         if not self.metrics_path.exists():
             return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
+        text = self.metrics_path.read_bytes().decode(errors="replace")
+        lines = text.split("\n")
+        out = []
+        for number, line in enumerate(lines, 1):
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                record, error = None, str(e)
+            else:
+                error = "" if isinstance(record, dict) else "not a JSON object"
+            if isinstance(record, dict):
+                out.append(record)
+            elif number == len(lines):  # no newline after it: a write the crash cut short
+                log.warning("%s:%d is cut short; dropped it", self.metrics_path, number)
+            else:
+                raise RunFileError(
+                    f"{self.metrics_path}:{number} is not a record ({error}); the file is "
+                    "damaged: remove that line (or restore the file) and run again"
+                )
+        return out
 
     def truncate_after(self, step: int) -> None:
         """Drop records past ``step`` (a resumed run re-logs the steps it redoes)."""
@@ -159,6 +263,7 @@ class RunDir:
             (self.path / "summary.json").write_text(
                 json.dumps(_json_safe(summary), indent=2) + "\n"
             )
+            self._record("summary.json")
 
     def plot_curves(self, oracle_auc: float | None = None) -> Path | None:
         if not self.writer:

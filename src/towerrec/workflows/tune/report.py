@@ -5,11 +5,11 @@ and printed), the metric over trials (``trials.png``) and the best trial's confi
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 from typing import Any
 
 from towerrec.config import config_to_toml, load_config
+from towerrec.train.run_dir import RunDir
 from towerrec.workflows.tune.space import Space
 from towerrec.workflows.tune.study import StudyRun, decoded
 
@@ -28,7 +28,7 @@ def trial_rows(study: Any, run: StudyRun) -> list[dict[str, Any]]:
             seconds = round((t.datetime_complete - t.datetime_start).total_seconds(), 1)
         values = decoded(run.space, t.params) if len(t.params) == len(run.space.params) else {}
         summary = run.trial_dir(t.number) / "summary.json"
-        test = json.loads(summary.read_text()).get("test") if summary.is_file() else None
+        test = RunDir(summary.parent).read_summary().get("test") if summary.is_file() else None
         rows.append(
             {
                 "trial": t.number,

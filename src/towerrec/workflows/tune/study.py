@@ -226,7 +226,7 @@ def _train_trial(run: StudyRun, number: int, trial_id: int, params: dict[str, An
     out = run.trial_dir(number)
     summary = out / "summary.json"
     if summary.is_file():  # the run ended, the tuner died before it told the study
-        done: dict = json.loads(summary.read_text())
+        done = RunDir(out).read_summary()
         if done.get("completed"):
             return done
     overrides = [*run.overrides, *run.space.overrides(decoded(run.space, params))]
