@@ -7,6 +7,7 @@ import pytest
 
 from towerrec.calibration.cost_data import collect_cost_data, random_split_device
 from towerrec.planner.costdata import FORMAT, CommSample, ComputeSample, CostData
+from towerrec.planner.learned_planners import load_cost_data
 from towerrec.planner.stats import TableStats
 
 
@@ -62,6 +63,25 @@ def test_refuses_other_format_version_and_kernel(tmp_path):
         CostData.load(path)
     with pytest.raises(FileNotFoundError, match="collect-costs"):
         CostData.load(tmp_path / "missing.json")
+
+
+def test_a_changed_number_is_refused(tmp_path):
+    path = tmp_path / "c.json"
+    _data().save(path)
+    assert CostData.load(path) == _data()  # unchanged: loads
+    text = path.read_text()
+    changed = text.replace('"forward_s":0.002,', '"forward_s":0.003,', 1)  # sample 1's time
+    assert changed != text
+    path.write_text(changed)
+    assert json.loads(changed)["compute"][1]["forward_s"] == 0.003  # still valid JSON
+    with pytest.raises(ValueError, match=r"c\.json' does not match its own data_sha256.*collect"):
+        CostData.load(path)
+    with pytest.raises(ValueError, match=r"c\.json' does not match its own data_sha256"):
+        load_cost_data(path)  # the learned planners' reader
+    raw = json.loads(changed)
+    del raw["data_sha256"]  # a file from before the digest: read as it is
+    path.write_text(json.dumps(raw))
+    assert CostData.load(path).compute[1].forward_s == 0.003
 
 
 def test_collect_a_few_devices_measures_positive_times():

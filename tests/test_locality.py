@@ -137,6 +137,24 @@ def test_profile_reads_one_epoch_in_training_order():
     assert early.tables[0].total_lookups == 1000 and early.tables[0].lookups == 100
 
 
+def test_a_changed_number_in_a_profile_is_refused(tmp_path):
+    store, _ = _store(300)
+    profile = profile_source(ColumnSource(store, LoaderConfig(seed=3)), batch_size=64)
+    path = profile.save(tmp_path / "p.json")
+    assert LocalityProfile.load(path) == profile  # unchanged: loads
+    text = path.read_text()
+    cold = profile.tables[0].cold_misses
+    changed = text.replace(f'"cold_misses": {cold},', f'"cold_misses": {cold + 1},', 1)
+    assert changed != text
+    path.write_text(changed)
+    with pytest.raises(ProfileError, match=r"p\.json does not match its own profile_sha256"):
+        LocalityProfile.load(path)
+    raw = json.loads(changed)
+    del raw["profile_sha256"]  # a profile from before the digest: read as it is
+    path.write_text(json.dumps(raw))
+    assert LocalityProfile.load(path).tables[0].cold_misses == cold + 1
+
+
 @pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory):
     root = tmp_path_factory.mktemp("profile")

@@ -21,6 +21,11 @@ SHA-256 catches it too, is in the standard library (``hashlib``, OpenSSL), runs 
 SHA extensions of current x86 and ARM CPUs, where it outruns BLAKE2b (docs/
 reliability.md, "Checkpoints"), and is what the binary cache's manifest already
 records. The file names the hash, so another can follow without a new format.
+
+``json_digest`` is the digest a JSON file carries of its own other keys (the cache
+manifest's ``manifest_sha256``, cost data, a locality profile, a sweep's run records):
+it covers the values, not the file's layout, so a rewrite with other spacing still
+matches and a changed number does not.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ __all__ = [
     "assign",
     "digests",
     "file_digest",
+    "json_digest",
     "list_files",
     "problems",
     "read_checksums",
@@ -77,6 +83,13 @@ def file_digest(path: str | Path) -> dict[str, Any]:
             digest.update(block)
             size += len(block)
     return {"bytes": size, HASH: digest.hexdigest()}
+
+
+def json_digest(body: Any) -> str:
+    """SHA-256 of ``body`` as canonical JSON (sorted keys, no spaces): the same for the
+    value written and the value read back, whatever the file's layout."""
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def digests(root: str | Path, names: Iterable[str]) -> Entries:

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from towerrec.checksums import json_digest
 from towerrec.data.batch import DataSchema, SparseFeature
 from towerrec.data.json_shape import COUNT, FINITE, FLAG, NAME, ROWS, TEXT, Map, check_shape
 from towerrec.data.splits import LEGACY_NAMES, SPLITS
@@ -281,10 +282,8 @@ SELF_DIGEST = "manifest_sha256"
 
 
 def _self_digest(body: dict[str, Any]) -> str:
-    """SHA-256 of ``body`` as canonical JSON (sorted keys, no spaces): the same for the
-    dict written and the dict read back, whatever the file's layout."""
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+    """SHA-256 of ``body`` as canonical JSON (``checksums.json_digest``)."""
+    return json_digest(body)
 
 
 def write_manifest(cache_dir: Path, manifest: dict[str, Any], fsync: bool = False) -> Path:

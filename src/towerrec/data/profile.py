@@ -12,8 +12,10 @@ has its ``max_ids``: the rest of the epoch is then extrapolated from the mean)
                                  hit-rate curve (data/locality.py)
 
 A ``LocalityProfile`` is JSON (``save``/``load``, format ``FORMAT``) with a
-``TableLocality`` per table; ``report_table`` is the readable view and
-``write_plot`` the PNG (hit rate against cache share, distance histograms).
+``TableLocality`` per table and the SHA-256 of its other keys (``profile_sha256``):
+a changed number is refused at load (profiles without it, from earlier versions,
+load). ``report_table`` is the readable view and ``write_plot`` the PNG (hit rate
+against cache share, distance histograms).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from towerrec.checksums import json_digest
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.locality import CACHE_FRACTIONS, HIT_TARGETS, TableLocality, summarize
 
@@ -46,6 +49,7 @@ FORMAT = "towerrec-locality-profile"
 VERSION = 1
 DEFAULT_MAX_IDS = 4_000_000
 PROFILE_NAME = "locality_profile.json"  # the file's name inside a cache directory
+SELF_DIGEST = "profile_sha256"  # the file's digest of its own other keys
 
 
 class ProfileError(ValueError):
@@ -82,7 +86,8 @@ class LocalityProfile:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.as_dict(), indent=1) + "\n")
+        body = self.as_dict()
+        tmp.write_text(json.dumps({**body, SELF_DIGEST: json_digest(body)}, indent=1) + "\n")
         tmp.replace(path)
         return path
 
@@ -111,6 +116,11 @@ class LocalityProfile:
             raise ProfileError(
                 f"{path} is a version {data.get('version')} locality profile; this towerrec "
                 f"reads version {VERSION}: profile the data again"
+            )
+        if SELF_DIGEST in data and data.pop(SELF_DIGEST) != json_digest(data):
+            raise ProfileError(
+                f"{path} does not match its own {SELF_DIGEST}: the profile is damaged or was "
+                "edited (its counts and hit rates cannot be trusted); profile the data again"
             )
         try:
             tables = tuple(TableLocality.from_dict(t) for t in data["tables"])

@@ -13,11 +13,14 @@ lives in towerrec.calibration; this module only reads, writes and checks)::
          "forward_s": f, "backward_s": b}, ...],   backward_s: backward + fused update
      "comm": [                              one all-to-all of pooled outputs
         {"world": k, "dims": [per-device total output dims], "batch": B,
-         "seconds": s}, ...]}                forward exchange + backward (gradient) exchange
+         "seconds": s}, ...],                forward exchange + backward (gradient) exchange
+     "data_sha256": hex}                    SHA-256 of the other keys (checksums.json_digest)
 
-A file of another format or version, or timed with another kernel than the one
-asked for, is refused with an error naming the file and the fix (re-run
-``towerrec plan collect-costs``). Pure: json and dataclasses, no torch.
+A file of another format or version, timed with another kernel than the one asked
+for, or that does not match its ``data_sha256`` (a changed time or shape), is
+refused with an error naming the file and the fix (re-run ``towerrec plan
+collect-costs``); files without ``data_sha256``, from earlier versions, are read.
+Pure: json and dataclasses, no torch.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from towerrec.checksums import json_digest
 from towerrec.planner.stats import TableStats
 from towerrec.utils import at_least
 
@@ -45,6 +49,7 @@ __all__ = [
 FORMAT = "towerrec-cost-data"
 VERSION = 1
 KERNELS = ("torch", "fbgemm")
+SELF_DIGEST = "data_sha256"  # the file's digest of its own other keys
 
 Shard = tuple[TableStats, int, int]  # (stats, rows, cols) on one device
 
@@ -115,6 +120,7 @@ class CostData:
     def save(self, path: str | Path) -> None:
         """Compact JSON, one sample per line (the shipped file stays small and diffable)."""
         data = self.to_json()
+        data[SELF_DIGEST] = json_digest(data)
         samples = {key: data.pop(key) for key in ("compute", "comm")}
         head = json.dumps(data, separators=(",", ":"))[:-1]
         parts = [head]
@@ -178,6 +184,12 @@ class CostData:
                     f"{where}: comm sample {i} needs one dim >= 0 per rank of its world "
                     f"({c.world}) and a positive time; {fix}"
                 )
+        body = {k: v for k, v in data.items() if k != SELF_DIGEST}
+        if SELF_DIGEST in data and data[SELF_DIGEST] != json_digest(body):
+            raise ValueError(
+                f"{where} does not match its own {SELF_DIGEST}: the file is damaged or was "
+                f"edited (its times and shapes cannot be trusted); {fix}"
+            )
         return out
 
     @staticmethod
