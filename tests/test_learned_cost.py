@@ -1,9 +1,12 @@
 """The learned device cost model on a known non-additive cost, and its benchmark plumbing."""
 
 import json
+import struct
+import zipfile
 
 import numpy as np
 import pytest
+import torch
 
 from towerrec.calibration import random_device
 from towerrec.planner.learned_cost import LearnedCostModel
@@ -35,6 +38,41 @@ def test_learned_model_fits_held_out_devices_of_a_fused_cost(tmp_path, one_threa
     model.save(tmp_path / "m.pt")
     again = LearnedCostModel.load(tmp_path / "m.pt")
     assert again.predict(devices[180:183]) == pytest.approx(predicted[:3].tolist())
+
+
+def _tensors(value, name=""):
+    """(key path, tensor) of every tensor in a loaded weights file's dicts."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{name}/{key}")
+
+
+def flip_tensor_byte(path):
+    """Flip one bit in the middle of the first tensor's bytes (the torch zip's entry
+    ``data/0``, stored uncompressed); checks that torch.load still reads the file and
+    that a tensor it returns changed, so the damage reached the weights."""
+    before = dict(_tensors(torch.load(path, weights_only=True)))
+    with zipfile.ZipFile(path) as archive:
+        (entry,) = [i for i in archive.infolist() if i.filename.endswith("/data/0")]
+    assert entry.compress_type == zipfile.ZIP_STORED and entry.file_size > 0
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack_from("<HH", raw, entry.header_offset + 26)
+    start = entry.header_offset + 30 + name_len + extra_len  # after the local header
+    raw[start + entry.file_size // 2] ^= 0x01
+    path.write_bytes(raw)
+    after = dict(_tensors(torch.load(path, weights_only=True)))  # no CRC check in torch
+    assert [k for k in before if not torch.equal(before[k], after[k])], "no tensor changed"
+
+
+def test_a_damaged_weights_file_is_refused(tmp_path):
+    model = LearnedCostModel(hidden=8, batch=2048)
+    model.save(tmp_path / "m.pt")
+    LearnedCostModel.load(tmp_path / "m.pt")  # the undamaged file loads
+    flip_tensor_byte(tmp_path / "m.pt")
+    with pytest.raises(ValueError, match=r"m\.pt' does not match its own weights_sha256.*fit"):
+        LearnedCostModel.load(tmp_path / "m.pt")
 
 
 def test_learned_model_rejects_bad_training_data():

@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from test_learned_cost import flip_tensor_byte
 
 from towerrec.modules.tables import TableConfig
 from towerrec.planner import autoshard, dreamshard
@@ -185,6 +186,23 @@ def test_bad_weight_files_are_refused(tmp_path, tiny):
         learned_placer("dreamshard", tmp_path / "missing.pt")
     with pytest.raises(ValueError, match="unknown learned planner 'neuro'"):
         learned_placer("neuro")
+
+
+def test_a_damaged_weights_file_is_refused(tmp_path, tiny):
+    _, devices, seconds, tasks = tiny
+    weights = autoshard.train_autoshard(
+        devices, seconds, tasks, cost_steps=2, policy_batches=1, episodes=2
+    )
+    path = tmp_path / "w.pt"
+    weights.save(path)
+    assert PolicyWeights.load(path, "autoshard").state.keys() == weights.state.keys()
+    flip_tensor_byte(path)
+    with pytest.raises(
+        PolicyWeightsError,
+        match=r"w\.pt' does not match its own weights_sha256.*retrain it with `towerrec plan "
+        "train-policy --planner autoshard",
+    ):
+        PolicyWeights.load(path, "autoshard")
 
 
 def test_train_policy_from_a_cost_data_file(tmp_path, tiny):

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_learned_cost import flip_tensor_byte
 
 from towerrec.calibration.cost_data import random_dims, random_split_device
 from towerrec.planner.cost import CostModel
@@ -93,6 +94,17 @@ def test_weights_round_trip_and_refusals(policy, tmp_path):
         NeuroShardPolicy.load(path)
     with pytest.raises(FileNotFoundError, match="train-policy"):
         NeuroShardPolicy.load(tmp_path / "missing.pt")
+
+
+def test_a_damaged_weights_file_is_refused(policy, tmp_path):
+    path = tmp_path / "neuroshard.pt"
+    policy.save(path)
+    NeuroShardPolicy.load(path)  # the undamaged file loads
+    flip_tensor_byte(path)
+    with pytest.raises(
+        ValueError, match=r"neuroshard\.pt' do not match their own weights_sha256.*train-policy"
+    ):
+        NeuroShardPolicy.load(path)
 
 
 def test_too_little_data_is_refused():

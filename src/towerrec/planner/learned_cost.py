@@ -11,21 +11,37 @@ its tables' times (NeuroShard, DreamShard). The model sees the set of shards::
 It is trained on measured multi-table kernel times (``towerrec bench costmodel``
 collects them with towerrec.calibration) by least squares on log time, so its
 error is relative.
+
+``weights_digest`` is the SHA-256 the planner's weights files (this model's, the
+DreamShard/AutoShard and NeuroShard ones) carry under ``WEIGHTS_DIGEST``:
+``torch.load`` does not check the zip's CRCs, so a flipped byte in a tensor would
+otherwise load as a changed weight.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from towerrec.checksums import json_digest
 from towerrec.planner.stats import TableStats
 
-__all__ = ["LearnedCostModel", "device_tensors", "shard_features"]
+__all__ = [
+    "WEIGHTS_DIGEST",
+    "LearnedCostModel",
+    "device_tensors",
+    "shard_features",
+    "weights_digest",
+]
+
+WEIGHTS_DIGEST = "weights_sha256"  # the key a weights file keeps its digest under
 
 Shards = Sequence[tuple[TableStats, int, int]]  # (stats, rows, cols) on one device
 NUM_SHARD_FEATURES = 8
@@ -124,12 +140,42 @@ class LearnedCostModel(nn.Module):
         return float(loss.detach())
 
     def save(self, path: str | Path) -> None:
-        torch.save({"batch": self.batch, "state": self.state_dict()}, path)
+        data = {"batch": self.batch, "state": self.state_dict()}
+        torch.save({**data, WEIGHTS_DIGEST: weights_digest(data)}, path)
 
     @staticmethod
     def load(path: str | Path) -> LearnedCostModel:
         data = torch.load(path, weights_only=True)
+        if WEIGHTS_DIGEST in data and data.pop(WEIGHTS_DIGEST) != weights_digest(data):
+            raise ValueError(
+                f"{str(path)!r} does not match its own {WEIGHTS_DIGEST}: the file is damaged "
+                "(its weights cannot be trusted); fit and save the model again"
+            )
         hidden = data["state"]["encoder.0.weight"].shape[0]
         model = LearnedCostModel(hidden, data["batch"])
         model.load_state_dict(data["state"])
         return model
+
+
+def weights_digest(data: Mapping[str, Any]) -> str:
+    """SHA-256 of a weights file's dict: its plain values as canonical JSON, tensors
+    standing in by name; then each tensor, by name in sorted order, as its name, dtype,
+    shape and raw bytes. Names are key paths (``/state/encoder.0.weight``)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def plain(value: Any, name: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value
+            return {"tensor": name}
+        if isinstance(value, Mapping):
+            return {str(k): plain(v, f"{name}/{k}") for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v, f"{name}/{i}") for i, v in enumerate(value)]
+        return value
+
+    digest = hashlib.sha256(json_digest(plain(data, "")).encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -20,6 +20,8 @@ Weights file (``torch.save`` of a plain dict, loaded with ``weights_only``)::
     batch             the samples per step the features were computed at
     hidden            width of the networks
     seed, state       the training seed and the networks' state dict
+    weights_sha256    SHA-256 of the rest, tensors' bytes included (``weights_digest``);
+                      files without it, from earlier versions, load
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from towerrec.planner.learned_cost import shard_features
+from towerrec.planner.learned_cost import WEIGHTS_DIGEST, shard_features, weights_digest
 from towerrec.planner.placement import Item, Loads
 from towerrec.planner.stats import TableStats
 
@@ -244,7 +246,8 @@ class PolicyWeights:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(self.to_dict(), path)
+        data = self.to_dict()
+        torch.save({**data, WEIGHTS_DIGEST: weights_digest(data)}, path)
 
     @staticmethod
     def from_dict(data: Mapping[str, Any], planner: str, where: str) -> PolicyWeights:
@@ -300,7 +303,15 @@ class PolicyWeights:
                 f"retrain it with `towerrec plan train-policy --planner {planner} --cost-data COSTS "
                 "--out DIR`"
             ) from None
-        return PolicyWeights.from_dict(data, planner, repr(str(path)))
+        recorded = data.pop(WEIGHTS_DIGEST, None) if isinstance(data, dict) else None
+        weights = PolicyWeights.from_dict(data, planner, repr(str(path)))  # format, version
+        if recorded is not None and recorded != weights_digest(data):
+            raise PolicyWeightsError(
+                f"{str(path)!r} does not match its own {WEIGHTS_DIGEST}: the file is damaged "
+                f"(its weights cannot be trusted); restore it from a copy or retrain it with "
+                f"`towerrec plan train-policy --planner {planner} --cost-data COSTS --out DIR`"
+            )
+        return weights
 
 
 def log_relative_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

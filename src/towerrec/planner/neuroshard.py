@@ -20,8 +20,10 @@ compute model is trained at the cost data's batch ``B``; a task whose devices se
 with the batch; the features stay where the model was trained).
 
 The weights file (``torch.save``) records its format, version and feature
-layout; loading one written for another layout is refused with the command that
-writes a current one. The default weights ship in ``planner/weights/``.
+layout, and the SHA-256 of the rest (``weights_sha256``, tensors' bytes included);
+loading one written for another layout, or one that does not match its digest, is
+refused with the command that writes a current one (files without the digest, from
+earlier versions, load). The default weights ship in ``planner/weights/``.
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from towerrec.planner.costdata import CommSample, CostData, file_digest
 from towerrec.planner.learned_cost import (
     NUM_DEVICE_FEATURES,
     NUM_SHARD_FEATURES,
+    WEIGHTS_DIGEST,
     LearnedCostModel,
     shard_features,
+    weights_digest,
 )
 from towerrec.planner.stats import TableStats
 
@@ -187,19 +191,17 @@ class NeuroShardPolicy:
 
     # ------------------------------------------------------------ files
     def save(self, path: str | Path) -> None:
-        torch.save(
-            {
-                "format": WEIGHTS_FORMAT,
-                "version": WEIGHTS_VERSION,
-                "layout": LAYOUT,
-                "batch": self.batch,
-                "forward": self.forward.state_dict(),
-                "backward": self.backward.state_dict(),
-                "comm": [self.comm.latency_s, self.comm.s_per_byte],
-                "info": json.dumps(self.info),
-            },
-            path,
-        )
+        data = {
+            "format": WEIGHTS_FORMAT,
+            "version": WEIGHTS_VERSION,
+            "layout": LAYOUT,
+            "batch": self.batch,
+            "forward": self.forward.state_dict(),
+            "backward": self.backward.state_dict(),
+            "comm": [self.comm.latency_s, self.comm.s_per_byte],
+            "info": json.dumps(self.info),
+        }
+        torch.save({**data, WEIGHTS_DIGEST: weights_digest(data)}, path)
 
     @staticmethod
     def load(path: str | Path) -> NeuroShardPolicy:
@@ -223,6 +225,11 @@ class NeuroShardPolicy:
                 f"{where} were trained for version {data.get('version')} with feature layout "
                 f"{data.get('layout')}, this towerrec needs version {WEIGHTS_VERSION} with "
                 f"{LAYOUT}; retrain them with `{_RETRAIN}`"
+            )
+        if WEIGHTS_DIGEST in data and data.pop(WEIGHTS_DIGEST) != weights_digest(data):
+            raise ValueError(
+                f"{where} do not match their own {WEIGHTS_DIGEST}: the file is damaged (its "
+                f"weights cannot be trusted); restore it from a copy or retrain with `{_RETRAIN}`"
             )
         models = []
         for key in ("forward", "backward"):
