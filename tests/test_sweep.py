@@ -176,6 +176,26 @@ def test_a_run_stopped_by_a_signal_is_not_a_finished_point_and_stops_the_sweep(
     assert [r["status"] for r in read_runs(tmp_path)] == ["ok", "stopped"]
 
 
+def test_a_changed_metric_in_the_runs_file_is_refused_with_its_line(tmp_path):
+    run_sweep(None, QUICK, ["train.steps=2,3"], tmp_path)
+    path = tmp_path / "runs.jsonl"
+    assert [r["status"] for r in read_runs(path)] == ["ok", "ok"]  # unchanged: reads
+    lines = path.read_text().splitlines(keepends=True)
+    ne = json.loads(lines[1])["ne"]
+    at = lines[1].index(".", lines[1].index(f'"ne": {ne!r}')) + 1  # ne's first decimal
+    digit = str((int(lines[1][at]) + 1) % 10)
+    lines[1] = lines[1][:at] + digit + lines[1][at + 1 :]
+    assert json.loads(lines[1])["ne"] != ne  # still JSON, another ne
+    path.write_text("".join(lines))
+    with pytest.raises(ValueError, match=r"runs\.jsonl:2 does not match its own record_sha256"):
+        read_runs(tmp_path)
+    record = json.loads(lines[1])
+    del record["record_sha256"]  # a record from before the digest: read as it is
+    lines[1] = json.dumps(record) + "\n"
+    path.write_text("".join(lines))
+    assert read_runs(path)[1]["ne"] == record["ne"]
+
+
 def _planted_runs(path, alpha=3.0, beta=0.4, gamma=0.55):
     with path.open("w") as f:
         for examples in np.geomspace(1e3, 1e7, 9):

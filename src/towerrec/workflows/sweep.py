@@ -18,6 +18,11 @@ the axes a scaling fit reads::
     ne, logloss, auc   the returned weights' validation metrics
     oracle_ne   on the synthetic data, the teacher's own NE: the floor of ne
 
+Each line carries ``record_sha256``, the SHA-256 of its other keys
+(``checksums.json_digest``): ``read_runs`` refuses a line that does not match it
+(a changed metric), naming the file and line; lines without it, from earlier
+versions or written by hand, are read.
+
 A point already in the runs file with ``ok`` (at the same ``nproc`` and ``hosts``)
 is skipped, so an interrupted sweep continues where it stopped.
 """
@@ -31,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from towerrec.checksums import json_digest
 from towerrec.config import Config, ConfigFiles, load_config
 from towerrec.distributed.launch import WorkerError, launch
 from towerrec.workflows.training import train
@@ -41,6 +47,7 @@ __all__ = ["parse_axis", "read_runs", "run_sweep", "sweep_points"]
 log = logging.getLogger("towerrec")
 
 RUNS_FILE = "runs.jsonl"
+SELF_DIGEST = "record_sha256"  # a record's digest of its own other keys
 
 
 def _split_values(values: str) -> list[str]:
@@ -102,11 +109,20 @@ def read_runs(path: str | Path) -> list[dict[str, Any]]:
     records = []
     # Bytes, parsed line by line: a line that is not UTF-8 is named like one that is not JSON.
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except ValueError as e:  # not JSON, or not UTF-8
-                raise ValueError(f"{path}:{number} is not a JSON line: {e}") from e
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise ValueError(f"{path}:{number} is not a JSON line: {e}") from e
+        digest = record.pop(SELF_DIGEST, None) if isinstance(record, dict) else None
+        if digest is not None and digest != json_digest(record):
+            raise ValueError(
+                f"{path}:{number} does not match its own {SELF_DIGEST}: the record is damaged "
+                "or was edited (its metrics cannot be trusted); delete the line and run the "
+                "sweep again to train that point anew"
+            )
+        records.append(record)
     return records
 
 
@@ -205,7 +221,7 @@ def run_sweep(
             log.warning("sweep point %d failed: %s", index + 1, e)
             record.update(status="failed", error=f"{type(e).__name__}: {e}")
         with runs_file.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps({**record, SELF_DIGEST: json_digest(record)}) + "\n")
         records.append(record)
         if record["status"] == "stopped":
             log.warning("sweep stopped at point %d of %d", index + 1, len(points))
