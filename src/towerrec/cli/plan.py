@@ -209,20 +209,14 @@ def _add_tier_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _spec(config: Config, args: argparse.Namespace, world_size: int) -> TierSpec:
     from towerrec.build.planning import build_cost_model
+    from towerrec.planner.cost import read_calibration
     from towerrec.planner.tier_spec import tier_spec_for
     from towerrec.planner.topology import GiB
 
     topology = build_cost_model(config, world_size).topology
     storage = None
     if config.plan.calibration:
-        path = Path(config.plan.calibration)
-        try:
-            data = json.loads(path.read_text())
-        except ValueError as e:  # not JSON, or not UTF-8
-            raise ValueError(
-                f"calibration file {str(path)!r} is not valid JSON ({e}); write it again with "
-                "`towerrec plan --calibrate`"
-            ) from None
+        data = read_calibration(Path(config.plan.calibration))
         storage = data.get("storage") if isinstance(data, dict) else None
     if args.device_memory is not None:
         topology = replace(topology, device_memory=args.device_memory * GiB)

@@ -82,19 +82,24 @@ class CostConstants:
                 f"calibration file {str(path)!r} does not exist; write one with "
                 "`towerrec plan --calibrate`"
             )
-        try:
-            data = json.loads(path.read_text())
-        except ValueError as e:  # not JSON, or not UTF-8
-            raise ValueError(
-                f"calibration file {str(path)!r} is not valid JSON ({e}); write it again with "
-                "`towerrec plan --calibrate`"
-            ) from None
+        data = read_calibration(path)
         known = {f.name for f in fields(CostConstants)}
         constants = {k: v for k, v in data.get("constants", data).items() if k in known}
         try:
             return CostConstants(**constants)
         except ValueError as e:
             raise ValueError(f"calibration file {str(path)!r}: {e}") from None
+
+
+def read_calibration(path: Path) -> Any:
+    """The JSON a calibration file holds (``towerrec plan --calibrate`` writes it)."""
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(
+            f"calibration file {str(path)!r} is not valid JSON ({e}); write it again with "
+            "`towerrec plan --calibrate`"
+        ) from None
 
 
 @dataclass(frozen=True)
