@@ -47,6 +47,8 @@ __all__ = [
     "list_files",
     "problems",
     "read_checksums",
+    "sealed",
+    "unseal",
     "write_checksums",
 ]
 
@@ -90,6 +92,21 @@ def json_digest(body: Any) -> str:
     value written and the value read back, whatever the file's layout."""
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sealed(body: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """``body`` with ``key`` holding the ``json_digest`` of its other keys (an old digest
+    under ``key`` is replaced)."""
+    rest = {k: v for k, v in body.items() if k != key}
+    return {**rest, key: json_digest(rest)}
+
+
+def unseal(data: Any, key: str) -> bool:
+    """Pop ``key`` from the dict ``data``; False when it held a digest its other keys do
+    not match (True when there is none: a file written before the digest, or not a dict)."""
+    if not isinstance(data, dict) or key not in data:
+        return True
+    return data.pop(key) == json_digest(data)
 
 
 def digests(root: str | Path, names: Iterable[str]) -> Entries:

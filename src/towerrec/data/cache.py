@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from towerrec.checksums import json_digest
+from towerrec.checksums import sealed, unseal
 from towerrec.data.batch import DataSchema, SparseFeature
 from towerrec.data.json_shape import COUNT, FINITE, FLAG, NAME, ROWS, TEXT, Map, check_shape
 from towerrec.data.splits import LEGACY_NAMES, SPLITS
@@ -276,23 +276,17 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-# The manifest's digest of its own other keys (``_self_digest``): the files' checksums
+# The manifest's digest of its own other keys (``checksums.sealed``): the files' checksums
 # are in the manifest, and this covers the manifest itself (sizes, rows, the checksums).
 SELF_DIGEST = "manifest_sha256"
-
-
-def _self_digest(body: dict[str, Any]) -> str:
-    """SHA-256 of ``body`` as canonical JSON (``checksums.json_digest``)."""
-    return json_digest(body)
 
 
 def write_manifest(cache_dir: Path, manifest: dict[str, Any], fsync: bool = False) -> Path:
     """Replace ``manifest.json`` atomically (temp file + rename; ``fsync``: durably)."""
     path = Path(cache_dir) / "manifest.json"
     tmp = path.with_suffix(".json.tmp")
-    body = {"format": FORMAT, "version": VERSION, **manifest}
-    body.pop(SELF_DIGEST, None)  # a manifest read back and written again
-    tmp.write_text(json.dumps({**body, SELF_DIGEST: _self_digest(body)}, indent=1))
+    body = sealed({"format": FORMAT, "version": VERSION, **manifest}, SELF_DIGEST)
+    tmp.write_text(json.dumps(body, indent=1))
     if fsync:
         fsync_path(tmp)
     os.replace(tmp, path)
@@ -341,13 +335,11 @@ def read_manifest(cache_dir: str | Path) -> dict[str, Any]:
         raise CacheError(f"{path} is not valid JSON ({e}); rebuild the cache") from None
     except UnicodeDecodeError:
         raise CacheError(f"{path} is not UTF-8 text; rebuild the cache") from None
-    if isinstance(manifest, dict) and SELF_DIGEST in manifest:  # none in caches written before it
-        recorded = manifest.pop(SELF_DIGEST)
-        if recorded != _self_digest(manifest):
-            raise CacheError(
-                f"{path} does not match its own {SELF_DIGEST}: the manifest is damaged (its "
-                "table sizes, rows or checksums cannot be trusted); rebuild the cache"
-            )
+    if not unseal(manifest, SELF_DIGEST):  # caches written before the digest have none
+        raise CacheError(
+            f"{path} does not match its own {SELF_DIGEST}: the manifest is damaged (its "
+            "table sizes, rows or checksums cannot be trusted); rebuild the cache"
+        )
     if (
         not isinstance(manifest, dict)
         or manifest.get("format") != FORMAT

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from towerrec.checksums import json_digest
+from towerrec.checksums import sealed, unseal
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.locality import CACHE_FRACTIONS, HIT_TARGETS, TableLocality, summarize
 
@@ -86,8 +86,7 @@ class LocalityProfile:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        body = self.as_dict()
-        tmp.write_text(json.dumps({**body, SELF_DIGEST: json_digest(body)}, indent=1) + "\n")
+        tmp.write_text(json.dumps(sealed(self.as_dict(), SELF_DIGEST), indent=1) + "\n")
         tmp.replace(path)
         return path
 
@@ -117,7 +116,7 @@ class LocalityProfile:
                 f"{path} is a version {data.get('version')} locality profile; this towerrec "
                 f"reads version {VERSION}: profile the data again"
             )
-        if SELF_DIGEST in data and data.pop(SELF_DIGEST) != json_digest(data):
+        if not unseal(data, SELF_DIGEST):
             raise ProfileError(
                 f"{path} does not match its own {SELF_DIGEST}: the profile is damaged or was "
                 "edited (its counts and hit rates cannot be trusted); profile the data again"

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from towerrec.checksums import json_digest
+from towerrec.checksums import sealed, unseal
 from towerrec.planner.stats import TableStats
 from towerrec.utils import at_least
 
@@ -119,8 +119,7 @@ class CostData:
 
     def save(self, path: str | Path) -> None:
         """Compact JSON, one sample per line (the shipped file stays small and diffable)."""
-        data = self.to_json()
-        data[SELF_DIGEST] = json_digest(data)
+        data = sealed(self.to_json(), SELF_DIGEST)
         samples = {key: data.pop(key) for key in ("compute", "comm")}
         head = json.dumps(data, separators=(",", ":"))[:-1]
         parts = [head]
@@ -184,8 +183,7 @@ class CostData:
                     f"{where}: comm sample {i} needs one dim >= 0 per rank of its world "
                     f"({c.world}) and a positive time; {fix}"
                 )
-        body = {k: v for k, v in data.items() if k != SELF_DIGEST}
-        if SELF_DIGEST in data and data[SELF_DIGEST] != json_digest(body):
+        if not unseal(dict(data), SELF_DIGEST):
             raise ValueError(
                 f"{where} does not match its own {SELF_DIGEST}: the file is damaged or was "
                 f"edited (its times and shapes cannot be trusted); {fix}"

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from towerrec.checksums import json_digest
+from towerrec.checksums import sealed, unseal
 from towerrec.config import Config, ConfigFiles, load_config
 from towerrec.distributed.launch import WorkerError, launch
 from towerrec.workflows.training import train
@@ -115,8 +115,7 @@ def read_runs(path: str | Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError as e:  # not JSON, or not UTF-8
             raise ValueError(f"{path}:{number} is not a JSON line: {e}") from e
-        digest = record.pop(SELF_DIGEST, None) if isinstance(record, dict) else None
-        if digest is not None and digest != json_digest(record):
+        if not unseal(record, SELF_DIGEST):
             raise ValueError(
                 f"{path}:{number} does not match its own {SELF_DIGEST}: the record is damaged "
                 "or was edited (its metrics cannot be trusted); delete the line and run the "
@@ -221,7 +220,7 @@ def run_sweep(
             log.warning("sweep point %d failed: %s", index + 1, e)
             record.update(status="failed", error=f"{type(e).__name__}: {e}")
         with runs_file.open("a") as f:
-            f.write(json.dumps({**record, SELF_DIGEST: json_digest(record)}) + "\n")
+            f.write(json.dumps(sealed(record, SELF_DIGEST)) + "\n")
         records.append(record)
         if record["status"] == "stopped":
             log.warning("sweep stopped at point %d of %d", index + 1, len(points))
