@@ -16,6 +16,7 @@ from conftest import ROOT, needs_fbgemm, run_cli
 
 from towerrec.build.models import build_model
 from towerrec.config import ConfigError, load_config
+from towerrec.modules import tiers as tiers_module
 from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.compact_config import CompactConfig
@@ -56,11 +57,14 @@ def train_step(collection, features):
 
 
 def cached(tmp_path, backing="host", policy="lru", optimizer=None, backend="torch", **kw):
-    tier = TierConfig("cached", 0.1, policy, backing, str(tmp_path / "store"))
+    # "ssd-io", "ssd-mapped": ssd stores read by io or through the mapping (embedding.ssd_reads)
+    backing, _, reads = backing.partition("-")
+    where = {"backing_path": str(tmp_path / "store"), "ssd_reads": reads or "auto"}
+    tier = TierConfig("cached", 0.1, policy, backing, **where)
     return CachedEmbeddingBagCollection(
         TABLES,
         optimizer,
-        tiers={"b": TierConfig("cached", 0.2, policy, backing, str(tmp_path / "store")), **kw},
+        tiers={"b": TierConfig("cached", 0.2, policy, backing, **where), **kw},
         default=tier,
         backend=backend,
         seed=3,
@@ -79,13 +83,16 @@ def assert_same_tables(reference, collection):
         assert torch.equal(ref_s[key], got_s[key]), key
 
 
-@pytest.mark.parametrize("backing", ["host", "ssd"])
+@pytest.mark.parametrize("backing", ["host", "ssd-io", "ssd-mapped"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("backend", ["torch", pytest.param("fbgemm", marks=needs_fbgemm)])
 def test_cached_training_equals_device_bit_for_bit(tmp_path, backing, policy, backend):
     reference = EmbeddingBagCollection(TABLES, backend=backend, seed=3)
     collection = cached(tmp_path, backing, policy, backend=backend, c=TierConfig())
     assert set(collection.caches) == {"a", "b"}  # 100 and 100 slots; c in device memory
+    if backing != "host":
+        mapped = {c.store.mapped_reads for c in collection.caches.values()}
+        assert mapped == {backing == "ssd-mapped"}
     misses = {name: 0 for name in collection.caches}
     for step, features in enumerate(batches(50)):
         expected, got = train_step(reference, features), train_step(collection, features)
@@ -374,11 +381,43 @@ def test_a_disk_without_room_for_the_table_is_refused_before_training(tmp_path, 
         ),
         (["embedding.tables.cat_0.cache_fraction=-1"], "cache_fraction must be > 0"),
         (["embedding.cache_min_rows=-1"], "cache_min_rows must be >= 0"),
+        (["embedding.ssd_reads=mmap"], "embedding.ssd_reads = 'mmap' is not one of"),
     ],
 )
 def test_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+FILE_BYTES = (1000 + 500) * (8 + 1) * 4  # the cached tables' rows: a and b, row-wise Adagrad
+
+
+@pytest.mark.parametrize(
+    ("available", "want"), [(None, False), (2 * FILE_BYTES - 1, False), (2 * FILE_BYTES, True)]
+)
+def test_ssd_reads_auto_maps_the_files_where_they_fit_in_half_the_memory_available(
+    tmp_path, monkeypatch, caplog, available, want
+):
+    monkeypatch.setattr(tiers_module, "available_memory_bytes", lambda: available)
+    with caplog.at_level("INFO", logger="towerrec"):
+        collection = cached(tmp_path, "ssd", c=TierConfig())
+    stores = [c.store for c in collection.caches.values()]
+    assert sum(s.layout.rows_bytes for s in stores) == FILE_BYTES
+    assert {s.mapped_reads for s in stores} == {want}
+    assert f"embedding.ssd_reads = auto: {'mapped' if want else 'io'}" in caplog.text
+
+
+def test_ssd_reads_as_set_are_kept_whatever_the_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(tiers_module, "available_memory_bytes", lambda: 1)
+    where = {"backing_path": str(tmp_path), "ssd_reads": "mapped"}
+    collection = CachedEmbeddingBagCollection(
+        TABLES,
+        tiers={"b": TierConfig("cached", 0.2, backing="ssd", **{**where, "ssd_reads": "io"})},
+        default=TierConfig("cached", 0.1, backing="ssd", **where),
+        seed=3,
+    )
+    assert collection.caches["a"].store.mapped_reads
+    assert not collection.caches["b"].store.mapped_reads
 
 
 def test_cache_as_large_as_the_table_warns_and_stays_in_device_memory():
@@ -468,19 +507,29 @@ def test_bench_tiers_reports_each_variant():
     assert all(len(v) == 1 for v in result["ratios_by_round"].values())  # one round
 
 
-def test_bench_tiers_runs_the_write_behind_alone_beside_the_synchronous_step(tmp_path):
+def test_bench_tiers_runs_the_write_behind_and_the_read_ways_beside_the_synchronous_step(
+    tmp_path,
+):
     from towerrec.cli.bench import BENCHMARKS
 
     parser = __import__("argparse").ArgumentParser()
     BENCHMARKS["tiers"].add_arguments(parser)
-    argv = "--gib 0.03 --batch-size 64 --steps 2 --warmup 1 --dim 8 --variants ssd-sync,ssd-write-behind"
+    argv = (
+        "--gib 0.03 --batch-size 64 --steps 2 --warmup 1 --dim 8 --threads 2 "
+        "--variants ssd-sync,ssd-write-behind,ssd-io"
+    )
     result = BENCHMARKS["tiers"].run(parser.parse_args([*argv.split(), "--path", str(tmp_path)]))
     ran = {name: r["background"] for name, r in result["results"].items()}
+    auto = len(os.sched_getaffinity(0)) > 2  # a core beyond the 2 torch threads
+    # ssd_reads = auto maps files this small; ssd-io reads by io
     assert ran == {
-        "ssd-sync": {"read_ahead": False, "write_behind": False},
-        "ssd-write-behind": {"read_ahead": False, "write_behind": True},
+        "ssd-sync": {"read_ahead": False, "write_behind": False, "mapped_reads": True},
+        "ssd-write-behind": {"read_ahead": False, "write_behind": True, "mapped_reads": True},
+        "ssd-io": {"read_ahead": auto, "write_behind": auto, "mapped_reads": False},
     }
     assert "ssd-write-behind/ssd-sync" in result["ratios"]
+    for name, r in result["results"].items():
+        assert 0 < r["train_peak_anon_mb"] <= r["train_peak_rss_mb"], name
 
 
 def test_bench_tiers_pairs_each_round_with_the_in_memory_run_of_that_round():

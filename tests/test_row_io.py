@@ -278,7 +278,8 @@ def test_bench_row_io_times_every_method_warm_and_cold_on_the_same_rows(tmp_path
     result = BENCHMARKS["row-io"].run(args)
     assert result["cached_tables"] > 0 and result["rows_read_per_step"] > 0
     # the native methods as the store runs them (one piece) and split in two (``-2t``)
-    ran = {"row", *METHODS, *(f"{m}-2t" for m in NATIVE)}
+    # and reads through the files' mapping (``mapped``)
+    ran = {"row", *METHODS, "mapped", *(f"{m}-2t" for m in NATIVE)}
     assert set(result["results"]) == {"warm", "cold"}
     for pass_ in ("warm", "cold"):
         assert set(result["results"][pass_]) == ran
@@ -306,7 +307,7 @@ def test_bench_row_io_probes_the_disk_without_the_native_extension(tmp_path, mon
     argv = "--gib 0.02 --batch-size 64 --steps 2 --warmup 1 --dim 8 --min-rows 5000 --rounds 1"
     args = parser.parse_args([*argv.split(), "--probe", "16", "--path", str(tmp_path / "files")])
     result = BENCHMARKS["row-io"].run(args)
-    assert set(result["results"]["warm"]) == {"row", "python"}
+    assert set(result["results"]["warm"]) == {"row", "python", "mapped"}  # no native way
     assert result["disk"]["random_4k_reads_per_s_depth1"] > 0  # one Python read at a time
     assert not any(
         key.startswith("random_4k_reads_per_s_depth") and key != ("random_4k_reads_per_s_depth1")

@@ -1,7 +1,7 @@
 """The SSD store keeps its rows out of the process: initialised with chunked ``pwrite``
 (the same rows as the in-memory init), rows read and written with ``pread`` / ``pwrite``
-or io_uring (no page of the file mapped), pages of ``records`` dropped by ``release``
-without losing a row."""
+or io_uring (no page of the file mapped) or read through the mapping (its pages then
+mapped), pages of ``records`` dropped by ``release`` without losing a row."""
 
 from __future__ import annotations
 
@@ -60,9 +60,18 @@ def test_chunked_init_writes_the_rows_of_the_in_memory_init(tmp_path, monkeypatc
     assert (LAYOUT.num_embeddings * 9) % 1024  # (the last page is partial)
 
 
-@pytest.mark.parametrize("io", available_methods())
+READS = [*available_methods(), "mapped"]  # row_io's methods, and reads through the mapping
+
+
+def store_reading(path: Path, reads: str) -> SsdStore:
+    if reads == "mapped":
+        return SsdStore(LAYOUT, path, mapped_reads=True)
+    return SsdStore(LAYOUT, path, io=reads)
+
+
+@pytest.mark.parametrize("io", READS)
 def test_reads_and_writes_lose_no_row(tmp_path, io):
-    store = SsdStore(LAYOUT, tmp_path / "t.tstore", io=io)
+    store = store_reading(tmp_path / "t.tstore", io)
     store.initialize(fill)
     expected = store.records.clone()
     gen = torch.Generator().manual_seed(0)
@@ -93,6 +102,23 @@ def test_reads_and_writes_map_no_page(tmp_path):
     assert mapped_kib(store.path) > 0  # ``records`` maps what it touches
     store.release()
     assert mapped_kib(store.path) == 0
+
+
+def test_mapped_reads_map_the_pages_they_read_and_see_every_write(tmp_path):
+    store = SsdStore(LAYOUT, tmp_path / "t.tstore", mapped_reads=True)
+    store.initialize(fill)
+    store.write_behind()
+    assert mapped_kib(store.path) == 0
+    rows = torch.tensor([5, 3, 5, 39_999, 1_000])  # any order, repeats
+    assert np.array_equal(store.read(rows).numpy(), file_rows(store.path)[rows.numpy()])
+    assert mapped_kib(store.path) > 0  # the pages read stay mapped
+    records = torch.randn(2, LAYOUT.record_width)
+    store.write(torch.tensor([3, 39_999]), records)  # lands in the writer thread
+    assert torch.equal(store.read(torch.tensor([39_999, 3])), records.flip(0))
+    store.release()
+    assert mapped_kib(store.path) == 0
+    with pytest.raises(IndexError, match="outside table 't' of 40000 rows"):
+        store.read(torch.tensor([40_000]))
 
 
 def test_a_truncated_store_is_refused_on_read(tmp_path):

@@ -45,6 +45,7 @@ __all__ = [
     "HUGE_PAGE",
     "HUGE_PAGES_FROM",
     "advise_huge_pages",
+    "available_memory_bytes",
     "huge_page_range",
     "peak_rss_mb",
     "physical_memory_bytes",
@@ -129,6 +130,20 @@ def physical_memory_bytes() -> int | None:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def available_memory_bytes() -> int | None:
+    """Memory available now for new allocations and the page cache without swapping
+    (``MemAvailable`` of ``/proc/meminfo``); the physical memory where the system does not
+    say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return physical_memory_bytes()
 
 
 def peak_rss_mb() -> float:

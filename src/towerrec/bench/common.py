@@ -81,10 +81,12 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def current_rss_mb() -> float:
-    """Resident memory of this process now, in MiB (``/proc/self/statm``)."""
+def current_rss_mb(anonymous: bool = False) -> float:
+    """Resident memory of this process now, in MiB (``/proc/self/statm``); ``anonymous``:
+    without the pages of mapped files and shared memory (statm's ``shared``)."""
     with open("/proc/self/statm") as f:
-        resident = int(f.read().split()[1])
+        fields = f.read().split()
+    resident = int(fields[1]) - (int(fields[2]) if anonymous else 0)
     return resident * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 

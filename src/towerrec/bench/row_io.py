@@ -17,7 +17,10 @@ step by step:
   in runs of adjacent rows; ``pread`` and ``uring`` native, the GIL released). The
   native ones run once for each ``--read-threads`` count ``k``: a large read split into
   that many pieces read at once (``row_io``'s module doc), reported as ``METHOD-kt``, and
-  under the method's name for 1 (the store's way).
+  under the method's name for 1 (the store's way with ``embedding.ssd_reads = io``);
+- ``mapped``: reads gathered from the files' mapping (``embedding.ssd_reads = mapped``;
+  the pages a read touches stay mapped, so the first round's faults map them and the best
+  round is the steady state), writes by the native ``pwrite`` loop.
 
 With the files in the page cache (``warm``), and with ``--cold`` also after dropping
 them from it (``posix_fadvise``) before each method's pass. Per method: wall and
@@ -54,7 +57,7 @@ from towerrec.modules.tiers import CachePolicy
 
 __all__ = ["BENCHMARK", "run_row_io_benchmark"]
 
-METHODS = ("row", "python", "pread", "uring")
+METHODS = ("row", "python", "pread", "uring", "mapped")
 T = TypeVar("T")
 Steps = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per step, per table: (read, written)
 
@@ -250,7 +253,8 @@ def run_row_io_benchmark(args: argparse.Namespace) -> dict:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"--methods {unknown} unknown; choose from {', '.join(METHODS)}")
-    usable = ("row", *available_methods())
+    usable = ("row", *available_methods(), "mapped")
+    writer = "pread" if "pread" in usable else "python"  # the mapped reads' writes
     skipped = [m for m in methods if m not in usable]
     methods = [m for m in methods if m in usable]
     runs = _labelled_runs(methods, _read_threads(args.read_threads))
@@ -281,8 +285,9 @@ def run_row_io_benchmark(args: argparse.Namespace) -> dict:
             for _ in range(args.rounds):
                 for label, method, threads in runs:
                     for store in stores:
+                        store.mapped_reads = method == "mapped"
                         store.io = RowIO(
-                            method if method != "row" else "python",
+                            {"row": "python", "mapped": writer}.get(method, method),
                             uring_writes=True,
                             read_threads=threads,
                         )

@@ -25,6 +25,9 @@ variant in turn:
 - ``ssd-write-behind``: ``ssd`` with the write-behind on and no read ahead (its evictions'
   writes run while the lookup reads its misses), the write-behind's share beside
   ``ssd-sync``;
+- ``ssd-io``: ``ssd`` with its misses read by ``pread`` / io_uring
+  (``embedding.ssd_reads = io``); the other SSD variants read as ``auto`` decides (through
+  the files' mapping where they fit in memory; the JSON's ``background.mapped_reads``);
 - ``kv``: the same caches (each table's slots as ``host``'s) over LMDB stores of rows
   keyed by id under ``--path``, each row made from its id on first touch; nothing is
   written up front, so the store holds only the rows written back (``kv_rows_stored``,
@@ -41,7 +44,8 @@ fits, and say so).
 Per variant: samples/s (batch over the median step, and over the mean step),
 the cache's hit rate over the timed steps, rows written back and read ahead,
 the seconds to build (and initialise) the tables, and memory: the resident set
-sampled after every step (``train_peak_rss_mb``) and the process's peak so far
+sampled after every step (``train_peak_rss_mb``; ``train_peak_anon_mb`` without the file
+pages mapped, the page cache a mapped read leaves in the resident set) and the process's peak so far
 (``peak_rss_mb``, which covers every variant run before; run one variant per process
 to read it), each also as a fraction of the tables' bytes.
 ``--nproc N`` runs the same on N gloo ranks (one host): the model parallelized
@@ -132,7 +136,10 @@ BACKGROUND = {
     "ssd-threads": (Background.ON, Background.ON),
     "ssd-write-through": (Background.ON, Background.OFF),
     "ssd-write-behind": (Background.OFF, Background.ON),
+    "ssd-io": (Background.AUTO, Background.AUTO),
 }
+# How each SSD variant reads its misses (embedding.ssd_reads); the others: auto.
+SSD_READS = {"ssd-io": "io"}
 VARIANTS = ("device", *BACKGROUND, "mmap")
 SHARDED_VARIANTS = tuple(v for v in VARIANTS if v not in ("kv", "mmap"))
 
@@ -162,6 +169,7 @@ def _overrides(args: argparse.Namespace, rows: list[int], variant: str, path: Pa
         f"embedding.cache_maps={args.cache_maps}",
         f"embedding.prefetch={BACKGROUND[variant][0].value}",
         f"embedding.write_behind={BACKGROUND[variant][1].value}",
+        f"embedding.ssd_reads={SSD_READS.get(variant, 'auto')}",
     ]
     if variant == "kv":  # each table's slots as cache_fraction gives the others
         slots = {
@@ -236,7 +244,7 @@ def _run_variant(
     caches: list[CachingCollection] = [
         m for _, m in fused_embedding_modules(model) if isinstance(m, CachingCollection)
     ]
-    times, counts, rss = [], None, current_rss_mb()
+    times, counts, rss, anon = [], None, current_rss_mb(), current_rss_mb(anonymous=True)
     last = time.perf_counter()
     for step, batch in enumerate(stream):  # a step: its batch's arrival (and read ahead) too
         if step == args.warmup:
@@ -247,6 +255,7 @@ def _run_variant(
         if step >= args.warmup:
             times.append(time.perf_counter() - last)
         rss = max(rss, current_rss_mb())
+        anon = max(anon, current_rss_mb(anonymous=True))
         last = time.perf_counter()
     table_mb = sum(rows) * 4 * (args.dim + 1) / 2**20
     peak = peak_rss_mb()
@@ -258,6 +267,8 @@ def _run_variant(
         "build_s": round(build_s, 2),
         "train_peak_rss_mb": round(rss, 1),
         "train_peak_rss_fraction": round(rss / table_mb, 4),
+        "train_peak_anon_mb": round(anon, 1),
+        "train_peak_anon_fraction": round(anon / table_mb, 4),
         "peak_rss_mb": round(peak, 1),
         "peak_rss_fraction": round(peak / table_mb, 4),
     }
@@ -313,10 +324,14 @@ def _background(model: torch.nn.Module, reads_ahead: bool) -> dict[str, bool]:
         if isinstance(module, CachedEmbeddingBagCollection)
         for cache in module.caches.values()
     ]
-    return {
+    out = {
         "read_ahead": reads_ahead,
         "write_behind": any(s.writes_behind for s in stores),
     }
+    ssd = [s for s in stores if isinstance(s, SsdStore)]
+    if ssd:
+        out["mapped_reads"] = any(s.mapped_reads for s in ssd)
+    return out
 
 
 def _rank_part(batch: Batch, rank: int, world: int) -> Batch:

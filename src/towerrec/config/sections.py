@@ -92,6 +92,7 @@ RESUME_SAFE_KEYS = (
     "embedding.backing_path",
     "embedding.prefetch",
     "embedding.write_behind",
+    "embedding.ssd_reads",
     "embedding.tables.*.memory",
     "embedding.tables.*.cache_*",
     "embedding.tables.*.backing*",

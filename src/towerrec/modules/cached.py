@@ -74,10 +74,12 @@ from towerrec.modules.tables import TableConfig, fill_table_block
 from towerrec.modules.tier_store import BackingStore, HostStore, RowLayout, StoreError
 from towerrec.modules.tiers import (
     Backing,
+    SsdReads,
     TablePlacement,
     TableTiers,
     TierConfig,
     background_on,
+    mapped_reads_on,
 )
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
@@ -150,16 +152,22 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
             [per_feature[f] for f in self.feature_names], dtype=torch.int64
         )
         self.caches: dict[str, TableCache] = {}
+        layouts = {}
         for table in self.tables:
             if table.name not in self.cache_rows:
                 continue
             state_shapes = self.optimizer.kind.state_shapes(1, table.embedding_dim)
-            layout = RowLayout(
+            layouts[table.name] = RowLayout(
                 table.name,
                 table.num_embeddings,
                 table.embedding_dim,
                 tuple((n, s[1] if len(s) > 1 else 1) for n, s in state_shapes.items() if s),
             )
+        mapped = self._mapped_reads(layouts)
+        for table in self.tables:
+            if table.name not in self.cache_rows:
+                continue
+            layout = layouts[table.name]
             tier = self.placements[table.name].tier
             kv = self.placements[table.name].is_kv
             block = self.blocks.get(table.name)
@@ -184,6 +192,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
                     table=table if block is None else block.table,
                     seed=seed,
                     device=self._inner.device,
+                    mapped_reads=mapped.get(table.name, False),
                 ),
                 weight=partial(self._slot_weight, table.name),
                 states=partial(self._slot_states, table.name),
@@ -203,6 +212,24 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
         self._queued: dict[int, dict[str, torch.Tensor]] = {}  # ids of batches to read ahead
         self._reading: int | None = None  # the key read ahead whose lookup has not come
         self.reset_parameters()
+
+    def _mapped_reads(self, layouts: Mapping[str, RowLayout]) -> dict[str, bool]:
+        """Whether each SSD-backed table's store reads through its file's mapping
+        (``embedding.ssd_reads``): the settings of ``auto`` decided once, for all of this
+        collection's store files together (``mapped_reads_on``)."""
+        ssd = {
+            name: self.placements[name].tier
+            for name in layouts
+            if self.placements[name].tier.backing is Backing.SSD
+        }
+        automatic = [n for n, tier in ssd.items() if tier.ssd_reads is SsdReads.AUTO]
+        auto = bool(automatic) and mapped_reads_on(
+            SsdReads.AUTO, sum(layouts[n].rows_bytes for n in automatic)
+        )
+        return {
+            n: auto if tier.ssd_reads is SsdReads.AUTO else tier.ssd_reads is SsdReads.MAPPED
+            for n, tier in ssd.items()
+        }
 
     # ------------------------------------------------------------ interface
     @property
@@ -541,13 +568,15 @@ def build_store(
     table: TableConfig | None = None,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    mapped_reads: bool = False,
 ) -> BackingStore:
     """The backing store ``tier`` asks for (one file per table: ``<path>/<name>.tstore``,
     ``name`` defaulting to the table's; a shard's store names its shard). A kv store
     needs ``table`` and ``seed``: it initialises rows from them on first touch. An SSD
     store writes behind (``SsdStore.write_behind``) as ``tier.write_behind`` says
     (``auto``: where the step runs on ``device``, an accelerator, or the process has a core
-    beyond its torch threads: ``background_on``)."""
+    beyond its torch threads: ``background_on``) and reads through its file's mapping
+    when ``mapped_reads`` (``SsdStore``)."""
     if tier.backing is Backing.HOST:
         return HostStore(layout)
     if tier.backing is Backing.KV:
@@ -556,7 +585,11 @@ def build_store(
         return KvStore(
             layout, Path(tier.backing_path) / f"{name or layout.table}{KV_SUFFIX}", table, seed
         )
-    store = SsdStore(layout, Path(tier.backing_path) / f"{name or layout.table}{SUFFIX}")
+    store = SsdStore(
+        layout,
+        Path(tier.backing_path) / f"{name or layout.table}{SUFFIX}",
+        mapped_reads=mapped_reads,
+    )
     if background_on(tier.write_behind, "embedding.write_behind", device=device):
         store.write_behind()
     return store

@@ -22,16 +22,32 @@ kernel's page cache takes them, not the process's mapping). One page a call keep
 page cache's folios small: a large write makes large folios (up to 2 MiB), and ext4
 walks every block of a folio on each later write into it, so a write-back of one 260-byte
 row into the file cost 5-12 us instead of 1.4 us (measured on ext4, kernel 6.18;
-``docs/benchmarks.md``). ``read`` and ``write`` move a batch's records with
-``pread`` / ``pwrite`` or io_uring (``row_io.py``: sorted rows coalesced into runs of
-adjacent rows, one transfer a run, the GIL released for the whole batch; io_uring reads,
-its writes go through the native loop), which map nothing: a fault through the mapping would map the large folio around the row (about
-512 KiB a row was measured with transparent huge pages), only for a drop to unmap it
-again. The read descriptor is advised ``POSIX_FADV_RANDOM`` (no read-ahead from disk
-around a missed row). The mapping serves the full-table views of ``records``
-(checkpoints); ``release`` drops the pages those touched. The process's resident memory
-thus holds the cache's slots and a batch's records, whatever the table's size; the
-page cache, which the kernel reclaims, holds what it can of the file.
+``docs/benchmarks.md``). ``write`` moves a batch's records with ``pwrite`` or io_uring
+(``row_io.py``: sorted rows coalesced into runs of adjacent rows, one transfer a run, the
+GIL released for the whole batch), ``read`` in one of two ways (``mapped_reads``):
+
+- by io (the default of a bare store): ``pread`` or io_uring as ``write``, which map
+  nothing. The read descriptor is advised ``POSIX_FADV_RANDOM`` (no read-ahead from disk
+  around a missed row). A read of a row in the page cache costs a system call's walk of
+  the file's page tree and a copy, 1.3-1.5 us a row; a cold file's reads wait on the
+  disk together (io_uring keeps up to 256 in flight).
+- mapped: a gather (``index_select``, the GIL released) from the file's mapping. A row
+  whose page the process has mapped costs a memory read, 0.1-0.2 us; the first touch of
+  a page faults it in (the kernel maps its cached neighbours with it), and a page not in
+  the page cache is read from the disk one fault at a time. The pages stay mapped, so
+  the process's resident set grows by the file pages it touched (``RssFile``): page
+  cache, which the kernel reclaims under pressure, the same pages an io read copies
+  from. Where the files fit in memory this is the faster way
+  (``tiers.mapped_reads_on`` decides ``embedding.ssd_reads = auto``).
+
+The mapping also serves the full-table views of ``records`` (checkpoints); ``release``
+drops the pages mapped so far. The process's anonymous memory thus holds the cache's
+slots and a batch's records, whatever the table's size; the page cache, which the kernel
+reclaims, holds what it can of the file.
+
+A file cut shorter while a store has it open (another process truncating it) makes a
+mapped read end the process with SIGBUS, as a checkpoint's read of ``records`` would;
+an io read reports it as a ``StoreError``. Opening a store checks the file's size.
 """
 
 from __future__ import annotations
@@ -76,14 +92,18 @@ PAGE_FLOATS = PAGE_BYTES // 4
 
 class SsdStore(BackingStore):
     """A file of fixed-size rows (module doc), created if missing. ``io``: how a batch's
-    records move (``row_io.METHODS``; default the best that works here)."""
+    records move (``row_io.METHODS``; default the best that works here); ``mapped_reads``:
+    ``read`` gathers from the file's mapping instead (module doc)."""
 
-    def __init__(self, layout: RowLayout, path: Path, io: str | None = None) -> None:
+    def __init__(
+        self, layout: RowLayout, path: Path, io: str | None = None, mapped_reads: bool = False
+    ) -> None:
         super().__init__(layout)
         self.path = Path(path)
         self.io = RowIO(io)
+        self.mapped_reads = mapped_reads
         check_writable(self.path)
-        size = HEADER_BYTES + layout.num_embeddings * layout.record_width * 4
+        size = HEADER_BYTES + layout.rows_bytes
         if self.path.exists():
             found = read_header(self.path)
             if found != layout.to_json():
@@ -147,8 +167,9 @@ class SsdStore(BackingStore):
             raise error
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
-        """Records ``[n, W]`` of ``rows`` (any order, repeats allowed), read in runs of
-        adjacent rows (module doc); after the writes in flight of any of them."""
+        """Records ``[n, W]`` of ``rows`` (any order, repeats allowed), read through the
+        mapping or in runs of adjacent rows (module doc); after the writes in flight of any
+        of them."""
         rows = self._checked(rows)
         unique, inverse = _sorted_unique(rows)
         if self._in_flight(unique):
@@ -156,6 +177,9 @@ class SsdStore(BackingStore):
         elif self._write_error is not None:
             self._landed()  # raises it
         out = torch.empty(unique.numel(), self.layout.record_width)
+        if self.mapped_reads:  # rows checked against the table, the file's size at open
+            torch.index_select(self._records, 0, unique, out=out)
+            return out if inverse is None else out.index_select(0, inverse)
         short = self.io.read(self._fd, unique, out, HEADER_BYTES)
         if short >= 0:
             raise StoreError(

@@ -56,6 +56,16 @@ class RowLayout:
     def record_width(self) -> int:
         return self.embedding_dim + sum(w for _, w in self.states)
 
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one row's record (float32)."""
+        return 4 * self.record_width
+
+    @property
+    def rows_bytes(self) -> int:
+        """Bytes of every row's record: a store file's rows, without its header."""
+        return self.num_embeddings * self.record_bytes
+
     def state_columns(self) -> dict[str, tuple[int, int]]:
         """``{name: (first column, width)}`` of each state inside a record."""
         out, col = {}, self.embedding_dim
