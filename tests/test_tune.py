@@ -221,6 +221,26 @@ def test_a_short_study_writes_runs_a_table_a_plot_and_the_best_config(tmp_path):
     )
 
 
+@pytest.mark.parametrize("damage", ["cut", "overwritten"])
+def test_a_damaged_study_file_is_refused_naming_it(tmp_path, damage):
+    out = tmp_path / "study"
+    out.mkdir()
+    db = out / "study.db"
+    study = optuna.create_study(storage=f"sqlite:///{db}", study_name="towerrec")
+    for value in range(20):
+        study.add_trial(optuna.trial.create_trial(value=float(value)))
+    size = db.stat().st_size
+    if damage == "cut":
+        os.truncate(db, size // 2)
+        match = r"study\.db is (damaged|not a readable study database)"
+    else:
+        with db.open("r+b") as f:
+            f.write(b"\0" * 100)  # SQLite's header
+        match = r"study\.db is not a readable study database"
+    with pytest.raises(ValueError, match=match + ".* move it away to start a new study"):
+        run_study(StudyRun(None, tuple(QUICK), load_space(_space(tmp_path)), out))
+
+
 def _trial_states(out: Path) -> dict[int, str]:
     study = optuna.load_study(study_name="towerrec", storage=f"sqlite:///{out / 'study.db'}")
     return {t.number: t.state.name for t in study.trials}

@@ -19,7 +19,8 @@ Resume: the study is in its file, so running the same command again continues it
 trial that was running when the tuner died (a kill, a crash) is continued under its own
 number with its own values: from its last checkpoint when it has one, else anew; the
 finished trials stay as they are. ``--trials`` counts every trial of the study. A study
-file of another space, data set or base config is refused, naming what differs.
+file of another space, data set or base config is refused, naming what differs; one
+SQLite cannot read whole (cut short, overwritten) is refused naming the file.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import fnmatch
 import json
 import logging
 import shutil
+import sqlite3
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,8 +156,27 @@ def _check_identity(study: Any, identity: dict[str, Any], db: Path) -> None:
         raise ValueError(f"{db} is a study of another base config ({detail}); {fix}")
 
 
+def _check_database(db: Path) -> None:
+    """Refuse a study file SQLite cannot read whole (cut short, overwritten, not SQLite):
+    Optuna's own error names neither the file nor the fix. SQLite's ``quick_check``
+    reads every page of the file's structure; a value changed inside a valid page is
+    not caught (docs/reliability.md)."""
+    if not db.is_file():
+        return
+    fix = "move it away to start a new study (the trials' run directories stay)"
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            found = [row[0] for row in conn.execute("PRAGMA quick_check")]
+    except sqlite3.DatabaseError as e:
+        raise ValueError(f"{db} is not a readable study database ({e}); {fix}") from None
+    if found != ["ok"]:
+        detail = "; ".join(str(x) for x in found[:3])
+        raise ValueError(f"{db} is damaged (SQLite's check: {detail}); {fix}")
+
+
 def _open_study(run: StudyRun) -> Any:
     optuna = import_optuna()
+    _check_database(run.out / "study.db")
     settings = run.space.study
     study = optuna.create_study(
         storage=run.storage,
