@@ -405,6 +405,10 @@ def test_ssd_reads_auto_maps_the_files_where_they_fit_in_half_the_memory_availab
     assert sum(s.layout.rows_bytes for s in stores) == FILE_BYTES
     assert {s.mapped_reads for s in stores} == {want}
     assert f"embedding.ssd_reads = auto: {'mapped' if want else 'io'}" in caplog.text
+    # two processes on this machine, each with as many files: twice the bytes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    halved = cached(tmp_path / "2", "ssd", c=TierConfig())
+    assert {c.store.mapped_reads for c in halved.caches.values()} == {False}
 
 
 def test_ssd_reads_as_set_are_kept_whatever_the_memory(tmp_path, monkeypatch):

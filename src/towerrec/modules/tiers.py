@@ -154,11 +154,15 @@ def background_on(
 
 
 def mapped_reads_on(
-    setting: SsdReads | str, file_bytes: int, available_bytes: int | None = None
+    setting: SsdReads | str,
+    file_bytes: int,
+    available_bytes: int | None = None,
+    processes: int | None = None,
 ) -> bool:
     """Whether SSD stores of ``file_bytes`` in all read their missed rows through the
     files' mapping: ``mapped`` / ``io`` as set; ``auto``, decided now and logged: mapped
-    when the files take at most half of the memory available now (``available_bytes``:
+    when the files of the ``processes`` on this machine (``LOCAL_WORLD_SIZE``, each taken
+    to hold as many) take at most half of the memory available now (``available_bytes``:
     ``MemAvailable``), so that the page cache keeps them and a read is a gather from memory
     (0.1-0.2 us a row against 1.3-1.5 for a ``pread`` of a page-cache row, ``bench
     row-io``); else ``io``, whose reads keep many requests in flight for the disk where a
@@ -169,11 +173,14 @@ def mapped_reads_on(
     if choice is not SsdReads.AUTO:
         return choice is SsdReads.MAPPED
     available = available_memory_bytes() if available_bytes is None else available_bytes
-    on = available is not None and 2 * file_bytes <= available
+    if processes is None:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    on = available is not None and 2 * file_bytes * processes <= available
     log.info(
-        "embedding.ssd_reads = auto: %s (store files %s, memory available %s%s)",
+        "embedding.ssd_reads = auto: %s (store files %s%s, memory available %s%s)",
         "mapped" if on else "io",
         format_bytes(file_bytes),
+        f" a process, {processes} processes here" if processes > 1 else "",
         "unknown" if available is None else format_bytes(available),
         "" if on else "; files above half of it read from the disk, many reads in flight",
     )
