@@ -37,7 +37,9 @@ GIL released for the whole batch), ``read`` in one of two ways (``mapped_reads``
   the page cache is read from the disk one fault at a time. The pages stay mapped, so
   the process's resident set grows by the file pages it touched (``RssFile``): page
   cache, which the kernel reclaims under pressure, the same pages an io read copies
-  from. Where the files fit in memory this is the faster way
+  from. ``initialize`` maps every page of the new file at once (``map_pages``), so
+  the steps take no faults; a checkpoint's load writes the rows through the mapping,
+  which maps them too. Where the files fit in memory this is the faster way
   (``tiers.mapped_reads_on`` decides ``embedding.ssd_reads = auto``).
 
 The mapping also serves the full-table views of ``records`` (checkpoints); ``release``
@@ -88,6 +90,7 @@ SUFFIX = ".tstore"
 INIT_CHUNK_BYTES = 64 << 20  # initialize's fill size (whole init blocks of rows)
 PAGE_BYTES = 4096  # initialize writes the rows one page a call (module doc)
 PAGE_FLOATS = PAGE_BYTES // 4
+_MADV_POPULATE_READ = 22  # Linux's, where Python's mmap module does not name it
 
 
 class SsdStore(BackingStore):
@@ -279,6 +282,25 @@ class SsdStore(BackingStore):
             os.ftruncate(fd, HEADER_BYTES + rows * width * 4)
         finally:
             os.close(fd)
+        if self.mapped_reads:
+            self.map_pages()
+
+    def map_pages(self) -> None:
+        """Map every page of the file into this process now (``MADV_POPULATE_READ``, Linux
+        5.14 and later; elsewhere the pages map on first touch), so that the mapped reads of
+        the steps take no page faults (2 in 500,000 mapped reads of the 8 GiB ``bench
+        tiers`` run; a batch's first touches cost 0.2-0.4 us a row without it). A
+        file in the page cache maps in about 0.05 s a GiB; a page not in it is read
+        from the disk, in sequential read-ahead for the time of the call."""
+        mapping = self._map._mmap  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
+        try:
+            mapping.madvise(mmap.MADV_SEQUENTIAL)
+            try:
+                mapping.madvise(getattr(mmap, "MADV_POPULATE_READ", _MADV_POPULATE_READ))
+            finally:
+                mapping.madvise(mmap.MADV_RANDOM)
+        except (OSError, AttributeError):  # an older kernel, or no madvise here
+            pass
 
     def flush(self) -> None:
         self._landed()
