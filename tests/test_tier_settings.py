@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from towerrec.build.models import build_model
-from towerrec.config import EmbeddingConfig, load_config
+from towerrec.config import ConfigError, EmbeddingConfig, load_config
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.modules.compact import build_embedding_collection
 from towerrec.modules.compact_config import CompactConfig, TableStorageConfig
@@ -18,6 +18,7 @@ from towerrec.modules.tables import TableConfig
 from towerrec.modules.tiers import (
     Background,
     Memory,
+    SsdReads,
     TablePlacement,
     TableTiers,
     TierConfig,
@@ -34,6 +35,18 @@ def test_the_config_keys_of_a_tier_are_the_fields_of_tier_config():
     tier_fields = {f.name for f in dataclasses.fields(TierConfig)}
     # A table sets its own tier by the same names (a size threshold is per collection).
     assert tier_fields - per_table == {"cache_min_rows"}
+
+
+def test_a_table_reads_its_ssd_rows_its_own_way():
+    config = load_config(
+        None,
+        ["embedding.ssd_reads=mapped", "embedding.tables.cat_1.ssd_reads=io"],
+    )
+    tiers = config.embedding.tiers()
+    assert tiers.default.ssd_reads is SsdReads.MAPPED
+    assert tiers.of("cat_1").ssd_reads is SsdReads.IO
+    with pytest.raises(ConfigError, match="ssd_reads = 'fast' is not one of"):
+        load_config(None, ["embedding.tables.cat_1.ssd_reads=fast"])
 
 
 def test_the_run_config_resolves_every_tables_tier_once():

@@ -97,6 +97,7 @@ RESUME_SAFE_KEYS = (
     "embedding.tables.*.cache_*",
     "embedding.tables.*.backing*",
     "embedding.tables.*.write_behind",
+    "embedding.tables.*.ssd_reads",
     "plan.*",
 )
 

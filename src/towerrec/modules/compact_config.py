@@ -22,6 +22,7 @@ from towerrec.modules.tiers import (
     CacheMaps,
     CachePolicy,
     Memory,
+    SsdReads,
     TierConfig,
     parse_background,
 )
@@ -68,6 +69,7 @@ class TableStorageConfig:
     cache_slots: int | None = None
     cache_maps: CacheMaps | None = None
     write_behind: Background | bool | None = None
+    ssd_reads: SsdReads | None = None
     # How the table's rows start (``modules/tables.py``, ``INIT_RULES``): any kind.
     init: str | None = None
     init_scale: float | None = None
@@ -92,6 +94,7 @@ class TableStorageConfig:
             ("cache_policy", CachePolicy),
             ("backing", Backing),
             ("cache_maps", CacheMaps),
+            ("ssd_reads", SsdReads),
         ):
             value = getattr(self, name)
             if value is not None:
@@ -137,6 +140,7 @@ _TIER_FIELDS = (
     "cache_slots",
     "cache_maps",
     "write_behind",
+    "ssd_reads",
 )
 
 
