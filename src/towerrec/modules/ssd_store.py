@@ -32,9 +32,11 @@ GIL released for the whole batch), ``read`` in one of two ways (``mapped_reads``
   the file's page tree and a copy, 1.3-1.5 us a row; a cold file's reads wait on the
   disk together (io_uring keeps up to 256 in flight).
 - mapped: a gather (``index_select``, the GIL released) from the file's mapping. A row
-  whose page the process has mapped costs a memory read, 0.1-0.2 us; the first touch of
-  a page faults it in (the kernel maps its cached neighbours with it), and a page not in
-  the page cache is read from the disk one fault at a time. The pages stay mapped, so
+  whose page the process has mapped costs a memory read: 0.4 us against 2.3 for a
+  ``pread`` in ``bench row-io``, 1.3-1.8 us inside a training step, where the rows a
+  cache misses are cold in the CPU's caches and TLB (docs/benchmarks.md). The first touch
+  of a page faults it in (the kernel maps its cached neighbours with it), and a page not
+  in the page cache is read from the disk one fault at a time. The pages stay mapped, so
   the process's resident set grows by the file pages it touched (``RssFile``): page
   cache, which the kernel reclaims under pressure, the same pages an io read copies
   from. ``initialize`` maps every page of the new file at once (``map_pages``), so
