@@ -19,7 +19,7 @@ from towerrec.train.checkpoint import CheckpointManager
 from towerrec.train.metrics import EvalMetrics
 from towerrec.workflows.tune.report_hook import TrialLink, TrialPruned, TrialReport
 from towerrec.workflows.tune.space import Choice, Range, load_space, toml_value
-from towerrec.workflows.tune.study import StudyRun, run_study
+from towerrec.workflows.tune.study import StudyRun, _check_database, run_study
 
 optuna = pytest.importorskip("optuna")
 
@@ -223,12 +223,13 @@ def test_a_short_study_writes_runs_a_table_a_plot_and_the_best_config(tmp_path):
 
 @pytest.mark.parametrize("damage", ["cut", "overwritten"])
 def test_a_damaged_study_file_is_refused_naming_it(tmp_path, damage):
-    out = tmp_path / "study"
+    out = tmp_path / "study #1"  # a character a file URI must escape
     out.mkdir()
     db = out / "study.db"
     study = optuna.create_study(storage=f"sqlite:///{db}", study_name="towerrec")
     for value in range(20):
         study.add_trial(optuna.trial.create_trial(value=float(value)))
+    _check_database(db)  # whole, at a path with characters a file URI must escape
     size = db.stat().st_size
     if damage == "cut":
         os.truncate(db, size // 2)

@@ -223,9 +223,7 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
             if self.placements[name].tier.backing is Backing.SSD
         }
         automatic = [n for n, tier in ssd.items() if tier.ssd_reads is SsdReads.AUTO]
-        auto = bool(automatic) and mapped_reads_on(
-            SsdReads.AUTO, sum(layouts[n].rows_bytes for n in automatic)
-        )
+        auto = bool(automatic) and mapped_reads_on(sum(layouts[n].rows_bytes for n in automatic))
         return {
             n: auto if tier.ssd_reads is SsdReads.AUTO else tier.ssd_reads is SsdReads.MAPPED
             for n, tier in ssd.items()

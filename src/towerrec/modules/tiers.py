@@ -154,24 +154,18 @@ def background_on(
 
 
 def mapped_reads_on(
-    setting: SsdReads | str,
-    file_bytes: int,
-    available_bytes: int | None = None,
-    processes: int | None = None,
+    file_bytes: int, available_bytes: int | None = None, processes: int | None = None
 ) -> bool:
-    """Whether SSD stores of ``file_bytes`` in all read their missed rows through the
-    files' mapping: ``mapped`` / ``io`` as set; ``auto``, decided now and logged: mapped
-    when the files of the ``processes`` on this machine (``LOCAL_WORLD_SIZE``, each taken
-    to hold as many) take at most half of the memory available now (``available_bytes``:
+    """``embedding.ssd_reads = auto``, decided now and logged: whether SSD stores of
+    ``file_bytes`` in all read their missed rows through the files' mapping. Mapped when
+    the files of the ``processes`` on this machine (``LOCAL_WORLD_SIZE``, each taken to
+    hold as many) take at most half of the memory available now (``available_bytes``:
     ``MemAvailable``), so that the page cache keeps them and a read is a gather from memory
-    (0.1-0.2 us a row against 1.3-1.5 for a ``pread`` of a page-cache row, ``bench
-    row-io``); else ``io``, whose reads keep many requests in flight for the disk where a
-    mapping's page fault reads one page at a time. Mapped pages count in the process's
-    resident set as file pages (``RssFile``): page cache that the kernel reclaims, the same
-    pages an ``io`` read copies from."""
-    choice = parse_enum(SsdReads, setting, "embedding.ssd_reads")
-    if choice is not SsdReads.AUTO:
-        return choice is SsdReads.MAPPED
+    (0.4 us a row against 2.3 for a ``pread`` of a page-cache row, ``bench row-io``); else
+    ``io``, whose reads keep many requests in flight for the disk where a mapping's page
+    fault reads one page at a time. Mapped pages count in the process's resident set as
+    file pages (``RssFile``): page cache that the kernel reclaims, the same pages an ``io``
+    read copies from."""
     available = available_memory_bytes() if available_bytes is None else available_bytes
     if processes is None:
         processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

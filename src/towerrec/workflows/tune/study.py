@@ -165,7 +165,7 @@ def _check_database(db: Path) -> None:
         return
     fix = "move it away to start a new study (the trials' run directories stay)"
     try:
-        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        with closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)) as conn:
             found = [row[0] for row in conn.execute("PRAGMA quick_check")]
     except sqlite3.DatabaseError as e:
         raise ValueError(f"{db} is not a readable study database ({e}); {fix}") from None
