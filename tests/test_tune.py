@@ -221,6 +221,18 @@ def test_a_short_study_writes_runs_a_table_a_plot_and_the_best_config(tmp_path):
     )
 
 
+def test_the_study_url_names_the_file_at_any_path(tmp_path):
+    out = tmp_path / "runs?lr=1e-3 #2 100%"  # a query, a fragment and an escape in a URL
+    out.mkdir()
+    run = StudyRun(None, tuple(QUICK), load_space(_space(tmp_path)), out)
+    study = optuna.create_study(storage=run.storage, study_name="towerrec")
+    study.add_trial(optuna.trial.create_trial(value=1.0))
+    assert [p.name for p in out.iterdir()] == ["study.db"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("runs") and p != out]
+    _check_database(out / "study.db")
+    assert len(optuna.load_study(study_name="towerrec", storage=run.storage).trials) == 1
+
+
 @pytest.mark.parametrize("damage", ["cut", "overwritten"])
 def test_a_damaged_study_file_is_refused_naming_it(tmp_path, damage):
     out = tmp_path / "study #1"  # a character a file URI must escape

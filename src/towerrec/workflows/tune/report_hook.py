@@ -50,7 +50,7 @@ class TrialLink:
     """Where a trial lives: its study's storage and name, the trial's id, the metric and
     the pruner's settings (plain data: a ``--nproc`` worker gets it pickled)."""
 
-    storage: str  # sqlite:///PATH
+    storage: str  # Optuna URL of the study file (``StudyRun.storage``)
     study_name: str
     trial_id: int
     metric: str

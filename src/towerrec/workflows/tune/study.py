@@ -31,6 +31,7 @@ import json
 import logging
 import shutil
 import sqlite3
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
@@ -65,7 +66,11 @@ class StudyRun:
 
     @property
     def storage(self) -> str:
-        return f"sqlite:///{(self.out / 'study.db').resolve()}"
+        """Optuna's URL of ``OUT/study.db``: a SQLite URI filename escaped twice
+        (SQLAlchemy unescapes the URL once, SQLite the URI), so that a ``?``, ``#`` or
+        ``%`` in the path names the file rather than starting a query."""
+        path = (self.out / "study.db").resolve().as_uri().removeprefix("file://")
+        return f"sqlite:///file:{urllib.parse.quote(path, safe='/')}?uri=true"
 
     def trial_dir(self, number: int) -> Path:
         return self.out / f"trial-{number:03d}"
