@@ -376,3 +376,23 @@ def test_torch_kernel_tables_are_advised_huge_pages():
     assert "hg" in _vm_flags(start + length - 1)
     small = torch.empty(1 << 20, dtype=torch.uint8)
     assert advise_huge_pages(small.data_ptr(), small.nbytes) == 0  # below HUGE_PAGES_FROM
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+    reason="a Linux kernel with transparent huge pages",
+)
+def test_a_host_slot_map_is_advised_huge_pages_and_starts_empty():
+    """A cache's id -> slot map in host memory (32 MiB here) is advised MADV_HUGEPAGE
+    before its -1s are written (a batch's ids land anywhere in it)."""
+    from towerrec.memory import HUGE_PAGE, huge_page_range
+    from towerrec.modules.cache_maps import DenseSlotMap
+
+    slots = DenseSlotMap(1 << 23)
+    start, length = huge_page_range(slots.table.data_ptr(), slots.table.nbytes)
+    assert length >= HUGE_PAGE
+    assert "hg" in _vm_flags(start)
+    assert "hg" in _vm_flags(start + length - 1)
+    assert slots.get(torch.tensor([3, 1 << 22, 5])).tolist() == [-1, -1, -1]
+    slots.set(torch.tensor([3, 1 << 22]), torch.tensor([0, 1]))
+    assert slots.get(torch.tensor([3, 1 << 22, 5])).tolist() == [0, 1, -1]
