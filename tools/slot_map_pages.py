@@ -21,6 +21,16 @@ from towerrec.calibration.machine import machine_info
 from towerrec.modules.cache_maps import DenseSlotMap
 
 
+def _thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (``[madvise]``: only advised memory gets
+    2 MiB pages, so the plain map stays on 4 KiB pages; ``[always]``: both get them)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=31_000_000)
@@ -56,6 +66,7 @@ def main() -> None:
             {
                 "benchmark": "slot_map_pages",
                 "machine": machine_info(),
+                "transparent_hugepage": _thp_mode(),
                 "rows": args.rows,
                 "map_mb": round(args.rows * 4 / 2**20, 1),
                 "ids_a_step": args.ids,

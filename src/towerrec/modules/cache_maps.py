@@ -30,8 +30,8 @@ def _host_map(rows: int) -> torch.Tensor:
     """A host map of ``rows`` ids, all -1, on 2 MiB pages where the kernel gives them
     (``advise_huge_pages`` before the fill touches them): a batch's ids land anywhere in
     it, and on 4 KiB pages each one that misses the TLB costs a page-table walk (a
-    gather and two scatters of 9,300 scattered ids a step over a 124 MB map: 1.2 ms
-    against 6.3-7.4 on the AMX Xeon, docs/benchmarks.md)."""
+    gather and two scatters of 9,332 scattered ids a step over a 124 MB map: 0.64 ms
+    against 1.67, ``tools/slot_map_pages.py`` on the AMX Xeon, docs/benchmarks.md)."""
     out = torch.empty(rows, dtype=torch.int32)
     advise_huge_pages(out.data_ptr(), out.nbytes)
     return out.fill_(-1)
