@@ -3,7 +3,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -131,15 +130,11 @@ def run_cli(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedPro
     repo root unless given: relative paths resolve as a user in that folder types them).
 
     Other keyword arguments add environment variables (e.g. ``OMP_NUM_THREADS="1"``).
+    The process is forked from a server that has imported torch (``cli_server.py``).
     """
-    return subprocess.run(
-        [sys.executable, "-m", "towerrec.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **env},
-    )
+    import cli_server  # beside this file (a copy of it elsewhere needs no server)
+
+    return cli_server.run(list(args), cwd, {**os.environ, "PYTHONPATH": str(ROOT / "src"), **env})
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -1,11 +1,9 @@
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from towerrec.bench.dmt_scale import run_scale_model
 from towerrec.planner.dmt_scale import (
@@ -70,26 +68,8 @@ def test_errors():
 
 
 def test_bench_writes_json_and_plot(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     plot = tmp_path / "scale.png"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "towerrec.cli",
-            "bench",
-            "dmt-scale",
-            "--json",
-            "--plot",
-            str(plot),
-            "--cross-host-gbs",
-            "25",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_cli("bench", "dmt-scale", "--json", "--plot", str(plot), "--cross-host-gbs", "25")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     points = result["sweeps"]["25GB/s"]["points"]

@@ -1,12 +1,10 @@
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 
 from towerrec.build.models import build_model
 from towerrec.build.towers import (
@@ -122,24 +120,14 @@ def test_embedding_partition_is_learned_and_deterministic():
 
 
 def test_cli_train_dmt_embedding_partition(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "towerrec.cli",
-            "train",
-            "--config",
-            str(QUICK),
-            *("--set", "model.name=dmt", "--set", "model.dmt.partition=embedding"),
-            *("--set", "model.dmt.pilot_steps=10", "--set", "train.steps=10"),
-            *("--set", "train.eval_every=0", "--set", "train.progress=false"),
-            *("--out", str(tmp_path / "run")),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run = run_cli(
+        "train",
+        "--config",
+        str(QUICK),
+        *("--set", "model.name=dmt", "--set", "model.dmt.partition=embedding"),
+        *("--set", "model.dmt.pilot_steps=10", "--set", "train.steps=10"),
+        *("--set", "train.eval_every=0", "--set", "train.progress=false"),
+        *("--out", str(tmp_path / "run")),
     )
     assert run.returncode == 0, run.stderr
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 10
@@ -147,31 +135,18 @@ def test_cli_train_dmt_embedding_partition(tmp_path):
 
 
 def test_cli_train_dmt_and_bad_partition(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    base = [sys.executable, "-m", "towerrec.cli", "train", "--config", str(QUICK)]
+    base = ["train", "--config", str(QUICK)]
     sets = ["--set", "model.name=dmt", "--set", "train.steps=20", "--set", "train.progress=false"]
-    ok = subprocess.run(
-        [*base, *sets, "--set", "model.dmt.partition=cost", "--out", str(tmp_path / "a")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    ok = run_cli(*base, *sets, "--set", "model.dmt.partition=cost", "--out", str(tmp_path / "a"))
     assert ok.returncode == 0, ok.stderr
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["steps"] == 20
-    bad = subprocess.run(
-        [
-            *base,
-            *sets,
-            "--set",
-            "model.dmt.partition=[['cat_0'], ['cat_1']]",
-            "--out",
-            str(tmp_path / "b"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    bad = run_cli(
+        *base,
+        *sets,
+        "--set",
+        "model.dmt.partition=[['cat_0'], ['cat_1']]",
+        "--out",
+        str(tmp_path / "b"),
     )
     assert bad.returncode == 2
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
