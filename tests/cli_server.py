@@ -66,23 +66,28 @@ class _Server:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.send: IO[str] = self.proc.stdin
         self.receive: IO[str] = self.proc.stdout
+        self.lock = threading.Lock()  # one command at a time on the channel
 
     def run(self, request: dict[str, Any], timeout: float) -> int:
         """The child's status (``-N``: ended by signal N); ``TimeoutExpired`` after
         ``timeout`` s, the child killed."""
-        self.send.write(json.dumps(request) + "\n")
-        pid = int(self.receive.readline())
-        timer = _Timer(timeout, pid)
-        try:
-            line = self.receive.readline()
-        finally:
-            timer.cancel()
-        if not line:
-            raise RuntimeError("the test command server ended; see its output above")
-        status = int(line)
+        with self.lock:
+            self.send.write(json.dumps(request) + "\n")
+            pid = self._reply()
+            timer = _Timer(timeout, pid)
+            try:
+                status = self._reply()
+            finally:
+                timer.cancel()
         if timer.fired:
             raise subprocess.TimeoutExpired(request["argv"], timeout)
         return status
+
+    def _reply(self) -> int:
+        line = self.receive.readline()
+        if not line:
+            raise RuntimeError("the test command server ended; its error is above")
+        return int(line)
 
     def close(self) -> None:
         self.send.close()
@@ -115,7 +120,7 @@ def run(
 ) -> subprocess.CompletedProcess:
     """``python -m towerrec.cli ARGS`` from ``cwd`` with exactly ``env``, captured."""
     key = _load_time(env)
-    if key not in _SERVERS:
+    if key not in _SERVERS or _SERVERS[key].proc.poll() is not None:  # none yet, or it ended
         _SERVERS[key] = _Server(env)
     argv = [sys.executable, "-m", "towerrec.cli", *args]
     with tempfile.TemporaryDirectory(prefix="towerrec-cli-") as tmp:

@@ -57,3 +57,13 @@ def test_a_command_past_its_time_is_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         cli_server.run(["train", "--set", "train.steps=100000"], tmp_path, env, timeout=2)
     assert cli_server.run(["config", "show"], tmp_path, env).returncode == 0  # still serving
+
+
+def test_a_server_that_ended_is_started_again(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    assert cli_server.run(["config", "show"], tmp_path, env).returncode == 0
+    ended = cli_server._SERVERS[cli_server._load_time(env)].proc
+    ended.kill()
+    ended.wait()
+    assert cli_server.run(["config", "show"], tmp_path, env).returncode == 0
+    assert cli_server._SERVERS[cli_server._load_time(env)].proc is not ended
