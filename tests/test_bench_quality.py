@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli
 
 from towerrec.bench import quality_models, quality_reference
-from towerrec.bench.quality import _architecture
+from towerrec.bench.quality import _architecture, _reference_architecture
 from towerrec.bench.quality_data import plain_data, write_synthetic_cache
 from towerrec.bench.quality_models import Architecture, Bag, PlainData, build_reference_model
 from towerrec.bench.quality_reference import (
@@ -62,9 +62,15 @@ def test_tiny_run_json(tmp_path):
             chosen = run["epochs"][epoch - 1]
             assert stats[rule]["auc"] == pytest.approx(chosen["test"]["auc"], abs=1e-5)
     assert len(model["towerrec"]["per_seed"][0]["epochs"]) == 2  # a validation each epoch
-    # the same architecture on every side
-    params = {model[side]["num_dense_params"] for side in ("towerrec", "fuxictr", "torchrec")}
-    assert len(params) == 1 and params.pop() > 0
+    # each reference at its recipe's own widths (the default), towerrec at its config's
+    assert out["reference_widths"] == "published"
+    dim = model["towerrec"]["bottom_mlp"][-1]
+    assert model["fuxictr"]["top_mlp"] == [400, 400, 400, 1]
+    assert model["fuxictr"]["bottom_mlp"] == model["towerrec"]["bottom_mlp"]
+    assert model["torchrec"]["bottom_mlp"] == [512, 256, 64, dim]
+    assert model["torchrec"]["top_mlp"] == [512, 256, 1]
+    params = [model[side]["num_dense_params"] for side in ("towerrec", "fuxictr", "torchrec")]
+    assert min(params) > 0 and len(set(params)) == 3
     for rule in ("by_logloss", "by_auc"):
         verdict = model["verdict"][rule]
         best = verdict["better_reference"]
@@ -81,6 +87,7 @@ def test_tiny_run_json(tmp_path):
         (["--datasets", "frappe", "--data", "frappe=/nonexistent"], "neither a cache directory"),
         (["--datasets", "criteo", "--config", "movielens=configs/movielens.toml"], "not among"),
         (["--recipes", "keras"], "--recipes takes some of fuxictr, torchrec"),
+        (["--reference-widths", "mine"], "invalid choice: 'mine'"),
     ],
 )
 def test_bad_arguments_are_refused(args, message):
@@ -217,6 +224,38 @@ def test_reference_architecture_has_towerrec_s_dense_parameters(overrides, num_d
     towerrec = build_model(config, schema, torch.device("cpu"))
     sizes = [f.num_embeddings for f in schema.sparse]
     reference = build_reference_model(_architecture(config), num_dense, sizes)
+    ours = sum(p.numel() for n, p in reference.named_parameters() if not n.startswith("tables."))
+    assert ours == towerrec.num_dense_parameters()
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("num_dense", [13, 0])
+def test_a_reference_at_its_own_widths_has_towerrec_s_parameters_at_those_widths(recipe, num_dense):
+    """``--reference-widths published`` (the default) changes the MLPs' widths and nothing
+    else: towerrec's model at the recipe's widths has the reference's dense parameters;
+    ``config`` keeps towerrec's widths."""
+    bottom = [] if num_dense == 0 else [32, 16]
+    base = [
+        "data.synthetic.num_embeddings=[30,20,10]",
+        "data.synthetic.pooling_factors=[]",
+        f"data.synthetic.num_dense={num_dense}",
+        f"model.bottom_mlp={bottom}",
+    ]
+    config = load_config(None, base)
+    assert _reference_architecture(config, RECIPES[recipe], "config") == _architecture(config)
+    arch = _reference_architecture(config, RECIPES[recipe], "published")
+    assert arch != _architecture(config)
+    assert arch.top_mlp == RECIPES[recipe].top_mlp
+    if num_dense == 0:
+        assert arch.bottom_mlp == ()
+    widths = load_config(
+        None,
+        [*base, f"model.bottom_mlp={list(arch.bottom_mlp)}", f"model.top_mlp={list(arch.top_mlp)}"],
+    )
+    schema = SyntheticSource(widths.data.synthetic).schema
+    towerrec = build_model(widths, schema, torch.device("cpu"))
+    sizes = [f.num_embeddings for f in schema.sparse]
+    reference = build_reference_model(arch, num_dense, sizes)
     ours = sum(p.numel() for n, p in reference.named_parameters() if not n.startswith("tables."))
     assert ours == towerrec.num_dense_parameters()
 

@@ -17,8 +17,10 @@ practitioners train them with, written in plain PyTorch, on the same rows.
 towerrec trains its config (``--config NAME=PATH``; default the packaged recipe NAME
 when there is one, ``towerrec config recipes``, else the built-in defaults) as ``towerrec train`` would, with a validation
 every epoch (``train.eval_every = "epoch"``); ``--set`` changes it on every data set. The
-references get the same features, splits and architecture widths (the model section of
-that config) and the batch size. Seed s sets model init and data order on every side.
+references get the same features, splits, model kind, embedding dim and batch size (the
+config's) and train at their recipes' own MLP widths (``quality_reference.py``;
+``--reference-widths config``: the config's widths too). Seed s sets model init and data
+order on every side.
 
 Verdict per data set, model and selection rule: towerrec's mean test AUC minus the
 better reference's is at least ``-max(std_towerrec, std_reference)`` ("within one
@@ -54,6 +56,7 @@ from towerrec.bench.quality_reference import (
     RECIPES,
     SELECTION_RULES,
     Recipe,
+    recipe_architecture,
     selections,
     train_reference,
     with_overrides,
@@ -69,6 +72,8 @@ from towerrec.workflows.training import train
 __all__ = ["BENCHMARK", "QualitySettings", "run_quality_benchmark"]
 
 MODELS = ("dlrm", "dcn", "wukong")
+# The references' MLP widths: their recipes' own | the config's.
+REFERENCE_WIDTHS = ("published", "config")
 
 
 @dataclass(frozen=True)
@@ -91,8 +96,14 @@ class QualitySettings:
     overrides: tuple[str, ...] = ()  # towerrec config overrides for every run
     threads: int = 1
     recipes: tuple[Recipe, ...] = tuple(RECIPES.values())
+    reference_widths: str = "published"  # the recipes' own MLP widths | "config": towerrec's
 
     def __post_init__(self) -> None:
+        if self.reference_widths not in REFERENCE_WIDTHS:
+            raise ValueError(
+                f"bench quality: --reference-widths {self.reference_widths!r} is not "
+                f"{' or '.join(REFERENCE_WIDTHS)}"
+            )
         for key in ("epochs", "seeds", "criteo_files", "criteo_rows", "threads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"bench quality: --{key.replace('_', '-')} must be >= 1")
@@ -226,7 +237,13 @@ def _architecture(config: Config) -> Architecture:
     )
 
 
+def _reference_architecture(config: Config, recipe: Recipe, widths: str) -> Architecture:
+    arch = _architecture(config)
+    return recipe_architecture(arch, recipe) if widths == "published" else arch
+
+
 def _reference_run(
+    arch: Architecture,
     config: Config,
     data: tuple[PlainData, PlainData, PlainData | None],
     recipe: Recipe,
@@ -235,7 +252,7 @@ def _reference_run(
     label: str,
 ) -> dict:
     result = train_reference(
-        _architecture(config),
+        arch,
         *data,
         recipe=recipe,
         epochs=epochs,
@@ -247,9 +264,13 @@ def _reference_run(
 
 
 # ------------------------------------------------------------------ statistics
-def _side(runs: list[dict]) -> dict:
+def _side(runs: list[dict], arch: Architecture) -> dict:
     """Mean and standard deviation over seeds of each selection rule's test metrics."""
-    out: dict[str, Any] = {"num_dense_params": runs[0]["num_dense_params"]}
+    out: dict[str, Any] = {
+        "num_dense_params": runs[0]["num_dense_params"],
+        "bottom_mlp": list(arch.bottom_mlp),
+        "top_mlp": list(arch.top_mlp),
+    }
     for run in runs:
         chosen = selections(run["epochs"])
         run["selected"] = {
@@ -308,17 +329,19 @@ def _evaluate_data_set(data_set: DataSet, settings: QualitySettings, root: Path)
                 [
                     _towerrec_run(model_config, data[0].rows, s, root, label("towerrec", s))
                     for s in seeds
-                ]
+                ],
+                _architecture(model_config),
             )
         }
         for recipe in settings.recipes:
+            arch = _reference_architecture(model_config, recipe, settings.reference_widths)
             runs = [
                 _reference_run(
-                    model_config, data, recipe, s, settings.epochs, label(recipe.name, s)
+                    arch, model_config, data, recipe, s, settings.epochs, label(recipe.name, s)
                 )
                 for s in seeds
             ]
-            sides[recipe.name] = _side(runs)
+            sides[recipe.name] = _side(runs, arch)
         result["models"][model] = {**sides, "verdict": _verdicts(sides)}
         print(f"bench quality: {data_set.name} {model} done", file=sys.stderr)
     return result
@@ -343,6 +366,7 @@ def run_quality_benchmark(settings: QualitySettings) -> dict:
             "by_auc": "the epoch of highest validation AUC among those trained",
         },
         "recipes": {r.name: r.as_dict() for r in settings.recipes},
+        "reference_widths": settings.reference_widths,
         "generated_data": {
             "synthetic": {
                 "train_rows": settings.synthetic_rows,
@@ -402,6 +426,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "when there is one, else the built-in defaults; repeatable)",
     )
     add("--recipes", default=",".join(RECIPES), help="the references: fuxictr, torchrec")
+    add(
+        "--reference-widths",
+        choices=REFERENCE_WIDTHS,
+        default=defaults.reference_widths,
+        help="the references' MLP widths: their recipes' own (published) or towerrec's config's",
+    )
     add("--synthetic-rows", type=int, default=defaults.synthetic_rows, help="training rows")
     add(
         "--synthetic-held-out",
@@ -485,6 +515,7 @@ def _run(args: argparse.Namespace) -> dict:
         overrides=tuple(args.overrides),
         threads=args.threads,
         recipes=_recipes(args),
+        reference_widths=args.reference_widths,
     )
     return run_quality_benchmark(settings)
 

@@ -21,6 +21,15 @@ Two recipes (``RECIPES``), each as its community writes it::
     plateau          LR x 0.1 at every epoch without    none
                      improvement (not below 1e-6)
     kept weights     the best epoch's                   the best epoch's
+    MLP widths       top 400-400-400-1 (the hidden      bottom 512-256-64-dim, top
+                     units of BARS's benchmark          512-256-1 (dlrm's Criteo
+                     configs); bottom as towerrec's     Kaggle script)
+
+The widths are each recipe's own (``recipe_architecture``), not towerrec's: a reference
+with towerrec's widths could only show that towerrec matches its own choices. The
+embedding dim, the model's kind and options and the batch size are the config's, so
+every side sees the same inputs; ``--reference-widths config`` gives the references
+towerrec's widths as well.
 
 Every epoch ends with an evaluation of the validation and test rows; the run stops when
 the recipe's own metric has not improved for ``patience`` epochs. ``selections`` reads
@@ -53,6 +62,7 @@ __all__ = [
     "Recipe",
     "ReferenceResult",
     "RowwiseAdagrad",
+    "recipe_architecture",
     "selections",
     "train_reference",
 ]
@@ -75,8 +85,14 @@ class Recipe:
     plateau_factor: float | None = None  # LR x this at each epoch without improvement
     min_lr: float = 1e-6
     eval_batch_size: int = 16384
+    # The recipe's own MLP widths (None: the config's): the top (DCN: deep) MLP, ending in
+    # one logit, and the bottom MLP's hidden widths (it then ends at the embedding dim).
+    top_mlp: tuple[int, ...] | None = None
+    bottom_hidden: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.top_mlp is not None and (not self.top_mlp or self.top_mlp[-1] != 1):
+            raise ValueError(f"recipe {self.name}: top_mlp must end in 1, got {self.top_mlp}")
         if self.embedding_optimizer not in ("adam", "rowwise_adagrad", "adagrad", "sgd"):
             raise ValueError(
                 f"recipe {self.name}: embedding optimizer {self.embedding_optimizer!r} is not "
@@ -100,6 +116,7 @@ RECIPES: dict[str, Recipe] = {
         embedding_l2=1e-6,
         monitor="auc",
         plateau_factor=0.1,
+        top_mlp=(400, 400, 400, 1),
     ),
     "torchrec": Recipe(
         "torchrec",
@@ -107,8 +124,20 @@ RECIPES: dict[str, Recipe] = {
         embedding_optimizer="rowwise_adagrad",
         embedding_lr=0.05,
         monitor="logloss",
+        top_mlp=(512, 256, 1),
+        bottom_hidden=(512, 256, 64),
     ),
 }
+
+
+def recipe_architecture(arch: Architecture, recipe: Recipe) -> Architecture:
+    """``arch`` with the recipe's own MLP widths where it has them. Data without dense
+    features has no bottom MLP on any side."""
+    if recipe.top_mlp is not None:
+        arch = replace(arch, top_mlp=recipe.top_mlp)
+    if recipe.bottom_hidden is not None and arch.bottom_mlp:
+        arch = replace(arch, bottom_mlp=(*recipe.bottom_hidden, arch.bottom_mlp[-1]))
+    return arch
 
 
 class RowwiseAdagrad(torch.optim.Optimizer):
