@@ -116,3 +116,19 @@ def test_an_error_of_the_files_own_settings_is_not_blamed_on_a_models_table(tmp_
     with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'") as raised:
         load_config(path)
     assert "for_model" not in str(raised.value)
+
+
+def test_a_file_that_leaves_a_setting_to_set_loads_with_its_models_tables(tmp_path):
+    """A recipe for converted data names no data.path (the user's --set gives it); its
+    models' tables are checked with the overrides applied, as the run is."""
+    path = tmp_path / "criteo.toml"
+    path.write_text('[data]\nsource = "criteo"\n\n[for_model.wukong.optimizer]\nlr = 0.001\n')
+    with pytest.raises(ConfigError, match=r"needs data.path"):
+        load_config(path)  # without it the file cannot run, and says why
+    run = load_config(path, [f"data.path={tmp_path}", "model.name=wukong"])
+    assert run.optimizer.lr == 0.001
+    assert load_config(path, [f"data.path={tmp_path}"]).optimizer.lr == load_config().optimizer.lr
+    # and the packaged criteo recipe, the command its converter prints
+    assert (
+        load_config("criteo", [f"data.path={tmp_path}", "model.name=wukong"]).optimizer.lr == 0.001
+    )

@@ -289,9 +289,10 @@ def load_config(
         _take_for_model(table, file, per_model)
         _merge(data, table)
     if per_model:
-        _check_for_model(data, per_model)
-        chosen = _model_name(_apply_overrides(copy.deepcopy(data), overrides))
-        _merge(data, per_model.get(chosen, {}))
+        # checked with the overrides: a file may leave a setting to --set (data.path)
+        overridden = _apply_overrides(copy.deepcopy(data), overrides)
+        _check_for_model(overridden, per_model)
+        _merge(data, per_model.get(_model_name(overridden), {}))
     return config_from_dict(_apply_overrides(data, overrides))
 
 
