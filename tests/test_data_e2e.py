@@ -151,8 +151,9 @@ def test_criteo_without_split_options_holds_out_eval_rows_and_its_command_trains
     # validation stops improving (at most 20 epochs), validating every epoch.
     result = towerrec_in(tmp_path, *printed_train_command(result.stdout))
     assert result.returncode == 0, result.stderr[-3000:]
-    epoch, cap = -(-rows["train"] // 2048), -(-20 * rows["train"] // 2048)
-    assert f"train.steps = {cap}: 20 epoch(s) of {rows['train']:,} training rows" in result.stderr
+    batch = load_config("criteo", [f"data.path={tmp_path / 'my cache'}"]).train.batch_size
+    epoch, cap = -(-rows["train"] // batch), -(-20 * rows["train"] // batch)
+    assert f"train.steps = {cap:,}: 20 epoch(s) of {rows['train']:,} training rows" in result.stderr
     assert "up to 20 epochs, until validation stops improving" in result.stderr
     (run,) = (tmp_path / "runs").iterdir()
     summary = json.loads((run / "summary.json").read_text())
