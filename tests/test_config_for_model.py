@@ -132,3 +132,14 @@ def test_a_file_that_leaves_a_setting_to_set_loads_with_its_models_tables(tmp_pa
     assert (
         load_config("criteo", [f"data.path={tmp_path}", "model.name=wukong"]).optimizer.lr == 0.001
     )
+
+
+def test_a_set_that_another_models_table_would_contradict_still_loads():
+    """The movielens recipe's Wukong starts its rows normal with std 1e-4 (init_scale): a
+    DLRM run that switches the rows to uniform_rows and unsets init_scale loads, and so
+    does the same for Wukong, whose table comes before the overrides."""
+    overrides = ["embedding.init=uniform_rows", "!embedding.init_scale"]
+    dlrm = load_config("movielens", overrides)
+    assert dlrm.embedding.init == "uniform_rows"
+    wukong = load_config("movielens", [*overrides, "model.name=wukong"])
+    assert (wukong.embedding.init, wukong.embedding.optimizer) == ("uniform_rows", "adam")

@@ -248,18 +248,39 @@ def _built_in_for_model() -> dict[str, Any]:
     return per_model
 
 
-def _check_for_model(data: dict[str, Any], per_model: dict[str, Any]) -> None:
-    """Every model's settings must hold for that model (whichever model runs); an error the
-    files' own settings already have is theirs, raised as it is."""
+def _for_model_error(
+    data: dict[str, Any],
+    table: dict[str, Any],
+    name: str,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> Exception | None:
+    """The error of model ``name`` run from ``data`` with its ``table``, then ``overrides``
+    (the order of a run), or None when that config loads."""
+    trial = copy.deepcopy(data)
+    _merge(trial, copy.deepcopy(table))
+    trial = _apply_overrides(trial, overrides)
+    trial.setdefault("model", {})["name"] = name
+    try:
+        config_from_dict(trial)
+    except (ConfigError, ValueError) as e:
+        return e
+    return None
+
+
+def _check_for_model(
+    data: dict[str, Any], per_model: dict[str, Any], overrides: list[str] | tuple[str, ...]
+) -> None:
+    """Every model's settings must hold for that model (whichever model runs): each table
+    over the files' settings, or, where the files alone do not load either (they leave a
+    setting such as data.path to --set), over the files' settings and the overrides. An
+    error the files' settings and the overrides already have is theirs, raised as it is."""
     for name, table in per_model.items():
-        trial = copy.deepcopy(data)
-        _merge(trial, copy.deepcopy(table))
-        trial.setdefault("model", {})["name"] = name
-        try:
-            config_from_dict(trial)
-        except (ConfigError, ValueError) as e:
-            config_from_dict(data)  # the files' own error, if it is theirs
-            raise ConfigError(f"[{FOR_MODEL}.{name}]: {e}") from None
+        error = _for_model_error(data, table, name)
+        if error is not None and _for_model_error(data, {}, name) is not None:
+            error = _for_model_error(data, table, name, overrides)
+        if error is not None:
+            config_from_dict(_apply_overrides(copy.deepcopy(data), overrides))  # theirs
+            raise ConfigError(f"[{FOR_MODEL}.{name}]: {error}") from None
 
 
 def _model_name(data: dict[str, Any]) -> str:
@@ -289,10 +310,9 @@ def load_config(
         _take_for_model(table, file, per_model)
         _merge(data, table)
     if per_model:
-        # checked with the overrides: a file may leave a setting to --set (data.path)
-        overridden = _apply_overrides(copy.deepcopy(data), overrides)
-        _check_for_model(overridden, per_model)
-        _merge(data, per_model.get(_model_name(overridden), {}))
+        _check_for_model(data, per_model, overrides)
+        chosen = _model_name(_apply_overrides(copy.deepcopy(data), overrides))
+        _merge(data, per_model.get(chosen, {}))
     return config_from_dict(_apply_overrides(data, overrides))
 
 
