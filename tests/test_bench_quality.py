@@ -203,6 +203,31 @@ def test_early_stopping_stops_after_patience_epochs_without_improvement(one_thre
     assert result.epochs[0]["test"] == result.epochs[0]["validation"]  # no test split
 
 
+def _small_config(num_dense: int, *overrides: str):
+    bottom = [] if num_dense == 0 else [32, 16]
+    return load_config(
+        None,
+        [
+            "data.synthetic.num_embeddings=[30,20,10]",
+            "data.synthetic.pooling_factors=[]",
+            f"data.synthetic.num_dense={num_dense}",
+            f"model.bottom_mlp={bottom}",
+            *overrides,
+        ],
+    )
+
+
+def _dense_parameters(config, arch: Architecture, num_dense: int) -> tuple[int, int]:
+    """towerrec's model of ``config`` and the reference model of ``arch``: their dense
+    parameters."""
+    schema = SyntheticSource(config.data.synthetic).schema
+    towerrec = build_model(config, schema, torch.device("cpu"))
+    sizes = [f.num_embeddings for f in schema.sparse]
+    reference = build_reference_model(arch, num_dense, sizes)
+    ours = sum(p.numel() for n, p in reference.named_parameters() if not n.startswith("tables."))
+    return towerrec.num_dense_parameters(), ours
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -215,23 +240,9 @@ def test_early_stopping_stops_after_patience_epochs_without_improvement(one_thre
 )
 @pytest.mark.parametrize("num_dense", [13, 0])
 def test_reference_architecture_has_towerrec_s_dense_parameters(overrides, num_dense):
-    bottom = [] if num_dense == 0 else [32, 16]
-    config = load_config(
-        None,
-        [
-            "data.synthetic.num_embeddings=[30,20,10]",
-            "data.synthetic.pooling_factors=[]",
-            f"data.synthetic.num_dense={num_dense}",
-            f"model.bottom_mlp={bottom}",
-            *overrides,
-        ],
-    )
-    schema = SyntheticSource(config.data.synthetic).schema
-    towerrec = build_model(config, schema, torch.device("cpu"))
-    sizes = [f.num_embeddings for f in schema.sparse]
-    reference = build_reference_model(_architecture(config), num_dense, sizes)
-    ours = sum(p.numel() for n, p in reference.named_parameters() if not n.startswith("tables."))
-    assert ours == towerrec.num_dense_parameters()
+    config = _small_config(num_dense, *overrides)
+    towerrec, reference = _dense_parameters(config, _architecture(config), num_dense)
+    assert reference == towerrec
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -240,30 +251,20 @@ def test_a_reference_at_its_own_widths_has_towerrec_s_parameters_at_those_widths
     """``--reference-widths published`` (the default) changes the MLPs' widths and nothing
     else: towerrec's model at the recipe's widths has the reference's dense parameters;
     ``config`` keeps towerrec's widths."""
-    bottom = [] if num_dense == 0 else [32, 16]
-    base = [
-        "data.synthetic.num_embeddings=[30,20,10]",
-        "data.synthetic.pooling_factors=[]",
-        f"data.synthetic.num_dense={num_dense}",
-        f"model.bottom_mlp={bottom}",
-    ]
-    config = load_config(None, base)
+    config = _small_config(num_dense)
     assert _reference_architecture(config, RECIPES[recipe], "config") == _architecture(config)
     arch = _reference_architecture(config, RECIPES[recipe], "published")
     assert arch != _architecture(config)
     assert arch.top_mlp == RECIPES[recipe].top_mlp
     if num_dense == 0:
         assert arch.bottom_mlp == ()
-    widths = load_config(
-        None,
-        [*base, f"model.bottom_mlp={list(arch.bottom_mlp)}", f"model.top_mlp={list(arch.top_mlp)}"],
+    widths = _small_config(
+        num_dense,
+        f"model.bottom_mlp={list(arch.bottom_mlp)}",
+        f"model.top_mlp={list(arch.top_mlp)}",
     )
-    schema = SyntheticSource(widths.data.synthetic).schema
-    towerrec = build_model(widths, schema, torch.device("cpu"))
-    sizes = [f.num_embeddings for f in schema.sparse]
-    reference = build_reference_model(arch, num_dense, sizes)
-    ours = sum(p.numel() for n, p in reference.named_parameters() if not n.startswith("tables."))
-    assert ours == towerrec.num_dense_parameters()
+    towerrec, reference = _dense_parameters(widths, arch, num_dense)
+    assert reference == towerrec
 
 
 def test_synthetic_cache_holds_the_stream_s_rows(tmp_path):

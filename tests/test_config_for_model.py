@@ -119,8 +119,9 @@ def test_an_error_of_the_files_own_settings_is_not_blamed_on_a_models_table(tmp_
 
 
 def test_a_file_that_leaves_a_setting_to_set_loads_with_its_models_tables(tmp_path):
-    """A recipe for converted data names no data.path (the user's --set gives it); its
-    models' tables are checked with the overrides applied, as the run is."""
+    """A recipe for converted data names no data.path (the user's --set gives it): the file
+    alone does not load, so its models' tables are checked with the overrides, in a run's
+    order."""
     path = tmp_path / "criteo.toml"
     path.write_text('[data]\nsource = "criteo"\n\n[for_model.wukong.optimizer]\nlr = 0.001\n')
     with pytest.raises(ConfigError, match=r"needs data.path"):
