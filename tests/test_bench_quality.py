@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli
 
 from towerrec.bench import quality_models, quality_reference
-from towerrec.bench.quality import _architecture, _reference_architecture
+from towerrec.bench.quality import _architecture, _best_of_each, _reference_architecture
 from towerrec.bench.quality_data import plain_data, write_synthetic_cache
 from towerrec.bench.quality_models import Architecture, Bag, PlainData, build_reference_model
 from towerrec.bench.quality_reference import (
@@ -83,6 +83,23 @@ def test_tiny_run_json(tmp_path):
         assert model[best][rule]["auc"] == max(model[r][rule]["auc"] for r in RECIPES)
         diff = model["towerrec"][rule]["auc"] - model[best][rule]["auc"]
         assert verdict["auc_towerrec_minus_better_reference"] == pytest.approx(diff, abs=1e-5)
+    # the plain DNN: the raw dense features and the embeddings into FuxiCTR's top MLP
+    dnn = criteo["dnn"]
+    assert dnn["recipe"] == "fuxictr" and dnn["bottom_mlp"] == []
+    assert dnn["top_mlp"] == [400, 400, 400, 1]
+    (run,) = dnn["per_seed"]
+    assert 1 <= run["epochs_trained"] <= 2 and 0 <= dnn["by_auc"]["auc"] <= 1
+    # towerrec's best model against the best plain one, both chosen by validation
+    plain = {f"dlrm {r}": model[r] for r in RECIPES} | {"dnn fuxictr": dnn}
+    for rule in ("by_logloss", "by_auc"):
+        best = criteo["best_of_each"][rule]
+        assert best["towerrec"]["model"] == "dlrm"
+        sign = 1 if rule == "by_auc" else -1
+        metric = f"validation_{rule[3:]}"
+        chosen = max(plain, key=lambda name: sign * plain[name][rule][metric])
+        assert best["plain"]["model"] == chosen
+        diff = model["towerrec"][rule]["auc"] - plain[chosen][rule]["auc"]
+        assert best["auc_towerrec_minus_plain"] == pytest.approx(diff, abs=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -137,6 +154,49 @@ def test_selection_rules_pick_the_best_validation_epoch_of_each_metric():
     assert chosen["logloss"]["epoch"] == 2 and chosen["auc"]["epoch"] == 3
 
 
+def _stats(test_auc: float, validation_auc: float, validation_logloss: float) -> dict:
+    record = {
+        "auc": test_auc,
+        "auc_std": 0.001,
+        "validation_auc": validation_auc,
+        "validation_logloss": validation_logloss,
+    }
+    return {"by_auc": record, "by_logloss": record}
+
+
+def test_best_of_each_chooses_each_side_s_model_by_validation_not_test():
+    """Each side's best model is the one a user would keep, by validation; the DNN counts
+    among the plain models. A higher test AUC behind a worse validation is not chosen."""
+    result = {
+        "models": {
+            "dlrm": {
+                "towerrec": _stats(0.70, 0.72, 0.45),
+                "fuxictr": _stats(0.69, 0.71, 0.46),
+                "verdict": {},
+            },
+            "dcn": {
+                "towerrec": _stats(0.75, 0.71, 0.44),  # best test, worse validation AUC
+                "fuxictr": _stats(0.68, 0.70, 0.47),
+                "verdict": {},
+            },
+        },
+        "dnn": _stats(0.71, 0.73, 0.48),
+    }
+    best = _best_of_each(result)
+    by_auc, by_logloss = best["by_auc"], best["by_logloss"]
+    assert by_auc["towerrec"]["model"] == "dlrm" and by_auc["plain"]["model"] == "dnn fuxictr"
+    assert by_auc["auc_towerrec_minus_plain"] == pytest.approx(0.70 - 0.71)
+    assert by_auc["towerrec_within_one_std_or_above"] is False  # -0.01 < -0.001
+    # by log-loss the lowest validation log-loss wins on each side
+    assert by_logloss["towerrec"]["model"] == "dcn"
+    assert by_logloss["plain"]["model"] == "dlrm fuxictr"
+    assert by_logloss["auc_towerrec_minus_plain"] == pytest.approx(0.75 - 0.69)
+    assert by_logloss["towerrec_within_one_std_or_above"] is True
+    # without plain models (--no-dnn, no recipes) only towerrec's choice is reported
+    alone = _best_of_each({"models": {"dlrm": {"towerrec": _stats(0.7, 0.7, 0.5)}}})
+    assert set(alone["by_auc"]) == {"towerrec"}
+
+
 def test_rowwise_adagrad_follows_its_formula():
     weight = torch.nn.Parameter(torch.arange(12.0).view(4, 3))
     opt = RowwiseAdagrad([weight], lr=0.1, eps=1e-8)
@@ -173,7 +233,7 @@ def _planted(rows: int, seed: int) -> PlainData:
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-@pytest.mark.parametrize("model", ["dlrm", "dcn", "wukong"])
+@pytest.mark.parametrize("model", ["dlrm", "dcn", "wukong", "dnn"])
 def test_each_recipe_learns_a_plain_signal(model, recipe, one_thread):
     arch = Architecture(model, embedding_dim=8, bottom_mlp=(16, 8), top_mlp=(32, 16, 1))
     result = train_reference(

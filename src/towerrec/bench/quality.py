@@ -25,6 +25,13 @@ order on every side.
 Verdict per data set, model and selection rule: towerrec's mean test AUC minus the
 better reference's is at least ``-max(std_towerrec, std_reference)`` ("within one
 standard deviation or above").
+
+Beside the models of ``--models``, each data set also trains the plain DNN (``--no-dnn``
+skips it): every embedding and the raw dense features concatenated into the FuxiCTR
+recipe's top MLP, the first model a practitioner writes. ``best_of_each`` then sets
+towerrec's best model against the best plain model of any kind, each side's best chosen by
+its mean validation value of the rule's metric, and judges their test AUCs as above: what
+a user who tries every model on each side and keeps the best would see.
 """
 
 from __future__ import annotations
@@ -97,6 +104,7 @@ class QualitySettings:
     threads: int = 1
     recipes: tuple[Recipe, ...] = tuple(RECIPES.values())
     reference_widths: str = "published"  # the recipes' own MLP widths | "config": towerrec's
+    dnn: bool = True  # also the plain DNN (concatenated embeddings into an MLP)
 
     def __post_init__(self) -> None:
         if self.reference_widths not in REFERENCE_WIDTHS:
@@ -242,6 +250,13 @@ def _reference_architecture(config: Config, recipe: Recipe, widths: str) -> Arch
     return recipe_architecture(arch, recipe) if widths == "published" else arch
 
 
+def _dnn_architecture(config: Config, recipe: Recipe, widths: str) -> Architecture:
+    """The plain DNN: the config's embedding dim, the raw dense features, and the recipe's
+    top MLP (``widths = "config"``: the config's); no dropout or batch norm."""
+    top = recipe.top_mlp if widths == "published" and recipe.top_mlp else config.model.top_mlp
+    return Architecture("dnn", config.model.embedding_dim, (), tuple(top))
+
+
 def _reference_run(
     arch: Architecture,
     config: Config,
@@ -274,7 +289,11 @@ def _side(runs: list[dict], arch: Architecture) -> dict:
     for run in runs:
         chosen = selections(run["epochs"])
         run["selected"] = {
-            rule: {"epoch": r["epoch"], **{k: round(v, 5) for k, v in r["test"].items()}}
+            rule: {
+                "epoch": r["epoch"],
+                **{k: round(v, 5) for k, v in r["test"].items()},
+                **{f"validation_{k}": round(v, 5) for k, v in r["validation"].items()},
+            }
             for rule, r in chosen.items()
         }
         run["epochs_trained"] = run["epochs"][-1]["epoch"]
@@ -284,6 +303,8 @@ def _side(runs: list[dict], arch: Architecture) -> dict:
             values = [run["selected"][rule][key] for run in runs]
             stats[key] = round(statistics.fmean(values), 5)
             stats[f"{key}_std"] = round(statistics.stdev(values), 5) if len(values) > 1 else 0.0
+            values = [run["selected"][rule][f"validation_{key}"] for run in runs]
+            stats[f"validation_{key}"] = round(statistics.fmean(values), 5)
         stats["epochs"] = [run["selected"][rule]["epoch"] for run in runs]
         out[f"by_{rule}"] = stats
     out["per_seed"] = runs
@@ -305,6 +326,49 @@ def _verdicts(sides: dict[str, dict]) -> dict:
             "towerrec_within_one_std_or_above": diff >= -max(ours["auc_std"], theirs["auc_std"]),
         }
     return out
+
+
+def _best_of_each(result: dict) -> dict:
+    """Per selection rule: towerrec's best model against the best plain model of any kind
+    (every reference and the DNN), each side's best chosen as a user would, by its mean
+    validation value of the rule's metric; then their test AUCs."""
+    out = {}
+    for rule in SELECTION_RULES:
+        key = f"by_{rule}"
+        ours: dict[str, dict] = {}
+        plain: dict[str, dict] = {}
+        for model, sides in result["models"].items():
+            for side, stats in sides.items():
+                if side == "towerrec":
+                    ours[model] = stats[key]
+                elif side != "verdict":
+                    plain[f"{model} {side}"] = stats[key]
+        if result.get("dnn"):
+            plain["dnn fuxictr"] = result["dnn"][key]
+        better = functools.partial(_validation_score, rule)
+        mine, theirs = max(ours, key=lambda n: better(ours[n])), None
+        if plain:
+            theirs = max(plain, key=lambda n: better(plain[n]))
+        record: dict[str, Any] = {"towerrec": {"model": mine, **_summary(ours[mine])}}
+        if theirs is not None:
+            a, b = ours[mine], plain[theirs]
+            diff = a["auc"] - b["auc"]
+            record["plain"] = {"model": theirs, **_summary(b)}
+            record["auc_towerrec_minus_plain"] = round(diff, 5)
+            record["towerrec_within_one_std_or_above"] = diff >= -max(a["auc_std"], b["auc_std"])
+        out[key] = record
+    return out
+
+
+def _validation_score(rule: str, stats: dict) -> float:
+    """The higher the better: mean validation AUC, or minus mean validation log-loss."""
+    value = stats[f"validation_{rule}"]
+    return value if rule == "auc" else -value
+
+
+def _summary(stats: dict) -> dict:
+    keys = ("auc", "auc_std", "validation_auc", "validation_logloss")
+    return {k: stats[k] for k in keys}
 
 
 def _evaluate_data_set(data_set: DataSet, settings: QualitySettings, root: Path) -> dict:
@@ -344,6 +408,16 @@ def _evaluate_data_set(data_set: DataSet, settings: QualitySettings, root: Path)
             sides[recipe.name] = _side(runs, arch)
         result["models"][model] = {**sides, "verdict": _verdicts(sides)}
         print(f"bench quality: {data_set.name} {model} done", file=sys.stderr)
+    if settings.dnn:
+        recipe = next((r for r in settings.recipes if r.name == "fuxictr"), RECIPES["fuxictr"])
+        arch = _dnn_architecture(config, recipe, settings.reference_widths)
+        label = functools.partial(_label, f"{data_set.name} dnn", settings.seeds)
+        runs = [
+            _reference_run(arch, config, data, recipe, s, settings.epochs, label(recipe.name, s))
+            for s in range(settings.seeds)
+        ]
+        result["dnn"] = {"recipe": recipe.name, **_side(runs, arch)}
+    result["best_of_each"] = _best_of_each(result)
     return result
 
 
@@ -382,6 +456,10 @@ def run_quality_benchmark(settings: QualitySettings) -> dict:
         },
         "verdict_rule": "towerrec mean test AUC - the better reference's >= "
         "-max(std_towerrec, std_reference), per selection rule",
+        "best_of_each_rule": "per data set and selection rule: towerrec's model of best mean "
+        "validation value against the plain model (any kind, any recipe, the DNN) of best "
+        "mean validation value; their mean test AUCs, judged as verdict_rule",
+        "dnn": settings.dnn,
         "datasets": datasets,
     }
 
@@ -431,6 +509,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=REFERENCE_WIDTHS,
         default=defaults.reference_widths,
         help="the references' MLP widths: their recipes' own (published) or towerrec's config's",
+    )
+    add(
+        "--no-dnn",
+        dest="dnn",
+        action="store_false",
+        help="skip the plain DNN (every embedding and the dense features concatenated into an "
+        "MLP, FuxiCTR's recipe) that best_of_each sets against towerrec's best model",
     )
     add("--synthetic-rows", type=int, default=defaults.synthetic_rows, help="training rows")
     add(
@@ -516,6 +601,7 @@ def _run(args: argparse.Namespace) -> dict:
         threads=args.threads,
         recipes=_recipes(args),
         reference_widths=args.reference_widths,
+        dnn=args.dnn,
     )
     return run_quality_benchmark(settings)
 

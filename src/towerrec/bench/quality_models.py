@@ -1,4 +1,4 @@
-"""Plain-PyTorch DLRM, DCNv2 and Wukong: the models of ``towerrec bench quality``'s
+"""Plain-PyTorch DLRM, DCNv2, Wukong and a DNN: the models of ``towerrec bench quality``'s
 references (``quality_reference.py`` trains them).
 
 This module imports nothing from towerrec (``tests/test_bench_quality.py`` checks it):
@@ -75,7 +75,7 @@ class Architecture:
     """Layer widths and options, the same numbers as towerrec's model config (no towerrec
     types)."""
 
-    model: str  # dlrm | dcn | wukong
+    model: str  # dlrm | dcn | wukong | dnn
     embedding_dim: int
     bottom_mlp: tuple[int, ...]
     top_mlp: tuple[int, ...]
@@ -265,8 +265,28 @@ class PlainWukong(ReferenceModel):
         return self.top(self.layers(x).flatten(1)).squeeze(1)
 
 
+class PlainDNN(ReferenceModel):
+    """The first model a practitioner writes (FuxiCTR's DNN): the dense features, through
+    the bottom MLP where there is one, and every feature's embedding concatenated into
+    the top MLP; no explicit interaction."""
+
+    def __init__(self, arch: Architecture, num_dense: int, sizes: list[int], init, sparse) -> None:
+        super().__init__(arch, num_dense, sizes, init, sparse)
+        width = len(sizes) * arch.embedding_dim
+        if num_dense:
+            width += arch.bottom_mlp[-1] if arch.bottom_mlp else num_dense
+        self.top = _mlp(width, arch.top_mlp, arch, last_relu=False)
+
+    def forward(self, dense: torch.Tensor, bags: list) -> torch.Tensor:
+        parts = [self.tables(bags).flatten(1)]
+        if self.bottom is not None:
+            parts.insert(0, self.bottom(dense))
+        return self.top(torch.cat(parts, dim=1)).squeeze(1)
+
+
 _MODELS: dict[str, type[ReferenceModel]] = {
     "dlrm": PlainDLRM,
+    "dnn": PlainDNN,
     "dcn": PlainDCN,
     "wukong": PlainWukong,
 }
