@@ -63,8 +63,10 @@ def test_tiny_run_json(tmp_path):
             assert stats[rule]["auc"] == pytest.approx(chosen["test"]["auc"], abs=1e-5)
     assert len(model["towerrec"]["per_seed"][0]["epochs"]) == 2  # a validation each epoch
     # each reference at its recipe's own widths (the default), towerrec at its config's
-    assert out["reference_widths"] == "published"
+    assert out["reference_widths"] == "published" and out["reference_dim"] is None
     dim = model["towerrec"]["bottom_mlp"][-1]
+    assert {model[s]["embedding_dim"] for s in ("towerrec", *RECIPES)} == {dim}
+    assert criteo["dnn"]["embedding_dim"] == dim
     assert model["fuxictr"]["top_mlp"] == [400, 400, 400, 1]
     assert model["fuxictr"]["bottom_mlp"] == model["towerrec"]["bottom_mlp"]
     assert model["torchrec"]["bottom_mlp"] == [512, 256, 64, dim]
@@ -111,6 +113,7 @@ def test_tiny_run_json(tmp_path):
         (["--datasets", "criteo", "--config", "movielens=configs/movielens.toml"], "not among"),
         (["--recipes", "keras"], "--recipes takes some of fuxictr, torchrec"),
         (["--reference-widths", "mine"], "invalid choice: 'mine'"),
+        (["--reference-dim", "0"], "--reference-dim must be >= 1"),
     ],
 )
 def test_bad_arguments_are_refused(args, message):
@@ -307,19 +310,28 @@ def test_reference_architecture_has_towerrec_s_dense_parameters(overrides, num_d
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 @pytest.mark.parametrize("num_dense", [13, 0])
-def test_a_reference_at_its_own_widths_has_towerrec_s_parameters_at_those_widths(recipe, num_dense):
+@pytest.mark.parametrize("dim", [None, 24])
+def test_a_reference_at_its_own_widths_has_towerrec_s_parameters_at_those_widths(
+    recipe, num_dense, dim
+):
     """``--reference-widths published`` (the default) changes the MLPs' widths and nothing
     else: towerrec's model at the recipe's widths has the reference's dense parameters;
-    ``config`` keeps towerrec's widths."""
+    ``config`` keeps towerrec's widths. ``--reference-dim`` changes the embedding dim and
+    the bottom MLP's last width with it."""
     config = _small_config(num_dense)
-    assert _reference_architecture(config, RECIPES[recipe], "config") == _architecture(config)
-    arch = _reference_architecture(config, RECIPES[recipe], "published")
+    if dim is None:
+        assert _reference_architecture(config, RECIPES[recipe], "config") == _architecture(config)
+    arch = _reference_architecture(config, RECIPES[recipe], "published", dim)
     assert arch != _architecture(config)
     assert arch.top_mlp == RECIPES[recipe].top_mlp
+    assert arch.embedding_dim == (dim or config.model.embedding_dim)
     if num_dense == 0:
         assert arch.bottom_mlp == ()
+    else:
+        assert arch.bottom_mlp[-1] == arch.embedding_dim
     widths = _small_config(
         num_dense,
+        f"model.embedding_dim={arch.embedding_dim}",
         f"model.bottom_mlp={list(arch.bottom_mlp)}",
         f"model.top_mlp={list(arch.top_mlp)}",
     )

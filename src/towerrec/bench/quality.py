@@ -18,8 +18,8 @@ towerrec trains its config (``--config NAME=PATH``; default the packaged recipe 
 when there is one, ``towerrec config recipes``, else the built-in defaults) as ``towerrec train`` would, with a validation
 every epoch (``train.eval_every = "epoch"``); ``--set`` changes it on every data set. The
 references get the same features, splits, model kind, embedding dim and batch size (the
-config's) and train at their recipes' own MLP widths (``quality_reference.py``;
-``--reference-widths config``: the config's widths too). Seed s sets model init and data
+config's; ``--reference-dim`` gives them another dim) and train at their recipes' own MLP
+widths (``quality_reference.py``; ``--reference-widths config``: the config's widths too). Seed s sets model init and data
 order on every side.
 
 Verdict per data set, model and selection rule: towerrec's mean test AUC minus the
@@ -105,6 +105,7 @@ class QualitySettings:
     recipes: tuple[Recipe, ...] = tuple(RECIPES.values())
     reference_widths: str = "published"  # the recipes' own MLP widths | "config": towerrec's
     dnn: bool = True  # also the plain DNN (concatenated embeddings into an MLP)
+    reference_dim: int | None = None  # the references' embedding dim; None: the config's
 
     def __post_init__(self) -> None:
         if self.reference_widths not in REFERENCE_WIDTHS:
@@ -112,6 +113,8 @@ class QualitySettings:
                 f"bench quality: --reference-widths {self.reference_widths!r} is not "
                 f"{' or '.join(REFERENCE_WIDTHS)}"
             )
+        if self.reference_dim is not None and self.reference_dim < 1:
+            raise ValueError("bench quality: --reference-dim must be >= 1")
         for key in ("epochs", "seeds", "criteo_files", "criteo_rows", "threads"):
             if getattr(self, key) < 1:
                 raise ValueError(f"bench quality: --{key.replace('_', '-')} must be >= 1")
@@ -245,16 +248,28 @@ def _architecture(config: Config) -> Architecture:
     )
 
 
-def _reference_architecture(config: Config, recipe: Recipe, widths: str) -> Architecture:
-    arch = _architecture(config)
+def _with_dim(arch: Architecture, dim: int | None) -> Architecture:
+    """``arch`` at embedding dim ``dim`` (None: as it is); the bottom MLP ends at it."""
+    if dim is None:
+        return arch
+    bottom = (*arch.bottom_mlp[:-1], dim) if arch.bottom_mlp else ()
+    return replace(arch, embedding_dim=dim, bottom_mlp=bottom)
+
+
+def _reference_architecture(
+    config: Config, recipe: Recipe, widths: str, dim: int | None = None
+) -> Architecture:
+    arch = _with_dim(_architecture(config), dim)
     return recipe_architecture(arch, recipe) if widths == "published" else arch
 
 
-def _dnn_architecture(config: Config, recipe: Recipe, widths: str) -> Architecture:
-    """The plain DNN: the config's embedding dim, the raw dense features, and the recipe's
-    top MLP (``widths = "config"``: the config's); no dropout or batch norm."""
+def _dnn_architecture(
+    config: Config, recipe: Recipe, widths: str, dim: int | None = None
+) -> Architecture:
+    """The plain DNN: the config's embedding dim (or ``dim``), the raw dense features, and
+    the recipe's top MLP (``widths = "config"``: the config's); no dropout or batch norm."""
     top = recipe.top_mlp if widths == "published" and recipe.top_mlp else config.model.top_mlp
-    return Architecture("dnn", config.model.embedding_dim, (), tuple(top))
+    return Architecture("dnn", dim or config.model.embedding_dim, (), tuple(top))
 
 
 def _reference_run(
@@ -283,6 +298,7 @@ def _side(runs: list[dict], arch: Architecture) -> dict:
     """Mean and standard deviation over seeds of each selection rule's test metrics."""
     out: dict[str, Any] = {
         "num_dense_params": runs[0]["num_dense_params"],
+        "embedding_dim": arch.embedding_dim,
         "bottom_mlp": list(arch.bottom_mlp),
         "top_mlp": list(arch.top_mlp),
     }
@@ -398,7 +414,9 @@ def _evaluate_data_set(data_set: DataSet, settings: QualitySettings, root: Path)
             )
         }
         for recipe in settings.recipes:
-            arch = _reference_architecture(model_config, recipe, settings.reference_widths)
+            arch = _reference_architecture(
+                model_config, recipe, settings.reference_widths, settings.reference_dim
+            )
             runs = [
                 _reference_run(
                     arch, model_config, data, recipe, s, settings.epochs, label(recipe.name, s)
@@ -410,7 +428,7 @@ def _evaluate_data_set(data_set: DataSet, settings: QualitySettings, root: Path)
         print(f"bench quality: {data_set.name} {model} done", file=sys.stderr)
     if settings.dnn:
         recipe = next((r for r in settings.recipes if r.name == "fuxictr"), RECIPES["fuxictr"])
-        arch = _dnn_architecture(config, recipe, settings.reference_widths)
+        arch = _dnn_architecture(config, recipe, settings.reference_widths, settings.reference_dim)
         label = functools.partial(_label, f"{data_set.name} dnn", settings.seeds)
         runs = [
             _reference_run(arch, config, data, recipe, s, settings.epochs, label(recipe.name, s))
@@ -441,6 +459,7 @@ def run_quality_benchmark(settings: QualitySettings) -> dict:
         },
         "recipes": {r.name: r.as_dict() for r in settings.recipes},
         "reference_widths": settings.reference_widths,
+        "reference_dim": settings.reference_dim,
         "generated_data": {
             "synthetic": {
                 "train_rows": settings.synthetic_rows,
@@ -509,6 +528,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=REFERENCE_WIDTHS,
         default=defaults.reference_widths,
         help="the references' MLP widths: their recipes' own (published) or towerrec's config's",
+    )
+    add(
+        "--reference-dim",
+        type=int,
+        help="the references' embedding dim (default: the config's, as towerrec's side; "
+        "their bottom MLPs then end at it)",
     )
     add(
         "--no-dnn",
@@ -602,6 +627,7 @@ def _run(args: argparse.Namespace) -> dict:
         recipes=_recipes(args),
         reference_widths=args.reference_widths,
         dnn=args.dnn,
+        reference_dim=args.reference_dim,
     )
     return run_quality_benchmark(settings)
 
