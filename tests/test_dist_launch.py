@@ -51,11 +51,15 @@ def _fail_on_rank_1():
 
 
 @pytest.mark.multiprocess
-def test_a_raising_rank_stops_every_rank_with_its_error():
+def test_a_raising_rank_stops_every_rank_with_its_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     start = time.monotonic()
     with pytest.raises(WorkerError, match=r"rank 1: ValueError: invalid sharding plan"):
         launch(_fail_on_rank_1, (), nproc=2)
     assert time.monotonic() - start < 120  # bounded: the agent stops rank 0, no hang
+    # nor the failed worker's pickled traceback (torch's pytorch-errorfile-*.pickle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert tempfile.tempdir == str(tmp_path)  # the launch put the caller's back
 
 
 def _rank_from_environment():

@@ -418,10 +418,15 @@ def launch(
                 # (``torchelastic_*``) after every run: removed with this one.
                 logs_specs=DefaultLogsSpecs(log_dir=os.path.join(errors_dir, "agent")),
             )
+            # torch's process start leaves a failed worker's pickled traceback
+            # (``pytorch-errorfile-*``) in the temp folder: it goes with this one.
+            saved_tempdir, tempfile.tempdir = tempfile.tempdir, errors_dir
             try:
                 return elastic_launch(config, _recording_errors)(entry, errors_dir, *args)
             except ChildFailedError as e:
                 raise WorkerError(_root_failure(e.failures, errors_dir)) from None
+            finally:
+                tempfile.tempdir = saved_tempdir
     finally:
         os.environ.clear()
         os.environ.update(environ)
