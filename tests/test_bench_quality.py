@@ -253,6 +253,20 @@ def test_each_recipe_learns_a_plain_signal(model, recipe, one_thread):
     assert best["test"]["auc"] > 0.9, result.epochs
 
 
+def test_fuxictr_s_recipe_with_adam_on_the_looked_up_rows_only_learns_the_signal(one_thread):
+    """``sparse_adam``: Adam over the rows a batch looks up (as towerrec's and FBGEMM's row
+    kernels), the recipe's L2 on rows refused with it (its gradient would be dense)."""
+    with pytest.raises(ValueError, match="sparse_adam takes sparse gradients only"):
+        with_overrides(RECIPES["fuxictr"], embedding_optimizer="sparse_adam")
+    recipe = with_overrides(RECIPES["fuxictr"], embedding_optimizer="sparse_adam", embedding_l2=0.0)
+    arch = Architecture("dnn", embedding_dim=8, bottom_mlp=(), top_mlp=(32, 16, 1))
+    result = train_reference(
+        arch, _planted(6000, 0), _planted(2000, 1), None, recipe=recipe, epochs=4,
+        batch_size=128, seed=0,
+    )  # fmt: skip
+    assert selections(result.epochs)["auc"]["test"]["auc"] > 0.9, result.epochs
+
+
 def test_early_stopping_stops_after_patience_epochs_without_improvement(one_thread):
     """A learning rate of 0 never improves after the first epoch: the run stops after
     1 + patience epochs, its choice the first."""
@@ -336,6 +350,16 @@ def test_a_reference_at_its_own_widths_has_towerrec_s_parameters_at_those_widths
         f"model.top_mlp={list(arch.top_mlp)}",
     )
     towerrec, reference = _dense_parameters(widths, arch, num_dense)
+    assert reference == towerrec
+
+
+@pytest.mark.parametrize("num_dense", [13, 0])
+def test_the_plain_dnn_is_towerrec_s_dcn_without_cross_layers_or_bottom_mlp(num_dense):
+    config = _small_config(
+        num_dense, "model.name=dcn", "model.dcn.num_layers=0", "model.bottom_mlp=[]"
+    )
+    arch = Architecture("dnn", config.model.embedding_dim, (), tuple(config.model.top_mlp))
+    towerrec, reference = _dense_parameters(config, arch, num_dense)
     assert reference == towerrec
 
 

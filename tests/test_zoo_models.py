@@ -139,7 +139,7 @@ def test_config_selects_the_model():
     [
         (["model.name=dmlr"], "model.name = 'dmlr' is not one of 'dlrm', 'dcn', 'wukong'"),
         (["model.dcn.structure=serial"], "model.dcn.structure = 'serial' is not one of"),
-        (["model.dcn.num_layers=0"], "model.dcn.num_layers must be >= 1"),
+        (["model.dcn.num_layers=-1"], r"model.dcn.num_layers must be >= 0 \(0 = the deep"),
         (["model.wukong.num_fm=0", "model.wukong.num_lcb=0"], "positive sum"),
         (
             ["model.name=wukong", "model.wukong.dense_rows=2"],
@@ -150,3 +150,45 @@ def test_config_selects_the_model():
 def test_model_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+def _raw_dense_config(name: str, *overrides: str):
+    return load_config(
+        None,
+        [
+            "data.synthetic.num_embeddings=[20, 30]",
+            "data.synthetic.pooling_factors=[]",
+            "data.synthetic.num_dense=3",
+            f"model.name={name}",
+            "model.bottom_mlp=[]",
+            *overrides,
+        ],
+    )
+
+
+@pytest.mark.parametrize("name", ["dlrm", "wukong"])
+def test_models_whose_interaction_needs_a_dense_vector_refuse_an_empty_bottom_mlp(name):
+    config = _raw_dense_config(name)
+    schema = SyntheticSource(config.data.synthetic).schema
+    with pytest.raises(ValueError, match=r"3 dense features but bottom_mlp = \[\] reads none"):
+        build_model(config, schema, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("structure", ["stacked", "parallel"])
+def test_dcn_without_a_bottom_mlp_reads_the_dense_features_as_they_are(structure):
+    """``model.bottom_mlp = []`` on data with dense features: x0 = [dense, E]; with no cross
+    layer (``num_layers = 0``, stacked) the model is the deep MLP over that concatenation,
+    FuxiCTR's DNN."""
+    torch.manual_seed(0)
+    config = _raw_dense_config("dcn", "model.dcn.num_layers=0", f"model.dcn.structure={structure}")
+    source = SyntheticSource(config.data.synthetic)
+    model = build_model(config, source.schema, torch.device("cpu"))
+    assert model.bottom is None and model.cross.in_features == 3 + 2 * 16
+    batch = source.samples("train", 0, 8)[0]
+    embeddings = model.sparse(batch.sparse).values()
+    x0 = torch.cat([batch.dense, embeddings], 1)
+    if structure == "stacked":
+        expected = model.deep(x0).squeeze(1)
+    else:  # no cross layer: the head reads x0 itself beside the deep MLP's output
+        expected = model.head(torch.cat([x0, model.deep(x0)], 1)).squeeze(1)
+    torch.testing.assert_close(model(batch.dense, batch.sparse), expected)

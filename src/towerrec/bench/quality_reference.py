@@ -70,13 +70,19 @@ __all__ = [
 SELECTION_RULES = ("logloss", "auc")  # the epoch of best validation log-loss / AUC
 
 
+# adam: one Adam over every weight, the tables' dense gradients included (every row's
+# moments move every step); sparse_adam: Adam on the looked-up rows only (as FBGEMM's and
+# towerrec's row kernels); the others on sparse gradients too.
+EMBEDDING_OPTIMIZERS = ("adam", "sparse_adam", "rowwise_adagrad", "adagrad", "sgd")
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A training recipe (module doc): init, optimizers, regulariser, stopping."""
 
     name: str
     init: TableInit
-    embedding_optimizer: str  # adam (with the dense weights) | rowwise_adagrad | adagrad | sgd
+    embedding_optimizer: str  # one of EMBEDDING_OPTIMIZERS
     embedding_lr: float
     dense_lr: float = 1e-3  # torch.optim.Adam
     embedding_l2: float = 0.0  # x sum of squares of the looked-up rows, added to the loss
@@ -93,10 +99,15 @@ class Recipe:
     def __post_init__(self) -> None:
         if self.top_mlp is not None and (not self.top_mlp or self.top_mlp[-1] != 1):
             raise ValueError(f"recipe {self.name}: top_mlp must end in 1, got {self.top_mlp}")
-        if self.embedding_optimizer not in ("adam", "rowwise_adagrad", "adagrad", "sgd"):
+        if self.embedding_optimizer not in EMBEDDING_OPTIMIZERS:
             raise ValueError(
                 f"recipe {self.name}: embedding optimizer {self.embedding_optimizer!r} is not "
-                "adam, rowwise_adagrad, adagrad or sgd"
+                f"one of {', '.join(EMBEDDING_OPTIMIZERS)}"
+            )
+        if self.embedding_optimizer == "sparse_adam" and self.embedding_l2:
+            raise ValueError(
+                f"recipe {self.name}: sparse_adam takes sparse gradients only; set embedding_l2 "
+                "to 0"
             )
         if self.monitor not in SELECTION_RULES:
             raise ValueError(f"recipe {self.name}: monitor {self.monitor!r} is not auc or logloss")
@@ -173,6 +184,8 @@ def _optimizers(model: ReferenceModel, recipe: Recipe) -> list[torch.optim.Optim
         rows = RowwiseAdagrad(tables, lr=recipe.embedding_lr)
     elif recipe.embedding_optimizer == "adagrad":
         rows = torch.optim.Adagrad(tables, lr=recipe.embedding_lr)
+    elif recipe.embedding_optimizer == "sparse_adam":  # only the looked-up rows' moments move
+        rows = torch.optim.SparseAdam(tables, lr=recipe.embedding_lr)
     else:
         rows = torch.optim.SGD(tables, lr=recipe.embedding_lr)
     return [torch.optim.Adam(dense, lr=recipe.dense_lr), rows]

@@ -41,17 +41,18 @@ def check_mlp_ends(
         raise ValueError(f"the top MLP must end in one logit, got top_mlp={list(top_mlp)}")
 
 
-def check_dense_input(num_dense: int, bottom_mlp: Sequence[int]) -> None:
+def check_dense_input(num_dense: int, bottom_mlp: Sequence[int], raw_ok: bool = False) -> None:
     """Raise unless there is a bottom MLP exactly when there are dense features: data
     without them (libFM, ``num_dense = 0``) has no bottom MLP, and the interaction runs
-    over the embeddings alone."""
+    over the embeddings alone. ``raw_ok``: a model that can read the dense features as
+    they are (DCN) takes them so when the bottom MLP is empty."""
     if num_dense == 0 and bottom_mlp:
         raise ValueError(
             f"the data has no dense features, so the model has no bottom MLP, but "
             f"bottom_mlp = {list(bottom_mlp)}; set model.bottom_mlp = [] (the interaction "
             "then runs over the embeddings alone)"
         )
-    if num_dense > 0 and not bottom_mlp:
+    if num_dense > 0 and not bottom_mlp and not raw_ok:
         raise ValueError(
             f"the data has {num_dense} dense features but bottom_mlp = [] reads none of them; "
             "give the bottom MLP's widths, e.g. model.bottom_mlp = [64, 16] for "

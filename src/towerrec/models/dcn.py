@@ -47,12 +47,14 @@ __all__ = ["DCN", "CrossNetwork", "DCNConfig"]
 class DCNConfig:
     """``model.dcn``: the cross network of ``model.name = "dcn"``."""
 
+    # 0: no cross layer, the deep MLP alone over x0 (with model.bottom_mlp = [], FuxiCTR's
+    # DNN: the dense features and every embedding concatenated into one MLP)
     num_layers: int = 3
     rank: int = 0  # 0: full-rank W [N, N]; r > 0: W = U V^T with U, V [N, r]
     structure: str = "stacked"  # stacked | parallel
 
     def __post_init__(self) -> None:
-        at_least("model.dcn.num_layers", self.num_layers, 1)
+        at_least("model.dcn.num_layers", self.num_layers, 0, hint="0 = the deep MLP alone")
         at_least("model.dcn.rank", self.rank, 0, hint="0 = full rank")
         if self.structure not in ("stacked", "parallel"):
             raise ValueError(
@@ -104,15 +106,18 @@ class DCN(SparseArchModel):
         super().__init__()
         config = config or DCNConfig()
         dim = shared_embedding_dim(sparse, "DCN")
-        check_dense_input(num_dense, bottom_mlp)
+        check_dense_input(num_dense, bottom_mlp, raw_ok=True)
         check_mlp_ends(bottom_mlp, top_mlp, dim, f"the embedding dim {dim}")
         self.config = config
         self.sparse = sparse
         self.embedding_dim = dim
         self.num_sparse = len(sparse.feature_names)
-        width = dim * (self.num_sparse + int(num_dense > 0))
+        # x0 = [bottom(dense) (dim wide) or, with bottom_mlp = [], the dense features as
+        # they are (num_dense wide), E (num_sparse x dim)]
+        self.raw_dense = num_dense > 0 and not bottom_mlp
+        width = dim * self.num_sparse + (num_dense if self.raw_dense else dim * (num_dense > 0))
         mlp = partial(MLP, dropout=dropout, batch_norm=batch_norm)
-        self.bottom = mlp(num_dense, bottom_mlp) if num_dense else None
+        self.bottom = mlp(num_dense, bottom_mlp) if num_dense and bottom_mlp else None
         self.cross = CrossNetwork(width, config.num_layers, config.rank)
         if config.structure == "stacked":
             self.deep: MLP | None = mlp(width, top_mlp, final_activation=False)
@@ -138,7 +143,12 @@ class DCN(SparseArchModel):
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         embeddings = self.sparse(sparse).values()
-        x0 = embeddings if self.bottom is None else torch.cat([self.bottom(dense), embeddings], 1)
+        if self.bottom is not None:
+            x0 = torch.cat([self.bottom(dense), embeddings], 1)
+        elif self.raw_dense:
+            x0 = torch.cat([dense, embeddings], 1)
+        else:
+            x0 = embeddings
         crossed = self.cross(x0)
         if self.head is None:
             assert self.deep is not None  # stacked: the deep MLP ends in the logit
