@@ -311,6 +311,8 @@ def _dense_parameters(config, arch: Architecture, num_dense: int) -> tuple[int, 
         ["model.name=dlrm", "model.concat_embeddings=true", "model.self_interaction=true"],
         ["model.name=dlrm", "model.dropout=0.2", "model.batch_norm=true"],
         ["model.name=dcn", "model.dcn.rank=4"],
+        ["model.name=dcn", "model.bottom_mlp=[]"],  # the dense features as they are
+        ["model.name=dcn", "model.dcn.num_layers=0", "model.bottom_mlp=[]"],
         ["model.name=wukong", "model.wukong.num_fm=0"],
         ["model.name=wukong", "model.dropout=0.1", "model.wukong.fm_mlp=[32,16]"],
     ],
@@ -361,6 +363,13 @@ def test_the_plain_dnn_is_towerrec_s_dcn_without_cross_layers_or_bottom_mlp(num_
     arch = Architecture("dnn", config.model.embedding_dim, (), tuple(config.model.top_mlp))
     towerrec, reference = _dense_parameters(config, arch, num_dense)
     assert reference == towerrec
+
+
+@pytest.mark.parametrize("model", ["dlrm", "wukong"])
+def test_a_reference_whose_interaction_needs_a_dense_vector_refuses_raw_dense(model):
+    arch = Architecture(model, embedding_dim=8, bottom_mlp=(), top_mlp=(4, 1))
+    with pytest.raises(ValueError, match="3 dense features need a bottom MLP"):
+        build_reference_model(arch, 3, [10, 20])
 
 
 def test_synthetic_cache_holds_the_stream_s_rows(tmp_path):

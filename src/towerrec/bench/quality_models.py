@@ -161,7 +161,24 @@ class ReferenceModel(nn.Module):
     ) -> None:
         super().__init__()
         self.tables = Tables(sizes, arch.embedding_dim, init, sparse)
-        self.bottom = _mlp(num_dense, arch.bottom_mlp, arch, last_relu=True) if num_dense else None
+        self.bottom = (
+            _mlp(num_dense, arch.bottom_mlp, arch, last_relu=True)
+            if num_dense and arch.bottom_mlp
+            else None
+        )
+        # dense features without a bottom MLP: read as they are (DCN, DNN)
+        self.raw_dense = num_dense if num_dense and not arch.bottom_mlp else 0
+        if self.raw_dense and arch.model in ("dlrm", "wukong"):
+            raise ValueError(
+                f"reference {arch.model}: {num_dense} dense features need a bottom MLP "
+                "(its interaction takes one vector of the embedding dim)"
+            )
+
+    def first_order(self, dense: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """[bottom(dense) or the raw dense features, embeddings [B, T*D]] [B, N]."""
+        if self.bottom is not None:
+            return torch.cat([self.bottom(dense), embeddings], 1)
+        return torch.cat([dense, embeddings], 1) if self.raw_dense else embeddings
 
 
 class PlainDLRM(ReferenceModel):
@@ -196,7 +213,7 @@ class PlainDCN(ReferenceModel):
 
     def __init__(self, arch: Architecture, num_dense: int, sizes: list[int], init, sparse) -> None:
         super().__init__(arch, num_dense, sizes, init, sparse)
-        width = arch.embedding_dim * (len(sizes) + int(self.bottom is not None))
+        width = arch.embedding_dim * (len(sizes) + int(self.bottom is not None)) + self.raw_dense
         if arch.dcn_rank:
             self.cross = nn.ModuleList(
                 nn.Sequential(
@@ -209,8 +226,7 @@ class PlainDCN(ReferenceModel):
         self.deep = _mlp(width, arch.top_mlp, arch, last_relu=False)
 
     def forward(self, dense: torch.Tensor, bags: list) -> torch.Tensor:
-        embeddings = self.tables(bags).flatten(1)
-        x0 = embeddings if self.bottom is None else torch.cat([self.bottom(dense), embeddings], 1)
+        x0 = self.first_order(dense, self.tables(bags).flatten(1))
         x = x0
         for layer in self.cross:
             x = x0 * layer(x) + x
@@ -272,16 +288,12 @@ class PlainDNN(ReferenceModel):
 
     def __init__(self, arch: Architecture, num_dense: int, sizes: list[int], init, sparse) -> None:
         super().__init__(arch, num_dense, sizes, init, sparse)
-        width = len(sizes) * arch.embedding_dim
-        if num_dense:
-            width += arch.bottom_mlp[-1] if arch.bottom_mlp else num_dense
+        width = len(sizes) * arch.embedding_dim + self.raw_dense
+        width += arch.bottom_mlp[-1] if self.bottom is not None else 0
         self.top = _mlp(width, arch.top_mlp, arch, last_relu=False)
 
     def forward(self, dense: torch.Tensor, bags: list) -> torch.Tensor:
-        parts = [self.tables(bags).flatten(1)]
-        if self.bottom is not None:
-            parts.insert(0, self.bottom(dense))
-        return self.top(torch.cat(parts, dim=1)).squeeze(1)
+        return self.top(self.first_order(dense, self.tables(bags).flatten(1))).squeeze(1)
 
 
 _MODELS: dict[str, type[ReferenceModel]] = {
