@@ -19,8 +19,8 @@ when there is one, ``towerrec config recipes``, else the built-in defaults) as `
 every epoch (``train.eval_every = "epoch"``); ``--set`` changes it on every data set. The
 references get the same features, splits, model kind, embedding dim and batch size (the
 config's; ``--reference-dim`` gives them another dim) and train at their recipes' own MLP
-widths (``quality_reference.py``; ``--reference-widths config``: the config's widths too). Seed s sets model init and data
-order on every side.
+widths (``quality_reference.py``; ``--reference-widths config``: the config's widths too).
+Seed s sets model init and data order on every side.
 
 Verdict per data set, model and selection rule: towerrec's mean test AUC minus the
 better reference's is at least ``-max(std_towerrec, std_reference)`` ("within one
