@@ -259,6 +259,25 @@ def test_train_nproc_hosts_matches_single_process(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_train_nproc_of_the_plain_dnn_matches_single_process(tmp_path):
+    """DCN without cross layers or bottom MLP (the dense features into the deep MLP as
+    they are) on two ranks: the single process's result."""
+    from towerrec.config import load_config
+    from towerrec.workflows.training import train
+
+    dnn = ["model.name=dcn", "model.dcn.num_layers=0", "model.bottom_mlp=[]"]
+    args = [*QUICK, *(x for item in dnn for x in ("--set", item))]
+    result = _cli(*args, "--nproc", "2", "--out", str(tmp_path / "dist"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    config = load_config(REPO / "configs" / "quick.toml", [*QUICK[3::2], *dnn])
+    assert config.model.bottom_mlp == () and config.data.synthetic.num_dense > 0
+    single = train(config, tmp_path / "one")
+    assert summary["world_size"] == 2
+    assert abs(summary["auc"] - single["auc"]) < 1e-3
+
+
+@pytest.mark.multiprocess
 def test_train_with_the_planners_plan(tmp_path):
     """plan.strategy = auto: every rank plans from the data's statistics, the same plan."""
     from towerrec.build.planning import build_plan
