@@ -390,3 +390,42 @@ def test_synthetic_cache_holds_the_stream_s_rows(tmp_path):
     assert torch.equal(test.bags[2].values, multi.values[int(multi.offsets()[300]) :].long())
     held_out = source.samples("eval", 0, 100)[0]
     np.testing.assert_array_equal(valid.labels.numpy(), held_out.labels.numpy())
+
+
+@pytest.mark.parametrize(
+    ("sizes", "num_dense", "recipe", "no_bottom"),
+    [
+        ([60_000, 30], 0, "criteo", True),  # large vocabulary, no dense features
+        ([60_000, 30], 2, "criteo", False),
+        ([300, 30], 0, "context", False),  # the context recipe has no bottom MLP
+        ([300, 30], 2, None, False),  # small tables with dense features: the defaults
+    ],
+)
+def test_a_data_cache_trains_with_the_recipe_its_converter_prints(
+    tmp_path, sizes, num_dense, recipe, no_bottom
+):
+    """towerrec's side of a ``--data`` cache: the config ``towerrec data`` prints for it
+    (``recipe_for_cache``), without the bottom MLP where the cache has no dense features;
+    a ``--config`` for it, or a recipe of its name, still wins."""
+    from towerrec.bench.quality import QualitySettings, _data_set
+    from towerrec.config.recipes import recipe_path
+
+    schema = {
+        "num_dense": num_dense,
+        "sparse": [{"name": f"f{i}", "num_embeddings": n} for i, n in enumerate(sizes)],
+    }
+    (tmp_path / "manifest.json").write_text(json.dumps({"schema": schema}))
+    settings = QualitySettings(datasets=("mine",), data={"mine": tmp_path})
+    expected = recipe_path(recipe) if recipe else None
+    assert settings.config_of("mine") == expected
+    data = _data_set("mine", settings, tmp_path)
+    assert data.config == expected
+    assert ("model.bottom_mlp=[]" in data.overrides) is no_bottom
+    assert list(data.load().model.bottom_mlp) == (
+        [] if no_bottom or recipe == "context" else [64, 16]
+    )
+    mine = {"mine": tmp_path}
+    chosen = QualitySettings(datasets=("mine",), data=mine, configs={"mine": tmp_path})
+    assert chosen.config_of("mine") == tmp_path
+    named = QualitySettings(datasets=("context",), data={"context": tmp_path})
+    assert named.config_of("context") == recipe_path("context")

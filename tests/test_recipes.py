@@ -3,6 +3,7 @@ the converters for the data they fit."""
 
 import json
 import random
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -103,10 +104,11 @@ def _schema(sizes, num_dense=0, multi_hot=()):
     [
         (_schema([611, 9743, 20, 3]), "context", "4 one-hot fields"),
         (_schema([3, CONTEXT_MAX_ROWS]), "context", f"{CONTEXT_MAX_ROWS:,} rows"),
-        (_schema([3, CONTEXT_MAX_ROWS + 1]), None, "above 50,000"),
+        (_schema([3, CONTEXT_MAX_ROWS + 1]), "criteo", "a table of 50,001 rows, above 50,000"),
         (_schema([3, 10], num_dense=2), None, "2 dense feature(s)"),
         (_schema([3, 10], multi_hot=("f1",)), None, "multi-hot field(s) f1"),
-        (_schema([100_000] * 26, num_dense=13), None, "13 dense feature(s)"),
+        (_schema([100_000] * 26, num_dense=13), "criteo", "large-vocabulary data"),
+        (_schema([3, 10**6], multi_hot=("f1",)), "criteo", "a table of 1,000,000 rows"),
         (_schema([]), None, "no categorical fields"),
     ],
 )
@@ -133,6 +135,34 @@ def test_libfm_one_hot_small_tables_print_the_context_recipe_and_it_trains(tmp_p
     assert trained.returncode == 0, trained.stderr[-3000:]
     saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
     assert saved["embedding"]["init_scale"] == 0.01 and saved["model"]["bottom_mlp"] == []
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] >= 1
+
+
+def test_libfm_with_a_large_table_prints_the_large_vocabulary_recipe_and_it_trains(tmp_path):
+    """A field of more than ``CONTEXT_MAX_ROWS`` ids: the criteo recipe (FuxiCTR's
+    embedding rule), without its bottom MLP since libFM data has no dense features."""
+    rng = random.Random(0)
+    lines = [
+        f"{rng.randint(0, 1)} {rng.randrange(5)}:1 {rng.randrange(5, 60_005)}:1"
+        for _ in range(1500)
+    ]
+    (tmp_path / "train.libfm").write_text("\n".join(lines) + "\n")
+    (tmp_path / "fields.txt").write_text("weekday 0 4\nitem 5 60004\n")
+    convert = ["data", "libfm", "train.libfm", "--fields", "fields.txt", "--out", "c"]
+    result = towerrec(*convert, cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr
+    assert "recipe: criteo, for large-vocabulary data: a table of 60,001 rows" in result.stdout
+    (line,) = [x for x in result.stdout.splitlines() if x.startswith("train with: ")]
+    assert line == (
+        "train with: towerrec train --config criteo --set data.path=c --set 'model.bottom_mlp=[]'"
+    )
+    short = ["--set", "train.epochs=1", "--set", "train.progress=false", "--out", "run"]
+    args = shlex.split(line.removeprefix("train with: towerrec "))
+    trained = towerrec(*args, *short, cwd=tmp_path, OMP_NUM_THREADS="1")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert saved["embedding"]["optimizer"] == "adam" and saved["embedding"]["init_scale"] == 1e-4
+    assert saved["model"]["bottom_mlp"] == [] and saved["model"]["top_mlp"] == [400, 400, 400, 1]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] >= 1
 
 

@@ -15,7 +15,9 @@ practitioners train them with, written in plain PyTorch, on the same rows.
                     that epoch's test AUC and log-loss
 
 towerrec trains its config (``--config NAME=PATH``; default the packaged recipe NAME
-when there is one, ``towerrec config recipes``, else the built-in defaults) as ``towerrec train`` would, with a validation
+when there is one, ``towerrec config recipes``, else for a ``--data`` cache the recipe its
+converter prints, without a bottom MLP where it has no dense features, else the built-in
+defaults) as ``towerrec train`` would, with a validation
 every epoch (``train.eval_every = "epoch"``); ``--set`` changes it on every data set. The
 references get the same features, splits, model kind, embedding dim and batch size (the
 config's; ``--reference-dim`` gives them another dim) and train at their recipes' own MLP
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import statistics
 import sys
 import tempfile
@@ -68,8 +71,8 @@ from towerrec.bench.quality_reference import (
     train_reference,
     with_overrides,
 )
-from towerrec.config import Config
-from towerrec.config.recipes import recipe_names, recipe_path
+from towerrec.config import Config, load_config
+from towerrec.config.recipes import recipe_for_cache, recipe_names, recipe_path
 from towerrec.train.hooks import StepHook
 from towerrec.train.loop import validate
 from towerrec.train.metrics import EvalMetrics
@@ -135,9 +138,25 @@ class QualitySettings:
                 )
 
     def config_of(self, name: str) -> Path | None:
+        """towerrec's config for data set ``name``: ``--config``'s, else the packaged recipe
+        of that name, else for a ``--data`` cache the recipe its converter prints
+        (``recipe_for_cache``), else the defaults."""
         if name in self.configs:
             return self.configs[name]
-        return recipe_path(name) if name in recipe_names() else None
+        if name in recipe_names():
+            return recipe_path(name)
+        schema = _cache_schema(self.data.get(name))
+        chosen = recipe_for_cache(schema).name if schema is not None else None
+        return recipe_path(chosen) if chosen else None
+
+
+def _cache_schema(path: Path | None) -> dict[str, Any] | None:
+    """The schema in a cache directory's manifest (None: no such cache)."""
+    manifest = path / "manifest.json" if path is not None else None
+    if manifest is None or not manifest.is_file():
+        return None
+    schema: dict[str, Any] = json.loads(manifest.read_text(encoding="utf-8"))["schema"]
+    return schema
 
 
 # ------------------------------------------------------------------ data sets
@@ -159,7 +178,12 @@ def _data_set(name: str, settings: QualitySettings, root: Path) -> DataSet:
             base, root / "synthetic", settings.synthetic_rows, settings.synthetic_held_out
         )
         return DataSet(name, config, cache_overrides(path))
-    return DataSet(name, config, cache_overrides(settings.data[name]))
+    overrides = cache_overrides(settings.data[name])
+    schema = _cache_schema(settings.data[name])
+    no_dense = schema is not None and not schema.get("num_dense")
+    if no_dense and load_config(config, list(overrides)).model.bottom_mlp:
+        overrides = (*overrides, "model.bottom_mlp=[]")  # as the converter prints it
+    return DataSet(name, config, overrides)
 
 
 # ------------------------------------------------------------------ towerrec's side
@@ -520,7 +544,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=PATH",
         help="towerrec's config for data set NAME, a file or a recipe (default: the recipe NAME "
-        "when there is one, else the built-in defaults; repeatable)",
+        "when there is one, else for a --data cache the recipe its converter prints, else the "
+        "built-in defaults; repeatable)",
     )
     add("--recipes", default=",".join(RECIPES), help="the references: fuxictr, torchrec")
     add(

@@ -95,19 +95,23 @@ def _print_next_step(
         )
         return
     path = shlex.quote(f"data.path={out}")
+    at_path = [f"data.path={json.dumps(str(out))}"] if recipe.name else []
+    config = load_config(recipe.name, at_path)
+    # data without dense features: no bottom MLP (the recipe's or the defaults')
+    no_bottom = " --set 'model.bottom_mlp=[]'" if not schema["num_dense"] else ""
+    if not config.model.bottom_mlp:
+        no_bottom = ""
     if recipe.name is None:
         print(f"recipe: none, the defaults ({recipe.reason})")
-        no_bottom = " --set 'model.bottom_mlp=[]'" if schema["num_dense"] == 0 else ""
         command = f"--set data.source=cache --set {path}{no_bottom}"
     else:
         print(
             f"recipe: {recipe.name}, for {recipe.reason}; `towerrec config recipes "
             f"{recipe.name}` prints it"
         )
-        command = f"--config {recipe.name} --set {path}"
+        command = f"--config {recipe.name} --set {path}{no_bottom}"
     sizes = [f["num_embeddings"] for f in schema["sparse"]]
-    at_path = [f"data.path={json.dumps(str(out))}"] if recipe.name else []
-    kv = _kv_settings(load_config(recipe.name, at_path), sizes, out)
+    kv = _kv_settings(config, sizes, out)
     print(f"train with: towerrec train {command}{kv}")
 
 
