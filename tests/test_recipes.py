@@ -177,3 +177,30 @@ def test_commands_that_take_data_or_a_config_take_a_recipe_name_and_unset(tmp_pa
         config_of(Path("no-such-recipe"), [])
     for argv in (["data", "pu-prior"], ["data", "profile"], ["nas", "retrain"]):
         assert "--unset" in towerrec(*argv, "--help").stdout
+
+
+@pytest.mark.parametrize(
+    ("sets", "largest", "warned"),
+    [
+        ([], CONTEXT_MAX_ROWS + 1, True),
+        ([], CONTEXT_MAX_ROWS, False),  # a small vocabulary: the defaults' rule is its own
+        (["embedding.optimizer=adam", "embedding.lr=0.001"], 10**6, False),
+        (["embedding.lr=0.05"], 10**6, False),
+        (["embedding.init_scale=0.0001"], 10**6, False),
+    ],
+)
+def test_training_large_tables_with_the_defaults_embedding_rule_is_warned_about(
+    sets, largest, warned
+):
+    from types import SimpleNamespace
+
+    from towerrec.build.resolve import embedding_rule_warning
+
+    config = load_config(None, ["data.source=cache", "data.path=somewhere", *sets])
+    tables = [SimpleNamespace(num_embeddings=n) for n in (12, largest)]
+    message = embedding_rule_warning(config, SimpleNamespace(sparse=tables))
+    assert (message is not None) == warned
+    if warned:
+        assert f"a table of {largest:,} rows" in message and "--config criteo" in message
+    stream = load_config(None, [])  # the synthetic stream: not a cache
+    assert embedding_rule_warning(stream, SimpleNamespace(sparse=tables)) is None

@@ -18,7 +18,12 @@ from torch import nn
 from towerrec.build.choices import Choice, resolve_choices, with_recorded_choices
 from towerrec.build.models import check_towers_fit_hosts, tower_transform
 from towerrec.build.planning import refuse_kv_tables
-from towerrec.build.resolve import resolve_device, resolve_eval_every, resolve_run_config
+from towerrec.build.resolve import (
+    embedding_rule_warning,
+    resolve_device,
+    resolve_eval_every,
+    resolve_run_config,
+)
 from towerrec.build.run import build_run
 from towerrec.build.sources import build_source
 from towerrec.config import Config, load_config
@@ -189,6 +194,9 @@ def set_up(
             config.optimizer.warmup_steps,
             steps,
         )
+    rule_warning = embedding_rule_warning(config, source.schema)
+    if rule_warning is not None:
+        log.warning(rule_warning)
     if config.plan.strategy != "none" and ctx.world_size == 1:
         log.warning("plan.strategy only shards tables over ranks; one process keeps them all")
     if config.distributed.dense == "fsdp" and ctx.world_size == 1:
