@@ -429,3 +429,30 @@ def test_a_data_cache_trains_with_the_recipe_its_converter_prints(
     assert chosen.config_of("mine") == tmp_path
     named = QualitySettings(datasets=("context",), data={"context": tmp_path})
     assert named.config_of("context") == recipe_path("context")
+
+
+def test_the_large_vocabulary_planted_data_trains_with_the_recipe_its_cache_gets(tmp_path):
+    """``synthetic-large``: the planted stream with ``LARGE_TABLES`` written to a cache;
+    towerrec's side is the recipe a converter prints for it (``criteo``), the data the same
+    stream as ``synthetic`` but for the tables' sizes."""
+    from towerrec.bench.quality import QualitySettings, _data_set
+    from towerrec.bench.quality_data import LARGE_TABLES
+    from towerrec.config.recipes import recipe_path
+
+    settings = QualitySettings(
+        datasets=("synthetic", "synthetic-large"), synthetic_rows=300, synthetic_held_out=100
+    )
+    large = _data_set("synthetic-large", settings, tmp_path)
+    small = _data_set("synthetic", settings, tmp_path)
+    assert large.config == recipe_path("criteo") and small.config is None
+    sizes = {
+        name: [f.num_embeddings for f in build_source(data.load().data).schema.sparse]
+        for name, data in (("large", large), ("small", small))
+    }
+    assert sizes["large"] == list(LARGE_TABLES)
+    assert max(sizes["small"]) < min(LARGE_TABLES)
+    train, _, test = plain_data(large.load())
+    assert (train.rows, test.rows) == (300, 100) and train.dense.shape[1] == 13
+    config = load_config(recipe_path("criteo"), list(large.overrides))
+    assert large.load().train.batch_size == config.train.batch_size  # the recipe's own
+    assert large.load().model.bottom_mlp == config.model.bottom_mlp  # dense features kept

@@ -54,6 +54,8 @@ import torch
 from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list, machine_info
 from towerrec.bench.quality_data import (
     BUILT_IN,
+    LARGE_TABLES,
+    SYNTHETIC,
     DataSet,
     cache_overrides,
     criteo_cache,
@@ -137,15 +139,15 @@ class QualitySettings:
                     f"bench quality: --config {name}=...: {name!r} is not among --datasets"
                 )
 
-    def config_of(self, name: str) -> Path | None:
+    def config_of(self, name: str, cache: Path | None = None) -> Path | None:
         """towerrec's config for data set ``name``: ``--config``'s, else the packaged recipe
-        of that name, else for a ``--data`` cache the recipe its converter prints
-        (``recipe_for_cache``), else the defaults."""
+        of that name, else for a cache (``cache``, or the ``--data`` one) the recipe its
+        converter prints (``recipe_for_cache``), else the defaults."""
         if name in self.configs:
             return self.configs[name]
         if name in recipe_names():
             return recipe_path(name)
-        schema = _cache_schema(self.data.get(name))
+        schema = _cache_schema(cache or self.data.get(name))
         chosen = recipe_for_cache(schema).name if schema is not None else None
         return recipe_path(chosen) if chosen else None
 
@@ -172,14 +174,17 @@ def _data_set(name: str, settings: QualitySettings, root: Path) -> DataSet:
             settings.criteo_num_embeddings,
         )
         return DataSet(name, config, cache_overrides(path))
-    if name == "synthetic":
-        base = DataSet(name, config, ("data.source=synthetic",)).load(settings.overrides)
+    path = settings.data.get(name)
+    if name in SYNTHETIC:
+        written = ("data.source=synthetic", *SYNTHETIC[name])
+        base = DataSet(name, config, written).load(settings.overrides)
         path = write_synthetic_cache(
-            base, root / "synthetic", settings.synthetic_rows, settings.synthetic_held_out
+            base, root / name, settings.synthetic_rows, settings.synthetic_held_out
         )
-        return DataSet(name, config, cache_overrides(path))
-    overrides = cache_overrides(settings.data[name])
-    schema = _cache_schema(settings.data[name])
+        config = settings.config_of(name, path)
+    assert path is not None  # (a name the settings checked)
+    overrides = cache_overrides(path)
+    schema = _cache_schema(path)
     no_dense = schema is not None and not schema.get("num_dense")
     if no_dense and load_config(config, list(overrides)).model.bottom_mlp:
         overrides = (*overrides, "model.bottom_mlp=[]")  # as the converter prints it
@@ -489,6 +494,11 @@ def run_quality_benchmark(settings: QualitySettings) -> dict:
                 "train_rows": settings.synthetic_rows,
                 "held_out_rows": settings.synthetic_held_out,
             },
+            "synthetic-large": {
+                "train_rows": settings.synthetic_rows,
+                "held_out_rows": settings.synthetic_held_out,
+                "num_embeddings": list(LARGE_TABLES),
+            },
             "criteo": {
                 "files": settings.criteo_files,
                 "rows_per_file": settings.criteo_rows,
@@ -528,7 +538,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--datasets",
         default=",".join(defaults.datasets),
-        help="comma-separated: synthetic, movielens, criteo and the names given with --data",
+        help="comma-separated: synthetic, synthetic-large, movielens, criteo and the names given "
+        "with --data",
     )
     add(
         "--data",

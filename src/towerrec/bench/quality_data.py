@@ -6,6 +6,9 @@ and test splits; both sides of the benchmark read the same rows of it:
     synthetic   the planted-truth stream written to a cache: the first N training
                 samples, the fixed validation set's first M samples, and as the test
                 split the M training samples after the first N (``write_synthetic_cache``)
+    synthetic-large
+                the same stream with tables of 50,000 to 500,000 rows (``LARGE_TABLES``):
+                a large vocabulary, most rows seen a few times in N samples
     movielens   the bundled ml-latest-small (or a given directory), its time split with
                 a test split of the latest ratings added when the config has none
     criteo      Criteo-format files generated here (``gen-criteo``, seeded), converted with
@@ -37,9 +40,23 @@ from towerrec.data.criteo_gen import generate_criteo_files
 from towerrec.data.loader import ColumnSource
 from towerrec.data.synthetic import SyntheticSource
 
-__all__ = ["BUILT_IN", "DataSet", "plain_data", "write_synthetic_cache"]
+__all__ = [
+    "BUILT_IN",
+    "LARGE_TABLES",
+    "SYNTHETIC",
+    "DataSet",
+    "plain_data",
+    "write_synthetic_cache",
+]
 
-BUILT_IN = ("synthetic", "movielens", "criteo")
+BUILT_IN = ("synthetic", "synthetic-large", "movielens", "criteo")
+# The large-vocabulary planted data's table sizes, one per table of the default stream.
+LARGE_TABLES = (200_000, 100_000, 500_000, 50_000, 300_000, 200_000, 100_000, 200_000, 500_000)
+# The planted data sets and their data overrides.
+SYNTHETIC: dict[str, tuple[str, ...]] = {
+    "synthetic": (),
+    "synthetic-large": (f"data.synthetic.num_embeddings={list(LARGE_TABLES)}",),
+}
 
 
 @dataclass(frozen=True)
