@@ -414,7 +414,8 @@ def test_a_data_cache_trains_with_the_recipe_its_converter_prints(
         "num_dense": num_dense,
         "sparse": [{"name": f"f{i}", "num_embeddings": n} for i, n in enumerate(sizes)],
     }
-    (tmp_path / "manifest.json").write_text(json.dumps({"schema": schema}))
+    manifest = {"schema": schema, "rows": {"train": 100_000}}  # many lookups a table row
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     settings = QualitySettings(datasets=("mine",), data={"mine": tmp_path})
     expected = recipe_path(recipe) if recipe else None
     assert settings.config_of("mine") == expected
@@ -434,13 +435,14 @@ def test_a_data_cache_trains_with_the_recipe_its_converter_prints(
 def test_the_large_vocabulary_planted_data_trains_with_the_recipe_its_cache_gets(tmp_path):
     """``synthetic-large``: the planted stream with ``LARGE_TABLES`` written to a cache;
     towerrec's side is the recipe a converter prints for it (``criteo``), the data the same
-    stream as ``synthetic`` but for the tables' sizes."""
+    stream as ``synthetic`` but for the tables' sizes (whose 12,000 rows are enough lookups
+    a table row for the defaults)."""
     from towerrec.bench.quality import QualitySettings, _data_set
     from towerrec.bench.quality_data import LARGE_TABLES
     from towerrec.config.recipes import recipe_path
 
     settings = QualitySettings(
-        datasets=("synthetic", "synthetic-large"), synthetic_rows=300, synthetic_held_out=100
+        datasets=("synthetic", "synthetic-large"), synthetic_rows=12_000, synthetic_held_out=100
     )
     large = _data_set("synthetic-large", settings, tmp_path)
     small = _data_set("synthetic", settings, tmp_path)
@@ -452,7 +454,7 @@ def test_the_large_vocabulary_planted_data_trains_with_the_recipe_its_cache_gets
     assert sizes["large"] == list(LARGE_TABLES)
     assert max(sizes["small"]) < min(LARGE_TABLES)
     train, _, test = plain_data(large.load())
-    assert (train.rows, test.rows) == (300, 100) and train.dense.shape[1] == 13
+    assert (train.rows, test.rows) == (12_000, 100) and train.dense.shape[1] == 13
     config = load_config(recipe_path("criteo"), list(large.overrides))
     assert large.load().train.batch_size == config.train.batch_size  # the recipe's own
     assert large.load().model.bottom_mlp == config.model.bottom_mlp  # dense features kept

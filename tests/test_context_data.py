@@ -78,8 +78,10 @@ def test_printed_command_converts_it_into_a_cache_with_a_test_split(tmp_path):
     convert = run_cli(*shlex.split(command.removeprefix("convert with: towerrec ")))
     assert convert.returncode == 0, convert.stderr
     assert "126 train, 36 validation and 18 test rows" in convert.stdout
-    # one-hot fields, small tables, no dense features: the small-vocabulary recipe
-    assert "train with: towerrec train --config context --set data.path=" in convert.stdout
+    # one-hot fields and small tables, but 126 training rows are few lookups a table row:
+    # the large-vocabulary recipe (the bundled MovieLens' set, 98 a row, gets `context`)
+    assert "training lookups per table row" in convert.stdout
+    assert "train with: towerrec train --config criteo --set data.path=" in convert.stdout
     info = run_cli("data", "info", str(tmp_path / "ctx-cache"))
     assert '"weekend": 3' in info.stdout and '"movie": 6' in info.stdout
 

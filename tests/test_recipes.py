@@ -14,6 +14,7 @@ from conftest import run_cli as towerrec
 from towerrec.config import ConfigError, load_config
 from towerrec.config.recipes import (
     CONTEXT_MAX_ROWS,
+    FEW_LOOKUPS_PER_ROW,
     RECIPES_DIR,
     recipe_for_cache,
     recipe_names,
@@ -117,6 +118,22 @@ def test_the_recipe_a_cache_gets_follows_its_shape(schema, name, why):
     assert recipe.name == name and why in recipe.reason, recipe
 
 
+@pytest.mark.parametrize(
+    ("schema", "train_rows", "name", "why"),
+    [
+        # the planted data with tables of 5,000 to 40,000 rows: 11 lookups a row
+        (_schema([20_000] * 9, num_dense=13), 200_000, "criteo", "10.0 training lookups per"),
+        (_schema([20_000] * 9, num_dense=13), 600_000, None, "13 dense feature(s)"),
+        # gen-context's shape: 98 lookups a row
+        (_schema([611, 9743, 20, 3]), 102_018, "context", "4 one-hot fields"),
+        (_schema([611, 9743, 20, 3]), 60_000, "criteo", f"fewer than {FEW_LOOKUPS_PER_ROW}"),
+    ],
+)
+def test_few_training_lookups_per_table_row_are_a_large_vocabulary(schema, train_rows, name, why):
+    recipe = recipe_for_cache(schema, train_rows)
+    assert recipe.name == name and why in recipe.reason, recipe
+
+
 def test_libfm_one_hot_small_tables_print_the_context_recipe_and_it_trains(tmp_path):
     rng = random.Random(0)
     lines = [
@@ -197,10 +214,14 @@ def test_training_large_tables_with_the_defaults_embedding_rule_is_warned_about(
     from towerrec.build.resolve import embedding_rule_warning
 
     config = load_config(None, ["data.source=cache", "data.path=somewhere", *sets])
-    tables = [SimpleNamespace(num_embeddings=n) for n in (12, largest)]
-    message = embedding_rule_warning(config, SimpleNamespace(sparse=tables))
+    tables = [SimpleNamespace(num_embeddings=n, pooling_factor=1.0) for n in (12, largest)]
+    schema = SimpleNamespace(sparse=tables)
+    message = embedding_rule_warning(config, schema, 10**8)  # many lookups a row
     assert (message is not None) == warned
     if warned:
         assert f"a table of {largest:,} rows" in message and "--config criteo" in message
+    # few training lookups per table row: a large vocabulary at any table size
+    few = embedding_rule_warning(config, schema, largest)
+    assert (few is not None) == (not sets)
     stream = load_config(None, [])  # the synthetic stream: not a cache
-    assert embedding_rule_warning(stream, SimpleNamespace(sparse=tables)) is None
+    assert embedding_rule_warning(stream, schema, None) is None

@@ -147,18 +147,20 @@ class QualitySettings:
             return self.configs[name]
         if name in recipe_names():
             return recipe_path(name)
-        schema = _cache_schema(cache or self.data.get(name))
-        chosen = recipe_for_cache(schema).name if schema is not None else None
+        manifest = _cache_manifest(cache or self.data.get(name))
+        if manifest is None:
+            return None
+        chosen = recipe_for_cache(manifest["schema"], manifest["rows"]["train"]).name
         return recipe_path(chosen) if chosen else None
 
 
-def _cache_schema(path: Path | None) -> dict[str, Any] | None:
-    """The schema in a cache directory's manifest (None: no such cache)."""
+def _cache_manifest(path: Path | None) -> dict[str, Any] | None:
+    """A cache directory's manifest (None: no such cache)."""
     manifest = path / "manifest.json" if path is not None else None
     if manifest is None or not manifest.is_file():
         return None
-    schema: dict[str, Any] = json.loads(manifest.read_text(encoding="utf-8"))["schema"]
-    return schema
+    loaded: dict[str, Any] = json.loads(manifest.read_text(encoding="utf-8"))
+    return loaded
 
 
 # ------------------------------------------------------------------ data sets
@@ -184,8 +186,8 @@ def _data_set(name: str, settings: QualitySettings, root: Path) -> DataSet:
         config = settings.config_of(name, path)
     assert path is not None  # (a name the settings checked)
     overrides = cache_overrides(path)
-    schema = _cache_schema(path)
-    no_dense = schema is not None and not schema.get("num_dense")
+    manifest = _cache_manifest(path)
+    no_dense = manifest is not None and not manifest["schema"].get("num_dense")
     if no_dense and load_config(config, list(overrides)).model.bottom_mlp:
         overrides = (*overrides, "model.bottom_mlp=[]")  # as the converter prints it
     return DataSet(name, config, overrides)

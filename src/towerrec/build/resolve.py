@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from towerrec.config import Config, EmbeddingConfig, OptimizerConfig, TrainConfig
-from towerrec.config.recipes import CONTEXT_MAX_ROWS
+from towerrec.config.recipes import large_vocabulary
 from towerrec.data.registry import SOURCES
 
 __all__ = [
@@ -152,26 +152,27 @@ def resolve_eval_every(config: Config, source) -> int:
     return every
 
 
-def embedding_rule_warning(config: Config, schema) -> str | None:
+def embedding_rule_warning(config: Config, schema, train_rows: int | None) -> str | None:
     """What to say when the defaults' embedding rule (row-wise Adagrad at 0.5 on rows
-    started normal 0.01, measured best on small tables) trains real data with a table above
-    ``CONTEXT_MAX_ROWS`` rows, where it scored 0.018 test AUC below a plain DLRM on
-    FuxiCTR's rule (docs/benchmarks.md, "Large vocabularies"); None otherwise."""
+    started normal 0.01, measured best on small vocabularies) trains real data of a large
+    vocabulary (``recipes.large_vocabulary``: a table above 50,000 rows, or few training
+    lookups per table row), where it scored 0.018 test AUC below a plain DLRM on FuxiCTR's
+    rule (docs/benchmarks.md, "Large vocabularies"); None otherwise."""
     if SOURCES[config.data.source].endless:
         return None
     rule = ("optimizer", "lr", "init", "init_scale")
     defaults = EmbeddingConfig()
     if any(getattr(config.embedding, k) != getattr(defaults, k) for k in rule):
         return None
-    largest = max((f.num_embeddings for f in schema.sparse), default=0)
-    if largest <= CONTEXT_MAX_ROWS:
+    sizes = [f.num_embeddings for f in schema.sparse]
+    large = large_vocabulary(sizes, [f.pooling_factor for f in schema.sparse], train_rows)
+    if large is None:
         return None
     return (
-        f"a table of {largest:,} rows (a large vocabulary) trains with the defaults' "
-        "embedding rule, row-wise Adagrad 0.5 on rows started normal 0.01, which fits the "
-        "rare rows' noise: on such data it scored 0.018 test AUC below a plain DLRM on "
-        "FuxiCTR's rule (Adam 1e-3 on rows started normal 1e-4); `--config criteo` trains "
-        "with that rule (add "
-        "--set 'model.bottom_mlp=[]' without dense features), as `towerrec data libfm | "
-        "table` print for such data (docs/data.md)"
+        f"a large vocabulary ({large}) trains with the defaults' embedding rule, row-wise "
+        "Adagrad 0.5 on rows started normal 0.01, which fits the rare rows' noise: on such "
+        "data it scored 0.018 test AUC below a plain DLRM on FuxiCTR's rule (Adam 1e-3 on "
+        "rows started normal 1e-4); `--config criteo` trains with that rule (add --set "
+        "'model.bottom_mlp=[]' without dense features), as `towerrec data libfm | table` "
+        "print for such data (docs/data.md)"
     )

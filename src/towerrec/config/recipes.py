@@ -28,8 +28,10 @@ from towerrec.config.errors import ConfigError
 __all__ = [
     "CONTEXT_MAX_ROWS",
     "CRITEO",
+    "FEW_LOOKUPS_PER_ROW",
     "RECIPES_DIR",
     "CacheRecipe",
+    "large_vocabulary",
     "recipe_for_cache",
     "recipe_names",
     "recipe_path",
@@ -104,41 +106,72 @@ class CacheRecipe:
 CRITEO = CacheRecipe("criteo", "Criteo TSV data")
 
 
-def recipe_for_cache(schema: Mapping[str, Any]) -> CacheRecipe:
-    """The recommended config for a cache of ``schema`` (its manifest's ``schema``:
-    ``num_dense`` and the ``sparse`` fields with ``num_embeddings`` and ``multi_hot``) from
-    a converter of no fixed format (libFM, Parquet, CSV; Criteo TSV's is ``CRITEO``):
+# Fewer training lookups than this per table row, on average over the tables, is a large
+# vocabulary for its data: most rows are seen a few times. Measured between 11 (the planted
+# data with tables of 5,000 to 40,000 rows, where the `criteo` rule won by 0.040) and 98
+# (gen-context, where row-wise Adagrad 0.5 won by 0.017).
+FEW_LOOKUPS_PER_ROW = 30
 
-    - A table above ``CONTEXT_MAX_ROWS`` rows: ``criteo``, the large-vocabulary recipe
-      (FuxiCTR's embedding rule, Adam 1e-3 on rows started normal 1e-4, with the wider top
-      MLP). Where most rows are seen a few times, the defaults' row-wise Adagrad at 0.5
-      fits the rare rows' noise: on the planted data with tables of 50,000 to 500,000 rows
-      it scored 0.018 test AUC below a plain-PyTorch DLRM on FuxiCTR's recipe, and this
-      recipe above it (docs/benchmarks.md, "Large vocabularies"). The converter drops the
-      recipe's bottom MLP for data without dense features.
-    - No dense features, every field one-hot and small tables: ``context``, the
+
+def large_vocabulary(
+    sizes: Sequence[int], pooling: Sequence[float], train_rows: int | None
+) -> str | None:
+    """Why tables of ``sizes`` rows (a mean of ``pooling`` ids a sample each) trained on
+    ``train_rows`` rows (None: unknown) are a large vocabulary, or None when they are not:
+    a table above ``CONTEXT_MAX_ROWS`` rows, or fewer than ``FEW_LOOKUPS_PER_ROW`` training
+    lookups per table row."""
+    if not sizes:
+        return None
+    largest = max(sizes)
+    if largest > CONTEXT_MAX_ROWS:
+        return f"a table of {largest:,} rows, above {CONTEXT_MAX_ROWS:,}"
+    if train_rows:
+        per_row = train_rows * sum(pooling) / sum(sizes)
+        if per_row < FEW_LOOKUPS_PER_ROW:
+            return (
+                f"{per_row:.1f} training lookups per table row ({train_rows:,} rows over "
+                f"{sum(sizes):,} table rows), fewer than {FEW_LOOKUPS_PER_ROW}"
+            )
+    return None
+
+
+def recipe_for_cache(schema: Mapping[str, Any], train_rows: int | None = None) -> CacheRecipe:
+    """The recommended config for a cache of ``schema`` (its manifest's ``schema``:
+    ``num_dense`` and the ``sparse`` fields with ``num_embeddings``, ``pooling_factor`` and
+    ``multi_hot``) with ``train_rows`` training rows (None: unknown) from a converter of no
+    fixed format (libFM, Parquet, CSV; Criteo TSV's is ``CRITEO``):
+
+    - A large vocabulary (``large_vocabulary``: a table above ``CONTEXT_MAX_ROWS`` rows,
+      or fewer than ``FEW_LOOKUPS_PER_ROW`` training lookups per table row): ``criteo``
+      (FuxiCTR's embedding rule, Adam 1e-3 on rows started normal 1e-4, with the wider
+      top MLP). Where most rows are seen a few times, the defaults' row-wise Adagrad at
+      0.5 fits the rare rows' noise: on the planted data with tables of 50,000 to 500,000
+      rows it scored 0.018 test AUC below a plain-PyTorch DLRM on FuxiCTR's recipe, and
+      this recipe above it; with tables of 5,000 to 40,000 rows (11 lookups a row) the
+      recipe was 0.040 above the defaults (docs/benchmarks.md, "Large vocabularies"). The
+      converter drops the recipe's bottom MLP for data without dense features.
+    - No dense features, every field one-hot and a small vocabulary: ``context``, the
       small-vocabulary recipe (the shape of Frappe-like context data and of the
       gen-context set it was measured on; row-wise Adagrad 0.5, which beat Adam there by
       0.017, with no bottom MLP).
-    - Small tables with dense features or multi-hot bags: the defaults, which no measured
-      recipe beats on such data (MovieLens, the planted data).
+    - A small vocabulary with dense features or multi-hot bags: the defaults, which no
+      measured recipe beats on such data (MovieLens, the planted data).
     """
     sparse: Sequence[Mapping[str, Any]] = schema.get("sparse", ())
     if not sparse:
         return CacheRecipe(None, "no categorical fields")
     num_dense = int(schema.get("num_dense", 0))
     multi_hot = [f["name"] for f in sparse if f.get("multi_hot")]
-    largest = max(int(f["num_embeddings"]) for f in sparse)
-    if largest > CONTEXT_MAX_ROWS:
-        return CacheRecipe(
-            "criteo",
-            f"large-vocabulary data: a table of {largest:,} rows, above {CONTEXT_MAX_ROWS:,}",
-        )
+    sizes = [int(f["num_embeddings"]) for f in sparse]
+    pooling = [float(f.get("pooling_factor", 1.0)) for f in sparse]
+    large = large_vocabulary(sizes, pooling, train_rows)
+    if large is not None:
+        return CacheRecipe("criteo", f"large-vocabulary data: {large}")
     if num_dense == 0 and not multi_hot:
         return CacheRecipe(
             "context",
             f"small-vocabulary data: {len(sparse)} one-hot fields, no dense features, tables "
-            f"of at most {largest:,} rows (<= {CONTEXT_MAX_ROWS:,})",
+            f"of at most {max(sizes):,} rows (<= {CONTEXT_MAX_ROWS:,})",
         )
     why = (
         f"{num_dense} dense feature(s)"
@@ -146,5 +179,5 @@ def recipe_for_cache(schema: Mapping[str, Any]) -> CacheRecipe:
         else f"multi-hot field(s) {', '.join(multi_hot)}"
     )
     return CacheRecipe(
-        None, f"small tables (at most {largest:,} rows) with {why}: the defaults' data"
+        None, f"small tables (at most {max(sizes):,} rows) with {why}: the defaults' data"
     )

@@ -194,7 +194,7 @@ def set_up(
             config.optimizer.warmup_steps,
             steps,
         )
-    rule_warning = embedding_rule_warning(config, source.schema)
+    rule_warning = embedding_rule_warning(config, source.schema, source.train_rows)
     if rule_warning is not None:
         log.warning(rule_warning)
     if config.plan.strategy != "none" and ctx.world_size == 1:

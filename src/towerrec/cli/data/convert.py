@@ -216,7 +216,7 @@ def _print_manifest(manifest: dict, out: Path) -> None:
         out,
         "--validation-fraction F (0 < F < 1) or --validation-files FILE...",
         manifest["schema"],
-        recipe_for_cache(manifest["schema"]),
+        recipe_for_cache(manifest["schema"], manifest["rows"]["train"]),
     )
 
 
