@@ -134,53 +134,47 @@ def test_few_training_lookups_per_table_row_are_a_large_vocabulary(schema, train
     assert recipe.name == name and why in recipe.reason, recipe
 
 
-def test_libfm_one_hot_small_tables_print_the_context_recipe_and_it_trains(tmp_path):
+def convert_and_train(tmp_path, items: int):
+    """A libFM file of two one-hot fields (5 weekdays, ``items`` items) converted, and the
+    printed train command run for an epoch: (the converter's output, the printed command,
+    the run's saved config)."""
     rng = random.Random(0)
     lines = [
-        f"{rng.randint(0, 1)} {rng.randrange(5)}:1 {rng.randrange(5, 45)}:1" for _ in range(1500)
+        f"{rng.randint(0, 1)} {rng.randrange(5)}:1 {rng.randrange(5, 5 + items)}:1"
+        for _ in range(1500)
     ]
     (tmp_path / "train.libfm").write_text("\n".join(lines) + "\n")
-    (tmp_path / "fields.txt").write_text("weekday 0 4\nitem 5 44\n")
+    (tmp_path / "fields.txt").write_text(f"weekday 0 4\nitem 5 {4 + items}\n")
     convert = ["data", "libfm", "train.libfm", "--fields", "fields.txt", "--out", "c"]
     result = towerrec(*convert, cwd=tmp_path, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr
-    assert "recipe: context, for small-vocabulary data: 2 one-hot fields" in result.stdout
     (line,) = [x for x in result.stdout.splitlines() if x.startswith("train with: ")]
-    assert line == "train with: towerrec train --config context --set data.path=c"
     short = ["--set", "train.epochs=1", "--set", "train.progress=false", "--out", "run"]
-    trained = towerrec(*line.split()[3:], *short, cwd=tmp_path, OMP_NUM_THREADS="1")
+    args = shlex.split(line.removeprefix("train with: towerrec "))
+    trained = towerrec(*args, *short, cwd=tmp_path, OMP_NUM_THREADS="1")
     assert trained.returncode == 0, trained.stderr[-3000:]
-    saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
-    assert saved["embedding"]["init_scale"] == 0.01 and saved["model"]["bottom_mlp"] == []
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] >= 1
+    saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    return result.stdout, line, saved
+
+
+def test_libfm_one_hot_small_tables_print_the_context_recipe_and_it_trains(tmp_path):
+    stdout, line, saved = convert_and_train(tmp_path, items=40)
+    assert "recipe: context, for small-vocabulary data: 2 one-hot fields" in stdout
+    assert line == "train with: towerrec train --config context --set data.path=c"
+    assert saved["embedding"]["init_scale"] == 0.01 and saved["model"]["bottom_mlp"] == []
 
 
 def test_libfm_with_a_large_table_prints_the_large_vocabulary_recipe_and_it_trains(tmp_path):
     """A field of more than ``CONTEXT_MAX_ROWS`` ids: the criteo recipe (FuxiCTR's
     embedding rule), without its bottom MLP since libFM data has no dense features."""
-    rng = random.Random(0)
-    lines = [
-        f"{rng.randint(0, 1)} {rng.randrange(5)}:1 {rng.randrange(5, 60_005)}:1"
-        for _ in range(1500)
-    ]
-    (tmp_path / "train.libfm").write_text("\n".join(lines) + "\n")
-    (tmp_path / "fields.txt").write_text("weekday 0 4\nitem 5 60004\n")
-    convert = ["data", "libfm", "train.libfm", "--fields", "fields.txt", "--out", "c"]
-    result = towerrec(*convert, cwd=tmp_path, OMP_NUM_THREADS="1")
-    assert result.returncode == 0, result.stderr
-    assert "recipe: criteo, for large-vocabulary data: a table of 60,001 rows" in result.stdout
-    (line,) = [x for x in result.stdout.splitlines() if x.startswith("train with: ")]
+    stdout, line, saved = convert_and_train(tmp_path, items=60_000)
+    assert "recipe: criteo, for large-vocabulary data: a table of 60,001 rows" in stdout
     assert line == (
         "train with: towerrec train --config criteo --set data.path=c --set 'model.bottom_mlp=[]'"
     )
-    short = ["--set", "train.epochs=1", "--set", "train.progress=false", "--out", "run"]
-    args = shlex.split(line.removeprefix("train with: towerrec "))
-    trained = towerrec(*args, *short, cwd=tmp_path, OMP_NUM_THREADS="1")
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
     assert saved["embedding"]["optimizer"] == "adam" and saved["embedding"]["init_scale"] == 1e-4
     assert saved["model"]["bottom_mlp"] == [] and saved["model"]["top_mlp"] == [400, 400, 400, 1]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] >= 1
 
 
 def test_commands_that_take_data_or_a_config_take_a_recipe_name_and_unset(tmp_path, monkeypatch):
