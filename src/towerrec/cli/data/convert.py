@@ -98,9 +98,8 @@ def _print_next_step(
     at_path = [f"data.path={json.dumps(str(out))}"] if recipe.name else []
     config = load_config(recipe.name, at_path)
     # data without dense features: no bottom MLP (the recipe's or the defaults')
-    no_bottom = " --set 'model.bottom_mlp=[]'" if not schema["num_dense"] else ""
-    if not config.model.bottom_mlp:
-        no_bottom = ""
+    drop_bottom = not schema["num_dense"] and config.model.bottom_mlp
+    no_bottom = " --set 'model.bottom_mlp=[]'" if drop_bottom else ""
     if recipe.name is None:
         print(f"recipe: none, the defaults ({recipe.reason})")
         command = f"--set data.source=cache --set {path}{no_bottom}"
