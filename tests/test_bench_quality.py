@@ -409,13 +409,15 @@ def test_a_data_cache_trains_with_the_recipe_its_converter_prints(
     a ``--config`` for it, or a recipe of its name, still wins."""
     from towerrec.bench.quality import QualitySettings, _data_set
     from towerrec.config.recipes import recipe_path
+    from towerrec.data.cache import CacheError, write_manifest
 
-    schema = {
-        "num_dense": num_dense,
-        "sparse": [{"name": f"f{i}", "num_embeddings": n} for i, n in enumerate(sizes)],
-    }
-    manifest = {"schema": schema, "rows": {"train": 100_000}}  # many lookups a table row
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    sparse = [
+        {"name": f"f{i}", "num_embeddings": n, "pooling_factor": 1.0, "multi_hot": False}
+        for i, n in enumerate(sizes)
+    ]
+    schema = {"num_dense": num_dense, "sparse": sparse}
+    rows = {"train": 100_000}  # many lookups a table row
+    write_manifest(tmp_path, {"schema": schema, "parts": [], "rows": rows})
     settings = QualitySettings(datasets=("mine",), data={"mine": tmp_path})
     expected = recipe_path(recipe) if recipe else None
     assert settings.config_of("mine") == expected
@@ -430,6 +432,11 @@ def test_a_data_cache_trains_with_the_recipe_its_converter_prints(
     assert chosen.config_of("mine") == tmp_path
     named = QualitySettings(datasets=("context",), data={"context": tmp_path})
     assert named.config_of("context") == recipe_path("context")
+    # a damaged manifest is refused as the loader refuses it, not read as it is
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(manifest.read_text().replace(str(sizes[0]), str(sizes[0] + 1), 1))
+    with pytest.raises(CacheError, match="damaged"):
+        settings.config_of("mine")
 
 
 def test_the_large_vocabulary_planted_data_trains_with_the_recipe_its_cache_gets(tmp_path):

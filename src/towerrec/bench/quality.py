@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import statistics
 import sys
 import tempfile
@@ -75,6 +74,7 @@ from towerrec.bench.quality_reference import (
 )
 from towerrec.config import Config, load_config
 from towerrec.config.recipes import recipe_for_cache, recipe_names, recipe_path
+from towerrec.data.cache import read_manifest
 from towerrec.train.hooks import StepHook
 from towerrec.train.loop import validate
 from towerrec.train.metrics import EvalMetrics
@@ -155,12 +155,11 @@ class QualitySettings:
 
 
 def _cache_manifest(path: Path | None) -> dict[str, Any] | None:
-    """A cache directory's manifest (None: no such cache)."""
-    manifest = path / "manifest.json" if path is not None else None
-    if manifest is None or not manifest.is_file():
+    """A cache directory's manifest, checked as the loader checks it (None: no cache
+    there, e.g. a MovieLens directory)."""
+    if path is None or not (path / "manifest.json").is_file():
         return None
-    loaded: dict[str, Any] = json.loads(manifest.read_text(encoding="utf-8"))
-    return loaded
+    return read_manifest(path)
 
 
 # ------------------------------------------------------------------ data sets
