@@ -18,6 +18,7 @@ import torch
 from towerrec.bench.roofline import matmul_peak
 from towerrec.calibration.machine import machine_info
 from towerrec.config.files import UNSET_PREFIX
+from towerrec.memory import reuse_freed_memory
 from towerrec.train.numerics import flush_subnormals
 
 P = ParamSpec("P")
@@ -145,13 +146,17 @@ def time_interleaved(
 
 def keeps_process_settings(fn: Callable[P, R]) -> Callable[P, R]:
     """A benchmark entry that may set its own thread count (``--threads``, or one thread
-    for a measurement), and runs with subnormals flushed as ``towerrec train`` does
-    (``train/numerics.py``): the caller's thread count and subnormal mode come back when it
-    returns, so that a benchmark run from Python (a test, a notebook) leaves the process
-    as it found it."""
+    for a measurement), and runs with subnormals flushed and freed memory reused as
+    ``towerrec train`` runs (``train/numerics.py``, ``memory.reuse_freed_memory``). The
+    caller's thread count and subnormal mode come back when it returns, so that a
+    benchmark run from Python (a test, a notebook) leaves the process as it found them;
+    the allocator's setting stays (process-wide, it changes where freed memory goes,
+    never a result). Without it a step's buffers of a few MiB are faulted in afresh
+    every step, which slowed the torch kernel's update in ``bench embedding`` 2x."""
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        reuse_freed_memory()
         before = torch.get_num_threads()
         try:
             with flush_subnormals():

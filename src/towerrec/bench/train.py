@@ -49,7 +49,6 @@ from towerrec.build.choices import Choice, resolve_choices
 from towerrec.config import load_config
 from towerrec.data.batch import Batch, DataSchema, SparseFeature
 from towerrec.hardware import VECTOR_FLAG_PREFIXES, cpu_flags
-from towerrec.memory import reuse_freed_memory
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.kernels import fbgemm_available
@@ -219,7 +218,6 @@ def run_train_benchmark(
     (a test passes fake ones); ``profile_steps``: each towerrec row's phase table
     (``train_profile.py``) over that many steps after the timing."""
     set_threads(threads)
-    reuse_freed_memory()  # the process's allocator as `towerrec train` sets it, for every row
     unknown = sorted(set(precisions) - set(PRECISION_DTYPES))
     if unknown or not precisions:
         raise ValueError(
