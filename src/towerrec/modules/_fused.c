@@ -495,12 +495,17 @@ static Py_ssize_t table_sums(const int64_t *ids, const int64_t *offsets, const f
     memset(hash, 0xff, (mask + 1) * sizeof *hash); /* every id -1: empty */
     for (Py_ssize_t f = first; f < features; f++) {
         if (tables[f] != tables[first]) continue;
+        const int64_t end = offsets[(f + 1) * batch]; /* the feature's last id, + 1 */
         for (Py_ssize_t b = 0; b < batch; b++) {
             const Py_ssize_t j = f * batch + b;
             const int64_t lo = offsets[j], hi = offsets[j + 1];
             const float *g = grad + (b * features + f) * dim;
+            if (b + 8 < batch) __builtin_prefetch(g + 8 * features * dim, 0);
             const float length = (float)(hi - lo > 1 ? hi - lo : 1);
             for (int64_t k = lo; k < hi; k++) {
+                /* a new row's statistic is read from far in the table: asked for ahead */
+                if (momentum != NULL && k + PREFETCH < end)
+                    __builtin_prefetch(momentum + ids[k + PREFETCH], 0);
                 const int64_t id = ids[k];
                 size_t h = (size_t)(((uint64_t)id * 0x9E3779B97F4A7C15ull) >> (64 - bits));
                 while (hash[h].id != -1 && hash[h].id != id) h = (h + 1) & mask;
