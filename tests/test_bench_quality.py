@@ -14,7 +14,7 @@ from conftest import run_cli
 
 from towerrec.bench import quality_models, quality_reference
 from towerrec.bench.quality import _architecture, _best_of_each, _reference_architecture
-from towerrec.bench.quality_data import plain_data, write_synthetic_cache
+from towerrec.bench.quality_data import plain_data, raw_units, write_synthetic_cache
 from towerrec.bench.quality_models import Architecture, Bag, PlainData, build_reference_model
 from towerrec.bench.quality_reference import (
     RECIPES,
@@ -377,15 +377,20 @@ def test_synthetic_cache_holds_the_stream_s_rows(tmp_path):
         None, ["data.synthetic.num_embeddings=[30,20,10]", "data.synthetic.pooling_factors=[1,1,3]"]
     )
     write_synthetic_cache(config, tmp_path, train_rows=300, held_out_rows=100)
-    cached = load_config(None, ["data.source=cache", f"data.path={json.dumps(str(tmp_path))}"])
+    at = ["data.source=cache", f"data.path={json.dumps(str(tmp_path))}"]
+    cached = load_config(None, at)
     train, valid, test = plain_data(cached)
     assert (train.rows, valid.rows, test.rows) == (300, 100, 100)
     source = SyntheticSource(config.data.synthetic)
     stream = source.samples("train", 0, 400)[0]
-    in_order = build_source(cached.data).gather_train(np.arange(300))  # plain_data shuffles
+    as_held = load_config(None, [*at, "data.loader.dense=none"])
+    in_order = build_source(as_held.data).gather_train(np.arange(300))  # plain_data shuffles
     np.testing.assert_array_equal(in_order.labels.numpy(), stream.labels[:300].numpy())
     np.testing.assert_array_equal(in_order.dense.numpy(), stream.dense[:300].numpy())
-    np.testing.assert_array_equal(test.dense.numpy(), stream.dense[300:].numpy())
+    # the plain references standardise the dense columns by the training rows' statistics
+    first = stream.dense[:300].double()
+    scaled = (stream.dense[300:] - first.mean(0).float()) / first.std(0, unbiased=False).float()
+    np.testing.assert_allclose(test.dense.numpy(), scaled.numpy(), rtol=1e-5, atol=1e-6)
     multi = stream.sparse.to_dict()["cat_2"]
     assert torch.equal(test.bags[2].values, multi.values[int(multi.offsets()[300]) :].long())
     held_out = source.samples("eval", 0, 100)[0]
@@ -465,3 +470,19 @@ def test_the_large_vocabulary_planted_data_trains_with_the_recipe_its_cache_gets
     config = load_config(recipe_path("criteo"), list(large.overrides))
     assert large.load().train.batch_size == config.train.batch_size  # the recipe's own
     assert large.load().model.bottom_mlp == config.model.bottom_mlp  # dense features kept
+
+
+def test_synthetic_raw_holds_the_dense_columns_in_units_of_their_own(tmp_path):
+    config = load_config(
+        None, ["data.synthetic.num_embeddings=[30,20,10]", "data.synthetic.pooling_factors=[]"]
+    )
+    write_synthetic_cache(config, tmp_path, train_rows=200, held_out_rows=50, raw=True)
+    at = ["data.source=cache", f"data.path={json.dumps(str(tmp_path))}"]
+    held = build_source(load_config(None, [*at, "data.loader.dense=none"]).data)
+    stream = SyntheticSource(config.data.synthetic).samples("train", 0, 200)[0]
+    dense = held.gather_train(np.arange(200)).dense.numpy()
+    np.testing.assert_array_equal(dense, raw_units(stream.dense.numpy()))
+    assert dense.min() > 0 and dense[:, -1].mean() > 100 * dense[:, 0].mean()
+    # towerrec's loader reads them standardised, the skewed amounts logged first
+    source = build_source(load_config(None, at).data)
+    assert source.dense_transform is not None and all(source.dense_transform.log)

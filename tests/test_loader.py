@@ -52,7 +52,7 @@ def reference_bags(store, split, rows):
 
 def test_one_epoch_across_ranks_reads_every_row_once():
     store = make_store()
-    source = ColumnSource(store, LoaderConfig(seed=3))
+    source = ColumnSource(store, LoaderConfig(dense="none", seed=3))
     n, batch_size, world = source.train_rows, 128, 3
     seen = []
     steps = n // (batch_size * world)
@@ -70,14 +70,14 @@ def test_one_epoch_across_ranks_reads_every_row_once():
 
 def test_order_is_shuffled_deterministic_and_local():
     store = make_store()
-    a = ColumnSource(store, LoaderConfig(seed=1))
-    b = ColumnSource(store, LoaderConfig(seed=1))
-    c = ColumnSource(store, LoaderConfig(seed=2))
+    a = ColumnSource(store, LoaderConfig(dense="none", seed=1))
+    b = ColumnSource(store, LoaderConfig(dense="none", seed=1))
+    c = ColumnSource(store, LoaderConfig(dense="none", seed=2))
     first = row_ids(a.train_batch(0, 512))
     assert first == row_ids(b.train_batch(0, 512)) and first != row_ids(c.train_batch(0, 512))
     assert first != sorted(first)
     assert len({r // BLOCK for r in first}) <= 2  # block shuffle: reads stay local
-    plain = ColumnSource(store, LoaderConfig(shuffle=False))
+    plain = ColumnSource(store, LoaderConfig(dense="none", shuffle=False))
     assert row_ids(plain.train_batch(1, 100)) == list(range(100, 200))
     # A new epoch has a new order.
     n = a.train_rows
@@ -86,7 +86,7 @@ def test_order_is_shuffled_deterministic_and_local():
 
 
 def test_rank_slices_equal_the_global_batch_and_resume_continues():
-    source = ColumnSource(make_store(), LoaderConfig(seed=5))
+    source = ColumnSource(make_store(), LoaderConfig(dense="none", seed=5))
     batch_size, world = 64, 4
     for index in (0, 7, 300):  # 300 crosses into the second epoch
         whole = source.train_batch(index, batch_size * world)
@@ -100,7 +100,7 @@ def test_rank_slices_equal_the_global_batch_and_resume_continues():
 
 def test_batches_carry_the_right_columns_and_bags():
     store = make_store()
-    source = ColumnSource(store, LoaderConfig(seed=0))
+    source = ColumnSource(store, LoaderConfig(dense="none", seed=0))
     batch = source.train_batch(3, 700)  # spans parts
     rows = row_ids(batch)
     batch.check()
@@ -117,7 +117,7 @@ def test_batches_carry_the_right_columns_and_bags():
 
 def test_eval_ranks_cover_the_eval_split_once():
     store = make_store(eval_rows=1001)
-    source = ColumnSource(store)
+    source = ColumnSource(store, LoaderConfig(dense="none"))
     rows = []
     for rank in range(3):
         for batch in source.eval_batches(100, rank=rank, world_size=3):
@@ -145,8 +145,8 @@ def test_bad_arguments():
 @pytest.mark.multiprocess
 def test_worker_processes_deliver_the_same_stream():
     store = make_store()
-    plain = ColumnSource(store, LoaderConfig(seed=4))
-    pooled = ColumnSource(store, LoaderConfig(seed=4, num_workers=2, prefetch=2))
+    plain = ColumnSource(store, LoaderConfig(dense="none", seed=4))
+    pooled = ColumnSource(store, LoaderConfig(dense="none", seed=4, num_workers=2, prefetch=2))
     expected = plain.train_batches(100, start_batch=3, rank=1, world_size=2)
     stream = pooled.train_batches(100, start_batch=3, rank=1, world_size=2)
     for _ in range(9):
@@ -176,7 +176,7 @@ def test_a_negative_id_in_the_cache_is_refused_where_ids_enter_the_embeddings(nu
     )
     store = make_store()
     store = ColumnStore(store.schema, ["single"], ["bag"], {**store.splits, "train": [part]})
-    source = ColumnSource(store, LoaderConfig(shuffle=False, num_workers=num_workers))
+    source = ColumnSource(store, LoaderConfig(dense="none", shuffle=False, num_workers=num_workers))
     tables = [TableConfig(f.name, f.num_embeddings, 4) for f in store.schema.sparse]
     ebc = EmbeddingBagCollection(tables, backend="torch")
     stream = source.train_batches(32)

@@ -29,7 +29,7 @@ def hashed(text, size):
 
 
 def all_rows(path):
-    source = ColumnSource(open_cache(path), LoaderConfig(shuffle=False))
+    source = ColumnSource(open_cache(path), LoaderConfig(dense="none", shuffle=False))
     return source.train_batch(0, source.train_rows)
 
 

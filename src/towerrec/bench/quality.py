@@ -54,6 +54,7 @@ from towerrec.bench.common import Benchmark, add_overrides_argument, comma_list,
 from towerrec.bench.quality_data import (
     BUILT_IN,
     LARGE_TABLES,
+    RAW_UNITS,
     SYNTHETIC,
     DataSet,
     cache_overrides,
@@ -180,7 +181,11 @@ def _data_set(name: str, settings: QualitySettings, root: Path) -> DataSet:
         written = ("data.source=synthetic", *SYNTHETIC[name])
         base = DataSet(name, config, written).load(settings.overrides)
         path = write_synthetic_cache(
-            base, root / name, settings.synthetic_rows, settings.synthetic_held_out
+            base,
+            root / name,
+            settings.synthetic_rows,
+            settings.synthetic_held_out,
+            raw=name in RAW_UNITS,
         )
         config = settings.config_of(name, path)
     assert path is not None  # (a name the settings checked)
@@ -500,6 +505,11 @@ def run_quality_benchmark(settings: QualitySettings) -> dict:
                 "held_out_rows": settings.synthetic_held_out,
                 "num_embeddings": list(LARGE_TABLES),
             },
+            "synthetic-raw": {
+                "train_rows": settings.synthetic_rows,
+                "held_out_rows": settings.synthetic_held_out,
+                "dense": "column j is s_j exp(x_j) of the planted x, s_j from 1 to 1,000",
+            },
             "criteo": {
                 "files": settings.criteo_files,
                 "rows_per_file": settings.criteo_rows,
@@ -539,7 +549,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--datasets",
         default=",".join(defaults.datasets),
-        help="comma-separated: synthetic, synthetic-large, movielens, criteo and the names given "
+        help="comma-separated: synthetic, synthetic-large, synthetic-raw, movielens, criteo and the names given "
         "with --data",
     )
     add(

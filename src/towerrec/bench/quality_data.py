@@ -9,6 +9,10 @@ and test splits; both sides of the benchmark read the same rows of it:
     synthetic-large
                 the same stream with tables of 50,000 to 500,000 rows (``LARGE_TABLES``):
                 a large vocabulary, most rows seen a few times in N samples
+    synthetic-raw
+                the same stream with its dense columns in units of their own, as recorded
+                data has them (``raw_units``): column j is ``s_j exp(x_j)``, amounts with a
+                long tail on scales s_j from 1 to 1,000
     movielens   the bundled ml-latest-small (or a given directory), its time split with
                 a test split of the latest ratings added when the config has none
     criteo      Criteo-format files generated here (``gen-criteo``, seeded), converted with
@@ -17,18 +21,23 @@ and test splits; both sides of the benchmark read the same rows of it:
                 directory; a cache without a test split is scored on its validation split
 
 ``plain_data`` materialises a config's splits through towerrec's loader, once, as the
-tensors the plain references take (``quality_models.PlainData``).
+tensors the plain references take (``quality_models.PlainData``): the dense columns as
+the cache holds them, standardised with the training split's mean and standard deviation,
+as a plain PyTorch user prepares them (towerrec's side reads them through its own
+``data.loader.dense``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from towerrec.bench.quality_models import Bag, PlainData
 from towerrec.build.sources import build_source
@@ -37,26 +46,41 @@ from towerrec.data.batch import Batch
 from towerrec.data.cache import PartWriter, schema_to_manifest, write_manifest
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
 from towerrec.data.criteo_gen import generate_criteo_files
+from towerrec.data.dense_transform import DenseMode
 from towerrec.data.loader import ColumnSource
 from towerrec.data.synthetic import SyntheticSource
 
 __all__ = [
     "BUILT_IN",
     "LARGE_TABLES",
+    "RAW_UNITS",
     "SYNTHETIC",
     "DataSet",
     "plain_data",
+    "raw_units",
     "write_synthetic_cache",
 ]
 
-BUILT_IN = ("synthetic", "synthetic-large", "movielens", "criteo")
+BUILT_IN = ("synthetic", "synthetic-large", "synthetic-raw", "movielens", "criteo")
 # The large-vocabulary planted data's table sizes, one per table of the default stream.
 LARGE_TABLES = (200_000, 100_000, 500_000, 50_000, 300_000, 200_000, 100_000, 200_000, 500_000)
 # The planted data sets and their data overrides.
 SYNTHETIC: dict[str, tuple[str, ...]] = {
     "synthetic": (),
     "synthetic-large": (f"data.synthetic.num_embeddings={list(LARGE_TABLES)}",),
+    "synthetic-raw": (),
 }
+# The planted data sets written with their dense columns in units of their own.
+RAW_UNITS = ("synthetic-raw",)
+RAW_SCALE_RANGE = (1.0, 1000.0)  # the columns' scales, spaced evenly on a log scale
+
+
+def raw_units(dense: np.ndarray) -> np.ndarray:
+    """The planted dense columns ``x [n, F]`` as amounts of their own units: column j is
+    ``s_j exp(x_j)``, s_j from 1 to 1,000 (module doc)."""
+    low, high = np.log10(RAW_SCALE_RANGE)
+    scales = np.logspace(low, high, dense.shape[1]).astype(np.float32)
+    return (np.exp(dense) * scales).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -73,11 +97,12 @@ class DataSet:
 
 
 # ------------------------------------------------------------------ plain tensors
-def _plain(batch: Batch, sizes: list[int]) -> PlainData:
+def _plain(batch: Batch, sizes: list[int], scaler: tuple[torch.Tensor, torch.Tensor]) -> PlainData:
     bags = []
     for (_, jagged), size in zip(batch.sparse.to_dict().items(), sizes):
         bags.append(Bag(jagged.values.long(), jagged.offsets(), size))
-    return PlainData(batch.dense.float(), batch.labels.float(), tuple(bags))
+    mean, std = scaler
+    return PlainData((batch.dense.float() - mean) / std, batch.labels.float(), tuple(bags))
 
 
 def _one_batch(batches) -> Batch:
@@ -87,7 +112,8 @@ def _one_batch(batches) -> Batch:
 
 def plain_data(config: Config) -> tuple[PlainData, PlainData, PlainData | None]:
     """The train, validation and test rows (None: no test split) of ``config.data``."""
-    source = build_source(config.data)
+    as_held = dataclasses.replace(config.data.loader, dense=DenseMode.NONE)
+    source = build_source(dataclasses.replace(config.data, loader=as_held))
     if not isinstance(source, ColumnSource):
         raise ValueError(
             f"the plain-PyTorch references read a data set's rows, but data.source = "
@@ -97,16 +123,28 @@ def plain_data(config: Config) -> tuple[PlainData, PlainData, PlainData | None]:
     train_rows = source.train_batch(0, source.train_rows)  # epoch 0: every row once
     valid = _one_batch(source.eval_batches(source.eval_rows))
     test = _one_batch(source.test_batches(source.test_rows)) if source.test_rows else None
+    scaler = _standard_scaler(train_rows.dense)
     return (
-        _plain(train_rows, sizes),
-        _plain(valid, sizes),
-        None if test is None else _plain(test, sizes),
+        _plain(train_rows, sizes, scaler),
+        _plain(valid, sizes, scaler),
+        None if test is None else _plain(test, sizes, scaler),
     )
 
 
+def _standard_scaler(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training rows' mean and standard deviation per dense column (1 where a column
+    has no spread): what ``(x - mean) / std`` divides by."""
+    values = dense.double()
+    std = values.std(dim=0, unbiased=False)
+    return values.mean(dim=0).float(), torch.where(std > 0, std, 1.0).float()
+
+
 # ------------------------------------------------------------------ built-in data sets
-def write_synthetic_cache(config: Config, out: Path, train_rows: int, held_out_rows: int) -> Path:
-    """Write the synthetic stream of ``config.data.synthetic`` as a cache (module doc)."""
+def write_synthetic_cache(
+    config: Config, out: Path, train_rows: int, held_out_rows: int, raw: bool = False
+) -> Path:
+    """Write the synthetic stream of ``config.data.synthetic`` as a cache (module doc);
+    ``raw``: its dense columns in units of their own (``raw_units``)."""
     if (out / "manifest.json").is_file():
         return out
     source = SyntheticSource(config.data.synthetic)
@@ -128,7 +166,7 @@ def write_synthetic_cache(config: Config, out: Path, train_rows: int, held_out_r
         writer.append(
             split,
             batch.labels.numpy(),
-            batch.dense.numpy(),
+            raw_units(batch.dense.numpy()) if raw else batch.dense.numpy(),
             np.stack(single, axis=1) if single else np.zeros((batch.size, 0), np.int32),
             bags,
         )
@@ -137,7 +175,7 @@ def write_synthetic_cache(config: Config, out: Path, train_rows: int, held_out_r
         "source": "synthetic",
         "schema": schema_to_manifest(schema, set(multi)),
         "rows": entry["rows"],
-        "options": {"train_rows": train_rows, "held_out_rows": held_out_rows},
+        "options": {"train_rows": train_rows, "held_out_rows": held_out_rows, "raw_units": raw},
         "report": {},
         "parts": [entry],
     }

@@ -307,6 +307,8 @@ def load_config(
     per_model = copy.deepcopy(_built_in_for_model()) if base is None and not files else {}
     for file in [*([] if base is None else [base]), *files]:
         table = _read_toml(file)
+        if file == base:
+            _as_written_before(table)
         _take_for_model(table, file, per_model)
         _merge(data, table)
     if per_model:
@@ -314,6 +316,22 @@ def load_config(
         chosen = _model_name(_apply_overrides(copy.deepcopy(data), overrides))
         _merge(data, per_model.get(chosen, {}))
     return config_from_dict(_apply_overrides(data, overrides))
+
+
+# Settings whose default changed, and the value a run's saved config.toml written before
+# the key existed ran with: such a run is resumed, exported and scored as it trained.
+WRITTEN_BEFORE: dict[tuple[str, ...], Any] = {
+    ("data", "loader", "dense"): "none",  # dense columns standardised from then on
+}
+
+
+def _as_written_before(table: dict[str, Any]) -> None:
+    """A saved config.toml's missing ``WRITTEN_BEFORE`` keys set to what its run ran with."""
+    for path, value in WRITTEN_BEFORE.items():
+        node = table
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node.setdefault(path[-1], value)
 
 
 def _apply_overrides(

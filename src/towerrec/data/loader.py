@@ -27,6 +27,7 @@ import torch
 
 from towerrec.data.batch import Batch
 from towerrec.data.cache import ColumnStore, SplitColumns, Verify
+from towerrec.data.dense_transform import DenseMode, fit_dense_transform
 from towerrec.sparse import KeyedJaggedTensor, can_pin_memory
 from towerrec.utils import at_least, parse_enum, stable_seed
 
@@ -64,11 +65,13 @@ class LoaderConfig:
     num_workers: int = 0  # worker processes assembling batches; 0: in the training process
     prefetch: int = 4  # batches queued ahead per worker
     pin_memory: bool = True  # page-locked batches when an accelerator is present
+    dense: DenseMode | str = "auto"  # dense columns standardised (data/dense_transform.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.verify, bool):
             object.__setattr__(self, "verify", VERIFY_ALIASES[self.verify])
         object.__setattr__(self, "verify", parse_enum(Verify, self.verify, "data.loader.verify"))
+        object.__setattr__(self, "dense", parse_enum(DenseMode, self.dense, "data.loader.dense"))
         at_least("data.loader.num_workers", self.num_workers, 0)
         at_least("data.loader.prefetch", self.prefetch, 1)
 
@@ -80,6 +83,16 @@ class SplitRows:
         self.parts = [p for p in parts if p.rows]
         self.starts = np.cumsum([0] + [p.rows for p in self.parts])
         self.rows = int(self.starts[-1])
+
+    def dense_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The dense columns ``[n, F]`` of the given global rows, in that order."""
+        which = np.searchsorted(self.starts, rows, side="right") - 1
+        num_dense = self.parts[0].dense.shape[1] if self.parts else 0
+        dense = np.empty((len(rows), num_dense), dtype=np.float32)
+        for p in np.unique(which):
+            at = np.nonzero(which == p)[0]
+            dense[at] = self.parts[p].dense[rows[at] - self.starts[p]]
+        return dense
 
     def gather(self, rows: np.ndarray, single: list[str], multi: list[str]) -> Batch:
         """Batch of the given global rows, in that order."""
@@ -159,6 +172,8 @@ class ColumnSource:
             )
         if require_eval and self._eval.rows == 0:
             raise ValueError(_no_eval(store.manifest.get("source")))
+        # the dense columns as the model reads them, fitted on the training rows
+        self.dense_transform = fit_dense_transform(self._train, self.config.dense)
         self._epoch_blocks = lru_cache(maxsize=2)(self._make_epoch_blocks)
         self._block_order = lru_cache(maxsize=8)(self._make_block_order)
 
@@ -214,11 +229,17 @@ class ColumnSource:
     def train_batch(self, index: int, batch_size: int, rank: int = 0, world_size: int = 1) -> Batch:
         start = index * batch_size * world_size + rank * batch_size
         rows = self.train_rows_of(start, batch_size)
-        return self._train.gather(rows, self.store.single, self.store.multi)
+        return self._gather(self._train, rows)
 
     def gather_train(self, rows: np.ndarray) -> Batch:
         """Batch of the given training rows (ids in ``[0, train_rows)``), in that order."""
-        return self._train.gather(rows, self.store.single, self.store.multi)
+        return self._gather(self._train, rows)
+
+    def _gather(self, split: SplitRows, rows: np.ndarray) -> Batch:
+        batch = split.gather(rows, self.store.single, self.store.multi)
+        if self.dense_transform is not None:
+            self.dense_transform.apply(batch.dense.numpy())
+        return batch
 
     def train_batches(
         self, batch_size: int, start_batch: int = 0, rank: int = 0, world_size: int = 1
@@ -259,7 +280,7 @@ class ColumnSource:
         lo, hi = rank * total // world_size, (rank + 1) * total // world_size
         for start in range(lo, hi, batch_size):
             rows = np.arange(start, min(start + batch_size, hi))
-            yield split.gather(rows, self.store.single, self.store.multi)
+            yield self._gather(split, rows)
 
 
 def _check_rank(rank: int, world_size: int) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.cache import ColumnStore, SplitColumns
+from towerrec.data.dense_transform import DenseTransform
 from towerrec.data.loader import SplitRows
 
 __all__ = [
@@ -130,6 +131,14 @@ class ColumnPeriods:
                 f"row, {self._rows.rows}"
             )
         check_bounds(self.bounds, what, fix)
+        self.dense_transform: DenseTransform | None = None
+
+    def read_through(self, transform: DenseTransform | None) -> ColumnPeriods:
+        """Every period's dense columns read through ``transform`` (the one ``towerrec
+        train`` fits on the same data's training split: data/dense_transform.py); this
+        object, for chaining."""
+        self.dense_transform = transform
+        return self
 
     @property
     def num_periods(self) -> int:
@@ -147,7 +156,10 @@ class ColumnPeriods:
         for lo, hi in period_rank_batches(self.period_rows(period), batch_size, rank, world_size):
             if hi > lo:
                 rows = np.arange(start + lo, start + hi)
-                yield self._rows.gather(rows, self._single, self._multi)
+                batch = self._rows.gather(rows, self._single, self._multi)
+                if self.dense_transform is not None:
+                    self.dense_transform.apply(batch.dense.numpy())
+                yield batch
 
     def period_oracle(self, period: int) -> None:
         """Recorded data has no known click probabilities."""

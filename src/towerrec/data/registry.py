@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from towerrec.data.augmented import AugmentedConfig, AugmentedPeriods
-from towerrec.data.cache import open_cache, read_manifest
-from towerrec.data.loader import ColumnSource, LoaderConfig
+from towerrec.data.cache import ColumnStore, open_cache, read_manifest
+from towerrec.data.dense_transform import DenseTransform, fit_dense_transform
+from towerrec.data.loader import ColumnSource, LoaderConfig, SplitRows
 from towerrec.data.movielens import (
     MovieLensConfig,
     bundled_movielens_path,
@@ -113,6 +114,13 @@ class Synthetic(SourceEntry):
         return data.synthetic.periods
 
 
+def _dense_transform(store: ColumnStore, loader: LoaderConfig) -> DenseTransform | None:
+    """The transform ``towerrec train``'s loader fits on ``store``'s training split, for
+    its periods to read through: replayed periods reach the model as the trained ones do,
+    and an export of the run applies the same one."""
+    return fit_dense_transform(SplitRows(store.splits.get("train", [])), loader.dense)
+
+
 class MovieLens(SourceEntry):
     """A MovieLens directory (``data.path``; empty: the bundled one)."""
 
@@ -124,7 +132,9 @@ class MovieLens(SourceEntry):
         return ColumnSource(load_movielens(path, data.movielens), data.loader, require_eval=True)
 
     def periods(self, data: DataSection) -> PeriodSource:
-        return movielens_periods(data.path or bundled_movielens_path(), data.movielens)
+        path = data.path or bundled_movielens_path()
+        dense = _dense_transform(load_movielens(path, data.movielens), data.loader)
+        return movielens_periods(path, data.movielens).read_through(dense)
 
     def configured_periods(self, data: DataSection) -> int:
         return data.movielens.periods
@@ -147,7 +157,8 @@ class Cache(SourceEntry):
         return ColumnSource(store, data.loader, require_eval=require_eval)
 
     def periods(self, data: DataSection) -> PeriodSource:
-        return cache_periods(open_cache(data.path, verify=data.loader.verify))
+        store = open_cache(data.path, verify=data.loader.verify)
+        return cache_periods(store).read_through(_dense_transform(store, data.loader))
 
     def check(self, data: DataSection) -> None:
         if not data.path:

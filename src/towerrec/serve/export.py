@@ -11,7 +11,10 @@
                       torch.export'ed with a dynamic batch ──► DIR/program.pt2
                       (dense [B, F_d], pooled [B, sum(D_f)]) -> logits [B]
 
-The program holds only the dense part (MLPs, interaction, towers): the embedding
+The program's first step is the transform the run's loader applied to the dense columns
+(``data/dense_transform.py``: standardised, skewed counts logged), so it reads the values
+as the cache holds them; the manifest records it. The program holds only the dense part
+(MLPs, interaction, towers): the embedding
 lookup stays outside it, as in serving stacks where tables live apart from the
 network, so tables can be stored in a smaller dtype and looked up by any kernel.
 ``serve/artefact.py`` loads the result with torch and numpy alone. The manifest
@@ -42,6 +45,7 @@ from towerrec.build.run import build_run
 from towerrec.checksums import digests, list_files, write_checksums
 from towerrec.config import Config, config_to_toml, load_config
 from towerrec.data.batch import DataSchema
+from towerrec.data.dense_transform import DenseTransform
 from towerrec.data.registry import SOURCES
 from towerrec.models.distill_heads import detach_distill_heads
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
@@ -103,14 +107,17 @@ class PooledInput(nn.Module):
 
 
 class DenseProgram(nn.Module):
-    """``(dense [B, F_d], pooled [B, sum(D_f)]) -> logits [B]``: the model after its lookup."""
+    """``(dense [B, F_d], pooled [B, sum(D_f)]) -> logits [B]``: the model after its lookup,
+    the dense columns first transformed as the run's loader did (``dense_transform``:
+    None where it read them as they are)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, dense_transform: DenseTransform | None = None) -> None:
         super().__init__()
         self.model = model
+        self.dense = dense_transform.module() if dense_transform is not None else nn.Identity()
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        return self.model(dense, pooled)
+        return self.model(self.dense(dense), pooled)
 
 
 def quantize_rowwise(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -157,11 +164,12 @@ def _pick_checkpoint(run: Path) -> tuple[Path, int]:
 
 def load_run_model(
     run: str | Path, verify: bool = True
-) -> tuple[Config, DataSchema, nn.Module, int]:
+) -> tuple[Config, DataSchema, nn.Module, int, DenseTransform | None]:
     """The run's config, data schema and single-device model (eval mode) with the
     returned weights loaded from its checkpoint, whatever the world size and sharding
-    that wrote it; and that checkpoint's step. The checkpoint's checksums are checked
-    first unless ``verify`` is False; a damaged one is refused (``CheckpointError``)."""
+    that wrote it; that checkpoint's step; and the transform of the dense columns its
+    loader applied (None: none). The checkpoint's checksums are checked first unless
+    ``verify`` is False; a damaged one is refused (``CheckpointError``)."""
     run = Path(run)
     path, step = _pick_checkpoint(run)
     if not verify:
@@ -178,7 +186,8 @@ def load_run_model(
             f"It holds the weights the run returned (step {step}), which no other checkpoint "
             "holds; nothing was deleted",
         ) from None
-    return config, built.schema, model.eval(), step
+    transform = getattr(built.source, "dense_transform", None)
+    return config, built.schema, model.eval(), step, transform
 
 
 def _data_mapping(config: Config) -> dict[str, Any]:
@@ -198,7 +207,7 @@ def export_run(
     run, out, dtype = Path(run), Path(out), TableDtype(tables)
     if (out / MANIFEST).exists():
         raise FileExistsError(f"{out} already holds an artefact; choose another --out")
-    config, schema, model, step = load_run_model(run, verify)
+    config, schema, model, step, transform = load_run_model(run, verify)
     detach_distill_heads(model)  # the serving head only: distillation heads stay behind
     sparse = model.sparse
     if not isinstance(sparse, EmbeddingBagCollection):
@@ -218,7 +227,7 @@ def export_run(
             np.save(tmp / TABLES / name, array, allow_pickle=False)
             stored += array.nbytes
     model.sparse = PooledInput(list(sparse.feature_names), list(sparse.embedding_dims))
-    program = _export_program(model, schema.num_dense, sum(sparse.embedding_dims))
+    program = _export_program(model, schema.num_dense, sum(sparse.embedding_dims), transform)
     torch.export.save(program, tmp / PROGRAM)
     (tmp / RUN_CONFIG).write_text(config_to_toml(config))
     manifest = {
@@ -235,6 +244,8 @@ def export_run(
         "schema": {"num_dense": schema.num_dense, "sparse": features},
         "id_policy": sparse.id_policy.value,
         "data": _data_mapping(config),
+        # the program applies it to its dense input: give it the values the cache holds
+        "dense_transform": None if transform is None else transform.describe(),
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     write_checksums(tmp, digests(tmp, list_files(tmp)))  # last, before the rename
@@ -268,15 +279,17 @@ def _stored(weight: torch.Tensor, dtype: TableDtype) -> list[np.ndarray]:
     return [w.numpy().copy()]
 
 
-def _export_program(model: nn.Module, num_dense: int, pooled_width: int):
-    """torch.export of ``DenseProgram(model)`` with the batch dimension dynamic."""
+def _export_program(
+    model: nn.Module, num_dense: int, pooled_width: int, transform: DenseTransform | None
+):
+    """torch.export of ``DenseProgram(model, transform)`` with the batch dimension dynamic."""
     example = 4  # any size > 1 (a size-1 example specialises the batch dimension)
     dense = torch.zeros(example, num_dense)
     pooled = torch.zeros(example, pooled_width)
     batch = Dim("batch", min=1)
     with torch.no_grad():
         return torch.export.export(
-            DenseProgram(model),
+            DenseProgram(model, transform),
             (dense, pooled),
             dynamic_shapes={"dense": {0: batch}, "pooled": {0: batch}},
         )

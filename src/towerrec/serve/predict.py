@@ -40,7 +40,8 @@ from towerrec.config import DataConfig, load_config
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.data.cache import ColumnStore, open_cache
 from towerrec.data.criteo import CriteoOptions, preprocess_criteo
-from towerrec.data.loader import ColumnSource
+from towerrec.data.dense_transform import DenseMode
+from towerrec.data.loader import ColumnSource, LoaderConfig
 from towerrec.data.movielens import MovieLensConfig, load_movielens
 from towerrec.data.synthetic import SyntheticSource
 from towerrec.serve.artefact import ArtefactError, InferenceArtefact, load_artefact
@@ -64,7 +65,8 @@ def _only_split(store: ColumnStore, split: str) -> ColumnSource:
         raise ValueError(f"the data's {split!r} split has no rows (rows per split: {have})")
     # ColumnSource needs training rows to exist; only its validation batches are read here
     one = dataclasses.replace(store, splits={"train": parts, "validation": parts})
-    return ColumnSource(one)
+    # the values as the cache holds them: the artefact's program applies the run's transform
+    return ColumnSource(one, LoaderConfig(dense=DenseMode.NONE))
 
 
 def _criteo_cache(files: Sequence[Path], artefact: InferenceArtefact, directory: Path) -> Path:
@@ -142,7 +144,9 @@ def open_data(
 def _run_data(artefact: InferenceArtefact, split: str) -> ScoringInput:
     """The run's own data, as its config names it: its validation (or test) split."""
     config = load_config(base=_run_config(artefact))
-    source = build_source(config.data)
+    # the values as the cache holds them: the artefact's program applies the run's transform
+    raw = dataclasses.replace(config.data.loader, dense=DenseMode.NONE)
+    source = build_source(dataclasses.replace(config.data, loader=raw))
     described = f"the run's {_describe(config.data)}, {split} split"
     if split == "validation":
         if isinstance(source, ColumnSource):
