@@ -52,7 +52,7 @@ def test_samples_match_the_csv_files(store):
         {g for m in movies.values() for g in m["genres"].split("|")} - {"(no genres listed)"}
     )
     # Train split in file order (no shuffle): check a spread of samples.
-    source = ColumnSource(store, LoaderConfig(shuffle=False))
+    source = ColumnSource(store, LoaderConfig(dense="none", shuffle=False))
     batch = source.train_batch(0, store.rows("train"))
     picks = [0, 1, 17, 5000, 40_000, store.rows("train") - 1]
     features = batch.sparse.to_dict()
@@ -77,7 +77,7 @@ def test_samples_match_the_csv_files(store):
 
 
 def test_split_is_by_time(store):
-    source = ColumnSource(store, LoaderConfig(shuffle=False))
+    source = ColumnSource(store, LoaderConfig(dense="none", shuffle=False))
     ratings = sorted(int(r["timestamp"]) for r in read_csv("ratings.csv"))
     cut = store.rows("train")
     assert ratings[cut - 1] <= ratings[cut]
