@@ -65,6 +65,13 @@ def test_auto_standardises_every_column_and_logs_the_skewed_non_negative_ones():
     assert t.scale[2] == 1.0 and t.shift[2] == 3.0  # no spread: shifted only
 
 
+def test_the_fitted_transform_is_logged_naming_the_logged_columns(caplog):
+    with caplog.at_level("INFO", logger="towerrec"):
+        ColumnSource(store(), LoaderConfig())
+    assert "dense columns: 4 standardised by 5,001 training rows" in caplog.text
+    assert "log(1 + x) first for column(s) [1]" in caplog.text
+
+
 def test_standard_takes_no_logarithm_and_none_no_transform():
     s = store()
     rows = ColumnSource(s, LoaderConfig(dense="none"))._train

@@ -89,6 +89,15 @@ class DenseTransform:
         dense *= np.asarray(self.scale, dtype=np.float32)
         return dense
 
+    def summary(self, fitted_on: int) -> str:
+        """One line for the run's log: what the model reads of the dense columns."""
+        logged = [j for j, flag in enumerate(self.log) if flag]
+        which = f"log(1 + x) first for column(s) {logged}" if logged else "no logarithm"
+        return (
+            f"dense columns: {self.num_dense} standardised by {fitted_on:,} training rows, "
+            f"{which} (data.loader.dense; 'none' reads them as the cache holds them)"
+        )
+
     def module(self) -> DenseTransformModule:
         """The same map as a torch module (an exported program's first step)."""
         return DenseTransformModule(self)

@@ -18,6 +18,7 @@ order; rank r of w reads rows [r*N/w, (r+1)*N/w).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -27,11 +28,13 @@ import torch
 
 from towerrec.data.batch import Batch
 from towerrec.data.cache import ColumnStore, SplitColumns, Verify
-from towerrec.data.dense_transform import DenseMode, fit_dense_transform
+from towerrec.data.dense_transform import SAMPLE_ROWS, DenseMode, fit_dense_transform
 from towerrec.sparse import KeyedJaggedTensor, can_pin_memory
 from towerrec.utils import at_least, parse_enum, stable_seed
 
 __all__ = ["BLOCK", "VERIFY_ALIASES", "ColumnSource", "LoaderConfig", "SplitRows"]
+
+log = logging.getLogger("towerrec")
 
 BLOCK = 8192
 # How to convert again with a validation split, by the converter that wrote the cache.
@@ -174,6 +177,8 @@ class ColumnSource:
             raise ValueError(_no_eval(store.manifest.get("source")))
         # the dense columns as the model reads them, fitted on the training rows
         self.dense_transform = fit_dense_transform(self._train, self.config.dense)
+        if self.dense_transform is not None:
+            log.info(self.dense_transform.summary(min(self._train.rows, SAMPLE_ROWS)))
         self._epoch_blocks = lru_cache(maxsize=2)(self._make_epoch_blocks)
         self._block_order = lru_cache(maxsize=8)(self._make_block_order)
 
