@@ -13,10 +13,12 @@ defaults lost 0.11 test AUC (docs/benchmarks.md, model quality). ``data.loader.d
     none      the values as the cache holds them
 
 The statistics come from up to ``SAMPLE_ROWS`` training rows, in ``SAMPLE_BLOCKS`` runs
-spread evenly over the split (every row of a smaller split), in float64, so every rank and every resume of a run computes the
-same transform from the same cache. A column with no spread (std 0) is shifted only. The
-transform runs on each batch the loader assembles (train, validation and test alike) and
-is baked into ``towerrec export``'s program, which therefore reads the cache's values.
+spread evenly over the split (every row of a smaller split), in float64, so every rank and
+every resume of a run computes the same transform from the same cache. A column with no
+spread (std 0) is shifted only. The transform runs on each batch the loader assembles
+(train, validation and test alike) and on ``towerrec replay``'s periods
+(``data/registry.py``), and is baked into ``towerrec export``'s program, which therefore
+reads the cache's values.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ def fit_dense_transform(train: DenseRows, mode: DenseMode | str) -> DenseTransfo
         log = (sample.min(axis=0) >= 0) & (skew > SKEWED) & (np.abs(_skewness(logged)) < skew)
         sample[:, log] = logged[:, log]
     mean, std = sample.mean(axis=0), sample.std(axis=0)
-    scale = np.where(std > 0, 1.0 / np.where(std > 0, std, 1.0), 1.0)
+    scale = 1.0 / np.where(std > 0, std, 1.0)  # a column with no spread: 1
     return DenseTransform(
         tuple(bool(v) for v in log),
         tuple(float(np.float32(v)) for v in mean),
