@@ -4,15 +4,26 @@ counter of the bias correction, checkpoint round trips, and the refusals. FBGEMM
 Adam kernels are CUDA-only, and its CPU kernels ignore weight decay: test_cuda.py
 compares the two backends on a GPU."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+import torch.nn.functional as F
 from test_embedding import TABLES, random_batch, train_steps
+from torch import nn
 
 from towerrec.config import config_from_dict
+from towerrec.modules.cached import CachedEmbeddingBagCollection
 from towerrec.modules.embedding_bag import EmbeddingBagCollection
-from towerrec.modules.kernels import Backend, auto_backend
+from towerrec.modules.kernels import Backend, auto_backend, fbgemm_available
 from towerrec.modules.tables import TableConfig
-from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig
+from towerrec.modules.tiers import TierConfig
+from towerrec.optim.sparse import (
+    EmbeddingOptimizer,
+    EmbeddingOptimizerConfig,
+    dense_adam_update,
+    sparse_update,
+)
 from towerrec.sparse import KeyedJaggedTensor
 
 W0 = [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
@@ -195,3 +206,95 @@ def test_auto_backend_for_adam_and_weight_decay():
     assert auto_backend("cpu", "AVX512", True, rowwise, [8], 0.1) is Backend.TORCH
     assert auto_backend("cpu", "AVX512", True, rowwise, [8], 0.0) is Backend.FBGEMM
     assert auto_backend("cuda", "AVX2", True, rowwise, [8], 0.1) is Backend.FBGEMM
+
+
+def _plain_adam_oracle(ebc, batches, grads, weight_decay):
+    """The same steps on plain ``nn.EmbeddingBag``-style tables (dense gradients) under
+    ``torch.optim.AdamW`` (decoupled weight decay; without it, ``torch.optim.Adam``)."""
+    weights = {n: nn.Parameter(w.detach().clone()) for n, w in ebc.table_weights().items()}
+    table_of = {f: t.name for t in TABLES for f in t.feature_names}
+    pooling = {t.name: t.pooling.value for t in TABLES}
+    # AdamW scales its decay by lr; towerrec's decoupled decay is lr * wd * w as well.
+    opt = torch.optim.AdamW(weights.values(), lr=0.05, weight_decay=weight_decay, eps=1e-8)
+    outputs = []
+    for batch, grad in zip(batches, grads):
+        pooled = []
+        for key, jagged in batch.to_dict().items():
+            table = table_of[key]
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), jagged.lengths.cumsum(0)])
+            pooled.append(
+                F.embedding_bag(jagged.values, weights[table], offsets[:-1], mode=pooling[table])
+            )
+        out = torch.cat(pooled, dim=1)
+        opt.zero_grad()
+        out.backward(grad)
+        opt.step()
+        outputs.append(out.detach())
+    return outputs, {n: w.detach() for n, w in weights.items()}
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_dense_adam_matches_torch_adam_on_dense_gradients(weight_decay):
+    """``dense_adam`` moves every row every step, as ``torch.optim.Adam(W)`` does over an
+    ``nn.EmbeddingBag`` with dense gradients: rows a batch misses keep moving on their
+    moments. Lazy ``adam`` leaves them where they are, so the two must differ."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [random_batch(gen, batch=3, max_len=2) for _ in range(8)]  # few rows a step
+    opt = EmbeddingOptimizerConfig(kind="dense_adam", lr=0.05, weight_decay=weight_decay)
+    ebc = EmbeddingBagCollection(TABLES, opt, backend="torch", seed=3)
+    start = {n: w.detach().clone() for n, w in ebc.table_weights().items()}
+    lazy = EmbeddingBagCollection(
+        TABLES, replace(opt, kind=EmbeddingOptimizer.ADAM), backend="torch", seed=3
+    )
+    grads, seen = [], []
+    for i, batch in enumerate(batches):
+        out = ebc(batch).values()
+        seen.append(out.detach().clone())
+        grads.append(torch.randn(out.shape, generator=torch.Generator().manual_seed(i)))
+        out.backward(grads[i])
+        lazy(batch).values().backward(grads[i])
+    fresh = EmbeddingBagCollection(TABLES, opt, backend="torch", seed=3)
+    outputs, expected = _plain_adam_oracle(fresh, batches, grads, weight_decay)
+    for name, weight in ebc.table_weights().items():
+        torch.testing.assert_close(weight, expected[name], rtol=1e-5, atol=1e-6)
+        assert not torch.equal(weight, start[name]), name
+    assert any(
+        not torch.allclose(w, ebc.table_weights()[n]) for n, w in lazy.table_weights().items()
+    )
+    for got, want in zip(seen, outputs):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert int(ebc.optimizer_state_dict()["embedding_bags.a.step"]) == len(batches)
+
+
+def test_dense_adam_refuses_cached_tables_and_fbgemm():
+    opt = EmbeddingOptimizerConfig(kind="dense_adam")
+    with pytest.raises(ValueError, match=r"'dense_adam' moves every row.*memory = 'device'"):
+        config_from_dict({"embedding": {"optimizer": "dense_adam", "memory": "cached"}})
+    tables = {"tables": {"t0": {"memory": "cached"}}}
+    with pytest.raises(ValueError, match=r"'dense_adam' moves every row.*\(t0\)"):
+        config_from_dict({"embedding": {"optimizer": "dense_adam", **tables}})
+    with pytest.raises(ValueError, match=r"'dense_adam' moves every row.*\['a'\]"):
+        CachedEmbeddingBagCollection(TABLES, opt, tiers={"a": TierConfig(memory="cached")})
+    if fbgemm_available():
+        with pytest.raises(ValueError, match="no cpu kernel for embedding optimizer 'dense_adam'"):
+            EmbeddingBagCollection(TABLES, opt, backend="fbgemm")
+    assert EmbeddingBagCollection(TABLES, opt, backend="auto").backend is Backend.TORCH
+
+
+def test_dense_adam_from_unique_rows_equals_the_dense_pass():
+    """``sparse_update`` (the CUDA path: deduplicated rows) and ``dense_adam_update`` (the
+    CPU path: every row's summed gradient) give the same bits."""
+    opt = EmbeddingOptimizerConfig(kind="dense_adam", lr=0.05, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(20, 4, generator=gen)
+    state = {"momentum1": torch.randn(20, 4, generator=gen), "momentum2": torch.rand(20, 4)}
+    rows = torch.tensor([2, 5, 11])
+    grad = torch.randn(3, 4, generator=gen)
+    every_row = torch.zeros(20, 4).index_copy_(0, rows, grad)
+    w2, s2 = weight.clone(), {k: v.clone() for k, v in state.items()}
+    start = weight.clone()
+    sparse_update(opt, weight, state, rows, grad, 0.05, iteration=3)
+    dense_adam_update(opt, w2, s2, every_row, 0.05, 3)
+    assert torch.equal(weight, w2)
+    assert all(torch.equal(state[k], s2[k]) for k in state)
+    assert not torch.equal(weight[0], start[0])  # a row without an id moves on its moments

@@ -155,7 +155,7 @@ def _auto_plan(topology):
 
 def _all_types(topology):
     """Every sharding type and the mixed plan with the default optimizer (row-wise
-    Adagrad) on both kernels; the mixed plan also with SGD and Adagrad."""
+    Adagrad) on both kernels; the mixed plan also with SGD, Adagrad and dense Adam."""
     results = {
         f"bytes_{name}": _measured_and_expected_bytes(topology, wire)
         for name, wire in (("default", IdWire()), ("dedup", DEDUP), ("plain", PLAIN))
@@ -184,6 +184,8 @@ def _all_types(topology):
     results["auto_plan"] = _auto_plan(topology)
     results["mixed_sgd"] = _golden(topology, mixed, "sgd", "torch", False, 7)
     results["mixed_adagrad"] = _golden(topology, mixed, "adagrad", "fbgemm", True, 8)
+    # Every row moves every step, on shards whose rows the batch misses too.
+    results["mixed_dense_adam"] = _golden(topology, mixed, "dense_adam", "torch", True, 12)
     return results
 
 

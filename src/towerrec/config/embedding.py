@@ -67,7 +67,8 @@ class EmbeddingConfig:
     md_round_to: int = 4  # FBGEMM kernels need dims that are multiples of 4
     counter_halflife: float = 0.0  # cf_sgd: steps for a row's count to halve; 0 = no decay
     adam_betas: tuple[float, float] = (0.9, 0.999)  # adam, partial_rowwise_adam
-    # Of the rows a batch touches: rowwise_adagrad (decoupled or l2), adam (decoupled).
+    # Of the rows a batch touches: rowwise_adagrad (decoupled or l2), adam (decoupled); of
+    # every row: dense_adam (decoupled).
     weight_decay: float = 0.0
     weight_decay_mode: WeightDecayMode = WeightDecayMode.DECOUPLED
     # Memory tier (modules/cached.py): device | cached (a cache over a backing store). These
@@ -110,7 +111,16 @@ class EmbeddingConfig:
         check_init_scale(self.init_scale, "embedding.init_scale")
         self._check_init_scales()
         self.compact()
-        self.tiers()
+        tiers = self.tiers()
+        cached = [t for t, tier in tiers.tables.items() if tier.asks_for_cache]
+        if tiers.default.asks_for_cache:
+            cached = ["every table"]
+        if self.optimizer is EmbeddingOptimizer.DENSE_ADAM and cached:
+            raise ValueError(
+                "embedding.optimizer = 'dense_adam' moves every row of a table every step, "
+                f"but memory = 'cached' keeps most rows outside memory ({', '.join(cached)}): "
+                "use 'adam' (the rows a batch touches), or memory = 'device'"
+            )
         at_least("embedding.counter_halflife", self.counter_halflife, 0)
         if len(self.adam_betas) != 2:
             raise ValueError(

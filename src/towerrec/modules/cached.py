@@ -81,7 +81,7 @@ from towerrec.modules.tiers import (
     background_on,
     mapped_reads_on,
 )
-from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.optim.sparse import EmbeddingOptimizer, EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.utils import parse_enum
 
@@ -133,6 +133,14 @@ class CachedEmbeddingBagCollection(FusedEmbeddingCollection):
             )
         self.placements = {t.name: placements[t.name] for t in self.tables}
         self.cache_rows = {n: p.cache_rows for n, p in self.placements.items() if p.is_cached}
+        dense_adam = optimizer is not None and optimizer.kind is EmbeddingOptimizer.DENSE_ADAM
+        if self.cache_rows and dense_adam:
+            raise ValueError(
+                f"embedding optimizer 'dense_adam' moves every row of a table every step, but "
+                f"table(s) {sorted(self.cache_rows)} keep most rows outside memory "
+                "(memory = 'cached'): use 'adam' (the rows a batch touches), or keep the "
+                "tables in memory (memory = 'device')"
+            )
         inner_tables = [
             replace(t, num_embeddings=self.cache_rows[t.name]) if t.name in self.cache_rows else t
             for t in self.tables

@@ -10,12 +10,18 @@ same arithmetic as FBGEMM's fused CPU/CUDA kernels:
     adam              m1[r] = b1 m1[r] + (1 - b1) g[r]    m2[r] = b2 m2[r] + (1 - b2) g[r]^2
                       w[r] -= lr * (m1[r] / (1 - b1^t) / (sqrt(m2[r] / (1 - b2^t)) + eps) + wd w[r])
     partial_rowwise_adam   as adam, with one m2[r] per row: b2 m2[r] + (1 - b2) mean_j g[r, j]^2
+    dense_adam        adam over every row of the table every step, g[r] = 0 where the batch
+                      has no id r (its moments decay, its weight keeps moving): what
+                      ``torch.optim.Adam`` does to an ``nn.Embedding`` with dense gradients
     cf_sgd            counter-based frequency-aware SGD, see ``optim/counter.py``
                       (no FBGEMM CPU kernel: the torch kernel path only)
 
 ``t`` is the kernel's step (``step`` in the state): its training lookups so far,
-this one included, as FBGEMM's ``iter``; only the rows a batch touches are
-updated (their moments do not decay while they are not looked up). Weight
+this one included, as FBGEMM's ``iter``; except under dense_adam, only the rows a
+batch touches are updated (their moments do not decay while they are not looked up;
+FBGEMM's and TensorFlow's "lazy" Adam). dense_adam costs a pass over every row of
+the table a step, so it suits tables of up to millions of rows; on small tables it
+can generalise better than lazy Adam (docs/benchmarks.md, "Model quality"). Weight
 decay (``wd``): Adam's is decoupled, as in FBGEMM's kernels; row-wise Adagrad
 takes either mode of FBGEMM's ``weight_decay_mode``:
 
@@ -46,6 +52,7 @@ __all__ = [
     "EmbeddingOptimizer",
     "EmbeddingOptimizerConfig",
     "WeightDecayMode",
+    "dense_adam_update",
     "dense_rowwise_update",
     "dense_update_applies",
     "l2_gradient",
@@ -67,6 +74,7 @@ class EmbeddingOptimizer(StrEnum):
     CF_SGD = "cf_sgd"
     ADAM = "adam"
     PARTIAL_ROWWISE_ADAM = "partial_rowwise_adam"
+    DENSE_ADAM = "dense_adam"
 
     @property
     def is_rowwise(self) -> bool:
@@ -76,7 +84,7 @@ class EmbeddingOptimizer(StrEnum):
     def state_shapes(self, num_embeddings: int, embedding_dim: int) -> dict[str, tuple[int, ...]]:
         """Optimizer state tensors kept per table, by canonical name: ``[rows]`` row-wise,
         ``[rows, dim]`` per element, ``()`` the kernel's step (shared by its tables)."""
-        if self is EmbeddingOptimizer.ADAM:
+        if self in (EmbeddingOptimizer.ADAM, EmbeddingOptimizer.DENSE_ADAM):
             shape = (num_embeddings, embedding_dim)
             return {"momentum1": shape, "momentum2": shape, "step": ()}
         if self is EmbeddingOptimizer.PARTIAL_ROWWISE_ADAM:
@@ -102,6 +110,7 @@ class WeightDecayMode(StrEnum):
 _WEIGHT_DECAY_MODES = {
     EmbeddingOptimizer.ROWWISE_ADAGRAD: (WeightDecayMode.DECOUPLED, WeightDecayMode.L2),
     EmbeddingOptimizer.ADAM: (WeightDecayMode.DECOUPLED,),
+    EmbeddingOptimizer.DENSE_ADAM: (WeightDecayMode.DECOUPLED,),
     EmbeddingOptimizer.PARTIAL_ROWWISE_ADAM: (WeightDecayMode.DECOUPLED,),
 }
 
@@ -180,6 +189,10 @@ def sparse_update(
         m = momentum.index_select(0, rows).add_(grad.square())
         momentum.index_copy_(0, rows, m)
         step = grad * lr / m.sqrt_().add_(opt.eps)
+    elif kind is EmbeddingOptimizer.DENSE_ADAM:
+        every_row = torch.zeros_like(weight).index_copy_(0, rows, grad)
+        dense_adam_update(opt, weight, state, every_row, lr, iteration)
+        return
     elif kind is EmbeddingOptimizer.ADAM:
         w = weight.index_select(0, rows)
         m1 = _moving_average(state["momentum1"], rows, grad, opt.beta1)
@@ -222,6 +235,24 @@ def dense_rowwise_update(
     result of ``rowwise_update`` on the touched rows alone (module doc)."""
     momentum = state["momentum1"].add_(grad.square().mean(dim=1))
     weight.sub_(grad.mul_((lr / momentum.sqrt().add_(opt.eps)).unsqueeze(1)))
+
+
+def dense_adam_update(
+    opt: EmbeddingOptimizerConfig,
+    weight: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    grad: torch.Tensor,
+    lr: float,
+    iteration: int,
+) -> None:
+    """dense_adam (module doc): Adam over every row of ``weight [R, D]`` given every row's
+    summed gradient ``grad [R, D]`` (0 where the batch has no id; overwritten)."""
+    m1 = state["momentum1"].mul_(opt.beta1).add_(grad, alpha=1 - opt.beta1)
+    m2 = state["momentum2"].mul_(opt.beta2).addcmul_(grad, grad, value=1 - opt.beta2)
+    bias1, bias2 = 1 - opt.beta1**iteration, 1 - opt.beta2**iteration
+    denominator = torch.div(m2, bias2, out=grad).sqrt_().add_(opt.eps)
+    step = torch.div(m1, denominator, out=denominator).div_(bias1)
+    weight.sub_(step.add_(weight, alpha=opt.weight_decay).mul_(lr))
 
 
 def _moving_average(

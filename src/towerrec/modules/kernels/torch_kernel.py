@@ -35,6 +35,7 @@ from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import (
     EmbeddingOptimizer,
     EmbeddingOptimizerConfig,
+    dense_adam_update,
     dense_rowwise_update,
     dense_update_applies,
     sparse_update,
@@ -284,6 +285,11 @@ class TorchKernel(EmbeddingKernel):
             rows = self.weight.shape[0]
             summed = dense_gradient(ids, offsets, weights, grad, self.pooling, rows, features)
             dense_rowwise_update(self.optimizer, self.weight, self.state, summed, self.lr)
+            return
+        if self.optimizer.kind is EmbeddingOptimizer.DENSE_ADAM and not ids.is_cuda:
+            rows = self.weight.shape[0]  # every row moves: no dedup (optim/sparse.py)
+            summed = dense_gradient(ids, offsets, weights, grad, self.pooling, rows, features)
+            dense_adam_update(self.optimizer, self.weight, self.state, summed, self.lr, iteration)
             return
         if self._native_rowwise(grad, weights):
             self._native_rowwise_update(ids, offsets, weights, grad)
