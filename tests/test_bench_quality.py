@@ -14,7 +14,12 @@ from conftest import run_cli
 
 from towerrec.bench import quality_models, quality_reference
 from towerrec.bench.quality import _architecture, _best_of_each, _reference_architecture
-from towerrec.bench.quality_data import plain_data, raw_units, write_synthetic_cache
+from towerrec.bench.quality_data import (
+    plain_data,
+    raw_units,
+    unseen_id_rows,
+    write_synthetic_cache,
+)
 from towerrec.bench.quality_models import Architecture, Bag, PlainData, build_reference_model
 from towerrec.bench.quality_reference import (
     RECIPES,
@@ -486,3 +491,29 @@ def test_synthetic_raw_holds_the_dense_columns_in_units_of_their_own(tmp_path):
     # towerrec's loader reads them standardised, the skewed amounts logged first
     source = build_source(load_config(None, at).data)
     assert source.dense_transform is not None and all(source.dense_transform.log)
+
+
+def test_unseen_id_rows_against_python_sets():
+    """The share of held-out rows with an id absent from training, per feature, against
+    sets: one-hot, multi-hot with empty bags, and a feature whose every id was seen."""
+    gen = np.random.default_rng(0)
+
+    def data(rows, names_sizes):
+        bags, lists = [], {}
+        for name, size in names_sizes:
+            lengths = gen.integers(0, 3, rows) if name == "multi" else np.ones(rows, int)
+            values = gen.integers(0, size, int(lengths.sum()))
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            bags.append(Bag(torch.from_numpy(values), torch.from_numpy(offsets), size, name))
+            lists[name] = [values[offsets[i] : offsets[i + 1]].tolist() for i in range(rows)]
+        return PlainData(torch.zeros(rows, 0), torch.zeros(rows), tuple(bags)), lists
+
+    features = [("one", 500), ("multi", 300), ("small", 4)]
+    train, train_lists = data(200, features)
+    held, held_lists = data(150, features)
+    got = unseen_id_rows(train, held)
+    for name, _ in features:
+        seen = {i for ids in train_lists[name] for i in ids}
+        expected = np.mean([any(i not in seen for i in ids) for ids in held_lists[name]])
+        assert got[name] == round(float(expected), 4), name
+    assert 0 < got["one"] < 1 and 0 < got["multi"] < 1 and got["small"] == 0.0

@@ -61,6 +61,7 @@ from towerrec.bench.quality_data import (
     criteo_cache,
     movielens_overrides,
     plain_data,
+    unseen_id_rows,
     write_synthetic_cache,
 )
 from towerrec.bench.quality_models import Architecture, PlainData
@@ -433,6 +434,12 @@ def _evaluate_data_set(data_set: DataSet, settings: QualitySettings, root: Path)
         "validation_rows": data[1].rows,
         "test_rows": data[2].rows if data[2] is not None else 0,
         "test_split": "test" if data[2] is not None else "validation (the data has no test split)",
+        # per feature: the share of held-out rows with an id no training row has
+        "unseen_id_rows": {
+            split: unseen_id_rows(data[0], rows)
+            for split, rows in (("validation", data[1]), ("test", data[2]))
+            if rows is not None
+        },
         "models": {},
     }
     for model in settings.models:

@@ -58,6 +58,7 @@ __all__ = [
     "DataSet",
     "plain_data",
     "raw_units",
+    "unseen_id_rows",
     "write_synthetic_cache",
 ]
 
@@ -99,8 +100,8 @@ class DataSet:
 # ------------------------------------------------------------------ plain tensors
 def _plain(batch: Batch, sizes: list[int], scaler: tuple[torch.Tensor, torch.Tensor]) -> PlainData:
     bags = []
-    for (_, jagged), size in zip(batch.sparse.to_dict().items(), sizes):
-        bags.append(Bag(jagged.values.long(), jagged.offsets(), size))
+    for (name, jagged), size in zip(batch.sparse.to_dict().items(), sizes):
+        bags.append(Bag(jagged.values.long(), jagged.offsets(), size, name))
     mean, std = scaler
     return PlainData((batch.dense.float() - mean) / std, batch.labels.float(), tuple(bags))
 
@@ -129,6 +130,22 @@ def plain_data(config: Config) -> tuple[PlainData, PlainData, PlainData | None]:
         _plain(valid, sizes, scaler),
         None if test is None else _plain(test, sizes, scaler),
     )
+
+
+def unseen_id_rows(train: PlainData, held_out: PlainData) -> dict[str, float]:
+    """Per feature (by name), the share of ``held_out``'s rows with an id that no training row has:
+    rows the models can only meet with an untrained embedding row (its initial value). On
+    a split by time these are the users and items that arrived after the training period."""
+    shares = {}
+    for seen_bag, bag in zip(train.bags, held_out.bags, strict=True):
+        seen = torch.zeros(bag.num_embeddings, dtype=torch.bool)
+        seen[seen_bag.values] = True
+        running = torch.cat(
+            [torch.zeros(1, dtype=torch.long), (~seen[bag.values]).long().cumsum(0)]
+        )
+        per_row = running[bag.offsets[1:]] - running[bag.offsets[:-1]]  # unseen ids a row
+        shares[bag.name] = round(float((per_row > 0).double().mean()), 4)
+    return shares
 
 
 def _standard_scaler(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ class Bag:
     values: torch.Tensor
     offsets: torch.Tensor
     num_embeddings: int
+    name: str = ""  # the feature's
 
 
 @dataclass(frozen=True)
