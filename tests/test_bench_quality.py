@@ -517,3 +517,21 @@ def test_unseen_id_rows_against_python_sets():
         expected = np.mean([any(i not in seen for i in ids) for ids in held_lists[name]])
         assert got[name] == round(float(expected), 4), name
     assert 0 < got["one"] < 1 and 0 < got["multi"] < 1 and got["small"] == 0.0
+
+
+def test_fuxictr_rows_on_sparse_adam():
+    """``--fuxictr-embedding-optimizer sparse_adam``: the looked-up rows alone, and
+    without the L2 (it needs dense gradients) unless one is asked, which is refused."""
+    import argparse
+
+    from towerrec.bench.quality import _add_arguments, _recipes
+
+    parser = argparse.ArgumentParser()
+    _add_arguments(parser)
+    (fuxictr,) = _recipes(parser.parse_args(["--recipes", "fuxictr"]))
+    assert (fuxictr.embedding_optimizer, fuxictr.embedding_l2) == ("adam", 1e-6)
+    args = ["--recipes", "fuxictr", "--fuxictr-embedding-optimizer", "sparse_adam"]
+    (lazy,) = _recipes(parser.parse_args(args))
+    assert (lazy.embedding_optimizer, lazy.embedding_l2) == ("sparse_adam", 0.0)
+    with pytest.raises(ValueError, match="sparse_adam takes sparse gradients only"):
+        _recipes(parser.parse_args([*args, "--fuxictr-l2", "1e-6"]))

@@ -626,6 +626,13 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"its embedding init std (default {fuxictr.init.std})",
     )
     add(
+        "--fuxictr-embedding-optimizer",
+        choices=("adam", "sparse_adam"),
+        help=f"its rows' Adam: on dense gradients, every row every step (default "
+        f"{fuxictr.embedding_optimizer}), or sparse_adam, the looked-up rows alone (as "
+        "towerrec's adam; without the L2, which needs dense gradients)",
+    )
+    add(
         "--torchrec-embedding-optimizer",
         choices=("rowwise_adagrad", "adagrad", "sgd"),
         help=f"its row optimizer (default {torchrec.embedding_optimizer})",
@@ -642,9 +649,12 @@ def _recipes(args: argparse.Namespace) -> tuple[Recipe, ...]:
     fuxictr = RECIPES["fuxictr"]
     if args.fuxictr_init_std is not None:
         fuxictr = replace(fuxictr, init=replace(fuxictr.init, std=args.fuxictr_init_std))
+    if args.fuxictr_embedding_optimizer == "sparse_adam" and args.fuxictr_l2 is None:
+        fuxictr = replace(fuxictr, embedding_l2=0.0)  # an L2 needs dense gradients
     changed = {
         "fuxictr": with_overrides(
             fuxictr,
+            embedding_optimizer=args.fuxictr_embedding_optimizer,
             patience=args.patience,
             dense_lr=args.fuxictr_lr,
             embedding_lr=args.fuxictr_lr,
