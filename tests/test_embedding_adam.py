@@ -105,7 +105,7 @@ def test_rowwise_adagrad_weight_decay_by_hand(mode):
     torch.testing.assert_close(ebc.table_weights()["t"][0], torch.tensor(W0[0]))  # untouched
 
 
-@pytest.mark.parametrize("kind", ["adam", "partial_rowwise_adam"])
+@pytest.mark.parametrize("kind", ["adam", "partial_rowwise_adam", "dense_adam"])
 def test_checkpoint_round_trip_resumes_exactly(kind):
     """3 steps, state saved and loaded into a fresh collection, 3 more: the same as 6."""
     opt = EmbeddingOptimizerConfig(kind=kind, lr=0.05, weight_decay=0.01)
