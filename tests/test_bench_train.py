@@ -227,7 +227,7 @@ def test_the_default_row_runs_the_kernel_auto_measured(monkeypatch, tmp_path):
     seconds = {"torch": 1.0, "fbgemm": 3.0}  # injected: torch "measured" faster
     monkeypatch.setattr(
         choices,
-        "time_backends",
+        "time_backend_steps",
         lambda workload, backends, **_: {b: seconds[b.value] for b in backends},
     )
     # injected: the two precisions equal, so auto keeps fp32 (where the CPU has bf16 units)

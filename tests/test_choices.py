@@ -74,7 +74,7 @@ def measuring(monkeypatch, tmp_path, one_thread):
 
 def _fake_backends(monkeypatch, **seconds: float) -> FakeTimer:
     timer = FakeTimer(seconds)
-    monkeypatch.setattr(choices, "time_backends", timer.backends)
+    monkeypatch.setattr(choices, "time_backend_steps", timer.backends)
     return timer
 
 
@@ -112,7 +112,7 @@ def test_a_forced_backend_wins_over_the_measurement(monkeypatch, measuring):
 
 def test_without_measurement_auto_follows_the_flag_rule(monkeypatch, tmp_path):
     monkeypatch.setenv("TOWERREC_MEASURE", "0")
-    monkeypatch.setattr(choices, "time_backends", None)  # never called
+    monkeypatch.setattr(choices, "time_backend_steps", None)  # never called
     config = _config("train.precision=auto")
     resolved, _ = resolve_choices(config, _schema(config), CPU, cache=ChoiceCache(tmp_path))
     assert resolved.embedding.backend is not Backend.AUTO
@@ -316,6 +316,28 @@ def test_real_timing_of_a_tiny_workload_gives_a_time_per_kernel(one_thread):
     assert stats.wall_s > 0 and stats.cpu_s > 0
 
 
+def test_real_timing_of_whole_steps_gives_a_time_per_kernel(one_thread):
+    """The kernel choice times the run's model, its tables at the workload's timed rows."""
+    config = _config("model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "train.batch_size=16")
+    schema = _schema(config)
+    workload = choices.kernel_workload(config, schema, CPU, 16)
+    backends = supported_backends(workload)
+    inputs, timed = choices._kernel_timing_inputs(config, schema, workload, backends[-1])
+    assert inputs.embedding.backend is backends[-1]
+    assert [f.num_embeddings for f in timed.sparse] == workload.timed_rows()
+    stats = TimingStats()
+    rounds = choices.TimingRounds(steps=2, warmup=1, timed_s=0.0, max_steps=2, block=1)
+    seconds = choices.time_backend_steps(
+        workload, backends, config=config, schema=schema, stats=stats, rounds=rounds
+    )
+    assert set(seconds) == set(backends)
+    assert all(0 < s < math.inf for s in seconds.values())
+    assert {b.value: min(stats.steps[b.value]) for b in backends} == {
+        b.value: s for b, s in seconds.items()
+    }
+    assert all(len(stats.steps[b.value]) == 2 for b in backends)  # two rounds, no more
+
+
 def test_large_tables_are_timed_at_a_proportional_share():
     workload = KernelWorkload(
         (10_000_000, 1_000_000, 10), (16,) * 3, (1.0,) * 3, 8, Pooling.SUM,
@@ -373,7 +395,16 @@ def test_every_rank_runs_rank_0s_choice(monkeypatch, measuring, tmp_path):
 def test_bench_choice_compares_the_auto_kernel_with_the_forced_ones(one_thread):
     from towerrec.bench.choice import choice_benchmark
 
-    result = choice_benchmark({"tiny": ((50, 70), (1.0, 2.0))}, batch_size=8, steps=2, dim=8)
+    tiny = {
+        "num_dense": 3,
+        "num_tables": 2,
+        "num_embeddings": [50, 70],
+        "pooling_factors": [1, 2],
+        "embedding_dim": 8,
+        "bottom_mlp": [8, 8],
+        "top_mlp": [8, 1],
+    }
+    result = choice_benchmark({"tiny": tiny}, batch_size=8, steps=2)
     row = result["tiny"]
     assert row["auto"] in row["forced_ms"] and row["best_forced"] in row["forced_ms"]
     assert set(row["auto_ms"]) == set(row["forced_ms"]) and row["auto_over_best"] >= 1.0
@@ -443,7 +474,7 @@ def test_a_kernel_timing_whose_steps_disagree_is_not_cached(monkeypatch, measuri
     # a loaded machine: torch looked faster, but its own steps varied 3x
     steps = {"torch": [0.312, 0.9, 0.95], "fbgemm": [0.548, 0.55, 0.56]}
     timer = ClockedTimer({"torch": 0.312, "fbgemm": 0.548}, 1.0, 1.0, steps)
-    monkeypatch.setattr(choices, "time_backends", timer.backends)
+    monkeypatch.setattr(choices, "time_backend_steps", timer.backends)
     config = _config()
     resolved, made = resolve_choices(config, _schema(config), CPU)
     assert resolved.embedding.backend is Backend.TORCH  # this run uses what it measured

@@ -2,61 +2,49 @@
 
 For each shape (the Criteo-Kaggle one of ``bench train``: 26 tables of 100,000 rows at
 dim 16, one id per table; the planted data's nine small tables), the measurement that
-``auto`` runs (``modules/kernel_timing.py``'s ``time_backends`` with its defaults: the
-first use's choice, and how long it took) and then a longer round-robin timing of every
-kernel that can run the shape, forced (``--steps`` steps each, the fastest kept). The
-target: the auto choice's step at most 1.05x the best forced one's (``auto_over_best``).
-With ``--threads 1`` (default) steps are timed in CPU seconds of this process, so other
-tenants of a busy machine count less.
+``auto`` runs (``build/choices.py``'s ``time_backend_steps`` with its defaults: whole
+training steps of the shape's DLRM in fp32 on each kernel, the first use's choice, and
+how long it took) and then a longer round-robin timing of the same steps on every
+kernel that can run the shape, forced (``--steps`` rounds of ``PRECISION_BLOCK`` steps,
+the fastest kept, no time budget). The target: the auto choice's step at most 1.05x the
+best forced one's (``auto_over_best``). With ``--threads 1`` (default) steps are timed
+in CPU seconds of this process, so other tenants of a busy machine count less.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
 
 from towerrec.bench.common import Benchmark
-from towerrec.bench.train import CRITEO_SHAPE, PLANTED_SHAPE
+from towerrec.bench.train import CRITEO_SHAPE, PLANTED_SHAPE, shape_inputs
+from towerrec.build.choices import TimingRounds, kernel_workload, time_backend_steps
 from towerrec.hardware import cpu_flags, cpu_model
-from towerrec.modules.kernel_timing import KernelWorkload, supported_backends, time_backends
-from towerrec.modules.tables import Pooling
-from towerrec.optim.sparse import EmbeddingOptimizerConfig
+from towerrec.modules.kernel_timing import supported_backends
 
 __all__ = ["BENCHMARK", "SHAPES", "choice_benchmark"]
 
-SHAPES: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {
-    "criteo_kaggle": (
-        (CRITEO_SHAPE["num_embeddings"],) * CRITEO_SHAPE["num_tables"],
-        (1.0,) * CRITEO_SHAPE["num_tables"],
-    ),
-    "planted": (
-        tuple(PLANTED_SHAPE["num_embeddings"]),
-        tuple(float(p) for p in PLANTED_SHAPE["pooling_factors"]),
-    ),
-}
+SHAPES: dict[str, dict] = {"criteo_kaggle": CRITEO_SHAPE, "planted": PLANTED_SHAPE}
 
 
-def choice_benchmark(
-    shapes: dict[str, tuple[tuple[int, ...], tuple[float, ...]]],
-    batch_size: int,
-    steps: int,
-    dim: int = 16,
-) -> dict:
+def choice_benchmark(shapes: dict[str, dict], batch_size: int, steps: int) -> dict:
     """Per shape: the auto measurement's times, choice and duration, the forced kernels'
     longer timing, and the auto choice's time over the best forced one's."""
     result: dict = {}
-    for name, (rows, factors) in shapes.items():
-        workload = KernelWorkload(
-            rows, (dim,) * len(rows), factors, batch_size, Pooling.SUM, EmbeddingOptimizerConfig()
-        )
+    device = torch.device("cpu")
+    for name, shape in shapes.items():
+        config, schema = shape_inputs(shape, batch_size)
+        workload = kernel_workload(config, schema, device, batch_size)
         backends = supported_backends(workload)
         start = time.perf_counter()
-        quick = time_backends(workload, backends)
+        quick = time_backend_steps(workload, backends, config=config, schema=schema)
         took = time.perf_counter() - start
         auto = min(quick, key=quick.__getitem__)
-        forced = time_backends(workload, backends, steps=steps, seed=1, budget_s=float("inf"))
+        longer = TimingRounds(steps=steps, timed_s=0.0, max_steps=steps, budget_s=math.inf)
+        forced = time_backend_steps(workload, backends, config=config, schema=schema, rounds=longer)
         best = min(forced, key=forced.__getitem__)
         result[name] = {
             "auto": auto.value,
@@ -71,7 +59,9 @@ def choice_benchmark(
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=30, help="forced-kernel steps per kernel")
+    parser.add_argument(
+        "--steps", type=int, default=30, help="forced rounds per kernel (4 steps a round)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
 
 

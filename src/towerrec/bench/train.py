@@ -46,7 +46,7 @@ from towerrec.bench.train_report import (
     roofline_fields,
 )
 from towerrec.build.choices import Choice, resolve_choices
-from towerrec.config import load_config
+from towerrec.config import Config, load_config
 from towerrec.data.batch import Batch, DataSchema, SparseFeature
 from towerrec.hardware import VECTOR_FLAG_PREFIXES, cpu_flags
 from towerrec.models.dlrm import DLRM
@@ -67,6 +67,7 @@ __all__ = [
     "make_batches",
     "run_train_benchmark",
     "selected_backends",
+    "shape_inputs",
 ]
 
 CRITEO_SHAPE: dict[str, Any] = {
@@ -142,10 +143,8 @@ def selected_backends(backends: str, results: dict) -> list[str]:
     return chosen
 
 
-def default_choices(shape: dict, batch_size: int) -> dict[str, Choice]:
-    """What ``towerrec train`` at its defaults picks for a DLRM of ``shape``: the
-    embedding kernel (``embedding.backend = auto``: measured, or read from the choice
-    cache) and the precision (``train.precision``'s default, resolved when ``auto``)."""
+def shape_inputs(shape: dict, batch_size: int) -> tuple[Config, DataSchema]:
+    """The default config and a schema for a DLRM of ``shape`` at ``batch_size``."""
     config = load_config(
         overrides=[
             f"model.embedding_dim={shape['embedding_dim']}",
@@ -161,6 +160,14 @@ def default_choices(shape: dict, batch_size: int) -> dict[str, Choice]:
             for i, (rows, factor) in enumerate(zip(table_rows(shape), pooling_factors(shape)))
         ),
     )
+    return config, schema
+
+
+def default_choices(shape: dict, batch_size: int) -> dict[str, Choice]:
+    """What ``towerrec train`` at its defaults picks for a DLRM of ``shape``: the
+    embedding kernel (``embedding.backend = auto``: measured, or read from the choice
+    cache) and the precision (``train.precision``'s default, resolved when ``auto``)."""
+    config, schema = shape_inputs(shape, batch_size)
     resolved, choices = resolve_choices(config, schema, torch.device("cpu"))
     backend = choices.get("backend") or Choice(resolved.embedding.backend.value, "forced", "")
     precision = choices.get("precision") or Choice(resolved.train.precision, "forced", "")
