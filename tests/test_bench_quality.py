@@ -15,6 +15,7 @@ from conftest import run_cli
 from towerrec.bench import quality_models, quality_reference
 from towerrec.bench.quality import _architecture, _best_of_each, _reference_architecture
 from towerrec.bench.quality_data import (
+    movielens_overrides,
     plain_data,
     raw_units,
     unseen_id_rows,
@@ -535,3 +536,21 @@ def test_fuxictr_rows_on_sparse_adam():
     assert (lazy.embedding_optimizer, lazy.embedding_l2) == ("sparse_adam", 0.0)
     with pytest.raises(ValueError, match="sparse_adam takes sparse gradients only"):
         _recipes(parser.parse_args([*args, "--fuxictr-l2", "1e-6"]))
+
+
+def test_towerrec_side_runs_at_the_references_threads(monkeypatch, tmp_path):
+    """towerrec's runs take ``--threads`` as the references do (not the machine's cores),
+    so that their bits do not depend on the machine."""
+    from towerrec.bench import quality
+
+    seen = {}
+
+    def fake_train(config, out, hooks):
+        seen["threads"] = config.train.threads
+        return {"num_dense_params": 1}
+
+    monkeypatch.setattr(quality, "train", fake_train)
+    overrides = list(movielens_overrides(None, ""))
+    config = load_config(None, overrides)
+    quality._towerrec_run(config, 1000, 0, tmp_path, "label", 3)
+    assert seen["threads"] == 3

@@ -238,7 +238,11 @@ def _metrics(record: dict[str, Any]) -> dict[str, float]:
     return {"auc": float(record["auc"]), "logloss": float(record["logloss"])}
 
 
-def _towerrec_run(config: Config, train_rows: int, seed: int, root: Path, label: str) -> dict:
+def _towerrec_run(
+    config: Config, train_rows: int, seed: int, root: Path, label: str, threads: int
+) -> dict:
+    """One towerrec run at ``threads`` intra-op threads, the references' (``--threads``):
+    its bits then do not depend on the machine's cores."""
     run_config = replace(
         config,
         train=replace(
@@ -247,7 +251,7 @@ def _towerrec_run(config: Config, train_rows: int, seed: int, root: Path, label:
             seed=seed,
             progress=False,
             device="cpu",
-            threads=0,
+            threads=threads,
         ),
         data=replace(config.data, loader=replace(config.data.loader, seed=seed)),
     )
@@ -449,7 +453,14 @@ def _evaluate_data_set(data_set: DataSet, settings: QualitySettings, root: Path)
         sides = {
             "towerrec": _side(
                 [
-                    _towerrec_run(model_config, data[0].rows, s, root, label("towerrec", s))
+                    _towerrec_run(
+                        model_config,
+                        data[0].rows,
+                        s,
+                        root,
+                        label("towerrec", s),
+                        settings.threads,
+                    )
                     for s in seeds
                 ],
                 _architecture(model_config),
