@@ -102,6 +102,16 @@ def test_auto_backend_is_the_faster_kernel_and_is_measured_once(monkeypatch, mea
 
 
 @needs_fbgemm
+def test_the_kernel_is_measured_again_for_another_model(monkeypatch, measuring):
+    """Whole steps are timed, so the choice is kept per model as well as per tables."""
+    timer = _fake_backends(monkeypatch, torch=1.0, fbgemm=2.0)
+    for name in ("dlrm", "dcn", "dlrm"):
+        config = _config(f"model.name={name}")
+        resolve_choices(config, _schema(config), CPU)
+    assert timer.calls == 2
+
+
+@needs_fbgemm
 def test_a_forced_backend_wins_over_the_measurement(monkeypatch, measuring):
     timer = _fake_backends(monkeypatch, torch=1.0, fbgemm=9.0)
     config = _config("embedding.backend=fbgemm", "train.precision=fp32")  # nothing left to time

@@ -72,7 +72,7 @@ from towerrec.build.choice_cache import ChoiceCache
 from towerrec.build.models import build_model, build_tables
 from towerrec.build.ranks import on_first_rank
 from towerrec.build.towers import LEARNED_PARTITIONS
-from towerrec.config import Config, EmbeddingConfig
+from towerrec.config import Config, EmbeddingConfig, ModelConfig
 from towerrec.data.batch import Batch, DataSchema
 from towerrec.hardware import bf16_units, machine_key
 from towerrec.modules.kernel_timing import (
@@ -229,13 +229,29 @@ def choose_backend(
         seconds = time_backend_steps(workload, backends, config=config, schema=schema, stats=stats)
         return {b.value: s for b, s in seconds.items()}
 
-    key = {**workload.describe(), "threads": torch.get_num_threads()}
+    key = {  # the whole step is timed: its model is part of the workload
+        **workload.describe(),
+        "model": dataclasses.asdict(_fixed_partition(config)),
+        "num_dense": schema.num_dense,
+        "threads": torch.get_num_threads(),
+    }
     return _pick(
         "backend", device, key, candidates, measure, lambda s: min(s, key=s.__getitem__), cache
     )
 
 
 # ------------------------------------------------------------------ precision
+def _fixed_partition(config: Config) -> ModelConfig:
+    """The run's model with a DMT's learned partition replaced by a fixed one (a timing
+    has no pilot run to learn it from)."""
+    model = config.model
+    if model.dmt.partition in LEARNED_PARTITIONS:
+        model = dataclasses.replace(
+            model, dmt=dataclasses.replace(model.dmt, partition="contiguous")
+        )
+    return model
+
+
 def _timing_inputs(config: Config, schema: DataSchema) -> tuple[Config, DataSchema]:
     """The run's config and schema with small full tables (the dense part unchanged) and a
     DMT's learned partition replaced by a fixed one (no pilot run to time)."""
@@ -250,11 +266,7 @@ def _timing_inputs(config: Config, schema: DataSchema) -> tuple[Config, DataSche
     embedding = EmbeddingConfig(
         backend=Backend.TORCH, optimizer=emb.optimizer, lr=emb.lr, pooling=emb.pooling
     )
-    model = config.model
-    if model.dmt.partition in LEARNED_PARTITIONS:
-        dmt = dataclasses.replace(model.dmt, partition="contiguous")
-        model = dataclasses.replace(model, dmt=dmt)
-    return dataclasses.replace(config, embedding=embedding, model=model), small
+    return dataclasses.replace(config, embedding=embedding, model=_fixed_partition(config)), small
 
 
 def _random_batch(
@@ -405,12 +417,7 @@ def _kernel_timing_inputs(
         weight_decay=emb.weight_decay,
         weight_decay_mode=emb.weight_decay_mode,
     )
-    model = config.model
-    if model.dmt.partition in LEARNED_PARTITIONS:
-        model = dataclasses.replace(
-            model, dmt=dataclasses.replace(model.dmt, partition="contiguous")
-        )
-    return dataclasses.replace(config, embedding=embedding, model=model), timed
+    return dataclasses.replace(config, embedding=embedding, model=_fixed_partition(config)), timed
 
 
 def time_backend_steps(
