@@ -18,7 +18,7 @@ kernel (``embedding.backend``) and the dense part's precision (``train.precision
   (``modules/kernel_timing.py``'s ``supported_backends``: FBGEMM needs fbgemm_gpu, its
   kernel for the optimizer on the device and dims that are multiples of 4); the
   workload is the run's tables (rows, dim, pooling factor), batch per rank, pooling,
-  optimizer, device and intra-op threads; a training step of the run's model in fp32
+  optimizer, device, intra-op threads and model; a training step of the run's model in fp32
   on each (forward, and the backward with the fused update) is timed, with tables of
   the workload's timed rows (``MAX_ROWS`` in all at most) and the run's dense part,
   round-robin as the precision timing below (``time_backend_steps``): the lookup alone
