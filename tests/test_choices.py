@@ -25,7 +25,6 @@ from towerrec.modules.kernel_timing import (
     KernelWorkload,
     TimingStats,
     supported_backends,
-    time_backends,
 )
 from towerrec.modules.kernels import Backend
 from towerrec.modules.tables import Pooling
@@ -307,23 +306,6 @@ def test_the_run_records_the_choice_and_a_resume_keeps_it(monkeypatch, measuring
     measuring.unlink()
     resumed = train(config, tmp_path / "run", resume=True)
     assert resumed["backend"] == "torch"
-
-
-def test_real_timing_of_a_tiny_workload_gives_a_time_per_kernel(one_thread):
-    workload = KernelWorkload(
-        (100, 300), (8, 8), (1.0, 2.5), 16, Pooling.SUM, EmbeddingOptimizerConfig()
-    )
-    backends = supported_backends(workload)
-    assert workload.timed_rows() == [100, 300]
-    stats = TimingStats()
-    seconds = time_backends(workload, backends, steps=2, stats=stats)
-    assert set(seconds) == set(backends)
-    assert all(0 < s < math.inf for s in seconds.values())
-    # every timed step kept, the fastest of them the result; the rounds' clocks read
-    assert {b.value: min(stats.steps[b.value]) for b in backends} == {
-        b.value: s for b, s in seconds.items()
-    }
-    assert stats.wall_s > 0 and stats.cpu_s > 0
 
 
 def test_real_timing_of_whole_steps_gives_a_time_per_kernel(one_thread):

@@ -1,40 +1,27 @@
-"""Time the fused kernels (``modules/kernels/``) on a run's lookups, to choose one by
-measurement (``towerrec.build.choices``).
+"""What a run asks of the fused kernels (``modules/kernels/``), for choosing one by
+measurement (``towerrec.build.choices``, which times whole training steps on each).
 
 A ``KernelWorkload`` is what one training step asks of the embedding tables: per
 table its rows, dim and mean ids per sample, the batch (per rank), the pooling, the
-fused optimizer and the device. ``time_backends`` builds a collection of those tables
-for each backend (zero-filled, nothing to initialise; ``MAX_ROWS`` rows in all at most,
-shared in proportion to the tables' rows: the timed tables still lie far beyond the
-CPU caches, as the run's do) and times training lookups (forward, then backward with
-the optimizer fused into it) round-robin, so that a slow moment of a shared machine
-hits every backend alike; a backend's time is its fastest step. With one intra-op
-thread on a CPU the clock is the process's CPU time (other tenants of the machine do
-not count), else the wall clock. ``supported_backends``: the kernels that can run the
-workload at all.
-
-The ids are uniform over each table's rows (no cache locality to help either kernel),
-drawn afresh for every step; a table with pooling factor p gets floor((i+1) p) -
-floor(i p) ids in bag i (mean p).
+fused optimizer and the device; ``timed_rows`` caps the tables at ``MAX_ROWS`` rows
+in all, shared in proportion to their rows (the timed tables still lie far beyond the
+CPU caches, as the run's do). ``supported_backends``: the kernels that can run the
+workload at all. ``TimingStats``: what a timing saw besides its result, and whether
+it was too noisy to keep.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from towerrec.modules.embedding_bag import EmbeddingBagCollection
 from towerrec.modules.kernels.backend import fbgemm_available, fbgemm_has_kernel
 from towerrec.modules.kernels.base import Backend
-from towerrec.modules.tables import Pooling, TableConfig
+from towerrec.modules.tables import Pooling
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
-from towerrec.sparse import KeyedJaggedTensor
 
 __all__ = [
     "BUDGET_S",
@@ -42,7 +29,6 @@ __all__ = [
     "KernelWorkload",
     "TimingStats",
     "supported_backends",
-    "time_backends",
 ]
 
 # Rows of all timed tables together (at dim 16, 64 MiB: beyond the CPU caches), shared
@@ -138,92 +124,3 @@ def supported_backends(workload: KernelWorkload) -> list[Backend]:
     ):
         found.append(Backend.FBGEMM)
     return found
-
-
-def _batch(workload: KernelWorkload, gen: torch.Generator) -> KeyedJaggedTensor:
-    device = torch.device(workload.device)
-    lengths, values = [], []
-    for rows, factor in zip(workload.timed_rows(), workload.pooling_factors):
-        index = torch.arange(workload.batch_size + 1, dtype=torch.float64)
-        ends = torch.floor(index * factor).long()  # mean ``factor`` ids per bag
-        per_bag = ends.diff()
-        lengths.append(per_bag)
-        count = int(per_bag.sum())
-        values.append(torch.randint(0, rows, (count,), generator=gen))
-    return KeyedJaggedTensor(
-        [f"f{t}" for t in range(len(lengths))],
-        torch.cat(values).to(device),
-        torch.cat(lengths).to(device),
-    )
-
-
-def _collection(workload: KernelWorkload, backend: Backend) -> EmbeddingBagCollection:
-    tables = [
-        TableConfig(f"t{t}", rows, dim, (f"f{t}",), pooling=workload.pooling)
-        for t, (rows, dim) in enumerate(zip(workload.timed_rows(), workload.dims))
-    ]
-    ebc = EmbeddingBagCollection(
-        tables, workload.optimizer, backend=backend, device=workload.device, materialize=False
-    )
-    return ebc.materialize(init=False)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_backends(
-    workload: KernelWorkload,
-    backends: Sequence[Backend],
-    steps: int = 8,
-    warmup: int = 2,
-    seed: int = 0,
-    budget_s: float = BUDGET_S,
-    stats: TimingStats | None = None,
-) -> dict[Backend, float]:
-    """Seconds of one training lookup of ``workload`` on each of ``backends``: the
-    fastest of ``steps`` steps, taken round-robin after ``warmup`` steps each; no new
-    round starts once the rounds took ``budget_s`` of wall time (a busy machine).
-    ``stats``, when given, receives the timed rounds' wall and CPU seconds and steps."""
-    device = torch.device(workload.device)
-    gen = torch.Generator().manual_seed(seed)
-    # a batch of fresh ids every step, as in training: a repeated batch finds its rows in
-    # the caches, which hid a native lookup's read-ahead (the Criteo tables, two threads:
-    # the torch kernel over FBGEMM 0.78-1.00 over two repeated batches, 0.72-0.98 fresh
-    # and over 8 steps, in 16 timings)
-    batches = [_batch(workload, gen) for _ in range(warmup + steps)]
-    collections = {b: _collection(workload, b) for b in backends}
-    width = sum(d for d in workload.dims)
-    grad = torch.randn(workload.batch_size, width, generator=gen).to(device)
-
-    clock = (
-        time.process_time
-        if torch.get_num_threads() == 1 and device.type == "cpu"
-        else time.perf_counter
-    )
-
-    def step(ebc: EmbeddingBagCollection, i: int) -> float:
-        start = clock()
-        ebc(batches[i % len(batches)]).values().backward(grad)
-        _sync(device)
-        return clock() - start
-
-    best = {b: math.inf for b in backends}
-    with torch.enable_grad():
-        for ebc in collections.values():
-            for i in range(warmup):
-                step(ebc, i)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        for i in range(steps):
-            for b, ebc in collections.items():
-                seconds = step(ebc, i)
-                best[b] = min(best[b], seconds)
-                if stats is not None:
-                    stats.add_step(b.value, seconds)
-            if time.perf_counter() - start > budget_s:
-                break
-        if stats is not None:
-            stats.wall_s += time.perf_counter() - start
-            stats.cpu_s += time.process_time() - cpu_start
-    return best
