@@ -233,11 +233,19 @@ def _plain_adam_oracle(ebc, batches, grads, weight_decay):
     return outputs, {n: w.detach() for n, w in weights.items()}
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
-def test_dense_adam_matches_torch_adam_on_dense_gradients(weight_decay):
+def test_dense_adam_matches_torch_adam_on_dense_gradients(weight_decay, fused, monkeypatch):
     """``dense_adam`` moves every row every step, as ``torch.optim.Adam(W)`` does over an
     ``nn.EmbeddingBag`` with dense gradients: rows a batch misses keep moving on their
-    moments. Lazy ``adam`` leaves them where they are, so the two must differ."""
+    moments. Lazy ``adam`` leaves them where they are, so the two must differ. Both of
+    its paths: PyTorch's fused AdamW kernel, and the operators of a torch without it."""
+    import towerrec.optim.sparse as sparse
+
+    if not fused:
+        monkeypatch.setattr(sparse, "_FUSED_ADAMW", None)
+    elif sparse._FUSED_ADAMW is None:
+        pytest.skip("this torch has no fused AdamW kernel")
     gen = torch.Generator().manual_seed(0)
     batches = [random_batch(gen, batch=3, max_len=2) for _ in range(8)]  # few rows a step
     opt = EmbeddingOptimizerConfig(kind="dense_adam", lr=0.05, weight_decay=weight_decay)

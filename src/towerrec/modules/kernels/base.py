@@ -237,15 +237,20 @@ def dense_gradient(
     pooling: Pooling,
     rows: int,
     features: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every row's summed gradient ``[rows, dim]`` (0 where no id is), for the dense
     update of small tables, from the lookup's gradient ``grad [B, F*D]`` (sample-major,
     ``features`` features; bags feature-major in ``offsets``): ``id_gradients`` added up
     by ``index_add_``, or the same sums in the same order in one call of the native
-    extension on the CPU (``_fused.c``)."""
+    extension on the CPU (``_fused.c``). ``out``: a ``[rows, dim]`` buffer to zero and
+    fill (a large table's gradient is not allocated anew every step)."""
     batch = grad.shape[0]
     dim = grad.shape[1] // features
-    out = torch.zeros(rows, dim, dtype=grad.dtype, device=grad.device)
+    if out is None:
+        out = torch.zeros(rows, dim, dtype=grad.dtype, device=grad.device)
+    else:
+        out.zero_()
     if fused is not None and grad.device.type == "cpu" and grad.dtype == torch.float32:
         weights = None if weights is None else weights.detach().float().contiguous()
         fused.bag_grad(

@@ -159,6 +159,7 @@ class TorchKernel(EmbeddingKernel):
         self._feature_tables = torch.tensor(self.feature_table_map, dtype=torch.int64)
         # Leaf that makes autograd call backward; not a parameter of any model.
         self._trigger = torch.zeros(0, device=self.device, requires_grad=True)
+        self._every_row_grad: torch.Tensor | None = None  # dense_adam's, made on first use
 
     def split_weights(self) -> list[torch.Tensor]:
         return [self.weight[a:b] for a, b in zip(self.row_offsets, self.row_offsets[1:])]
@@ -287,8 +288,14 @@ class TorchKernel(EmbeddingKernel):
             dense_rowwise_update(self.optimizer, self.weight, self.state, summed, self.lr)
             return
         if self.optimizer.kind is EmbeddingOptimizer.DENSE_ADAM and not ids.is_cuda:
-            rows = self.weight.shape[0]  # every row moves: no dedup (optim/sparse.py)
-            summed = dense_gradient(ids, offsets, weights, grad, self.pooling, rows, features)
+            # every row moves: no dedup (optim/sparse.py); the table-sized gradient kept
+            # between steps (a fresh one would fault in its pages every step)
+            if self._every_row_grad is None:
+                self._every_row_grad = torch.empty_like(self.weight)
+            summed = dense_gradient(
+                ids, offsets, weights, grad, self.pooling, self.weight.shape[0], features,
+                out=self._every_row_grad,
+            )  # fmt: skip
             dense_adam_update(self.optimizer, self.weight, self.state, summed, self.lr, iteration)
             return
         if self._native_rowwise(grad, weights):
