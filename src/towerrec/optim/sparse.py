@@ -19,9 +19,9 @@ same arithmetic as FBGEMM's fused CPU/CUDA kernels:
 ``t`` is the kernel's step (``step`` in the state): its training lookups so far,
 this one included, as FBGEMM's ``iter``; except under dense_adam, only the rows a
 batch touches are updated (their moments do not decay while they are not looked up;
-FBGEMM's and TensorFlow's "lazy" Adam). dense_adam costs a pass over every row of
-the table a step, so it suits tables of up to millions of rows; on small tables it
-can generalise better than lazy Adam (docs/benchmarks.md, "Model quality"). Weight
+FBGEMM's and TensorFlow's "lazy" Adam). dense_adam, what FuxiCTR's recipe trains its
+rows with, costs a pass over every row of the table a step, so it suits tables of up
+to millions of rows (docs/benchmarks.md, "Model quality", for what it scored). Weight
 decay (``wd``): Adam's is decoupled, as in FBGEMM's kernels; row-wise Adagrad
 takes either mode of FBGEMM's ``weight_decay_mode``:
 
@@ -250,9 +250,10 @@ def dense_adam_update(
     iteration: int,
 ) -> None:
     """dense_adam (module doc): Adam over every row of ``weight [R, D]`` given every row's
-    summed gradient ``grad [R, D]`` (0 where the batch has no id; overwritten). One pass
-    over the rows in PyTorch's fused AdamW kernel where this torch has it (6.5x faster
-    than the operators below on 2.6 million rows of dim 16), else those operators."""
+    summed gradient ``grad [R, D]`` (0 where the batch has no id; the operators use it as
+    scratch). One pass over the rows in PyTorch's fused AdamW kernel where this torch has
+    it (6.5x faster than the operators below on 2.6 million rows of dim 16), else those
+    operators."""
     m1, m2 = state["momentum1"], state["momentum2"]
     if _FUSED_ADAMW is not None:
         step = torch.tensor(float(iteration), device=weight.device)
