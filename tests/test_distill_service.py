@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from towerrec.build.sources import build_source
+from towerrec.build.sources import build_periods, build_source
 from towerrec.cli import main
 from towerrec.config import load_config
 from towerrec.data.augmented import (
@@ -31,7 +31,7 @@ from towerrec.data.augmented import (
 from towerrec.data.cache import CacheError, PartWriter, read_manifest, write_manifest
 from towerrec.data.loader import SplitRows
 from towerrec.data.period_files import SPLIT, open_period, read_stream, write_periods
-from towerrec.data.periods import PeriodSource
+from towerrec.data.periods import ColumnPeriods, PeriodSource
 from towerrec.data.synthetic import SyntheticConfig, SyntheticSource
 from towerrec.serve.artefact import ArtefactError, load_artefact
 from towerrec.serve.export import export_run
@@ -349,9 +349,17 @@ def test_replay_trains_on_an_augmented_movielens_stream(tmp_path, capsys):
     assert counters["teacher_calls"] == sum(rows) and counters["shards_written"] == 3
     reader = AugmentedPeriods(out / "ml", timeout_s=0)
     batch = next(reader.period_batches(2, 512))
-    kjt = batch.sparse
-    expected = loaded(export).logits(batch.dense, kjt.keys(), kjt.values(), kjt.lengths())
+    # the teacher scored the rows as the source holds them (its program standardises them
+    # by its own run's transform), not rows standardised already
+    source = build_periods(
+        load_config(CONFIGS / "movielens.toml", ["data.movielens.periods=3"]).data
+    )
+    assert isinstance(source, ColumnPeriods)
+    raw = next(source.raw().period_batches(2, 512))
+    kjt = raw.sparse
+    expected = loaded(export).logits(raw.dense, kjt.keys(), kjt.values(), kjt.lengths())
     torch.testing.assert_close(batch.teacher_logits, expected)
+    assert not torch.equal(raw.dense, batch.dense)  # the student reads them standardised
     augmented = ["--set", "data.source=augmented", "--set", f"data.augmented.dir={out / 'ml'}"]
     assert main(["replay", *ml, *augmented, "--out", str(tmp_path / "replay")]) == 0
     summary = json.loads((tmp_path / "replay" / "replay.json").read_text())
@@ -414,3 +422,83 @@ def test_a_following_service_killed_from_outside_resumes(teacher, students, tmp_
     assert producer.exitcode == 0
     AugmentService(teacher, [student, students[1]], out).run(once=True)
     check_complete(out, teacher, [student, students[1]])
+
+
+def test_a_students_periods_hold_the_sources_values_and_read_as_a_run_on_it(tmp_path):
+    """Period files of a MovieLens source hold its dense values untransformed, with the
+    transform ``towerrec train`` fits recorded beside them; the student's augmented
+    periods read exactly what ``towerrec replay`` on the source reads."""
+    config = load_config(CONFIGS / "movielens.toml", ["data.movielens.periods=3"])
+    source = build_periods(config.data)
+    assert isinstance(source, ColumnPeriods) and source.dense_transform is not None
+    write_periods(source, tmp_path / "ml", description="data.source = movielens")
+    data = read_stream(tmp_path / "ml")
+    assert data.manifest["stream"]["dense_transform"] == source.dense_transform.describe()
+    raw = source.raw()
+    for period in range(3):
+        want = next(raw.period_batches(period, 100_000))
+        assert np.array_equal(open_period(data, period).columns.dense, want.dense.numpy())
+    # the service copies the record; its reader applies it
+    out = tmp_path / "aug"
+    manifest = {"source": "augmented", "schema": data.manifest["schema"],
+                "stream": data.manifest["stream"], "parts": []}  # fmt: skip
+    out.mkdir()
+    write_manifest(out, manifest)
+    for period in range(3):
+        part = open_period(data, period)
+        writer = PartWriter(out, f"period-{period:05d}", data.schema.num_dense, data.multi)
+        columns = part.columns
+        multi = {n: (np.asarray(v), np.diff(o).astype(np.int32))
+                 for n, (v, o) in columns.multi.items()}  # fmt: skip
+        writer.append(SPLIT, np.asarray(columns.labels), np.asarray(columns.dense),
+                      np.asarray(columns.sparse), multi)  # fmt: skip
+        writer.append_column(SPLIT, "example_id", np.asarray(part.example_ids))
+        writer.append_column(SPLIT, TEACHER_LOGIT, np.zeros(columns.rows, dtype=np.float32))
+        manifest["parts"].append(writer.finish({"period": period}))
+        write_manifest(out, manifest)
+    reader = AugmentedPeriods(out, timeout_s=0)
+    for period in range(3):
+        got = list(reader.period_batches(period, 256))
+        want = list(source.period_batches(period, 256))
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.dense, w.dense) and torch.equal(g.labels, w.labels)
+
+
+def test_period_directories_without_the_transform_record_are_refused(students, tmp_path):
+    """A period directory written before the transform was recorded holds a file or
+    MovieLens source's dense columns standardised already: refused, naming the fix; a
+    synthetic stream's (no transform) is read as before; a damaged record is refused."""
+    old = tmp_path / "old"
+    shutil.copytree(students[0], old)
+    manifest = read_manifest(old)
+    kept = {k: v for k, v in manifest.items() if k not in ("format", "version")}
+    del kept["stream"]["dense_transform"]
+    write_manifest(old, {**kept, "description": "data.source = movielens"})
+    with pytest.raises(CacheError, match=r"earlier towerrec.*towerrec data periods"):
+        read_stream(old)
+    write_manifest(old, {**kept, "description": "data.source = synthetic"})
+    assert read_stream(old).num_periods == 3
+    for record, problem in (
+        ({"log": [True]}, "exactly"),
+        ({"log": [False] * 13, "shift": [0.0] * 13, "scale": ["x"] * 13}, "numbers"),
+        ({"log": [False] * 2, "shift": [0.0] * 2, "scale": [1.0] * 2}, "2 columns, its schema 13"),
+    ):
+        kept["stream"]["dense_transform"] = record
+        write_manifest(old, kept)
+        with pytest.raises(CacheError, match=f"damaged.*{problem}"):
+            read_stream(old)
+
+
+def test_an_augmented_directory_without_the_transform_record_is_refused(
+    teacher, students, tmp_path
+):
+    out = tmp_path / "out"
+    AugmentService(teacher, [students[0]], out).run(once=True)
+    assert AugmentedPeriods(out / "a", timeout_s=0).dense_transform is None  # synthetic
+    manifest = read_manifest(out / "a")
+    kept = {k: v for k, v in manifest.items() if k not in ("format", "version")}
+    del kept["stream"]["dense_transform"]
+    write_manifest(out / "a", kept)
+    with pytest.raises(CacheError, match=r"earlier towerrec.*augment its student's period files"):
+        AugmentedPeriods(out / "a", timeout_s=0)

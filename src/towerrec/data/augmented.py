@@ -11,7 +11,10 @@ more columns::
         train.teacher_logit.bin  float32 [rows]  the teacher's logit of the row's example
 
 A shard is listed in the manifest only once it is complete (written to a temp
-directory, fsynced, renamed), so readers go by the manifest alone.
+directory, fsynced, renamed), so readers go by the manifest alone. Its dense columns are
+the source's values, which the teacher scored; the reader applies the manifest's
+``stream.dense_transform`` (``data/period_files.py``), so the student reads what a run
+on the source itself reads.
 
 ``AugmentedPeriods(dir, timeout_s)`` is a ``PeriodSource`` over such a directory: its
 batches carry ``teacher_logits``. It may start before the service has written
@@ -45,7 +48,7 @@ from towerrec.data.cache import (
 )
 from towerrec.data.json_shape import COUNT, check_shape
 from towerrec.data.loader import SplitRows
-from towerrec.data.period_files import EXAMPLE_ID, SPLIT
+from towerrec.data.period_files import EXAMPLE_ID, SPLIT, stream_dense_transform
 from towerrec.data.periods import period_rank_batches
 from towerrec.utils import at_least, positive
 
@@ -164,6 +167,13 @@ class AugmentedPeriods:
                 f"`{SERVICE_COMMAND}` again"
             ) from None
         self._schema, self._single, self._multi = schema_from_manifest(manifest["schema"])
+        # the student's period files hold the source's dense values; the student reads
+        # them through the transform a run on that source fits (data/period_files.py)
+        self.dense_transform = stream_dense_transform(
+            manifest, self.path, self._schema.num_dense,
+            f"augment its student's period files again (`{SERVICE_COMMAND}`, over files "
+            "written by `towerrec data periods` of this towerrec)",
+        )  # fmt: skip
         self._rows = [int(n) for n in manifest["stream"]["period_rows"]]
         self._shards: dict[int, AugmentedShard] = {}
 
@@ -228,6 +238,8 @@ class AugmentedPeriods:
             if hi > lo:
                 rows = np.arange(lo, hi)
                 batch = shard.rows.gather(rows, self._single, self._multi)
+                if self.dense_transform is not None:
+                    self.dense_transform.apply(batch.dense.numpy())
                 teacher = torch.from_numpy(np.array(shard.teacher_logits[lo:hi]))
                 yield replace(batch, teacher_logits=teacher, validate=False)
 

@@ -23,6 +23,7 @@ reads the cache's values.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -106,6 +107,28 @@ class DenseTransform:
 
     def describe(self) -> dict[str, Any]:
         return {"log": list(self.log), "shift": list(self.shift), "scale": list(self.scale)}
+
+    @classmethod
+    def from_description(cls, record: Any) -> DenseTransform:
+        """The transform ``describe`` wrote (a manifest's record); ValueError naming what is
+        wrong with a record it could not have written."""
+        if not isinstance(record, dict) or set(record) != {"log", "shift", "scale"}:
+            raise ValueError("a dense transform record holds exactly 'log', 'shift' and 'scale'")
+        log, shift, scale = record["log"], record["shift"], record["scale"]
+        if not all(isinstance(v, list) for v in (log, shift, scale)):
+            raise ValueError("a dense transform's 'log', 'shift' and 'scale' are lists")
+        if not all(isinstance(v, bool) for v in log):
+            raise ValueError("a dense transform's 'log' flags are true or false")
+        numbers = [*shift, *scale]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in numbers):
+            raise ValueError("a dense transform's 'shift' and 'scale' are numbers")
+        try:
+            finite = all(math.isfinite(float(v)) for v in numbers)
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise ValueError("a dense transform's 'shift' and 'scale' are finite float32 numbers")
+        return cls(tuple(log), tuple(float(v) for v in shift), tuple(float(v) for v in scale))
 
 
 class DenseTransformModule(nn.Module):

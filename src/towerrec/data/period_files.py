@@ -14,7 +14,18 @@ writes a part (``PartWriter``: temp directory, fsync, rename) and then rewrites 
 manifest (temp file, fsync, rename), so a reader that goes by the manifest never sees a
 half-written period. ``stream`` declares the whole stream up front: ``num_periods``,
 ``period_rows`` (rows of every period, so a trainer knows its schedule before the last
-period lands) and ``first_period`` (the source period that is period 0 here).
+period lands), ``first_period`` (the source period that is period 0 here) and
+``dense_transform``.
+
+Dense columns are written as the source holds them, untransformed: a teacher exported
+with ``towerrec export`` reads those values (its program applies its own run's
+transform). ``dense_transform`` records the transform ``towerrec train`` would fit on the
+source (``data.loader.dense``: ``data/dense_transform.py``; null for none), and the
+students' readers (``data/augmented.py``) apply it, so that a student reads what a run on
+the source itself reads. A directory without that record was written by an earlier
+towerrec, which wrote a file or MovieLens source's dense columns already transformed:
+``read_stream`` refuses it (a synthetic source's, which has no transform, is read as
+before).
 
 Example ids are derived, deterministically: the row's position in the source's whole
 stream (period after period, rows in order, from 0) plus ``id_offset``. Two students
@@ -46,7 +57,8 @@ from towerrec.data.cache import (
     verify_part,
     write_manifest,
 )
-from towerrec.data.periods import PeriodSource
+from towerrec.data.dense_transform import DenseTransform
+from towerrec.data.periods import ColumnPeriods, PeriodSource
 
 __all__ = [
     "EXAMPLE_ID",
@@ -57,6 +69,7 @@ __all__ = [
     "open_period",
     "part_name",
     "read_stream",
+    "stream_dense_transform",
     "write_periods",
 ]
 
@@ -132,6 +145,9 @@ def write_periods(
         )
     out.mkdir(parents=True, exist_ok=True)
     schema = source.schema
+    transform = getattr(source, "dense_transform", None)
+    if isinstance(source, ColumnPeriods):
+        source = source.raw()  # the files hold the source's values (module doc)
     single, multi = _split_features(schema)
     rows = [source.period_rows(p) for p in range(total)]
     first_id = id_offset + sum(rows[: periods.start])
@@ -144,6 +160,7 @@ def write_periods(
             "period_rows": rows[periods.start : periods.stop],
             "first_period": periods.start,
             "id_offset": id_offset,
+            "dense_transform": None if transform is None else transform.describe(),
         },
         "parts": [],
     }
@@ -220,7 +237,43 @@ def read_stream(path: str | Path) -> StreamManifest:
             "manifest); write one with `towerrec data periods DIR --config ...`"
         )
     schema, single, multi = schema_from_manifest(manifest["schema"])
+    stream_dense_transform(
+        manifest, path, schema.num_dense, "rewrite it with `towerrec data periods`"
+    )
     return StreamManifest(path, manifest, schema, single, multi)
+
+
+SYNTHETIC_STREAM = "data.source = synthetic"  # write_periods' description of such a stream
+
+
+def stream_dense_transform(
+    manifest: dict[str, Any], path: Path, num_dense: int, fix: str
+) -> DenseTransform | None:
+    """The transform a period or augmented directory's dense columns are read through
+    (module doc), from ``manifest["stream"]``; CacheError naming ``fix`` for a record that
+    is damaged or missing (a directory written before the record existed holds a file or
+    MovieLens source's dense columns already transformed)."""
+    stream = manifest.get("stream")
+    if not isinstance(stream, dict) or "dense_transform" not in stream:
+        if manifest.get("description") == SYNTHETIC_STREAM:
+            return None  # a synthetic stream has no transform: its values are the source's
+        raise CacheError(
+            f"{path}/manifest.json does not record how its dense columns are read "
+            "(stream.dense_transform): it was written by an earlier towerrec, whose period "
+            "files hold a file or MovieLens source's dense columns already standardised, "
+            f"and a teacher would standardise them again; {fix}"
+        )
+    record = stream["dense_transform"]
+    try:
+        transform = None if record is None else DenseTransform.from_description(record)
+    except ValueError as e:
+        raise CacheError(f"{path}/manifest.json is damaged ({e}); {fix}") from None
+    if transform is not None and transform.num_dense != num_dense:
+        raise CacheError(
+            f"{path}/manifest.json is damaged (its dense transform has {transform.num_dense} "
+            f"columns, its schema {num_dense}); {fix}"
+        )
+    return transform
 
 
 @dataclass

@@ -21,6 +21,7 @@ of batches per period.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
@@ -139,6 +140,13 @@ class ColumnPeriods:
         object, for chaining."""
         self.dense_transform = transform
         return self
+
+    def raw(self) -> ColumnPeriods:
+        """The same periods with the dense columns as the data holds them (no transform):
+        what ``towerrec data periods`` writes, recording the transform beside them."""
+        out = copy.copy(self)
+        out.dense_transform = None
+        return out
 
     @property
     def num_periods(self) -> int:
