@@ -463,6 +463,12 @@ def test_a_students_periods_hold_the_sources_values_and_read_as_a_run_on_it(tmp_
         assert len(got) == len(want)
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g.dense, w.dense) and torch.equal(g.labels, w.labels)
+    # a student configured with data.loader.dense = "none" reads the files' values
+    student = ["data.source=augmented", f"data.augmented.dir={out}", "data.augmented.wait_s=0"]
+    for dense, want_source in (("auto", source), ("none", raw)):
+        config = load_config(CONFIGS / "movielens.toml", [*student, f"data.loader.dense={dense}"])
+        got = next(build_periods(config.data).period_batches(1, 256))
+        assert torch.equal(got.dense, next(want_source.period_batches(1, 256)).dense)
 
 
 def test_period_directories_without_the_transform_record_are_refused(students, tmp_path):

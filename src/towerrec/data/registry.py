@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from towerrec.data.augmented import AugmentedConfig, AugmentedPeriods
 from towerrec.data.cache import ColumnStore, open_cache, read_manifest
-from towerrec.data.dense_transform import DenseTransform, fit_dense_transform
+from towerrec.data.dense_transform import DenseMode, DenseTransform, fit_dense_transform
 from towerrec.data.loader import ColumnSource, LoaderConfig, SplitRows
 from towerrec.data.movielens import (
     MovieLensConfig,
@@ -195,8 +195,14 @@ class Augmented(SourceEntry):
         )
 
     def periods(self, data: DataSection) -> PeriodSource:
+        """The student's augmented periods, their dense columns read through the transform
+        their period files record, or as the files hold them with ``data.loader.dense =
+        "none"``."""
         augmented = data.augmented
-        return AugmentedPeriods(augmented.dir, augmented.wait_s, augmented.poll_s)
+        reader = AugmentedPeriods(augmented.dir, augmented.wait_s, augmented.poll_s)
+        if DenseMode(data.loader.dense) is DenseMode.NONE:
+            reader.dense_transform = None
+        return reader
 
     def check(self, data: DataSection) -> None:
         if not data.augmented.dir:
