@@ -15,11 +15,12 @@ from towerrec.bench.roofline import Roofline
 from towerrec.bench.train import (
     BENCHMARK,
     DEFAULT_ROW,
+    _towerrec_row,
     default_choices,
     make_batches,
     run_train_benchmark,
 )
-from towerrec.bench.train_profile import backward_phase
+from towerrec.bench.train_profile import WALL_PHASES, backward_phase, wall_phase_table
 from towerrec.bench.train_report import (
     StepWork,
     add_peer_ratios,
@@ -184,6 +185,42 @@ def test_profile_splits_the_step_into_its_phases(one_thread):
         assert phase in phases, phase
     assert profile["step_ms"] == pytest.approx(sum(phases.values()), abs=0.01)
     assert profile["top_ops_ms"]
+    wall = profile["wall_phases_ms"]  # the same steps by the wall clock, without the profiler
+    assert tuple(wall) == WALL_PHASES
+    assert all(ms >= 0 for ms in wall.values()), wall
+    assert wall["embedding_fwd"] > 0 and wall["top_mlp_bwd"] > 0 and wall["embedding_bwd"] > 0
+    assert profile["wall_step_ms"] == pytest.approx(sum(wall.values()), abs=0.01)
+
+
+def test_wall_phases_follow_the_gradients_through_the_step(one_thread):
+    """Each backward phase ends where its gradient arrives: a top MLP made slow shows up
+    in top_mlp_bwd alone, a lookup made slow in embedding_bwd alone."""
+    model, optimizer = _towerrec_row(SHAPE, "torch")
+    batches = make_batches(SHAPE, 16, count=2)
+    slow = 0.2  # far above any phase of this small model
+
+    def sleeping(grad):
+        time.sleep(slow)
+        return grad
+
+    top_weight = model.top[0].weight
+    handle = top_weight.register_hook(sleeping)
+    wall = wall_phase_table(model, optimizer, batches, 2)
+    handle.remove()
+    assert wall["top_mlp_bwd"] >= slow * 1e3
+    assert all(wall[p] < slow * 1e3 for p in ("interaction_bwd", "bottom_mlp_bwd", "embedding_bwd"))
+    kernel = model.sparse._kernels[0]
+    apply = kernel.apply_gradient
+
+    def slow_apply(*args, **kwargs):
+        time.sleep(slow)
+        return apply(*args, **kwargs)
+
+    kernel.apply_gradient = slow_apply
+    wall = wall_phase_table(model, optimizer, batches, 2)
+    del kernel.apply_gradient
+    assert wall["embedding_bwd"] >= slow * 1e3
+    assert all(wall[p] < slow * 1e3 for p in ("top_mlp_bwd", "interaction_bwd", "bottom_mlp_bwd"))
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,16 @@
     backward_other    the autograd engine around them
     optimizer         the dense optimizer's step (fused Adam)
 
+``wall_phases_ms`` times the same steps again without the profiler, by the wall clock
+alone (``wall_phase_table``): the profiler's own cost lands on short calls unevenly (the
+interaction's backward on the Criteo-Kaggle shape at two threads read 1.31-1.53 ms under
+it and 0.91-0.96 ms by the wall clock, docs/benchmarks.md), so where the two tables
+disagree the wall clock's is the step's. Its backward is split where the gradients arrive: at the top MLP's input
+(``top_mlp_bwd``, the loss's backward with it), at the interaction's input
+(``interaction_bwd``), at the bottom MLP's first weight (``bottom_mlp_bwd``, with the
+concatenation's and stacking's backward), and the rest (``embedding_bwd``: autograd runs
+the lookup's backward last, the lookup being the forward's first node).
+
 The step is ``train_step``'s, written out with a ``record_function`` label per phase;
 the forward's parts are labelled by hooks on the model's modules (and a wrapper of the
 collection's ``forward_start``, removed afterwards); the backward is split by the
@@ -25,6 +35,7 @@ The benchmark's batches are made before the timing: data loading is not in this 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -41,7 +52,14 @@ from towerrec.sparse import KeyedJaggedTensor, KeyedTensor
 from towerrec.train.loss import BCE
 from towerrec.train.step import autocast
 
-__all__ = ["BACKWARD_PHASES", "backward_phase", "phase_table", "profile_step"]
+__all__ = [
+    "BACKWARD_PHASES",
+    "WALL_PHASES",
+    "backward_phase",
+    "phase_table",
+    "profile_step",
+    "wall_phase_table",
+]
 
 PHASE, PART = "phase::", "part::"
 EVALUATE = "autograd::engine::evaluate_function: "
@@ -177,6 +195,135 @@ def phase_table(events: Any, steps: int) -> dict[str, float]:
     return {k: round(v / steps / 1e3, 3) for k, v in sorted(us.items(), key=lambda kv: -kv[1])}
 
 
+WALL_PHASES = (
+    "embedding_fwd", "bottom_mlp_fwd", "interaction_fwd", "top_mlp_fwd", "forward_other",
+    "loss", "zero_grad", "top_mlp_bwd", "interaction_bwd", "bottom_mlp_bwd", "embedding_bwd",
+    "optimizer",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _clocked_parts(model: DLRM, at: dict[str, float]) -> Iterator[None]:
+    """Wall-clock marks of one step's parts into ``at`` (module doc): each forward part's
+    start and end, the lookup's time, and when the backward's gradients arrive."""
+    clock = time.perf_counter
+    handles: list[Any] = []
+    parts = {"bottom": model.bottom, "interaction": model.interaction, "top": model.top}
+    arrivals = {"top": "grad_top", "interaction": "grad_interaction"}
+    for name, module in parts.items():
+        if module is None:  # a DLRM without dense features has no bottom
+            continue
+
+        def enter(_m: nn.Module, args: Any, name: str = name) -> None:
+            at[name + "_start"] = clock()
+            mark = arrivals.get(name)
+            if mark is not None and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                args[0].register_hook(lambda _g, mark=mark: at.__setitem__(mark, clock()))
+
+        def leave(_m: nn.Module, _args: Any, _out: Any, name: str = name) -> None:
+            at[name + "_end"] = clock()
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    if model.bottom is not None:
+        first = next(p for p in model.bottom.parameters() if p.requires_grad)
+        handles.append(first.register_hook(lambda _g: at.__setitem__("grad_bottom", clock())))
+    sparse = model.sparse
+    start = sparse.forward_start
+
+    class _Clocked:
+        def __init__(self, handle: PooledHandle) -> None:
+            self.handle = handle
+
+        def wait(self) -> KeyedTensor:
+            t = clock()
+            try:
+                return self.handle.wait()
+            finally:
+                at["embedding"] = at.get("embedding", 0.0) + clock() - t
+
+    def clocked_start(features: KeyedJaggedTensor) -> PooledHandle:
+        t = clock()
+        try:
+            return _Clocked(start(features))
+        finally:
+            at["embedding"] = at.get("embedding", 0.0) + clock() - t
+
+    sparse.forward_start = clocked_start  # type: ignore[method-assign]  # while timing
+    try:
+        yield
+    finally:
+        del sparse.forward_start
+        for h in handles:
+            h.remove()
+
+
+def _wall_step(
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    dtype: torch.dtype | None,
+    at: dict[str, float],
+) -> dict[str, float]:
+    """``train_step`` with wall-clock marks: its phases in seconds (``WALL_PHASES``)."""
+    clock = time.perf_counter
+    at.clear()
+    t0 = clock()
+    with autocast(batch.dense.device, dtype):
+        logits, extra = BCE.forward(model, batch)
+    forward_end = clock()
+    loss = BCE.loss(logits, extra, batch.labels)
+    loss_end = clock()
+    optimizer.zero_grad(set_to_none=True)
+    zero_end = clock()
+    loss.backward()
+    backward_end = clock()
+    optimizer.step()
+    step_end = clock()
+    span = {p: at.get(p + "_end", 0.0) - at.get(p + "_start", 0.0) for p in ("bottom", "top")}
+    span["interaction"] = at.get("interaction_end", 0.0) - at.get("interaction_start", 0.0)
+    marks = [zero_end]  # the backward's marks in the order autograd reaches them
+    for mark in ("grad_top", "grad_interaction", "grad_bottom"):
+        marks.append(at.get(mark, marks[-1]))
+    marks.append(backward_end)
+    forward = forward_end - t0
+    embedding = at.get("embedding", 0.0)
+    return {
+        "embedding_fwd": embedding,
+        "bottom_mlp_fwd": span["bottom"],
+        "interaction_fwd": span["interaction"],
+        "top_mlp_fwd": span["top"],
+        "forward_other": forward - embedding - sum(span.values()),
+        "loss": loss_end - forward_end,
+        "zero_grad": zero_end - loss_end,
+        "top_mlp_bwd": marks[1] - marks[0],
+        "interaction_bwd": marks[2] - marks[1],
+        "bottom_mlp_bwd": marks[3] - marks[2],
+        "embedding_bwd": marks[4] - marks[3],
+        "optimizer": step_end - backward_end,
+    }
+
+
+def wall_phase_table(
+    model: DLRM,
+    optimizer: torch.optim.Optimizer,
+    batches: list[Batch],
+    steps: int,
+    dtype: torch.dtype | None = None,
+) -> dict[str, float]:
+    """Milliseconds per step of each ``WALL_PHASES`` phase over ``steps`` training steps
+    timed by the wall clock, without the profiler (module doc); they add up to the steps'
+    wall time."""
+    at: dict[str, float] = {}
+    total: dict[str, float] = dict.fromkeys(WALL_PHASES, 0.0)
+    with _clocked_parts(model, at):
+        for i in range(steps):
+            for phase, seconds in _wall_step(
+                model, optimizer, batches[i % len(batches)], dtype, at
+            ).items():
+                total[phase] += seconds
+    return {phase: round(total[phase] / steps * 1e3, 3) for phase in WALL_PHASES}
+
+
 def profile_step(
     model: DLRM,
     optimizer: torch.optim.Optimizer,
@@ -186,8 +333,10 @@ def profile_step(
     top: int = 15,
 ) -> dict[str, Any]:
     """The phase table of ``steps`` training steps of ``model`` (after one untimed step),
-    and the ``top`` operators by self time, in ms per step."""
+    the same steps' wall-clock phases without the profiler (``wall_phase_table``), and the
+    ``top`` operators by self time, in ms per step."""
     _step(model, optimizer, batches[0], dtype)
+    wall = wall_phase_table(model, optimizer, batches, steps, dtype)
     with _labelled_parts(model), profile(activities=[ProfilerActivity.CPU]) as prof:
         for i in range(steps):
             _step(model, optimizer, batches[i % len(batches)], dtype)
@@ -203,6 +352,8 @@ def profile_step(
         "steps": steps,
         "phases_ms": phases,
         "step_ms": round(sum(phases.values()), 3),
+        "wall_phases_ms": wall,
+        "wall_step_ms": round(sum(wall.values()), 3),
         "top_ops_ms": {
             e.key: {
                 "self_ms": round(e.self_cpu_time_total / steps / 1e3, 3),
