@@ -17,11 +17,12 @@
 alone (``wall_phase_table``): the profiler's own cost lands on short calls unevenly (the
 interaction's backward on the Criteo-Kaggle shape at two threads read 1.31-1.53 ms under
 it and 0.91-0.96 ms by the wall clock, docs/benchmarks.md), so where the two tables
-disagree the wall clock's is the step's. Its backward is split where the gradients arrive: at the top MLP's input
-(``top_mlp_bwd``, the loss's backward with it), at the interaction's input
-(``interaction_bwd``), at the bottom MLP's first weight (``bottom_mlp_bwd``, with the
-concatenation's and stacking's backward), and the rest (``embedding_bwd``: autograd runs
-the lookup's backward last, the lookup being the forward's first node).
+disagree the wall clock's is the step's. Its backward is split where the gradients
+arrive: at the top MLP's input (``top_mlp_bwd``, the loss's backward with it), at the
+interaction's input (``interaction_bwd``), at the bottom MLP's first weight
+(``bottom_mlp_bwd``, with the concatenation's and stacking's backward), and the rest
+(``embedding_bwd``: autograd runs the lookup's backward last, the lookup being the
+forward's first node).
 
 The step is ``train_step``'s, written out with a ``record_function`` label per phase;
 the forward's parts are labelled by hooks on the model's modules (and a wrapper of the
