@@ -107,6 +107,26 @@ class _LabelledHandle:
             return self.handle.wait()
 
 
+Start = Callable[[KeyedJaggedTensor], PooledHandle]
+
+
+@contextlib.contextmanager
+def _instrumented(
+    model: DLRM, start: Callable[[Start], Start], handles: list[Any]
+) -> Iterator[None]:
+    """``model.sparse.forward_start`` replaced by ``start(the original)`` while the block
+    runs; then restored, and the module hooks ``handles`` removed."""
+    sparse = model.sparse
+    wrapped = start(sparse.forward_start)
+    sparse.forward_start = wrapped  # type: ignore[method-assign,assignment]  # while measuring
+    try:
+        yield
+    finally:
+        del sparse.forward_start
+        for h in handles:
+            h.remove()
+
+
 @contextlib.contextmanager
 def _labelled_parts(model: DLRM) -> Iterator[None]:
     """Labels for the forward's parts while profiling (module doc)."""
@@ -124,20 +144,16 @@ def _labelled_parts(model: DLRM) -> Iterator[None]:
             open_ranges.pop(label).__exit__(None, None, None)
 
         handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
-    sparse = model.sparse
-    start = sparse.forward_start
 
-    def labelled_start(features: KeyedJaggedTensor) -> PooledHandle:
-        with record_function(PART + "embedding_fwd"):
-            return _LabelledHandle(start(features))
+    def labelled(start: Start) -> Start:
+        def labelled_start(features: KeyedJaggedTensor) -> PooledHandle:
+            with record_function(PART + "embedding_fwd"):
+                return _LabelledHandle(start(features))
 
-    sparse.forward_start = labelled_start  # type: ignore[method-assign]  # while profiling
-    try:
+        return labelled_start
+
+    with _instrumented(model, labelled, handles):
         yield
-    finally:
-        del sparse.forward_start
-        for h in handles:
-            h.remove()
 
 
 def _step(
@@ -228,8 +244,6 @@ def _clocked_parts(model: DLRM, at: dict[str, float]) -> Iterator[None]:
     if model.bottom is not None:
         first = next(p for p in model.bottom.parameters() if p.requires_grad)
         handles.append(first.register_hook(lambda _g: at.__setitem__("grad_bottom", clock())))
-    sparse = model.sparse
-    start = sparse.forward_start
 
     class _Clocked:
         def __init__(self, handle: PooledHandle) -> None:
@@ -242,20 +256,18 @@ def _clocked_parts(model: DLRM, at: dict[str, float]) -> Iterator[None]:
             finally:
                 at["embedding"] = at.get("embedding", 0.0) + clock() - t
 
-    def clocked_start(features: KeyedJaggedTensor) -> PooledHandle:
-        t = clock()
-        try:
-            return _Clocked(start(features))
-        finally:
-            at["embedding"] = at.get("embedding", 0.0) + clock() - t
+    def clocked(start: Start) -> Start:
+        def clocked_start(features: KeyedJaggedTensor) -> PooledHandle:
+            t = clock()
+            try:
+                return _Clocked(start(features))
+            finally:
+                at["embedding"] = at.get("embedding", 0.0) + clock() - t
 
-    sparse.forward_start = clocked_start  # type: ignore[method-assign]  # while timing
-    try:
+        return clocked_start
+
+    with _instrumented(model, clocked, handles):
         yield
-    finally:
-        del sparse.forward_start
-        for h in handles:
-            h.remove()
 
 
 def _wall_step(
