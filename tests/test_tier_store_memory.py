@@ -1,7 +1,8 @@
 """The SSD store keeps its rows out of the process: initialised with chunked ``pwrite``
 (the same rows as the in-memory init), rows read and written with ``pread`` / ``pwrite``
-or io_uring (no page of the file mapped) or read through the mapping (its pages then
-mapped), pages of ``records`` dropped by ``release`` without losing a row."""
+or io_uring (no page of the file mapped) or read and written through the mapping (its
+pages then mapped; writes by io where the file is sparse), pages of ``records`` dropped
+by ``release`` without losing a row."""
 
 from __future__ import annotations
 
@@ -135,6 +136,39 @@ def test_mapped_reads_map_the_pages_they_read_and_see_every_write(tmp_path):
     assert mapped_kib(store.path) == 0
     with pytest.raises(IndexError, match="outside table 't' of 40000 rows"):
         store.read(torch.tensor([40_000]))
+
+
+def test_mapped_stores_write_through_the_mapping_and_lose_no_row(tmp_path, monkeypatch):
+    store = SsdStore(LAYOUT, tmp_path / "t.tstore", mapped_reads=True)
+    store.initialize(fill)
+    assert store.mapped_writes  # the file's blocks are reserved at creation
+
+    def no_io(*args: object) -> int:
+        raise AssertionError("a mapped store wrote by io")
+
+    monkeypatch.setattr(store.io, "write", no_io)
+    rows = torch.tensor([39_999, 3, 17_000, 4])  # any order
+    records = torch.randn(4, LAYOUT.record_width)
+    store.write(rows, records)
+    store.release()  # the dirty pages unmapped: their rows stay in the page cache
+    store.flush()
+    assert np.array_equal(file_rows(store.path)[rows.numpy()], records.numpy())
+    store.mapped_reads = False  # read back by io: the same page cache
+    assert torch.equal(store.read(rows), records)
+    assert not store.mapped_writes
+
+
+def test_a_sparse_store_file_is_written_by_io_even_with_mapped_reads(tmp_path):
+    path = tmp_path / "t.tstore"
+    with open(path, "wb") as f:  # a file system without fallocate leaves the file sparse
+        f.write(tier_store.encode_header(LAYOUT))
+        f.truncate(HEADER_BYTES + LAYOUT.rows_bytes)
+    store = SsdStore(LAYOUT, path, mapped_reads=True)
+    assert not store.mapped_writes  # a full disk must be an error, not SIGBUS
+    rows, records = torch.tensor([7, 2]), torch.randn(2, LAYOUT.record_width)
+    store.write(rows, records)
+    assert torch.equal(store.read(rows), records)
+    assert np.array_equal(file_rows(path)[rows.numpy()], records.numpy())
 
 
 def test_a_truncated_store_is_refused_on_read(tmp_path):

@@ -20,7 +20,7 @@ step by step:
   under the method's name for 1 (the store's way with ``embedding.ssd_reads = io``);
 - ``mapped``: reads gathered from the files' mapping (``embedding.ssd_reads = mapped``;
   the pages a read touches stay mapped, so the first round's faults map them and the best
-  round is the steady state), writes by the native ``pwrite`` loop.
+  round is the steady state), writes copied into the mapping (``SsdStore.mapped_writes``).
 
 With the files in the page cache (``warm``), and with ``--cold`` also after dropping
 them from it (``posix_fadvise``) before each method's pass. Per method: wall and
@@ -254,7 +254,9 @@ def run_row_io_benchmark(args: argparse.Namespace) -> dict:
     if unknown:
         raise ValueError(f"--methods {unknown} unknown; choose from {', '.join(METHODS)}")
     usable = ("row", *available_methods(), "mapped")
-    writer = "pread" if "pread" in usable else "python"  # the mapped reads' writes
+    writer = (
+        "pread" if "pread" in usable else "python"
+    )  # mapped stores' io (unused by their writes)
     skipped = [m for m in methods if m not in usable]
     methods = [m for m in methods if m in usable]
     runs = _labelled_runs(methods, _read_threads(args.read_threads))

@@ -92,10 +92,11 @@ class EmbeddingConfig:
     # (sharded runs: under the pipelined input_dist, which this turns on); auto | on | off as
     # write_behind (auto: on a GPU, or where every rank has a core beyond its torch threads)
     prefetch: Background | bool = Background.AUTO
-    # cached over ssd: how a batch's missed rows are read: mapped (a gather through the row
-    # files' mapping, the page cache's pages mapped into the process) | io (pread / io_uring,
-    # many reads in flight for a disk) | auto: mapped when the files take at most half of the
-    # memory available (logged), else io
+    # cached over ssd: how a batch's missed rows are read and its evicted rows written back:
+    # mapped (a gather from and a scatter into the row files' mapping, the page cache's pages
+    # mapped into the process; writes by io where a file's blocks are not reserved) | io
+    # (pread / io_uring, many reads in flight for a disk) | auto: mapped when the files take
+    # at most half of the memory available (logged), else io
     ssd_reads: SsdReads = SsdReads.AUTO
     # Per-table storage, [embedding.tables.<table>]: kind, compression, qr_*, dim, memory,
     # cache_*, backing*, init, init_scale; unset: the above.

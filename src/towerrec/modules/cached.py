@@ -581,8 +581,8 @@ def build_store(
     needs ``table`` and ``seed``: it initialises rows from them on first touch. An SSD
     store writes behind (``SsdStore.write_behind``) as ``tier.write_behind`` says
     (``auto``: where the step runs on ``device``, an accelerator, or the process has a core
-    beyond its torch threads: ``background_on``) and reads through its file's mapping
-    when ``mapped_reads`` (``SsdStore``)."""
+    beyond its torch threads: ``background_on``) and reads and writes through its file's
+    mapping when ``mapped_reads`` (``SsdStore``)."""
     if tier.backing is Backing.HOST:
         return HostStore(layout)
     if tier.backing is Backing.KV:

@@ -101,10 +101,11 @@ class Background(StrEnum):
 
 
 class SsdReads(StrEnum):
-    """How an SSD store reads a batch's missed rows (``SsdStore``)."""
+    """How an SSD store reads a batch's missed rows and writes back its evicted ones
+    (``SsdStore``)."""
 
     AUTO = "auto"  # mapped when the stores' files fit in memory (``mapped_reads_on``), else io
-    MAPPED = "mapped"  # a gather through the file's memory mapping: no system call a row
+    MAPPED = "mapped"  # a gather from / scatter into the file's mapping: no system call a row
     IO = "io"  # pread / io_uring (``row_io.py``): many reads in flight for a disk
 
 
