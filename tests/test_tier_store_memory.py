@@ -139,6 +139,7 @@ def test_mapped_reads_map_the_pages_they_read_and_see_every_write(tmp_path):
 
 
 def test_mapped_stores_write_through_the_mapping_and_lose_no_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_store, "file_system_type", lambda path: "ext4")
     store = SsdStore(LAYOUT, tmp_path / "t.tstore", mapped_reads=True)
     store.initialize(fill)
     assert store.mapped_writes  # the file's blocks are reserved at creation
@@ -169,6 +170,42 @@ def test_a_sparse_store_file_is_written_by_io_even_with_mapped_reads(tmp_path):
     store.write(rows, records)
     assert torch.equal(store.read(rows), records)
     assert np.array_equal(file_rows(path)[rows.numpy()], records.numpy())
+
+
+def test_a_store_on_a_copy_on_write_file_system_is_written_by_io(tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_store, "file_system_type", lambda path: "btrfs")
+    store = SsdStore(LAYOUT, tmp_path / "t.tstore", mapped_reads=True)
+    store.initialize(fill)
+    assert not store.mapped_writes  # a rewrite needs a new block: a full disk is an error
+    rows, records = torch.tensor([9, 1]), torch.randn(2, LAYOUT.record_width)
+    store.write(rows, records)
+    assert torch.equal(store.read(rows), records)
+
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+30 22 8:2 / /data rw,relatime shared:2 - btrfs /dev/sdb1 rw,space_cache=v2
+31 22 8:3 / /data\\040x rw - xfs /dev/sdc1 rw
+32 30 0:40 / /data/scratch rw - tmpfs tmpfs rw
+33 22 0:41 / /mnt rw - ext4 /dev/sdd1 rw
+34 22 0:42 / /mnt rw - zfs pool/mnt rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"),
+    [
+        ("/data/run/t.tstore", "btrfs"),
+        ("/data", "btrfs"),
+        ("/database/t.tstore", "ext4"),  # a mount point is a whole path component
+        ("/data x/t.tstore", "xfs"),  # mountinfo writes the space as an octal escape
+        ("/data/scratch/t", "tmpfs"),  # the deepest mount above the path
+        ("/mnt/t", "zfs"),  # mounted over /mnt later: the one seen
+        ("/home/t", "ext4"),
+    ],
+)
+def test_the_file_system_under_a_path_is_read_from_mountinfo(path, kind):
+    assert tier_store.file_system_type(Path(path), MOUNTINFO) == kind
 
 
 def test_a_truncated_store_is_refused_on_read(tmp_path):

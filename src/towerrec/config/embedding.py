@@ -94,7 +94,7 @@ class EmbeddingConfig:
     prefetch: Background | bool = Background.AUTO
     # cached over ssd: how a batch's missed rows are read and its evicted rows written back:
     # mapped (a gather from and a scatter into the row files' mapping, the page cache's pages
-    # mapped into the process; writes by io where a file's blocks are not reserved) | io
+    # mapped into the process; writes by io where a file's blocks are not reserved in place) | io
     # (pread / io_uring, many reads in flight for a disk) | auto: mapped when the files take
     # at most half of the memory available (logged), else io
     ssd_reads: SsdReads = SsdReads.AUTO

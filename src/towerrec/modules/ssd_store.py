@@ -52,7 +52,9 @@ the 8 GiB ``bench tiers`` step (docs/benchmarks.md). The same bytes land in
 the same page cache, so ``flush`` (``msync`` and ``fdatasync``) makes them durable
 either way. A write through a mapping cannot report a full disk (the process gets
 SIGBUS instead), so it is used only where every block of the file is reserved
-(``_create``'s ``fallocate``); a sparse file's store writes by io.
+(``_create``'s ``fallocate``) on a file system that rewrites a block in place
+(``IN_PLACE_FILE_SYSTEMS``: a copy-on-write one, btrfs or ZFS, needs new blocks for every
+rewrite, reserved or not); other stores write by io.
 
 The mapping also serves the full-table views of ``records`` (checkpoints); ``release``
 drops the pages mapped so far. The process's anonymous memory thus holds the cache's
@@ -93,7 +95,15 @@ from towerrec.modules.tier_store import (
     format_bytes,
 )
 
-__all__ = ["HEADER_BYTES", "SUFFIX", "SsdStore", "encode_header", "read_header"]
+__all__ = [
+    "HEADER_BYTES",
+    "IN_PLACE_FILE_SYSTEMS",
+    "SUFFIX",
+    "SsdStore",
+    "encode_header",
+    "file_system_type",
+    "read_header",
+]
 
 MAGIC = b"TWRSTORE"
 VERSION = 1
@@ -103,6 +113,8 @@ INIT_CHUNK_BYTES = 64 << 20  # initialize's fill size (whole init blocks of rows
 PAGE_BYTES = 4096  # initialize writes the rows one page a call (module doc)
 PAGE_FLOATS = PAGE_BYTES // 4
 _MADV_POPULATE_READ = 22  # Linux's, where Python's mmap module does not name it
+# File systems whose rewrite of a reserved block needs no new block (module doc).
+IN_PLACE_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "tmpfs"})
 
 
 class SsdStore(BackingStore):
@@ -145,7 +157,10 @@ class SsdStore(BackingStore):
         self._map._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
         self._records = torch.from_numpy(self._map)
         # Writes through the mapping (module doc): only where the disk holds every block.
-        self._blocks_reserved = os.stat(self.path).st_blocks * 512 >= size
+        self._blocks_reserved = (
+            os.stat(self.path).st_blocks * 512 >= size
+            and file_system_type(self.path) in IN_PLACE_FILE_SYSTEMS
+        )
         # ``read``'s and ``write``'s descriptor; one page cache with the mapping.
         self._fd = os.open(self.path, os.O_RDWR)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -160,7 +175,8 @@ class SsdStore(BackingStore):
     @property
     def mapped_writes(self) -> bool:
         """Whether ``write`` copies into the file's mapping (module doc): with the mapped
-        reads, where the file's blocks are all reserved."""
+        reads, where the file's blocks are all reserved on a file system that rewrites
+        them in place."""
         return self.mapped_reads and self._blocks_reserved
 
     @property
@@ -337,6 +353,36 @@ class SsdStore(BackingStore):
 
 def _nothing() -> None:
     """The writer thread's marker: done once every earlier write is."""
+
+
+def file_system_type(path: Path, mountinfo: str | None = None) -> str | None:
+    """The type of the file system that holds ``path`` (``ext4``, ``btrfs``, ...), from
+    Linux's ``/proc/self/mountinfo`` (or ``mountinfo``, its text): the deepest mount
+    point above the path, the last mounted where two share one. ``None`` where unknown."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:  # not Linux
+            return None
+    target = os.path.realpath(path)
+    found, depth = None, -1
+    for line in mountinfo.splitlines():
+        left, dash, right = line.partition(" - ")
+        fields = left.split()
+        if not dash or len(fields) < 5 or not right.split():
+            continue
+        point = _unescape(fields[4])
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= depth:
+            found, depth = right.split()[0], len(point)
+    return found
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field: spaces, tabs, newlines and backslashes are octal escapes."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
 
 
 def _sorted_unique(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
