@@ -1,8 +1,8 @@
 """The SSD store keeps its rows out of the process: initialised with chunked ``pwrite``
 (the same rows as the in-memory init), rows read and written with ``pread`` / ``pwrite``
 or io_uring (no page of the file mapped) or read and written through the mapping (its
-pages then mapped; writes by io where the file is sparse), pages of ``records`` dropped
-by ``release`` without losing a row."""
+pages then mapped; writes by io where the file is sparse or its file system copies on
+write), pages of ``records`` dropped by ``release`` without losing a row."""
 
 from __future__ import annotations
 
@@ -184,24 +184,24 @@ def test_a_store_on_a_copy_on_write_file_system_is_written_by_io(tmp_path, monke
 
 MOUNTINFO = """\
 22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
-30 22 8:2 / /data rw,relatime shared:2 - btrfs /dev/sdb1 rw,space_cache=v2
-31 22 8:3 / /data\\040x rw - xfs /dev/sdc1 rw
-32 30 0:40 / /data/scratch rw - tmpfs tmpfs rw
-33 22 0:41 / /mnt rw - ext4 /dev/sdd1 rw
-34 22 0:42 / /mnt rw - zfs pool/mnt rw
+30 22 8:2 / /nowhere/data rw,relatime shared:2 - btrfs /dev/sdb1 rw,space_cache=v2
+31 22 8:3 / /nowhere/data\\040x rw - xfs /dev/sdc1 rw
+32 30 0:40 / /nowhere/data/scratch rw - tmpfs tmpfs rw
+33 22 0:41 / /nowhere/mnt rw - ext4 /dev/sdd1 rw
+34 22 0:42 / /nowhere/mnt rw - zfs pool/mnt rw
 """
 
 
 @pytest.mark.parametrize(
     ("path", "kind"),
-    [
-        ("/data/run/t.tstore", "btrfs"),
-        ("/data", "btrfs"),
-        ("/database/t.tstore", "ext4"),  # a mount point is a whole path component
-        ("/data x/t.tstore", "xfs"),  # mountinfo writes the space as an octal escape
-        ("/data/scratch/t", "tmpfs"),  # the deepest mount above the path
-        ("/mnt/t", "zfs"),  # mounted over /mnt later: the one seen
-        ("/home/t", "ext4"),
+    [  # paths that exist nowhere, so that no symbolic link of this machine's moves them
+        ("/nowhere/data/run/t.tstore", "btrfs"),
+        ("/nowhere/data", "btrfs"),
+        ("/nowhere/database/t.tstore", "ext4"),  # a mount point is a whole path component
+        ("/nowhere/data x/t.tstore", "xfs"),  # mountinfo writes the space as an octal escape
+        ("/nowhere/data/scratch/t", "tmpfs"),  # the deepest mount above the path
+        ("/nowhere/mnt/t", "zfs"),  # mounted over the other later: the one seen
+        ("/nowhere/t", "ext4"),
     ],
 )
 def test_the_file_system_under_a_path_is_read_from_mountinfo(path, kind):

@@ -254,9 +254,8 @@ def run_row_io_benchmark(args: argparse.Namespace) -> dict:
     if unknown:
         raise ValueError(f"--methods {unknown} unknown; choose from {', '.join(METHODS)}")
     usable = ("row", *available_methods(), "mapped")
-    writer = (
-        "pread" if "pread" in usable else "python"
-    )  # mapped stores' io (unused by their writes)
+    # the mapped stores' io (their reads and writes go through the mapping)
+    writer = "pread" if "pread" in usable else "python"
     skipped = [m for m in methods if m not in usable]
     methods = [m for m in methods if m in usable]
     runs = _labelled_runs(methods, _read_threads(args.read_threads))

@@ -156,8 +156,9 @@ class SsdStore(BackingStore):
         # Random access: no read-ahead from disk for a page of ``records``.
         self._map._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]  # numpy's memmap keeps its mmap here
         self._records = torch.from_numpy(self._map)
-        # Writes through the mapping (module doc): only where the disk holds every block.
-        self._blocks_reserved = (
+        # Writes through the mapping (module doc): only where the disk holds every block
+        # and rewrites it in place.
+        self._writes_in_place = (
             os.stat(self.path).st_blocks * 512 >= size
             and file_system_type(self.path) in IN_PLACE_FILE_SYSTEMS
         )
@@ -177,7 +178,7 @@ class SsdStore(BackingStore):
         """Whether ``write`` copies into the file's mapping (module doc): with the mapped
         reads, where the file's blocks are all reserved on a file system that rewrites
         them in place."""
-        return self.mapped_reads and self._blocks_reserved
+        return self.mapped_reads and self._writes_in_place
 
     @property
     def records(self) -> torch.Tensor:
@@ -234,7 +235,7 @@ class SsdStore(BackingStore):
         thread after ``write_behind``."""
         rows, records = self._checked(rows), records.to(torch.float32)
         if self.mapped_writes and self._writer is None:
-            self._records.index_copy_(0, rows, records)  # rows distinct: any order
+            self._write_now(rows, records)  # rows distinct: any order
             return
         if rows.numel() > 1:
             order = torch.argsort(rows)
