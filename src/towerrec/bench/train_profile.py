@@ -7,7 +7,8 @@
     loss              BCE on the logits        zero_grad     the dense gradients dropped
     embedding_bwd     the lookup's backward with the fused row-wise Adagrad update
     mlp_bwd           the linear layers' and ReLUs' backward (matmuls, bias sums)
-    interaction_bwd   the dots' backward (one bmm, or the fused CPU call)
+    interaction_bwd   the dots' backward (one bmm, or the fused CPU call; on the CPU the
+                      top MLP's input is built in one call, DotInteraction.joined)
     copies_bwd        backward of concatenation, stacking, padding, casts
     loss_bwd          BCE's backward           grad_accumulate  gradients stored
     backward_other    the autograd engine around them
@@ -70,6 +71,8 @@ BACKWARD_PHASES: tuple[tuple[str, str], ...] = (
     ("SplitLookupFunction", "embedding_bwd"),
     ("Embedding", "embedding_bwd"),
     ("PairwiseDots", "interaction_bwd"),
+    ("Joined", "interaction_bwd"),
+    ("LayerStack", "mlp_bwd"),
     ("Addmm", "mlp_bwd"),
     ("Mm", "mlp_bwd"),
     ("Relu", "mlp_bwd"),
@@ -110,19 +113,28 @@ class _LabelledHandle:
 Start = Callable[[KeyedJaggedTensor], PooledHandle]
 
 
+Joined = Callable[..., "torch.Tensor | None"]
+
+
 @contextlib.contextmanager
 def _instrumented(
-    model: DLRM, start: Callable[[Start], Start], handles: list[Any]
+    model: DLRM,
+    start: Callable[[Start], Start],
+    handles: list[Any],
+    joined: Callable[[Joined], Joined],
 ) -> Iterator[None]:
-    """``model.sparse.forward_start`` replaced by ``start(the original)`` while the block
-    runs; then restored, and the module hooks ``handles`` removed."""
-    sparse = model.sparse
-    wrapped = start(sparse.forward_start)
-    sparse.forward_start = wrapped  # type: ignore[method-assign,assignment]  # while measuring
+    """``model.sparse.forward_start`` and ``model.interaction.joined`` (the top MLP's
+    input in one call, which runs the interaction without calling its module) replaced
+    by ``start`` and ``joined`` of the originals while the block runs; then restored,
+    and the module hooks ``handles`` removed."""
+    sparse, interaction = model.sparse, model.interaction
+    sparse.forward_start = start(sparse.forward_start)  # type: ignore[method-assign,assignment]  # while measuring
+    interaction.joined = joined(interaction.joined)  # type: ignore[method-assign]  # while measuring
     try:
         yield
     finally:
         del sparse.forward_start
+        del interaction.joined
         for h in handles:
             h.remove()
 
@@ -152,7 +164,14 @@ def _labelled_parts(model: DLRM) -> Iterator[None]:
 
         return labelled_start
 
-    with _instrumented(model, labelled, handles):
+    def labelled_joined(joined: Joined) -> Joined:
+        def labelled_call(*args: Any) -> torch.Tensor | None:
+            with record_function(PART + "interaction_fwd"):
+                return joined(*args)
+
+        return labelled_call
+
+    with _instrumented(model, labelled, handles, labelled_joined):
         yield
 
 
@@ -266,7 +285,20 @@ def _clocked_parts(model: DLRM, at: dict[str, float]) -> Iterator[None]:
 
         return clocked_start
 
-    with _instrumented(model, clocked, handles):
+    def clocked_joined(joined: Joined) -> Joined:
+        def clocked_call(x: torch.Tensor, embeddings: torch.Tensor, *rest: Any) -> Any:
+            at["interaction_start"] = clock()
+            try:
+                out = joined(x, embeddings, *rest)
+            finally:
+                at["interaction_end"] = clock()
+            if out is not None and x.requires_grad:  # x's gradient: at the bottom MLP's node
+                x.register_hook(lambda _g: at.__setitem__("grad_interaction", clock()))
+            return out
+
+        return clocked_call
+
+    with _instrumented(model, clocked, handles, clocked_joined):
         yield
 
 

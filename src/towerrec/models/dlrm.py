@@ -108,6 +108,10 @@ class DLRM(SparseArchModel):
         in_flight = self.sparse.forward_start(sparse)  # sharded: all-to-all in flight ...
         x = self.bottom(dense) if self.bottom is not None else None  # ... while this runs
         pooled = in_flight.wait()
+        if x is not None and not self.concat_embeddings:
+            joined = self.interaction.joined(x, pooled.values(), self.top.input_padding)
+            if joined is not None:  # one native pass each way (DotInteraction.joined)
+                return self.top(joined).squeeze(1)
         embeddings = pooled.stacked()
         stacked = embeddings if x is None else torch.cat([x.unsqueeze(1), embeddings], dim=1)
         interactions = self.interaction(stacked)

@@ -1,6 +1,7 @@
 /* towerrec.modules._fused: fused CPU kernels of the training step.
  *
- * DLRM's pairwise dot interaction (interaction.py), and the torch kernel's pooled lookup
+ * DLRM's pairwise dot interaction (interaction.py; concat_forward and concat_backward
+ * below build the top MLP's whole input around it), and the torch kernel's pooled lookup
  * and row gradients (bag_sum, bag_grad below). For each sample b of X [B, F, D] (float32, contiguous) and each of P pairs
  * (rows[p], cols[p]) (int64):
  *
@@ -753,6 +754,233 @@ static PyObject *py_forward(PyObject *self, PyObject *args) { return run_dots(ar
 
 static PyObject *py_backward(PyObject *self, PyObject *args) { return run_dots(args, 1); }
 
+/* The DLRM top MLP's input in one call each way (models/dlrm.py, DotInteraction.joined):
+ * for each sample b, the F = T + 1 vectors of dim D are x[b] (the bottom MLP's output,
+ * [B, D], float32 or, where `half`, bfloat16) and the T rows of e[b] (the pooled
+ * embeddings, [B, T * D], float32); with P pairs (rows, cols) over them:
+ *
+ *   concat_forward(x, e, rows, cols, out, B, T, D, P, W, half, threads)
+ *       out[b] = [x[b], the pairs' dots, W - D - P zeros]        ([B, W], x's dtype)
+ *   concat_backward(x, e, rows, cols, grad, gx, ge, B, T, D, P, W, half, threads)
+ *       ge[b] = the embeddings' gradient rows (float32) and gx[b] = grad[b, :D] + x's
+ *       gradient row, given grad [B, W] (x's dtype)
+ *
+ * Each sample's F vectors are copied into a float32 scratch row and its dots and
+ * gradients computed there by sample_dots and the backward's per-sample sums, so the
+ * values are those of the stacked path: the stack [B, F, D] in float32, the dots rounded
+ * to bfloat16 (to nearest, ties to even, as torch rounds) where half, and x's two
+ * gradients added in x's dtype. It replaces the stacking copy, the casts around the dots
+ * and the concatenation of the top MLP's input, each a pass over the batch. */
+
+static inline float bf16_in(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_out(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+typedef uint32_t vu __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
+
+/* n floats to bfloat16 (bf16_out's rounding), 16 lanes at a time. */
+static inline __attribute__((always_inline)) void bf16_store(uint16_t *o, const float *f,
+                                                             Py_ssize_t n) {
+    Py_ssize_t k = 0;
+    for (; k + LANES <= n; k += LANES) {
+        const vf v = load(f + k);
+        vu u;
+        memcpy(&u, &v, sizeof u);
+        const vu nan = (vu)(v != v), r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        const vh h = __builtin_convertvector((r & ~nan) | (0x7FC0u & nan), vh);
+        memcpy(o + k, &h, sizeof h);
+    }
+    for (; k < n; k++) o[k] = bf16_out(f[k]);
+}
+
+/* n bfloat16 values to floats, 16 lanes at a time. */
+static inline __attribute__((always_inline)) void bf16_load(float *f, const uint16_t *h,
+                                                            Py_ssize_t n) {
+    Py_ssize_t k = 0;
+    for (; k + LANES <= n; k += LANES) {
+        vh v;
+        memcpy(&v, h + k, sizeof v);
+        const vu u = __builtin_convertvector(v, vu) << 16;
+        memcpy(f + k, &u, sizeof u);
+    }
+    for (; k < n; k++) f[k] = bf16_in(h[k]);
+}
+
+typedef struct {
+    const void *x;
+    const float *e;
+    const void *grad;
+    void *out, *gx;
+    float *ge;
+    const void *off; /* forward: pair_offsets'; backward: pair_tables' */
+    float *scratch;  /* concat_scratch floats a thread */
+    Py_ssize_t tables, dim, pairs, width, scratch_stride;
+    int half, backward;
+} Concat;
+
+/* Floats of one thread's scratch: the F vectors, their gradient rows, the pairs' values
+ * and the backward's copy of them (P + 1 each, whole cache lines), and 16 to align it. */
+static Py_ssize_t concat_scratch(Py_ssize_t features, Py_ssize_t dim, Py_ssize_t pairs) {
+    return (2 * features * dim + 15) / 16 * 16 + 2 * gl_stride(pairs) + 16;
+}
+
+/* x[b] and e[b] into the float32 scratch row s [F, D]. */
+static inline __attribute__((always_inline)) void concat_gather(const Concat *c, Py_ssize_t b,
+                                                                float *s) {
+    const Py_ssize_t dim = c->dim, te = c->tables * dim;
+    if (c->half) {
+        bf16_load(s, (const uint16_t *)c->x + b * dim, dim);
+    } else {
+        memcpy(s, (const float *)c->x + b * dim, (size_t)dim * sizeof(float));
+    }
+    memcpy(s + dim, c->e + b * te, (size_t)te * sizeof(float));
+}
+
+DOTS_CLONES
+static void concat_range(const Concat *c, Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t slot) {
+    const Py_ssize_t dim = c->dim, features = c->tables + 1, pairs = c->pairs,
+                     width = c->width, te = c->tables * dim;
+    float *s = (float *)(((uintptr_t)(c->scratch + slot * c->scratch_stride) + 63) &
+                         ~(uintptr_t)63);
+    float *t = s + features * dim, *gl = s + (2 * features * dim + 15) / 16 * 16,
+          *copy = gl + gl_stride(pairs);
+    for (Py_ssize_t b = lo; b < hi; b++) {
+        concat_gather(c, b, s);
+        if (!c->backward) {
+            if (c->half) {
+                uint16_t *o = (uint16_t *)c->out + b * width;
+                memcpy(o, (const uint16_t *)c->x + b * dim, (size_t)dim * sizeof(uint16_t));
+                sample_dots(s, c->off, gl, dim, pairs, dim == LANES);
+                bf16_store(o + dim, gl, pairs);
+                memset(o + dim + pairs, 0, (size_t)(width - dim - pairs) * sizeof(uint16_t));
+            } else {
+                float *o = (float *)c->out + b * width;
+                memcpy(o, s, (size_t)dim * sizeof(float));
+                sample_dots(s, c->off, o + dim, dim, pairs, dim == LANES);
+                memset(o + dim + pairs, 0, (size_t)(width - dim - pairs) * sizeof(float));
+            }
+            continue;
+        }
+        const float *g;
+        if (c->half) {
+            bf16_load(gl, (const uint16_t *)c->grad + b * width + dim, pairs);
+            g = gl;
+        } else {
+            g = (const float *)c->grad + b * width + dim;
+        }
+        /* dots_backward's sums for one sample (b = 0 of a batch of one) */
+        dots_backward(s, c->off, g, t, copy, 1, features, dim, pairs);
+        memcpy(c->ge + b * te, t + dim, (size_t)te * sizeof(float));
+        if (c->half) {
+            const uint16_t *gh = (const uint16_t *)c->grad + b * width;
+            uint16_t *gx = (uint16_t *)c->gx + b * dim;
+            for (Py_ssize_t d = 0; d < dim; d++)
+                gx[d] = bf16_out(bf16_in(bf16_out(t[d])) + bf16_in(gh[d]));
+        } else {
+            const float *gf = (const float *)c->grad + b * width;
+            float *gx = (float *)c->gx + b * dim;
+            for (Py_ssize_t d = 0; d < dim; d++) gx[d] = t[d] + gf[d];
+        }
+    }
+}
+
+static void concat_split(const Concat *c, Py_ssize_t batch, Py_ssize_t threads) {
+    Py_ssize_t n = batch * c->pairs * c->dim / MIN_WORK_PER_THREAD;
+    if (n > threads) n = threads;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    if (n < 1) n = 1;
+#ifdef _OPENMP
+    if (n > 1) {
+#pragma omp parallel num_threads((int)n)
+        {
+            const Py_ssize_t k = omp_get_thread_num(), m = omp_get_num_threads();
+            concat_range(c, batch * k / m, batch * (k + 1) / m, k);
+        }
+        return;
+    }
+#endif
+    concat_range(c, 0, batch, 0); /* built without OpenMP: on this thread */
+}
+
+/* concat_forward(x, e, rows, cols, out, B, T, D, P, W, half, threads) and
+ * concat_backward(x, e, rows, cols, grad, gx, ge, B, T, D, P, W, half, threads). */
+static PyObject *run_concat(PyObject *args, int backward) {
+    Py_buffer x, e, rows, cols, grad = {0}, out, ge = {0};
+    Py_ssize_t batch, tables, dim, pairs, width, threads;
+    int half;
+    const int parsed =
+        backward ? PyArg_ParseTuple(args, "y*y*y*y*y*w*w*nnnnnpn", &x, &e, &rows, &cols, &grad,
+                                    &out, &ge, &batch, &tables, &dim, &pairs, &width, &half,
+                                    &threads)
+                 : PyArg_ParseTuple(args, "y*y*y*y*w*nnnnnpn", &x, &e, &rows, &cols, &out,
+                                    &batch, &tables, &dim, &pairs, &width, &half, &threads);
+    if (!parsed) return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t features = tables + 1, item = half ? 2 : 4;
+    if (check_sizes(batch, features, dim, pairs)) goto done;
+    if (width < dim + pairs) {
+        PyErr_Format(PyExc_ValueError, "width %zd is less than dim %zd plus %zd pairs", width,
+                     dim, pairs);
+        goto done;
+    }
+    if (check(&x, batch * dim * item, "x") || check(&e, batch * tables * dim * 4, "e") ||
+        check(&rows, pairs * 8, "rows") || check(&cols, pairs * 8, "cols") ||
+        (backward && (check(&grad, batch * width * item, "grad") ||
+                      check(&ge, batch * tables * dim * 4, "ge"))) ||
+        check(&out, batch * (backward ? dim : width) * item, backward ? "gx" : "out") ||
+        check_pairs(rows.buf, cols.buf, pairs, features))
+        goto done;
+    void *off = backward ? (void *)pair_tables(rows.buf, cols.buf, pairs, features)
+                         : (void *)pair_offsets(rows.buf, cols.buf, pairs, dim);
+    if (off == NULL) goto done;
+    const Py_ssize_t slots = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads,
+                     stride = concat_scratch(features, dim, pairs);
+    float *scratch = PyMem_Malloc((size_t)(slots * stride) * sizeof(float));
+    if (scratch == NULL) {
+        PyMem_Free(off);
+        PyErr_NoMemory();
+        goto done;
+    }
+    Concat c = {x.buf, e.buf,  backward ? grad.buf : NULL, backward ? NULL : out.buf,
+                backward ? out.buf : NULL, backward ? ge.buf : NULL, off, scratch, tables, dim,
+                pairs, width, stride, half, backward};
+    Py_BEGIN_ALLOW_THREADS
+    concat_split(&c, batch, threads);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(scratch);
+    PyMem_Free(off);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&e);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&cols);
+    PyBuffer_Release(&out);
+    if (backward) {
+        PyBuffer_Release(&grad);
+        PyBuffer_Release(&ge);
+    }
+    return result;
+}
+
+static PyObject *py_concat_forward(PyObject *self, PyObject *args) { return run_concat(args, 0); }
+
+static PyObject *py_concat_backward(PyObject *self, PyObject *args) {
+    return run_concat(args, 1);
+}
+
 /* bag_sum and bag_grad's arguments: (table, ids, offsets, bags, weights or None, mean,
  * out, features, batch, dim, rows), `table` read and `bags` written by bag_sum, the other
  * way round by bag_grad. Checks every size (the table's left to the caller with
@@ -1026,6 +1254,12 @@ static PyMethodDef dots_methods[] = {
     {"backward", py_backward, METH_VARARGS,
      "backward(x, rows, cols, grad, gx, batch, features, dim, pairs, threads): gx, the "
      "gradient of x given grad, the gradient of out"},
+    {"concat_forward", py_concat_forward, METH_VARARGS,
+     "concat_forward(x, e, rows, cols, out, batch, tables, dim, pairs, width, half, threads): "
+     "out[b] = [x[b], the pairs' dots over x[b] and e[b]'s rows, zeros]"},
+    {"concat_backward", py_concat_backward, METH_VARARGS,
+     "concat_backward(x, e, rows, cols, grad, gx, ge, batch, tables, dim, pairs, width, half, "
+     "threads): gx and ge, the gradients of x and e given grad, that of out"},
     {"bag_sum", py_bag_sum, METH_VARARGS,
      "bag_sum(table, ids, offsets, out, weights or None, mean, features, batch, dim, rows): "
      "the pooled bags (feature-major) into out[batch, features * dim]"},

@@ -17,6 +17,13 @@ intra-op threads where the batch is large enough to pay for them. A batched matm
 and scatter of the triangle cost as much again. Elsewhere (GPUs, float64, other dims,
 no compiler, and under ``torch.export``, ``torch.compile`` and tracing, so that an
 exported model holds only torch operators) the batched matmuls above serve.
+
+DLRM's top MLP reads ``[x, dots, zeros]``: the bottom MLP's output, the dots of it and
+the pooled embeddings, and the alignment zeros (``MLP.input_padding``). Where the fused
+kernel applies, ``DotInteraction.joined`` builds that input from ``x`` and the pooled
+``[B, T * D]`` in one native call (and its gradient in one), the dots rounded to bfloat16
+there under bfloat16 autocast: the same values as stacking, the dots and the
+concatenation, without their three passes over the batch and the casts between them.
 """
 
 from __future__ import annotations
@@ -131,6 +138,73 @@ class _NativePairwiseDots(torch.autograd.Function):
         return gx, None, None
 
 
+def _raw(t: torch.Tensor) -> Any:
+    """A CPU tensor's buffer for the native calls (bfloat16 as its 16-bit patterns)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+class _NativeJoined(torch.autograd.Function):
+    """The fused CPU kernel of DLRM's top MLP input (``DotInteraction.joined``): ``x [B,
+    D]`` (float32 or bfloat16) and ``e [B, T * D]`` (float32) -> ``[x, dots, zeros]``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        e: torch.Tensor,
+        rows: torch.Tensor,
+        cols: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor:
+        assert _native is not None
+        x, e = x.detach().contiguous(), e.detach().contiguous()
+        batch, dim = x.shape
+        out = x.new_empty(batch, width)
+        _native.concat_forward(
+            _raw(x),
+            e.numpy(),
+            rows.numpy(),
+            cols.numpy(),
+            _raw(out),
+            batch,
+            e.shape[1] // dim,
+            dim,
+            rows.numel(),
+            width,
+            x.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        ctx.save_for_backward(x, e, rows, cols)
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        assert _native is not None
+        x, e, rows, cols = ctx.saved_tensors
+        batch, dim = x.shape
+        grad = grad.detach().to(x.dtype).contiguous()
+        gx, ge = torch.empty_like(x), torch.empty_like(e)
+        _native.concat_backward(
+            _raw(x),
+            e.numpy(),
+            rows.numpy(),
+            cols.numpy(),
+            _raw(grad),
+            _raw(gx),
+            ge.numpy(),
+            batch,
+            e.shape[1] // dim,
+            dim,
+            rows.numel(),
+            grad.shape[1],
+            x.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        return gx, ge, None, None, None
+
+
 class DotInteraction(nn.Module):
     """Pairwise dot products of F vectors: the upper triangle of ``X X^T``.
 
@@ -186,3 +260,30 @@ class DotInteraction(nn.Module):
         if autocast:
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return _PairwiseDots.apply(x, self.flat_index, self.pair_of_position, self.self_interaction)  # type: ignore[no-untyped-call,no-any-return]  # torch leaves Function.apply untyped
+
+    def joined(
+        self, x: torch.Tensor, embeddings: torch.Tensor, padding: int
+    ) -> torch.Tensor | None:
+        """``cat([x, self(cat([x[:, None], E], 1)), zeros(B, padding)], 1)`` for ``x [B,
+        D]`` and the pooled ``embeddings [B, T * D]`` (``E`` their ``[B, T, D]`` view):
+        DLRM's top MLP input, in one native call each way where the fused CPU kernel
+        applies (``x`` float32, or bfloat16 under bfloat16 autocast, the embeddings
+        float32), the same values as the stacked path; None elsewhere (the caller
+        concatenates)."""
+        if x.dim() != 2 or not _native_applies(x.unsqueeze(1)):
+            return None
+        batch, dim = x.shape
+        if embeddings.dtype != torch.float32 or embeddings.shape != (
+            batch,
+            (self.num_features - 1) * dim,
+        ):
+            return None
+        autocast = torch.is_autocast_enabled(x.device.type)
+        wanted = torch.get_autocast_dtype(x.device.type) if autocast else torch.float32
+        if x.dtype != wanted or wanted not in (torch.float32, torch.bfloat16):
+            return None
+        width = dim + self.out_features + padding
+        return cast(
+            torch.Tensor,
+            _NativeJoined.apply(x, embeddings, self.pair_rows, self.pair_cols, width),  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        )

@@ -5,6 +5,14 @@ top MLP over 16 + 351 interaction outputs) runs its matmuls on operands
 zero-padded to the next multiple of 8: row strides that are not a multiple of
 the vector width slow the BLAS kernels by up to 1.5x on CPU (docs/benchmarks.md,
 speed notes). The zeros add nothing to the result; the weight keeps its shape.
+
+On the CPU, a plain MLP (no dropout, no batch norm) runs its layers as one autograd
+node (``_LayerStack``): the same operators in the same order as the layer-by-layer
+path (each weight and bias cast to the autocast dtype, ``addmm``, ReLU in place;
+backward the ReLU's mask, the bias sums and two matmuls a layer, the gradients cast
+back to the parameters' dtype), so the same bits, without the dozen autograd nodes
+and autocast casts a layer costs as separate operators (docs/benchmarks.md, the
+training step's profile).
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MLP", "aligned_linear", "padded_linear", "padding_for"]
+
+from typing import Any, cast
 
 ALIGN = 8
 
@@ -47,6 +57,66 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.shape[-1] == in_features:
         x = F.pad(x, (0, pad))
     return F.linear(x, F.pad(weight, (0, pad)), bias)
+
+
+class _LayerStack(torch.autograd.Function):
+    """A plain MLP's layers in one node (module doc): ``x`` and each layer's weight and
+    bias in; the layers' matmuls run in ``dtype`` (the autocast dtype, or the weights'
+    own), as ``padded_linear`` runs them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, relu_last: bool, dtype: torch.dtype, *params: torch.Tensor
+    ) -> torch.Tensor:
+        layers = len(params) // 2
+        h = x.to(dtype)
+        inputs, outputs, weights = [], [], []
+        for i in range(layers):
+            weight, bias = params[2 * i], params[2 * i + 1]
+            pad = padding_for(weight.shape[1])
+            if pad:
+                weight = F.pad(weight, (0, pad))
+                if h.shape[1] != weight.shape[1]:
+                    h = F.pad(h, (0, pad))
+            weight = weight.to(dtype)
+            inputs.append(h)
+            h = torch.addmm(bias.to(dtype), h, weight.t())
+            if i < layers - 1 or relu_last:
+                h = torch.relu_(h)
+            outputs.append(h)
+            weights.append(weight)
+        ctx.save_for_backward(*inputs, *outputs, *weights)
+        ctx.layers, ctx.relu_last = layers, relu_last
+        ctx.x_dtype, ctx.x_width = x.dtype, x.shape[1]
+        ctx.param_dtypes = [p.dtype for p in params]
+        ctx.in_widths = [params[2 * i].shape[1] for i in range(layers)]
+        return h
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        layers = ctx.layers
+        saved = ctx.saved_tensors
+        inputs, outputs, weights = (
+            saved[:layers],
+            saved[layers : 2 * layers],
+            saved[2 * layers :],
+        )
+        g = grad.to(outputs[-1].dtype)
+        grads: list[torch.Tensor | None] = [None] * (2 * layers)
+        for i in reversed(range(layers)):
+            if i < layers - 1 or ctx.relu_last:
+                g = torch.ops.aten.threshold_backward(g, outputs[i], 0)
+            weight_grad = g.t().mm(inputs[i])[:, : ctx.in_widths[i]]
+            grads[2 * i] = weight_grad.to(ctx.param_dtypes[2 * i])
+            grads[2 * i + 1] = g.sum(0).to(ctx.param_dtypes[2 * i + 1])
+            if i == 0 and not ctx.needs_input_grad[0]:
+                break
+            g = g.mm(weights[i])
+            width = outputs[i - 1].shape[1] if i > 0 else ctx.x_width
+            if g.shape[1] != width:  # the zeros padded onto the input
+                g = g[:, :width]
+        x_grad = g.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        return (x_grad, None, None, *grads)
 
 
 class MLP(nn.Sequential):
@@ -98,7 +168,50 @@ class MLP(nn.Sequential):
         and dropout are elementwise and left out, as torch's FlopCounterMode does)."""
         return sum(2 * m.in_features * m.out_features for m in self if isinstance(m, nn.Linear))
 
+    def _stack_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The dtype the one-node path (``_LayerStack``) runs the layers in, or None where
+        the layer-by-layer path serves: off the CPU, with dropout or batch norm, for
+        export, compilation and tracing (a graph of torch operators), and for weights
+        not all of one floating dtype."""
+        if (
+            x.device.type != "cpu"
+            or x.dim() != 2
+            or self.dropout
+            or self.batch_norm
+            or type(x) is not torch.Tensor
+            or torch.jit.is_tracing()
+            or torch.jit.is_scripting()
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        modules = list(self)
+        for i, layer in enumerate(modules):
+            plain_linear = isinstance(layer, nn.Linear) and layer.bias is not None
+            relu_after_linear = (
+                isinstance(layer, nn.ReLU) and i > 0 and isinstance(modules[i - 1], nn.Linear)
+            )
+            if not (plain_linear or relu_after_linear):
+                return None
+        dtypes = {p.dtype for p in self.parameters()}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            return None
+        if torch.is_autocast_enabled("cpu"):  # autocast lowers float32 alone
+            return torch.get_autocast_dtype("cpu") if dtypes == {torch.float32} else None
+        return dtypes.pop() if x.dtype in dtypes else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self._stack_dtype(x)
+        if dtype is not None:
+            params = [
+                p
+                for layer in self
+                if isinstance(layer, nn.Linear)
+                for p in (layer.weight, layer.bias)
+            ]
+            relu_last = isinstance(self[-1], nn.ReLU)
+            with torch.autocast("cpu", enabled=False):  # the casts are the node's own
+                out = _LayerStack.apply(x, relu_last, dtype, *params)  # type: ignore[no-untyped-call]  # torch leaves it untyped
+            return cast(torch.Tensor, out)
         for layer in self:
             if isinstance(layer, nn.Linear):
                 x = aligned_linear(x, layer)
