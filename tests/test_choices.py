@@ -472,3 +472,20 @@ def test_a_kernel_timing_whose_steps_disagree_is_not_cached(monkeypatch, measuri
     assert resolved.embedding.backend is Backend.TORCH  # this run uses what it measured
     assert "torch's timed steps spread" in made["backend"].why
     assert not measuring.exists() or "backend" not in measuring.read_text()
+
+
+@needs_fbgemm
+def test_the_kernels_are_timed_at_the_runs_precision(monkeypatch, measuring):
+    """The precision is resolved first; the kernel timing runs under its autocast, and a
+    choice made at one precision is not reused for another."""
+    dtypes = []
+
+    def backends(workload, candidates, **kwargs):
+        dtypes.append(kwargs.get("dtype"))
+        return {b: {"torch": 1.0, "fbgemm": 2.0}[b.value] for b in candidates}
+
+    monkeypatch.setattr(choices, "time_backend_steps", backends)
+    for precision in ("bf16", "fp32", "bf16"):
+        config = _config(f"train.precision={precision}")
+        resolve_choices(config, _schema(config), CPU)
+    assert dtypes == [torch.bfloat16, None]  # the second bf16 run read the cache
