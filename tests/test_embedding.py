@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from conftest import needs_fbgemm
@@ -616,3 +618,62 @@ def test_native_rowwise_adagrad_checks_its_arguments():
     torch.testing.assert_close(momentum[3], torch.tensor(4.0))
     torch.testing.assert_close(weight[3], torch.full((16,), -0.1))
     assert weight[torch.arange(10) != 3].eq(0).all()
+
+
+@pytest.mark.parametrize("dim", [8, 16, 32, 64])
+def test_native_row_statistics_are_taken_only_where_they_give_torchs_bits(dim):
+    """``row_statistics`` (each distinct row's mean square added to its statistic in one
+    pass) is used for a dim only after a check that it matches ``(s * s).mean(1)``; on
+    other rows than the check's it matches too."""
+    from towerrec.modules.kernels import torch_kernel
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    gen = torch.Generator().manual_seed(100 + dim)
+    sums = torch.randn(3000, dim, generator=gen) * torch.rand(3000, 1, generator=gen) * 50
+    state = torch.rand(3000, generator=gen)
+    expected = state.clone().add_(torch_kernel.rowwise_statistic(sums))
+    fused.row_statistics(sums.numpy(), state.numpy(), 3000, dim)
+    if torch_kernel.native_row_statistics(dim):
+        assert torch.equal(state, expected)
+    with pytest.raises(ValueError, match="state holds"):
+        fused.row_statistics(sums.numpy(), state[:10].numpy(), 3000, dim)
+
+
+def test_the_row_statistics_check_refuses_an_extension_that_rounds_otherwise(monkeypatch):
+    from towerrec.modules.kernels import torch_kernel
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+
+    class OffByOne:  # the extension with a statistic one float step too high
+        def row_statistics(self, sums, state, count, dim):
+            fused.row_statistics(sums, state, count, dim)
+            state[:] = torch.nextafter(torch.from_numpy(state), torch.tensor(math.inf)).numpy()
+
+    monkeypatch.setattr(torch_kernel, "fused", OffByOne())
+    torch_kernel.native_row_statistics.cache_clear()
+    try:
+        assert not torch_kernel.native_row_statistics(16)
+    finally:
+        torch_kernel.native_row_statistics.cache_clear()
+
+
+def test_native_update_with_torchs_statistics_matches_the_pytorch_path(monkeypatch):
+    """Where the check declines (here forced), the statistics come from torch's operators
+    around the same native calls: still the PyTorch path's bits."""
+    from towerrec.modules.kernels import torch_kernel
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    with monkeypatch.context() as patch:
+        reference = _native_or_torch_steps(patch, False, "sum", False)
+    calls = []
+    monkeypatch.setattr(torch_kernel, "native_row_statistics", lambda dim: calls.append(dim))
+    native = _native_or_torch_steps(monkeypatch, True, "sum", False)
+    assert calls  # the update asked, and took torch's operators
+    for got, want in zip((*native[0], native[1], native[2]), (*reference[0], *reference[1:])):
+        _assert_equal(got, want)

@@ -584,6 +584,29 @@ static Py_ssize_t distinct_sums(const int64_t *ids, const int64_t *offsets, cons
     return distinct;
 }
 
+/* Row-wise Adagrad's statistic of a row, as torch's operators compute it on [U] vectors
+ * (torch_kernel.py): the mean of the row gradient's squares (the squares summed into
+ * eight accumulators, square i into i mod 8 in order, then the eight in order, as
+ * ATen's inner-dimension sum adds a row of 16; divided by dim) added to the row's old
+ * statistic. The caller checks once per dim that these are torch's bits
+ * (native_row_statistics) and takes torch's operators where they are not. */
+static inline __attribute__((always_inline)) float row_statistic(const float *g, Py_ssize_t dim,
+                                                                 float old) {
+    float acc[8] = {0};
+    const Py_ssize_t k = dim < 8 ? dim : 8;
+    for (Py_ssize_t j = 0; j < k; j++) acc[j] = g[j] * g[j];
+    for (Py_ssize_t i = 8; i < dim; i++) acc[i % 8] = acc[i % 8] + g[i] * g[i];
+    float sum = acc[0];
+    for (Py_ssize_t j = 1; j < k; j++) sum = sum + acc[j];
+    return old + sum / (float)dim;
+}
+
+DOTS_CLONES
+static void statistics_range(const float *sums, float *state, Py_ssize_t dim, Py_ssize_t lo,
+                             Py_ssize_t hi) {
+    for (Py_ssize_t u = lo; u < hi; u++) state[u] = row_statistic(sums + u * dim, dim, state[u]);
+}
+
 DOTS_CLONES
 static void adagrad_rows(float *weight, float *momentum, const int64_t *rows, const float *sums,
                          const float *state, const float *factor, Py_ssize_t dim, Py_ssize_t lo,
@@ -618,6 +641,22 @@ static void adagrad_update(float *weight, float *momentum, const int64_t *rows,
         const Py_ssize_t k = omp_get_thread_num(), m = omp_get_num_threads();
         adagrad_rows(weight, momentum, rows, sums, state, factor, dim, distinct * k / m,
                      distinct * (k + 1) / m);
+    }
+#endif
+}
+
+static void statistics_update(const float *sums, float *state, Py_ssize_t distinct,
+                              Py_ssize_t dim) {
+    const int n = threads_for(distinct, MIN_UPDATES_PER_THREAD);
+    if (n == 1) {
+        statistics_range(sums, state, dim, 0, distinct);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n)
+    {
+        const Py_ssize_t k = omp_get_thread_num(), m = omp_get_num_threads();
+        statistics_range(sums, state, dim, distinct * k / m, distinct * (k + 1) / m);
     }
 #endif
 }
@@ -1203,6 +1242,29 @@ done:
     return result;
 }
 
+/* row_statistics(sums, state, count, dim): state[u] += the mean square of sums[u]. */
+static PyObject *py_row_statistics(PyObject *self, PyObject *args) {
+    Py_buffer sums, state;
+    Py_ssize_t count, dim;
+    if (!PyArg_ParseTuple(args, "y*w*nn", &sums, &state, &count, &dim)) return NULL;
+    PyObject *result = NULL;
+    if (dim < 1 || count < 0) {
+        PyErr_Format(PyExc_ValueError, "row_statistics needs count >= 0 and dim >= 1, got %zd, %zd",
+                     count, dim);
+        goto done;
+    }
+    if (check(&sums, count * dim * 4, "sums") || check(&state, count * 4, "state")) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    statistics_update(sums.buf, state.buf, count, dim);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&sums);
+    PyBuffer_Release(&state);
+    return result;
+}
+
 /* The calling thread's flush-to-zero and denormals-are-zero modes (x86's MXCSR bits 15
  * and 6, AArch64's FPCR.FZ): subnormal results and operands become zeros. Returns 0
  * where the CPU has no such mode. */
@@ -1274,6 +1336,8 @@ static PyMethodDef dots_methods[] = {
     {"adagrad_rows", py_adagrad_rows, METH_VARARGS,
      "adagrad_rows(weight, momentum, rows, sums, state, factor, count, dim): "
      "momentum[rows[u]] = state[u] and weight[rows[u]] -= sums[u] * factor[u]"},
+    {"row_statistics", py_row_statistics, METH_VARARGS,
+     "row_statistics(sums, state, count, dim): state[u] += the mean of sums[u]'s squares"},
     {NULL, NULL, 0, NULL},
 };
 
