@@ -226,7 +226,7 @@ def test_layer_stack_matches_the_layer_by_layer_path_bit_for_bit(
         nodes.append(type(mlp(x).grad_fn).__name__)
     assert "LayerStack" in nodes[0]
     ours = mlp_run(mlp, x, dtype)
-    monkeypatch.setattr(MLP, "_stack_dtype", lambda self, x: None)
+    monkeypatch.setattr(MLP, "_stack_plan", lambda self, x: None)
     theirs = mlp_run(mlp, x, dtype)
     assert len(ours) == len(theirs)
     for a, b in zip(ours, theirs):

@@ -168,9 +168,10 @@ class MLP(nn.Sequential):
         and dropout are elementwise and left out, as torch's FlopCounterMode does)."""
         return sum(2 * m.in_features * m.out_features for m in self if isinstance(m, nn.Linear))
 
-    def _stack_dtype(self, x: torch.Tensor) -> torch.dtype | None:
-        """The dtype the one-node path (``_LayerStack``) runs the layers in, or None where
-        the layer-by-layer path serves: off the CPU, with dropout or batch norm, for
+    def _stack_plan(self, x: torch.Tensor) -> tuple[torch.dtype, list[torch.Tensor], bool] | None:
+        """What the one-node path (``_LayerStack``) runs: the dtype of the layers'
+        matmuls, the weights and biases in order, and whether a ReLU ends the MLP; None
+        where the layer-by-layer path serves: off the CPU, with dropout or batch norm, for
         export, compilation and tracing (a graph of torch operators), and for weights
         not all of one floating dtype."""
         if (
@@ -184,31 +185,31 @@ class MLP(nn.Sequential):
             or torch.compiler.is_compiling()
         ):
             return None
-        modules = list(self)
-        for i, layer in enumerate(modules):
-            plain_linear = isinstance(layer, nn.Linear) and layer.bias is not None
-            relu_after_linear = (
-                isinstance(layer, nn.ReLU) and i > 0 and isinstance(modules[i - 1], nn.Linear)
-            )
-            if not (plain_linear or relu_after_linear):
+        params: list[torch.Tensor] = []
+        after_linear = False
+        for layer in self._modules.values():  # Linear layers, each maybe with a ReLU after
+            if type(layer) is nn.Linear and layer.bias is not None:
+                params += (layer.weight, layer.bias)
+                after_linear = True
+            elif type(layer) is nn.ReLU and after_linear:
+                after_linear = False
+            else:
                 return None
-        dtypes = {p.dtype for p in self.parameters()}
-        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        dtype = params[0].dtype if params else None
+        if dtype is None or not dtype.is_floating_point or any(p.dtype != dtype for p in params):
             return None
         if torch.is_autocast_enabled("cpu"):  # autocast lowers float32 alone
-            return torch.get_autocast_dtype("cpu") if dtypes == {torch.float32} else None
-        return dtypes.pop() if x.dtype in dtypes else None
+            if dtype != torch.float32:
+                return None
+            dtype = torch.get_autocast_dtype("cpu")
+        elif x.dtype != dtype:
+            return None
+        return dtype, params, not after_linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self._stack_dtype(x)
-        if dtype is not None:
-            params = [
-                p
-                for layer in self
-                if isinstance(layer, nn.Linear)
-                for p in (layer.weight, layer.bias)
-            ]
-            relu_last = isinstance(self[-1], nn.ReLU)
+        plan = self._stack_plan(x)
+        if plan is not None:
+            dtype, params, relu_last = plan
             with torch.autocast("cpu", enabled=False):  # the casts are the node's own
                 out = _LayerStack.apply(x, relu_last, dtype, *params)  # type: ignore[no-untyped-call]  # torch leaves it untyped
             return cast(torch.Tensor, out)
