@@ -257,11 +257,16 @@ static void *job_thread(void *arg) {
  * them: after each parallel region an OpenMP worker spins for a while on the other core,
  * which cost the interaction's backward 3x in a training step on two cores. Without
  * OpenMP, POSIX threads: a thread that cannot be started leaves its share to this one. */
-static void run_split(Job job, Py_ssize_t batch, Py_ssize_t threads) {
-    Py_ssize_t n = batch * job.pairs * job.dim / MIN_WORK_PER_THREAD;
+static Py_ssize_t dots_threads(Py_ssize_t batch, Py_ssize_t pairs, Py_ssize_t dim,
+                               Py_ssize_t threads) {
+    Py_ssize_t n = batch * pairs * dim / MIN_WORK_PER_THREAD;
     if (n > threads) n = threads;
     if (n > MAX_THREADS) n = MAX_THREADS;
-    if (n < 1) n = 1;
+    return n < 1 ? 1 : n;
+}
+
+static void run_split(Job job, Py_ssize_t batch, Py_ssize_t threads) {
+    const Py_ssize_t n = dots_threads(batch, job.pairs, job.dim, threads);
 #ifdef _OPENMP
     if (n > 1) {
 #pragma omp parallel num_threads((int)n)
@@ -934,11 +939,9 @@ static void concat_range(const Concat *c, Py_ssize_t lo, Py_ssize_t hi, Py_ssize
     }
 }
 
+/* The batch split among threads as run_split splits the dots'. */
 static void concat_split(const Concat *c, Py_ssize_t batch, Py_ssize_t threads) {
-    Py_ssize_t n = batch * c->pairs * c->dim / MIN_WORK_PER_THREAD;
-    if (n > threads) n = threads;
-    if (n > MAX_THREADS) n = MAX_THREADS;
-    if (n < 1) n = 1;
+    const Py_ssize_t n = dots_threads(batch, c->pairs, c->dim, threads);
 #ifdef _OPENMP
     if (n > 1) {
 #pragma omp parallel num_threads((int)n)
@@ -991,7 +994,7 @@ static PyObject *run_concat(PyObject *args, int backward) {
         PyErr_NoMemory();
         goto done;
     }
-    Concat c = {x.buf, e.buf,  backward ? grad.buf : NULL, backward ? NULL : out.buf,
+    Concat c = {x.buf, e.buf, backward ? grad.buf : NULL, backward ? NULL : out.buf,
                 backward ? out.buf : NULL, backward ? ge.buf : NULL, off, scratch, tables, dim,
                 pairs, width, stride, half, backward};
     Py_BEGIN_ALLOW_THREADS
