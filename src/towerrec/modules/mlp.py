@@ -18,14 +18,13 @@ training step's profile).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MLP", "aligned_linear", "padded_linear", "padding_for"]
-
-from typing import Any, cast
 
 ALIGN = 8
 

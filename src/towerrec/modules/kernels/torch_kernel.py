@@ -10,9 +10,9 @@ weight decay on larger tables in two calls (``_fused.c``: ``row_sums``, the dist
 ids' summed gradients and statistics, table by table on torch's threads;
 ``adagrad_rows``, each row's update on torch's threads) around the per-row arithmetic
 (the rows' mean squares in one native pass, ``row_statistics``, where a check at first
-use finds it gives torch's bits for the dim; the factors in PyTorch's operators), in place of the transposing copy, the
-sort, the segment sums and the gathers and scatters of ``sparse_update``, with the same
-bits."""
+use finds it gives torch's bits for the dim; the factors in PyTorch's operators), in
+place of the transposing copy, the sort, the segment sums and the gathers and scatters
+of ``sparse_update``, with the same bits."""
 
 from __future__ import annotations
 
