@@ -402,6 +402,21 @@ def test_bench_choice_compares_the_auto_kernel_with_the_forced_ones(one_thread):
     assert set(row["auto_ms"]) == set(row["forced_ms"]) and row["auto_over_best"] >= 1.0
 
 
+def test_bench_choice_times_the_steps_at_the_precision_asked(monkeypatch, one_thread):
+    from towerrec.bench import choice as bench_choice
+
+    dtypes = []
+
+    def timer(workload, backends, **kwargs):
+        dtypes.append(kwargs.get("dtype"))
+        return {b: 1.0 + i for i, b in enumerate(backends)}
+
+    monkeypatch.setattr(bench_choice, "time_backend_steps", timer)
+    tiny = dict(bench_choice.SHAPES["planted"])
+    bench_choice.choice_benchmark({"planted": tiny}, batch_size=8, steps=2, precision="bf16")
+    assert dtypes and all(d is torch.bfloat16 for d in dtypes)  # the quick and the forced timing
+
+
 class ClockedTimer(FakeTimer):
     """A measurement whose timed rounds ran ``cpu_s`` CPU seconds in ``wall_s`` wall
     seconds (injected, as a starved or a quiet process would see them)."""
