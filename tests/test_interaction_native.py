@@ -88,16 +88,61 @@ def test_native_dots_do_not_depend_on_the_thread_count(dim):
     assert torch.equal(results[0][1], results[1][1])
 
 
+def pair_by_pair_gradient(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The backward's sums for the module's pairs (the upper triangle, row-major) in the
+    extension's order, in float32: row i's own sum (its pairs (i, j), j ascending) added
+    after the terms of the pairs (r, i), r ascending, each product rounded, then added."""
+    batch, features, dim = x.shape
+    t = torch.zeros_like(x)
+    p = 0
+    for i in range(features - 1):
+        a = torch.zeros(batch, dim)
+        for j in range(i + 1, features):
+            w = grad[:, p : p + 1]
+            a = a + w * x[:, j]
+            t[:, j] = t[:, j] + w * x[:, i]
+            p += 1
+        t[:, i] = t[:, i] + a
+    return t
+
+
+@pytest.mark.parametrize("features", [2, 5, 6, 10, 27, 31])
+def test_native_backward_of_the_module_pairs_keeps_the_pair_by_pair_sums(features):
+    """At dim 16 the module's pairs take rows four at a time (sample_grad_triu16): the
+    same additions in the same order as pair by pair, so the same bits, signed zeros
+    included (the int32 views compared)."""
+    torch.manual_seed(features)
+    batch = 33
+    x = torch.randn(batch, features, 16) * torch.logspace(-4, 4, 16)
+    x[x.abs() < 0.2] = 0.0
+    x[0] = -0.0
+    module = DotInteraction(features)
+    grad = torch.randn(batch, module.out_features)
+    grad[:, ::5] = -0.0
+    gx = torch.full_like(x, float("nan"))
+    interaction._native.backward(
+        x.numpy(), module.pair_rows.numpy(), module.pair_cols.numpy(), grad.numpy(),
+        gx.numpy(), batch, features, 16, module.out_features, 2,
+    )  # fmt: skip
+    expected = pair_by_pair_gradient(x, grad)
+    assert torch.equal(gx.view(torch.int32), expected.view(torch.int32))
+
+
 @pytest.mark.parametrize("dim", [16, 48])
-@pytest.mark.parametrize("order", ["shuffled", "repeated"])
+@pytest.mark.parametrize("order", ["shuffled", "repeated", "two swapped"])
 def test_native_backward_takes_pairs_in_any_order_and_repeated(dim, order):
     """The extension's backward for any list of pairs (the module lists each once, in
-    row-major order): shuffled, with a self pair, or with pairs listed twice, whose
-    gradients add up."""
+    row-major order): shuffled, with a self pair, with pairs listed twice, whose
+    gradients add up, or the module's pairs with two of them swapped (not taken for the
+    module's own list)."""
     torch.manual_seed(3)
     batch, features = 9, 6
-    pairs = list(itertools.combinations_with_replacement(range(features), 2))
-    pairs = [pairs[k] for k in torch.randperm(len(pairs)).tolist()]
+    if order == "two swapped":
+        pairs = list(itertools.combinations(range(features), 2))
+        pairs[3], pairs[4] = pairs[4], pairs[3]
+    else:
+        pairs = list(itertools.combinations_with_replacement(range(features), 2))
+        pairs = [pairs[k] for k in torch.randperm(len(pairs)).tolist()]
     if order == "repeated":
         pairs += pairs[:4]
     rows = torch.tensor([i for i, _ in pairs])

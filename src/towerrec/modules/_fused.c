@@ -186,15 +186,81 @@ static inline __attribute__((always_inline)) void sample_grad_pairs(
     }
 }
 
+/* sample_grad_pairs's sums at dim 16 for the pairs (0, 1), (0, 2), ..., (0, F-1),
+ * (1, 2), ..., (F-2, F-1), the upper triangle in row-major order (DotInteraction's): the
+ * rows taken four at a time, so that each later row's vector and gradient are loaded and
+ * stored once for the four, and the pairs' positions computed rather than read. Every
+ * gradient row gets the same additions in the same order as in sample_grad_pairs (t
+ * zeroed by the caller): row i's own sum a_i (pairs (i, j), j ascending) added last,
+ * after the terms of the pairs (r, i), r ascending. */
+static inline __attribute__((always_inline)) void sample_grad_triu16(const float *s,
+                                                                     const float *g, float *t,
+                                                                     Py_ssize_t features) {
+    const Py_ssize_t rows = features - 1; /* the rows that lead a pair */
+    Py_ssize_t i0 = 0;
+    for (; i0 + 4 <= rows; i0 += 4) {
+        const float *gr[4]; /* gr[r][j]: the gradient of the pair (i0 + r, j) */
+        vf a[4], si[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) {
+            const Py_ssize_t i = i0 + r;
+            gr[r] = g + i * (2 * features - i - 1) / 2 - (i + 1);
+            a[r] = (vf){0};
+            si[r] = load(s + i * LANES);
+        }
+#pragma GCC unroll 3
+        for (int k = 1; k < 4; k++) { /* the pairs among the four rows */
+            const Py_ssize_t j = i0 + k;
+            const vf sj = load(s + j * LANES);
+            vf tj = load(t + j * LANES);
+            for (int r = 0; r < k; r++) {
+                const float w = gr[r][j];
+                a[r] += w * sj;
+                tj += w * si[r];
+            }
+            store(t + j * LANES, tj);
+        }
+        for (Py_ssize_t j = i0 + 4; j < features; j++) {
+            const vf sj = load(s + j * LANES);
+            vf tj = load(t + j * LANES);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const float w = gr[r][j];
+                a[r] += w * sj;
+                tj += w * si[r];
+            }
+            store(t + j * LANES, tj);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; r++) store(t + (i0 + r) * LANES, load(t + (i0 + r) * LANES) + a[r]);
+    }
+    for (; i0 < rows; i0++) {
+        const float *gr = g + i0 * (2 * features - i0 - 1) / 2 - (i0 + 1);
+        const vf si = load(s + i0 * LANES);
+        vf a = (vf){0};
+        for (Py_ssize_t j = i0 + 1; j < features; j++) {
+            const float w = gr[j];
+            a += w * load(s + j * LANES);
+            store(t + j * LANES, load(t + j * LANES) + w * si);
+        }
+        store(t + i0 * LANES, load(t + i0 * LANES) + a);
+    }
+}
+
 /* idx: the call's pair tables (pair_tables); gl: this thread's P + 1 floats. */
 DOTS_CLONES
 static void dots_backward(const float *x, const int32_t *idx, const float *grad, float *gx,
                           float *gl, Py_ssize_t batch, Py_ssize_t features, Py_ssize_t dim,
                           Py_ssize_t pairs) {
     const Py_ssize_t stride = features * dim;
-    const int32_t *pos = idx + 2 * pairs + 2, *pi = idx + 2, *pj = idx + 2 + pairs;
-    const int distinct = idx[0], selfs = idx[1];
-    if (dim == LANES)
+    const int32_t *pos = idx + 2 * pairs + 3, *pi = idx + 3, *pj = idx + 3 + pairs;
+    const int distinct = idx[0], selfs = idx[1], triu = idx[2];
+    if (dim == LANES && triu)
+        for (Py_ssize_t b = 0; b < batch; b++) {
+            memset(gx + b * stride, 0, (size_t)stride * sizeof(float));
+            sample_grad_triu16(x + b * stride, grad + b * pairs, gx + b * stride, features);
+        }
+    else if (dim == LANES)
         /* each sample's rows zeroed just before they are summed into, in the core's cache */
         for (Py_ssize_t b = 0; b < batch; b++) {
             memset(gx + b * stride, 0, (size_t)stride * sizeof(float));
@@ -718,26 +784,30 @@ static Py_ssize_t *pair_offsets(const int64_t *rows, const int64_t *cols, Py_ssi
 }
 
 /* The backward's tables of the pairs (int32): [0] whether they are distinct, [1] whether
- * any is a self pair, then their rows, their cols, and pos [F, F]: the pair holding i
- * and j (either order), P where none does. */
+ * any is a self pair, [2] whether they are the upper triangle without the diagonal in
+ * row-major order (sample_grad_triu16), then their rows, their cols, and pos [F, F]: the
+ * pair holding i and j (either order), P where none does. */
 static int32_t *pair_tables(const int64_t *rows, const int64_t *cols, Py_ssize_t pairs,
                             Py_ssize_t features) {
-    int32_t *idx = PyMem_Malloc((size_t)(2 + 2 * pairs + features * features) * sizeof(int32_t));
+    int32_t *idx = PyMem_Malloc((size_t)(3 + 2 * pairs + features * features) * sizeof(int32_t));
     if (idx == NULL) {
         PyErr_NoMemory();
         return NULL;
     }
-    int32_t *pi = idx + 2, *pj = idx + 2 + pairs, *pos = idx + 2 + 2 * pairs;
+    int32_t *pi = idx + 3, *pj = idx + 3 + pairs, *pos = idx + 3 + 2 * pairs;
     idx[0] = 1;
     idx[1] = 0;
+    idx[2] = pairs == features * (features - 1) / 2;
     for (Py_ssize_t k = 0; k < features * features; k++) pos[k] = (int32_t)pairs;
-    for (Py_ssize_t p = 0; p < pairs; p++) {
+    for (Py_ssize_t p = 0, ti = 0, tj = 1; p < pairs; p++) {
         const Py_ssize_t i = rows[p], j = cols[p];
         pi[p] = (int32_t)i;
         pj[p] = (int32_t)j;
         if (pos[i * features + j] != pairs) idx[0] = 0; /* a repeated pair */
         pos[i * features + j] = pos[j * features + i] = (int32_t)p;
         if (i == j) idx[1] = 1;
+        if (i != ti || j != tj) idx[2] = 0;
+        if (++tj == features) tj = ++ti + 1;
     }
     return idx;
 }
