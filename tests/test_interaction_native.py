@@ -193,3 +193,68 @@ def test_export_traces_the_batched_matmuls():
     targets = {str(node.target) for node in exported.graph.nodes}
     assert any("bmm" in t for t in targets), targets
     torch.testing.assert_close(exported.module()(x), module(x))
+
+
+@pytest.fixture
+def vector_width():
+    """Restores the extension's choice of 16-lane or half-row kernels after a test."""
+    wide = interaction._native.wide_vectors()
+    yield interaction._native.wide_vectors
+    interaction._native.wide_vectors(wide)
+
+
+@pytest.mark.parametrize("dim", [16, 32, 48, 64, 80])
+@pytest.mark.parametrize("pairs", ["module", "self", "shuffled", "repeated"])
+def test_half_row_kernels_give_the_bits_of_the_16_lane_ones(vector_width, dim, pairs):
+    """Without AVX-512 the dots take half rows (``_fused.c``, the note at ``v8``): the same
+    sums in the same order, so the same bits, signed zeros included, forward and backward,
+    for every kind of pair list; here both run on this CPU."""
+    torch.manual_seed(dim)
+    batch, features = 37, 11
+    rows, cols = torch.triu_indices(features, features, offset=0 if pairs == "self" else 1)
+    if pairs in ("shuffled", "repeated"):
+        order = torch.randperm(rows.numel())
+        rows, cols = rows[order], cols[order]
+    if pairs == "repeated":
+        rows, cols = torch.cat([rows, rows[:3]]), torch.cat([cols, cols[:3]])
+    rows, cols, count = rows.contiguous(), cols.contiguous(), rows.numel()
+    x = torch.randn(batch, features, dim) * torch.logspace(-3, 3, dim)
+    x[x.abs() < 0.05] = 0.0
+    x[0] = -0.0
+    grad = torch.randn(batch, count)
+    grad[:, ::5] = -0.0
+    results = []
+    for wide in (True, False):
+        vector_width(wide)
+        out = torch.full((batch, count), float("nan"))
+        gx = torch.full_like(x, float("nan"))
+        args = (x.numpy(), rows.numpy(), cols.numpy())
+        interaction._native.forward(*args, out.numpy(), batch, features, dim, count, 2)
+        interaction._native.backward(
+            *args, grad.numpy(), gx.numpy(), batch, features, dim, count, 2
+        )
+        results.append(torch.cat([out.flatten(), gx.flatten()]).view(torch.int32))
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joined_half_row_kernels_give_the_bits_of_the_16_lane_ones(vector_width, dtype):
+    """The top MLP's input and both its gradients, as the model trains with them, with the
+    16-lane kernels and with half rows."""
+    torch.manual_seed(5)
+    module = DotInteraction(27)
+    x = torch.randn(256, 16)
+    embeddings = torch.randn(256, 26 * 16)
+    upstream = torch.randn(256, 16 + module.out_features + 1)
+    results = []
+    for wide in (True, False):
+        vector_width(wide)
+        xs = x.to(dtype).requires_grad_()
+        es = embeddings.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = module.joined(xs, es, 1)
+        assert out is not None
+        grads = torch.autograd.grad(out, (xs, es), upstream.to(out.dtype))
+        results.append([out.detach().float(), *(g.float() for g in grads)])
+    for a, b in zip(*results):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))

@@ -20,8 +20,10 @@
  * replace a batched matmul of tiny [F, D] matrices, a gather of the upper triangle
  * (forward) and a scatter into a symmetric matrix (backward). The GIL is released for
  * the whole batch, which is split among up to `threads` threads (this one included)
- * where it holds enough work; each sample's sums run in the same order on any split. Each function is compiled for AVX-512, AVX2 and the baseline and
- * chosen at load time (GCC's target_clones) where the compiler supports it.
+ * where it holds enough work; each sample's sums run in the same order on any split.
+ * Each function is compiled for AVX-512, AVX2 and the baseline and chosen at load time
+ * (GCC's target_clones) where the compiler supports it; the dots' kernels that hold many
+ * vectors take half rows where the CPU has no AVX-512 (the note at v8), the same bits.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -53,6 +55,31 @@ static inline __attribute__((always_inline)) vf load(const float *p) {
 }
 
 static inline __attribute__((always_inline)) void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* Half a row of 16 lanes. Where the CPU has no 512-bit registers (AVX2 and below), GCC
+ * splits a 16-lane vector into two or four registers, and in a kernel that holds many
+ * of them at once it keeps them on the stack, where each scalar times a vector is built
+ * lane by lane: the dots' backward ran 24x slower than with half rows in the AVX2 clone
+ * (7.9 ms against 0.32 for the Criteo-Kaggle batch). The kernels that hold many vectors
+ * take half rows there (the twins named ...8, and sample_grad_triu16, as fast in half
+ * rows on AVX-512); the lanes' arithmetic is the same either way, so are the bits. */
+typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
+typedef int32_t vi8 __attribute__((vector_size(8 * sizeof(int32_t))));
+
+static inline __attribute__((always_inline)) v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void store8(float *p, v8 v) {
+    memcpy(p, &v, sizeof v);
+}
+
+/* Whether this CPU has AVX-512 (set once at import): the dots' 16-lane kernels
+ * (sample_dots, sample_grad, sample_grad_pairs) where it does, their half-row twins where
+ * it does not (on AVX-512 the 16-lane ones are up to 1.5x faster). */
+static int wide_vectors = 0;
 
 /* Lane k of the result: the sum of the 16 lanes of a[k] (a is overwritten). */
 static inline __attribute__((always_inline)) vf reduce16(vf *a) {
@@ -105,16 +132,68 @@ static inline __attribute__((always_inline)) void sample_dots(const float *s,
     }
 }
 
+/* Lane k of the result: the sum of the 8 lanes of q[k] (q is overwritten), the pairs of
+ * lanes added in reduce16's order from its second level on. */
+static inline __attribute__((always_inline)) v8 reduce8(v8 *q) {
+    const vi8 m4a = {0, 1, 2, 3, 12, 13, 14, 15}, m4b = {4, 5, 6, 7, 8, 9, 10, 11};
+    const vi8 m2a = {0, 1, 10, 11, 4, 5, 14, 15}, m2b = {2, 3, 8, 9, 6, 7, 12, 13};
+    const vi8 m1a = {0, 9, 2, 11, 4, 13, 6, 15}, m1b = {1, 8, 3, 10, 5, 12, 7, 14};
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++)
+        q[k] = __builtin_shuffle(q[k], q[k + 4], m4a) + __builtin_shuffle(q[k], q[k + 4], m4b);
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++)
+        q[k] = __builtin_shuffle(q[k], q[k + 2], m2a) + __builtin_shuffle(q[k], q[k + 2], m2b);
+    return __builtin_shuffle(q[0], q[1], m1a) + __builtin_shuffle(q[0], q[1], m1b);
+}
+
+/* sample_dots in half rows, eight pairs at a time: each pair's products summed lane by
+ * lane in its two halves, the halves added (reduce16's first level), then reduce8: the
+ * same sums in the same order, without 16-lane vectors (the note at v8). */
+static inline __attribute__((always_inline)) void sample_dots8(const float *s,
+                                                               const Py_ssize_t *off, float *o,
+                                                               Py_ssize_t dim,
+                                                               Py_ssize_t pairs) {
+    for (Py_ssize_t p0 = 0; p0 < pairs; p0 += 8) {
+        v8 q[8];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            const float *u = s + off[2 * (p0 + k)], *v = s + off[2 * (p0 + k) + 1];
+            v8 lo = load8(u) * load8(v), hi = load8(u + 8) * load8(v + 8);
+            for (Py_ssize_t d = LANES; d < dim; d += LANES) {
+                lo += load8(u + d) * load8(v + d);
+                hi += load8(u + d + 8) * load8(v + d + 8);
+            }
+            q[k] = lo + hi;
+        }
+        v8 sums = reduce8(q);
+        if (pairs - p0 >= 8) {
+            store8(o + p0, sums);
+        } else {
+            for (Py_ssize_t k = 0; k < pairs - p0; k++) o[p0 + k] = sums[k];
+        }
+    }
+}
+
+/* One sample's dots: 16-lane sums where the CPU has AVX-512, else half rows. */
+static inline __attribute__((always_inline)) void sample_dots_any(const float *s,
+                                                                  const Py_ssize_t *off,
+                                                                  float *o, Py_ssize_t dim,
+                                                                  Py_ssize_t pairs) {
+    if (!wide_vectors)
+        sample_dots8(s, off, o, dim, pairs);
+    else if (dim == LANES)
+        sample_dots(s, off, o, LANES, pairs, 1);
+    else
+        sample_dots(s, off, o, dim, pairs, 0);
+}
+
 DOTS_CLONES
 static void dots_forward(const float *x, const Py_ssize_t *off, float *out, Py_ssize_t batch,
                          Py_ssize_t features, Py_ssize_t dim, Py_ssize_t pairs) {
     const Py_ssize_t stride = features * dim;
-    if (dim == LANES)
-        for (Py_ssize_t b = 0; b < batch; b++)
-            sample_dots(x + b * stride, off, out + b * pairs, LANES, pairs, 1);
-    else
-        for (Py_ssize_t b = 0; b < batch; b++)
-            sample_dots(x + b * stride, off, out + b * pairs, dim, pairs, 0);
+    for (Py_ssize_t b = 0; b < batch; b++)
+        sample_dots_any(x + b * stride, off, out + b * pairs, dim, pairs);
 }
 
 /* One sample's gradient rows t = S X, S the symmetric [F, F] matrix of the pairs'
@@ -186,65 +265,153 @@ static inline __attribute__((always_inline)) void sample_grad_pairs(
     }
 }
 
+/* sample_grad in half rows (the note at v8): the same sums in the same order. */
+static inline __attribute__((always_inline)) void sample_grad8(const float *s, const float *g,
+                                                               float *t, const int32_t *pos,
+                                                               float *gl, int selfs,
+                                                               Py_ssize_t features,
+                                                               Py_ssize_t dim, Py_ssize_t pairs) {
+    memcpy(gl, g, (size_t)pairs * sizeof(float));
+    gl[pairs] = 0.0f;
+    for (Py_ssize_t i = 0; i < features; i++) {
+        const int32_t *row = pos + i * features;
+        float *out = t + i * dim;
+        const float twice = selfs ? gl[row[i]] : 0.0f; /* the self pair's second term */
+        const float *xi = s + i * dim;
+        Py_ssize_t d = 0;
+        for (; d + 4 * LANES <= dim; d += 4 * LANES) {
+            v8 a0 = twice * load8(xi + d), a1 = twice * load8(xi + d + 8),
+               a2 = twice * load8(xi + d + 16), a3 = twice * load8(xi + d + 24),
+               a4 = twice * load8(xi + d + 32), a5 = twice * load8(xi + d + 40),
+               a6 = twice * load8(xi + d + 48), a7 = twice * load8(xi + d + 56);
+            for (Py_ssize_t j = 0; j < features; j++) {
+                const float w = gl[row[j]], *x = s + j * dim + d;
+                a0 += w * load8(x);
+                a1 += w * load8(x + 8);
+                a2 += w * load8(x + 16);
+                a3 += w * load8(x + 24);
+                a4 += w * load8(x + 32);
+                a5 += w * load8(x + 40);
+                a6 += w * load8(x + 48);
+                a7 += w * load8(x + 56);
+            }
+            store8(out + d, a0);
+            store8(out + d + 8, a1);
+            store8(out + d + 16, a2);
+            store8(out + d + 24, a3);
+            store8(out + d + 32, a4);
+            store8(out + d + 40, a5);
+            store8(out + d + 48, a6);
+            store8(out + d + 56, a7);
+        }
+        for (; d < dim; d += 8) {
+            v8 a = twice * load8(xi + d);
+            for (Py_ssize_t j = 0; j < features; j++) a += gl[row[j]] * load8(s + j * dim + d);
+            store8(out + d, a);
+        }
+    }
+}
+
+/* sample_grad_pairs in half rows (the note at v8). */
+static inline __attribute__((always_inline)) void sample_grad_pairs8(
+    const float *s, const float *g, float *t, const int32_t *pi, const int32_t *pj,
+    Py_ssize_t dim, Py_ssize_t pairs) {
+    for (Py_ssize_t d = 0; d < dim; d += 8) {
+        Py_ssize_t cur = pi[0] * dim + d;
+        v8 a = (v8){0};
+        for (Py_ssize_t p = 0; p < pairs; p++) {
+            const Py_ssize_t i = pi[p] * dim + d, j = pj[p] * dim + d;
+            if (i != cur) {
+                store8(t + cur, load8(t + cur) + a);
+                a = (v8){0};
+                cur = i;
+            }
+            const float w = g[p];
+            a += w * load8(s + j);
+            store8(t + j, load8(t + j) + w * load8(s + i));
+        }
+        store8(t + cur, load8(t + cur) + a);
+    }
+}
+
 /* sample_grad_pairs's sums at dim 16 for the pairs (0, 1), (0, 2), ..., (0, F-1),
  * (1, 2), ..., (F-2, F-1), the upper triangle in row-major order (DotInteraction's): the
  * rows taken four at a time, so that each later row's vector and gradient are loaded and
- * stored once for the four, and the pairs' positions computed rather than read. Every
- * gradient row gets the same additions in the same order as in sample_grad_pairs (t
- * zeroed by the caller): row i's own sum a_i (pairs (i, j), j ascending) added last,
- * after the terms of the pairs (r, i), r ascending. */
+ * stored once for the four, and the pairs' positions computed rather than read; in half
+ * rows (the note at v8), one half after the other. Every gradient row gets the same
+ * additions in the same order as in sample_grad_pairs (t zeroed by the caller): row i's
+ * own sum a_i (pairs (i, j), j ascending) added last, after the terms of the pairs
+ * (r, i), r ascending. */
 static inline __attribute__((always_inline)) void sample_grad_triu16(const float *s,
                                                                      const float *g, float *t,
                                                                      Py_ssize_t features) {
     const Py_ssize_t rows = features - 1; /* the rows that lead a pair */
+/* row i's half h, and the gradient of the pair (i, j) */
+#define HALF(base, i) ((base) + (i) * LANES + h)
+#define PAIRS_OF(i) (g + (i) * (2 * features - (i) - 1) / 2 - ((i) + 1))
     Py_ssize_t i0 = 0;
     for (; i0 + 4 <= rows; i0 += 4) {
-        const float *gr[4]; /* gr[r][j]: the gradient of the pair (i0 + r, j) */
-        vf a[4], si[4];
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) {
-            const Py_ssize_t i = i0 + r;
-            gr[r] = g + i * (2 * features - i - 1) / 2 - (i + 1);
-            a[r] = (vf){0};
-            si[r] = load(s + i * LANES);
-        }
-#pragma GCC unroll 3
-        for (int k = 1; k < 4; k++) { /* the pairs among the four rows */
-            const Py_ssize_t j = i0 + k;
-            const vf sj = load(s + j * LANES);
-            vf tj = load(t + j * LANES);
-            for (int r = 0; r < k; r++) {
-                const float w = gr[r][j];
-                a[r] += w * sj;
-                tj += w * si[r];
+        const float *g0 = PAIRS_OF(i0), *g1 = PAIRS_OF(i0 + 1), *g2 = PAIRS_OF(i0 + 2),
+                    *g3 = PAIRS_OF(i0 + 3);
+        for (Py_ssize_t h = 0; h < LANES; h += 8) {
+            const v8 s0 = load8(HALF(s, i0)), s1 = load8(HALF(s, i0 + 1)),
+                     s2 = load8(HALF(s, i0 + 2)), s3 = load8(HALF(s, i0 + 3));
+            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            /* the pairs among the four rows */
+            v8 sj = load8(HALF(s, i0 + 1)), tj = load8(HALF(t, i0 + 1));
+            a0 += g0[i0 + 1] * sj;
+            tj += g0[i0 + 1] * s0;
+            store8(HALF(t, i0 + 1), tj);
+            sj = load8(HALF(s, i0 + 2));
+            tj = load8(HALF(t, i0 + 2));
+            a0 += g0[i0 + 2] * sj;
+            tj += g0[i0 + 2] * s0;
+            a1 += g1[i0 + 2] * sj;
+            tj += g1[i0 + 2] * s1;
+            store8(HALF(t, i0 + 2), tj);
+            sj = load8(HALF(s, i0 + 3));
+            tj = load8(HALF(t, i0 + 3));
+            a0 += g0[i0 + 3] * sj;
+            tj += g0[i0 + 3] * s0;
+            a1 += g1[i0 + 3] * sj;
+            tj += g1[i0 + 3] * s1;
+            a2 += g2[i0 + 3] * sj;
+            tj += g2[i0 + 3] * s2;
+            store8(HALF(t, i0 + 3), tj);
+            /* the later rows */
+            for (Py_ssize_t j = i0 + 4; j < features; j++) {
+                sj = load8(HALF(s, j));
+                tj = load8(HALF(t, j));
+                a0 += g0[j] * sj;
+                tj += g0[j] * s0;
+                a1 += g1[j] * sj;
+                tj += g1[j] * s1;
+                a2 += g2[j] * sj;
+                tj += g2[j] * s2;
+                a3 += g3[j] * sj;
+                tj += g3[j] * s3;
+                store8(HALF(t, j), tj);
             }
-            store(t + j * LANES, tj);
+            store8(HALF(t, i0), load8(HALF(t, i0)) + a0);
+            store8(HALF(t, i0 + 1), load8(HALF(t, i0 + 1)) + a1);
+            store8(HALF(t, i0 + 2), load8(HALF(t, i0 + 2)) + a2);
+            store8(HALF(t, i0 + 3), load8(HALF(t, i0 + 3)) + a3);
         }
-        for (Py_ssize_t j = i0 + 4; j < features; j++) {
-            const vf sj = load(s + j * LANES);
-            vf tj = load(t + j * LANES);
-#pragma GCC unroll 4
-            for (int r = 0; r < 4; r++) {
-                const float w = gr[r][j];
-                a[r] += w * sj;
-                tj += w * si[r];
-            }
-            store(t + j * LANES, tj);
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < 4; r++) store(t + (i0 + r) * LANES, load(t + (i0 + r) * LANES) + a[r]);
     }
     for (; i0 < rows; i0++) {
-        const float *gr = g + i0 * (2 * features - i0 - 1) / 2 - (i0 + 1);
-        const vf si = load(s + i0 * LANES);
-        vf a = (vf){0};
-        for (Py_ssize_t j = i0 + 1; j < features; j++) {
-            const float w = gr[j];
-            a += w * load(s + j * LANES);
-            store(t + j * LANES, load(t + j * LANES) + w * si);
+        const float *gr = PAIRS_OF(i0);
+        for (Py_ssize_t h = 0; h < LANES; h += 8) {
+            const v8 si = load8(HALF(s, i0));
+            v8 a = {0};
+            for (Py_ssize_t j = i0 + 1; j < features; j++) {
+                a += gr[j] * load8(HALF(s, j));
+                store8(HALF(t, j), load8(HALF(t, j)) + gr[j] * si);
+            }
+            store8(HALF(t, i0), load8(HALF(t, i0)) + a);
         }
-        store(t + i0 * LANES, load(t + i0 * LANES) + a);
     }
+#undef HALF
+#undef PAIRS_OF
 }
 
 /* idx: the call's pair tables (pair_tables); gl: this thread's P + 1 floats. */
@@ -255,28 +422,34 @@ static void dots_backward(const float *x, const int32_t *idx, const float *grad,
     const Py_ssize_t stride = features * dim;
     const int32_t *pos = idx + 2 * pairs + 3, *pi = idx + 3, *pj = idx + 3 + pairs;
     const int distinct = idx[0], selfs = idx[1], triu = idx[2];
+    const int wide = wide_vectors;
     if (dim == LANES && triu)
         for (Py_ssize_t b = 0; b < batch; b++) {
             memset(gx + b * stride, 0, (size_t)stride * sizeof(float));
             sample_grad_triu16(x + b * stride, grad + b * pairs, gx + b * stride, features);
         }
-    else if (dim == LANES)
+    else if (dim == LANES || !distinct)
         /* each sample's rows zeroed just before they are summed into, in the core's cache */
         for (Py_ssize_t b = 0; b < batch; b++) {
             memset(gx + b * stride, 0, (size_t)stride * sizeof(float));
-            sample_grad_pairs(x + b * stride, grad + b * pairs, gx + b * stride, pi, pj, LANES,
-                              pairs);
-        }
-    else if (!distinct)
-        for (Py_ssize_t b = 0; b < batch; b++) {
-            memset(gx + b * stride, 0, (size_t)stride * sizeof(float));
-            sample_grad_pairs(x + b * stride, grad + b * pairs, gx + b * stride, pi, pj, dim,
-                              pairs);
+            if (!wide)
+                sample_grad_pairs8(x + b * stride, grad + b * pairs, gx + b * stride, pi, pj,
+                                   dim, pairs);
+            else if (dim == LANES)
+                sample_grad_pairs(x + b * stride, grad + b * pairs, gx + b * stride, pi, pj,
+                                  LANES, pairs);
+            else
+                sample_grad_pairs(x + b * stride, grad + b * pairs, gx + b * stride, pi, pj, dim,
+                                  pairs);
         }
     else
         for (Py_ssize_t b = 0; b < batch; b++)
-            sample_grad(x + b * stride, grad + b * pairs, gx + b * stride, pos, gl, selfs,
-                        features, dim, pairs);
+            if (wide)
+                sample_grad(x + b * stride, grad + b * pairs, gx + b * stride, pos, gl, selfs,
+                            features, dim, pairs);
+            else
+                sample_grad8(x + b * stride, grad + b * pairs, gx + b * stride, pos, gl, selfs,
+                             features, dim, pairs);
 }
 
 /* One thread's share of a call: samples [lo, hi). */
@@ -975,13 +1148,13 @@ static void concat_range(const Concat *c, Py_ssize_t lo, Py_ssize_t hi, Py_ssize
             if (c->half) {
                 uint16_t *o = (uint16_t *)c->out + b * width;
                 memcpy(o, (const uint16_t *)c->x + b * dim, (size_t)dim * sizeof(uint16_t));
-                sample_dots(s, c->off, gl, dim, pairs, dim == LANES);
+                sample_dots_any(s, c->off, gl, dim, pairs);
                 bf16_store(o + dim, gl, pairs);
                 memset(o + dim + pairs, 0, (size_t)(width - dim - pairs) * sizeof(uint16_t));
             } else {
                 float *o = (float *)c->out + b * width;
                 memcpy(o, s, (size_t)dim * sizeof(float));
-                sample_dots(s, c->off, o + dim, dim, pairs, dim == LANES);
+                sample_dots_any(s, c->off, o + dim, dim, pairs);
                 memset(o + dim + pairs, 0, (size_t)(width - dim - pairs) * sizeof(float));
             }
             continue;
@@ -1379,6 +1552,16 @@ static PyObject *py_flush_subnormals(PyObject *self, PyObject *args) {
     return PyBool_FromLong(supported);
 }
 
+/* wide_vectors([flag]): whether the forward takes 16-lane sums (the note at v8); `flag`
+ * sets it, so that a test can run both ways on one CPU. */
+static PyObject *py_wide_vectors(PyObject *self, PyObject *args) {
+    int flag = -1;
+    if (!PyArg_ParseTuple(args, "|p", &flag)) return NULL;
+    const int was = wide_vectors;
+    if (flag >= 0) wide_vectors = flag;
+    return PyBool_FromLong(was);
+}
+
 static PyMethodDef dots_methods[] = {
     {"flush_subnormals", py_flush_subnormals, METH_VARARGS,
      "flush_subnormals(on): flush-to-zero and denormals-are-zero on this thread and on "
@@ -1409,6 +1592,9 @@ static PyMethodDef dots_methods[] = {
     {"adagrad_rows", py_adagrad_rows, METH_VARARGS,
      "adagrad_rows(weight, momentum, rows, sums, state, factor, count, dim): "
      "momentum[rows[u]] = state[u] and weight[rows[u]] -= sums[u] * factor[u]"},
+    {"wide_vectors", py_wide_vectors, METH_VARARGS,
+     "wide_vectors([flag]): whether the dots' forward takes 16-lane vectors (AVX-512) or "
+     "half rows; given flag, sets it and returns the setting before"},
     {"row_statistics", py_row_statistics, METH_VARARGS,
      "row_statistics(sums, state, count, dim): state[u] += the mean of sums[u]'s squares"},
     {NULL, NULL, 0, NULL},
@@ -1420,6 +1606,10 @@ static struct PyModuleDef dots_module = {
 };
 
 PyMODINIT_FUNC PyInit__fused(void) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __builtin_cpu_init();
+    wide_vectors = __builtin_cpu_supports("avx512f") != 0;
+#endif
     PyObject *m = PyModule_Create(&dots_module);
     if (m != NULL && PyModule_AddIntConstant(m, "LANES", LANES) < 0) {
         Py_DECREF(m);
