@@ -595,14 +595,14 @@ static void bag_sum_range(const float *weight, const int64_t *ids, const int64_t
             if (k + PREFETCH < end) prefetch_row(weight + ids[k + PREFETCH] * dim, dim, 0);
         float *o = out + (b * features + f) * dim;
         const float length = (float)(hi - lo);
-        if (vector) {
-            for (Py_ssize_t d = 0; d < dim; d += LANES) {
-                vf acc = (vf){0};
+        if (vector) { /* in half rows (the note at v8) */
+            for (Py_ssize_t d = 0; d < dim; d += 8) {
+                v8 acc = (v8){0};
                 for (int64_t k = lo; k < hi; k++) {
-                    const vf row = load(weight + ids[k] * dim + d);
+                    const v8 row = load8(weight + ids[k] * dim + d);
                     acc += weights == NULL ? row : weights[k] * row;
                 }
-                store(o + d, mean && hi > lo ? acc / length : acc);
+                store8(o + d, mean && hi > lo ? acc / length : acc);
             }
             continue;
         }
@@ -661,12 +661,12 @@ static inline __attribute__((always_inline)) void add_share(float *row, const fl
                                                             float length, float w, int mean,
                                                             int weighted, Py_ssize_t dim,
                                                             int vector) {
-    if (vector) {
-        for (Py_ssize_t d = 0; d < dim; d += LANES) {
-            vf v = load(g + d);
+    if (vector) { /* in half rows (the note at v8) */
+        for (Py_ssize_t d = 0; d < dim; d += 8) {
+            v8 v = load8(g + d);
             if (mean) v = v / length;
             if (weighted) v = v * w;
-            store(row + d, load(row + d) + v);
+            store8(row + d, load8(row + d) + v);
         }
         return;
     }
