@@ -1,0 +1,222 @@
+"""Time the native kernels (``modules/_fused.c``) as each instruction set's clone runs
+them, on this one CPU: the extension built once per target with every function compiled
+for that target alone (in place of GCC's ``target_clones``), and the 16-lane or half-row
+choice (``wide_vectors``) set as a CPU of that kind makes it. So a machine with AVX-512
+shows what an AVX2 machine's code does, without one (the memory system and clock stay
+this machine's: the ratios compare code, not CPUs). Prints JSON::
+
+    python tools/kernel_clones.py [--targets avx512f,avx2] [--before REV] [--rounds 7]
+
+``--before REV`` builds the same targets from git revision REV's ``_fused.c`` too (its
+rows named ``REV:target``), for a change's effect in the same run.
+
+Criteo-Kaggle shape (26 tables of 100,000 rows, dim 16, batch 2,048, two threads):
+the pairwise dots forward and backward, the top MLP's input built and its gradients
+(``concat_*``, float32), the pooled lookup (``bag_sum``) and the row-wise Adagrad
+update's sums (``row_sums``). The builds alternate call by call; each reports its
+fastest round of 10 calls. Needs gcc and Python's headers (``python3-config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from towerrec.calibration.machine import machine_info
+from towerrec.hardware import cpu_flags
+from towerrec.memory import advise_huge_pages, reuse_freed_memory
+
+SOURCE = Path(__file__).resolve().parent.parent / "src" / "towerrec" / "modules" / "_fused.c"
+CLONES = '#define DOTS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))'
+FLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-Wno-psabi", "-pthread", "-fopenmp"]
+
+
+def build(source: str, target: str, folder: Path) -> ModuleType:
+    """``source`` (``_fused.c``'s text) with every cloned function compiled for ``target``
+    alone, loaded into ``folder``."""
+    if CLONES not in source:
+        raise SystemExit(f"_fused.c no longer defines DOTS_CLONES as {CLONES!r}; update this tool")
+    folder.mkdir(parents=True)
+    pinned = folder / "_fused.c"
+    pinned.write_text(
+        source.replace(CLONES, f'#define DOTS_CLONES __attribute__((target("{target}")))')
+    )
+    library = folder / target / ("_fused" + sysconfig.get_config_var("EXT_SUFFIX"))
+    library.parent.mkdir()
+    include = sysconfig.get_paths()["include"]
+    subprocess.run(
+        ["gcc", *FLAGS, "-fPIC", "-shared", f"-I{include}", str(pinned), "-o", str(library)],
+        check=True,
+    )
+    spec = importlib.util.spec_from_file_location("_fused", library)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if hasattr(module, "wide_vectors"):  # what the import sets on a CPU of that kind
+        module.wide_vectors(target.startswith("avx512"))
+    return module
+
+
+def cases() -> dict[str, Callable[[ModuleType, int], None]]:
+    """Each kernel's call at the Criteo-Kaggle shape, given the module and a batch index."""
+    tables, rows, dim, batch = 26, 100_000, 16, 2048
+    features = tables + 1
+    pair_rows, pair_cols = torch.triu_indices(features, features, offset=1)
+    pairs = pair_rows.numel()
+    width = dim + pairs + 1
+    r, c = pair_rows.numpy(), pair_cols.numpy()
+    x = torch.randn(batch, features, dim)
+    dots = torch.empty(batch, pairs)
+    grad = torch.randn(batch, pairs)
+    gx = torch.empty(batch, features, dim)
+    bottom = torch.randn(batch, dim)
+    pooled = torch.randn(batch, tables * dim)
+    joined = torch.empty(batch, width)
+    upstream = torch.randn(batch, width)
+    g_bottom = torch.empty(batch, dim)
+    g_pooled = torch.empty(batch, tables * dim)
+    weight = torch.empty(tables * rows, dim)
+    advise_huge_pages(weight.data_ptr(), weight.nbytes)
+    weight.normal_()
+    momentum = torch.zeros(tables * rows)
+    ids = [
+        (torch.randint(0, rows, (tables, batch)) + torch.arange(tables)[:, None] * rows)
+        .reshape(-1)
+        .contiguous()
+        for _ in range(8)
+    ]
+    offsets = torch.arange(tables * batch + 1)
+    out = torch.empty(batch, tables * dim)
+    lookup_grad = torch.randn(batch, tables * dim)
+    feature_tables = torch.arange(tables)
+    found = torch.empty(tables * batch, dtype=torch.int64)
+    sums = torch.empty(tables * batch, dim)
+    state = torch.empty(tables * batch)
+    return {
+        "dots_forward": lambda m, i: m.forward(
+            x.numpy(), r, c, dots.numpy(), batch, features, dim, pairs, 2
+        ),
+        "dots_backward": lambda m, i: m.backward(
+            x.numpy(), r, c, grad.numpy(), gx.numpy(), batch, features, dim, pairs, 2
+        ),
+        "concat_forward": lambda m, i: m.concat_forward(
+            bottom.numpy(),
+            pooled.numpy(),
+            r,
+            c,
+            joined.numpy(),
+            batch,
+            tables,
+            dim,
+            pairs,
+            width,
+            False,
+            2,
+        ),
+        "concat_backward": lambda m, i: m.concat_backward(
+            bottom.numpy(),
+            pooled.numpy(),
+            r,
+            c,
+            upstream.numpy(),
+            g_bottom.numpy(),
+            g_pooled.numpy(),
+            batch,
+            tables,
+            dim,
+            pairs,
+            width,
+            False,
+            2,
+        ),
+        "bag_sum": lambda m, i: m.bag_sum(
+            weight.numpy(),
+            ids[i].numpy(),
+            offsets.numpy(),
+            out.numpy(),
+            None,
+            False,
+            tables,
+            batch,
+            dim,
+            tables * rows,
+        ),
+        "row_sums": lambda m, i: m.row_sums(
+            ids[i].numpy(),
+            offsets.numpy(),
+            lookup_grad.numpy(),
+            None,
+            False,
+            tables,
+            batch,
+            dim,
+            tables * rows,
+            found.numpy(),
+            sums.numpy(),
+            feature_tables.numpy(),
+            momentum.numpy(),
+            state.numpy(),
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="avx512f,avx2")
+    parser.add_argument("--before", help="a git revision whose _fused.c to build too")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    reuse_freed_memory()
+    targets = args.targets.split(",")
+    sources = {"": SOURCE.read_text()}
+    if args.before:
+        sources[f"{args.before}:"] = subprocess.run(
+            ["git", "show", f"{args.before}:src/towerrec/modules/_fused.c"],
+            cwd=SOURCE.parent, check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = {
+            f"{label}{t}": build(text, t, Path(tmp) / f"{n}-{t}")
+            for n, (label, text) in enumerate(sources.items())
+            for t in targets
+        }
+        results: dict[str, dict[str, float]] = {}
+        for name, call in cases().items():
+            best = dict.fromkeys(modules, float("inf"))
+            for _ in range(args.rounds):
+                for key, module in modules.items():
+                    start = time.perf_counter()
+                    for i in range(10):
+                        call(module, i % 8)
+                    best[key] = min(best[key], (time.perf_counter() - start) / 10 * 1e3)
+            first = next(iter(modules))
+            results[name] = {f"{k}_ms": round(v, 3) for k, v in best.items()}
+            for k, v in best.items():
+                if k != first:
+                    results[name][f"{k}/{first}"] = round(v / best[first], 2)
+    flags = sorted(f for f in cpu_flags() if f.startswith("avx"))
+    report = {
+        "benchmark": "kernel_clones",
+        "machine": {**machine_info(), "cpu_flags": flags},
+        "threads": 2,
+        "rounds": args.rounds,
+        "results": results,
+    }
+    print(json.dumps(report, indent=2))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
