@@ -8,7 +8,10 @@ this machine's: the ratios compare code, not CPUs). Prints JSON::
     python tools/kernel_clones.py [--targets avx512f,avx2] [--before REV] [--rounds 7]
 
 ``--before REV`` builds the same targets from git revision REV's ``_fused.c`` too (its
-rows named ``REV:target``), for a change's effect in the same run.
+rows named ``REV:target``), for a change's effect in the same run. ``--step`` adds whole
+training steps of the Criteo-Kaggle DLRM (torch kernel, fp32 or ``--step bf16``) with each
+build in place of the installed extension, alternating blocks of 20 steps (ATen's own
+kernels stay this CPU's).
 
 Criteo-Kaggle shape (26 tables of 100,000 rows, dim 16, batch 2,048, two threads):
 the pairwise dots forward and backward, the top MLP's input built and its gradients
@@ -171,11 +174,42 @@ def cases() -> dict[str, Callable[[ModuleType, int], None]]:
     }
 
 
+def steps(modules: dict[str, ModuleType], precision: str, rounds: int) -> dict[str, float]:
+    """The median step (ms) of the Criteo-Kaggle DLRM with each build as the extension."""
+    from towerrec.bench.choice import SHAPES
+    from towerrec.bench.train import _towerrec_row, make_batches
+    from towerrec.modules import interaction
+    from towerrec.modules.kernels import base, torch_kernel
+    from towerrec.train.numerics import set_flush_subnormals
+    from towerrec.train.step import train_step
+
+    set_flush_subnormals(True)
+    shape = SHAPES["criteo_kaggle"]
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    model, optimizer = _towerrec_row(shape, "torch")
+    batches = make_batches(shape, 2048, 8)
+    times: dict[str, list[float]] = {k: [] for k in modules}
+    for r in range(rounds + 1):
+        for key, module in modules.items():
+            module.flush_subnormals(True)
+            for user in (interaction, torch_kernel, base):  # where the kernels are called from
+                setattr(user, "_native" if user is interaction else "fused", module)
+            for i in range(3):
+                train_step(model, optimizer, batches[i % 8], dtype)
+            start = time.perf_counter()
+            for i in range(20):
+                train_step(model, optimizer, batches[i % 8], dtype)
+            if r:  # the first round warms up
+                times[key].append((time.perf_counter() - start) / 20 * 1e3)
+    return {f"{k}_ms": round(sorted(v)[len(v) // 2], 2) for k, v in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="avx512f,avx2")
     parser.add_argument("--before", help="a git revision whose _fused.c to build too")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--step", nargs="?", const="fp32", choices=("fp32", "bf16"))
     args = parser.parse_args()
     torch.set_num_threads(2)
     reuse_freed_memory()
@@ -206,6 +240,8 @@ def main() -> None:
             for k, v in best.items():
                 if k != first:
                     results[name][f"{k}/{first}"] = round(v / best[first], 2)
+        if args.step:
+            results[f"train_step_{args.step}"] = steps(modules, args.step, args.rounds)
     flags = sorted(f for f in cpu_flags() if f.startswith("avx"))
     report = {
         "benchmark": "kernel_clones",
