@@ -5,7 +5,7 @@ choice (``wide_vectors``) set as a CPU of that kind makes it. So a machine with 
 shows what an AVX2 machine's code does, without one (the memory system and clock stay
 this machine's: the ratios compare code, not CPUs). Prints JSON::
 
-    python tools/kernel_clones.py [--targets avx512f,avx2] [--before REV] [--rounds 7]
+    python tools/kernel_clones.py [--targets avx512f,avx2,default] [--before REV] [--rounds 7]
 
 ``--before REV`` builds the same targets from git revision REV's ``_fused.c`` too (its
 rows named ``REV:target``), for a change's effect in the same run. ``--step`` adds whole
@@ -52,9 +52,12 @@ def build(source: str, target: str, folder: Path) -> ModuleType:
         raise SystemExit(f"_fused.c no longer defines DOTS_CLONES as {CLONES!r}; update this tool")
     folder.mkdir(parents=True)
     pinned = folder / "_fused.c"
-    pinned.write_text(
-        source.replace(CLONES, f'#define DOTS_CLONES __attribute__((target("{target}")))')
+    pinned_clones = (
+        "#define DOTS_CLONES"  # the baseline: the compiler's defaults
+        if target == "default"
+        else f'#define DOTS_CLONES __attribute__((target("{target}")))'
     )
+    pinned.write_text(source.replace(CLONES, pinned_clones))
     library = folder / target / ("_fused" + sysconfig.get_config_var("EXT_SUFFIX"))
     library.parent.mkdir()
     include = sysconfig.get_paths()["include"]
