@@ -7,6 +7,14 @@ this machine's: the ratios compare code, not CPUs). Prints JSON::
 
     python tools/kernel_clones.py [--targets avx512f,avx2,default] [--before REV] [--rounds 7]
 
+``--emulate TARGET -- COMMAND ...`` runs COMMAND with the whole software stack on
+TARGET's code: the extension built for TARGET alone (and, below AVX-512, its half-row
+kernels chosen, as that CPU's import chooses them) imported in its place, ATen's kernels
+held to TARGET (``ATEN_CPU_CAPABILITY``) and oneDNN's too (``ONEDNN_MAX_CPU_ISA``); FBGEMM
+picks its own. With ``--before REV``, REV's ``_fused.c``. For example::
+
+    python tools/kernel_clones.py --emulate avx2 -- towerrec bench train --json --precisions fp32
+
 ``--before REV`` builds the same targets from git revision REV's ``_fused.c`` too (its
 rows named ``REV:target``), for a change's effect in the same run. ``--step`` adds whole
 training steps of the Criteo-Kaggle DLRM (torch kernel, fp32 or ``--step bf16``) with each
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -207,13 +216,56 @@ def steps(modules: dict[str, ModuleType], precision: str, rounds: int) -> dict[s
     return {f"{k}_ms": round(sorted(v)[len(v) // 2], 2) for k, v in times.items()}
 
 
+EMULATED = {"avx2": ("avx2", "AVX2"), "default": ("default", "SSE41")}
+
+BOOT = """\
+import importlib.util, sys
+import torch  # first, as towerrec.modules.native imports it: the extension binds to its OpenMP
+spec = importlib.util.spec_from_file_location("towerrec.modules._fused", {library!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+if hasattr(module, "wide_vectors"):
+    module.wide_vectors(False)
+sys.modules["towerrec.modules._fused"] = module
+"""
+
+
+def emulate(target: str, source: str, command: list[str], folder: Path) -> int:
+    """Run ``command`` with the software stack on ``target``'s code (module doc)."""
+    if target not in EMULATED:
+        raise SystemExit(f"--emulate takes one of {', '.join(EMULATED)}, not {target!r}")
+    if not command:
+        raise SystemExit("give the command to run after --")
+    aten, onednn = EMULATED[target]
+    build(source, target, folder / "build")
+    library = next((folder / "build" / target).glob("_fused*"))
+    boot = folder / "boot"
+    boot.mkdir()
+    (boot / "sitecustomize.py").write_text(BOOT.format(library=str(library)))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=aten, ONEDNN_MAX_CPU_ISA=onednn)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(boot), env.get("PYTHONPATH")) if p)
+    return subprocess.run(command, env=env).returncode
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="avx512f,avx2")
     parser.add_argument("--before", help="a git revision whose _fused.c to build too")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--step", nargs="?", const="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--emulate", metavar="TARGET", help="run the command after -- on it")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    if args.emulate:
+        source = SOURCE.read_text()
+        if args.before:
+            source = subprocess.run(
+                ["git", "show", f"{args.before}:src/towerrec/modules/_fused.c"],
+                cwd=SOURCE.parent, check=True, capture_output=True, text=True,
+            ).stdout  # fmt: skip
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        with tempfile.TemporaryDirectory() as tmp:
+            raise SystemExit(emulate(args.emulate, source, command, Path(tmp)))
     torch.set_num_threads(2)
     reuse_freed_memory()
     targets = args.targets.split(",")
