@@ -28,6 +28,7 @@ from towerrec.bench.train_report import (
     roofline_fields,
 )
 from towerrec.hardware import cpu_flags
+from towerrec.modules.native import fused
 
 SHAPE = {
     "num_dense": 5,
@@ -159,6 +160,10 @@ def test_each_row_reports_its_precisions_roofline_and_the_default_row_its_choice
     machine = out["machine"]
     assert machine["aten_capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(machine["cpu_flags"]) <= cpu_flags() and "cpu" in machine
+    if fused is None:
+        assert machine["native_lanes"] is None
+    else:  # 16-lane kernels exactly where the CPU has AVX-512
+        assert machine["native_lanes"] == (16 if "avx512f" in cpu_flags() else 8)
 
 
 def test_profile_splits_the_step_into_its_phases(one_thread):

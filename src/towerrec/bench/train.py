@@ -52,6 +52,7 @@ from towerrec.hardware import VECTOR_FLAG_PREFIXES, cpu_flags
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
 from towerrec.modules.kernels import fbgemm_available
+from towerrec.modules.native import native_lanes
 from towerrec.modules.tables import TableConfig
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
@@ -327,6 +328,7 @@ def run_train_benchmark(
             **machine_info(),
             "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(VECTOR_FLAG_PREFIXES)),
             "aten_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_lanes": native_lanes(),
         },
         "shape": {**shape, "batch_size": batch_size},
         "steps": steps,

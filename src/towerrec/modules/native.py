@@ -10,7 +10,7 @@ from types import ModuleType
 # then binds to that library and so to the threads torch's operators run on
 import torch  # noqa: F401
 
-__all__ = ["cache", "fused"]
+__all__ = ["cache", "fused", "native_lanes"]
 
 fused: ModuleType | None
 try:
@@ -23,3 +23,12 @@ try:
     from towerrec.modules import _cache as cache  # type: ignore[attr-defined,no-redef,unused-ignore]
 except ImportError:  # not built here
     cache = None
+
+
+def native_lanes() -> int | None:
+    """The lanes of the vectors the fused kernels hold a row in on this CPU: 16 with
+    AVX-512, 8 (half rows) without (``_fused.c``, the note at ``v8``); None where the
+    extension is not built."""
+    if fused is None:
+        return None
+    return 16 if fused.wide_vectors() else 8
