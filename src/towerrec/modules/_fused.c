@@ -2,8 +2,8 @@
  *
  * DLRM's pairwise dot interaction (interaction.py; concat_forward and concat_backward
  * below build the top MLP's whole input around it), and the torch kernel's pooled lookup
- * and row gradients (bag_sum, bag_grad below). For each sample b of X [B, F, D] (float32, contiguous) and each of P pairs
- * (rows[p], cols[p]) (int64):
+ * and row gradients (bag_sum, bag_grad below). For each sample b of X [B, F, D]
+ * (float32, contiguous) and each of P pairs (rows[p], cols[p]) (int64):
  *
  *   forward(x, rows, cols, out, B, F, D, P, threads)
  *       out[b, p] = X[b, rows[p]] . X[b, cols[p]]
@@ -59,10 +59,10 @@ static inline __attribute__((always_inline)) void store(float *p, vf v) { memcpy
 /* Half a row of 16 lanes. Where the CPU has no 512-bit registers (AVX2 and below), GCC
  * splits a 16-lane vector into two or four registers, and in a kernel that holds many
  * of them at once it keeps them on the stack, where each scalar times a vector is built
- * lane by lane: the dots' backward ran 24x slower than with half rows in the AVX2 clone
- * (7.9 ms against 0.32 for the Criteo-Kaggle batch). The kernels that hold many vectors
- * take half rows there (the twins named ...8, and sample_grad_triu16, as fast in half
- * rows on AVX-512); the lanes' arithmetic is the same either way, so are the bits. */
+ * lane by lane: the dots' backward took 13.4 ms in the AVX2 clone for the Criteo-Kaggle
+ * batch, against 0.31 in half rows (tools/kernel_clones.py). The kernels that hold many
+ * vectors take half rows there (the twins named ...8, and sample_grad_triu16, as fast in
+ * half rows on AVX-512); the lanes' arithmetic is the same either way, so are the bits. */
 typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
 typedef int32_t vi8 __attribute__((vector_size(8 * sizeof(int32_t))));
 
