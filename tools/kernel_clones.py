@@ -54,6 +54,14 @@ CLONES = '#define DOTS_CLONES __attribute__((target_clones("avx512f", "avx2", "d
 FLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-Wno-psabi", "-pthread", "-fopenmp"]
 
 
+def revision_source(revision: str) -> str:
+    """``_fused.c``'s text at git revision ``revision``."""
+    return subprocess.run(
+        ["git", "show", f"{revision}:src/towerrec/modules/_fused.c"],
+        cwd=SOURCE.parent, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+
+
 def build(source: str, target: str, folder: Path) -> ModuleType:
     """``source`` (``_fused.c``'s text) with every cloned function compiled for ``target``
     alone, loaded into ``folder``."""
@@ -257,12 +265,7 @@ def main() -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     if args.emulate:
-        source = SOURCE.read_text()
-        if args.before:
-            source = subprocess.run(
-                ["git", "show", f"{args.before}:src/towerrec/modules/_fused.c"],
-                cwd=SOURCE.parent, check=True, capture_output=True, text=True,
-            ).stdout  # fmt: skip
+        source = revision_source(args.before) if args.before else SOURCE.read_text()
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         with tempfile.TemporaryDirectory() as tmp:
             raise SystemExit(emulate(args.emulate, source, command, Path(tmp)))
@@ -271,10 +274,7 @@ def main() -> None:
     targets = args.targets.split(",")
     sources = {"": SOURCE.read_text()}
     if args.before:
-        sources[f"{args.before}:"] = subprocess.run(
-            ["git", "show", f"{args.before}:src/towerrec/modules/_fused.c"],
-            cwd=SOURCE.parent, check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
+        sources[f"{args.before}:"] = revision_source(args.before)
     with tempfile.TemporaryDirectory() as tmp:
         modules = {
             f"{label}{t}": build(text, t, Path(tmp) / f"{n}-{t}")
