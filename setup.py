@@ -54,6 +54,7 @@ class BuildExt(build_ext):
 fused = Extension(
     "towerrec.modules._fused",
     sources=["src/towerrec/modules/_fused.c"],
+    depends=["src/towerrec/modules/_fused_lanes.h"],  # its kernels at each vector width
     extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wno-psabi", "-pthread"],
     extra_link_args=["-pthread"],
     optional=True,

@@ -108,7 +108,7 @@ def pair_by_pair_gradient(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("features", [2, 5, 6, 10, 27, 31])
 def test_native_backward_of_the_module_pairs_keeps_the_pair_by_pair_sums(features):
-    """At dim 16 the module's pairs take rows four at a time (sample_grad_triu16): the
+    """At dim 16 the module's pairs take rows four at a time (sample_grad_triu): the
     same additions in the same order as pair by pair, so the same bits, signed zeros
     included (the int32 views compared)."""
     torch.manual_seed(features)
@@ -197,18 +197,22 @@ def test_export_traces_the_batched_matmuls():
 
 @pytest.fixture
 def vector_width():
-    """Restores the extension's choice of 16-lane or half-row kernels after a test."""
-    wide = interaction._native.wide_vectors()
-    yield interaction._native.wide_vectors
-    interaction._native.wide_vectors(wide)
+    """Restores the extension's width of the dots' kernels after a test."""
+    lanes = interaction._native.vector_lanes()
+    yield interaction._native.vector_lanes
+    interaction._native.vector_lanes(lanes)
+
+
+WIDTHS = (16, 8, 4)
 
 
 @pytest.mark.parametrize("dim", [16, 32, 48, 64, 80])
 @pytest.mark.parametrize("pairs", ["module", "self", "shuffled", "repeated"])
-def test_half_row_kernels_give_the_bits_of_the_16_lane_ones(vector_width, dim, pairs):
-    """Without AVX-512 the dots take half rows (``_fused.c``, the note at ``v8``): the same
-    sums in the same order, so the same bits, signed zeros included, forward and backward,
-    for every kind of pair list; here both run on this CPU."""
+def test_every_width_gives_the_bits_of_the_16_lane_kernels(vector_width, dim, pairs):
+    """Without AVX-512 the dots take rows of 8 lanes, or of 4 on 128-bit vectors
+    (``_fused.c``, the note at ``v8``): the same sums in the same order, so the same bits,
+    signed zeros included, forward and backward, for every kind of pair list; here every
+    width runs on this CPU."""
     torch.manual_seed(dim)
     batch, features = 37, 11
     rows, cols = torch.triu_indices(features, features, offset=0 if pairs == "self" else 1)
@@ -224,8 +228,8 @@ def test_half_row_kernels_give_the_bits_of_the_16_lane_ones(vector_width, dim, p
     grad = torch.randn(batch, count)
     grad[:, ::5] = -0.0
     results = []
-    for wide in (True, False):
-        vector_width(wide)
+    for lanes in WIDTHS:
+        vector_width(lanes)
         out = torch.full((batch, count), float("nan"))
         gx = torch.full_like(x, float("nan"))
         args = (x.numpy(), rows.numpy(), cols.numpy())
@@ -234,21 +238,22 @@ def test_half_row_kernels_give_the_bits_of_the_16_lane_ones(vector_width, dim, p
             *args, grad.numpy(), gx.numpy(), batch, features, dim, count, 2
         )
         results.append(torch.cat([out.flatten(), gx.flatten()]).view(torch.int32))
-    assert torch.equal(results[0], results[1])
+    for other in results[1:]:
+        assert torch.equal(results[0], other)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_joined_half_row_kernels_give_the_bits_of_the_16_lane_ones(vector_width, dtype):
-    """The top MLP's input and both its gradients, as the model trains with them, with the
-    16-lane kernels and with half rows."""
+def test_joined_kernels_give_the_same_bits_at_every_width(vector_width, dtype):
+    """The top MLP's input and both its gradients, as the model trains with them, at each
+    width of the dots' kernels."""
     torch.manual_seed(5)
     module = DotInteraction(27)
     x = torch.randn(256, 16)
     embeddings = torch.randn(256, 26 * 16)
     upstream = torch.randn(256, 16 + module.out_features + 1)
     results = []
-    for wide in (True, False):
-        vector_width(wide)
+    for lanes in WIDTHS:
+        vector_width(lanes)
         xs = x.to(dtype).requires_grad_()
         es = embeddings.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
@@ -256,5 +261,14 @@ def test_joined_half_row_kernels_give_the_bits_of_the_16_lane_ones(vector_width,
         assert out is not None
         grads = torch.autograd.grad(out, (xs, es), upstream.to(out.dtype))
         results.append([out.detach().float(), *(g.float() for g in grads)])
-    for a, b in zip(*results):
-        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_vector_lanes_takes_only_the_built_widths(vector_width):
+    """A width the kernels are not built for is refused, and the setting kept."""
+    before = vector_width()
+    with pytest.raises(ValueError, match="16, 8 or 4"):
+        vector_width(2)
+    assert vector_width() == before

@@ -2,7 +2,8 @@
 for AVX2 alone and for the compiler's baseline (``tools/kernel_clones.py``, as a CPU
 without AVX-512 runs it) against the installed build, forward and backward of the dots
 and of the top MLP's joined input, and the pooled lookup. Each clone runs on this CPU;
-the AVX-512 clone is the installed one wherever the CPU has AVX-512."""
+the AVX-512 clone is the installed one wherever the CPU has AVX-512. Each at every width
+of the dots' kernels (16, 8 and 4 lanes)."""
 
 import importlib.util
 import shutil
@@ -33,9 +34,10 @@ def tool():
     return module
 
 
-def outputs(module, wide: bool) -> list[torch.Tensor]:
-    """Every kernel's results on fixed inputs, as int32 views (signed zeros count)."""
-    module.wide_vectors(wide)
+def outputs(module, lanes: int) -> list[torch.Tensor]:
+    """Every kernel's results on fixed inputs at the dots' width ``lanes``, as int32 views
+    (signed zeros count)."""
+    module.vector_lanes(lanes)
     torch.manual_seed(0)
     batch, tables, dim = 19, 26, 16
     features = tables + 1
@@ -72,12 +74,14 @@ def outputs(module, wide: bool) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("target", ["avx2", "default"])
 def test_each_clone_gives_the_installed_builds_bits(tool, tmp_path, target):
-    clone = tool.build(tool.SOURCE.read_text(), target, tmp_path / target)
-    wide = fused.wide_vectors()
+    """Each clone at every width of the dots' kernels, the one its CPUs get included."""
+    clone = tool.build(tool.current_source(), target, tmp_path / target)
+    assert clone.vector_lanes() == tool.TARGET_LANES[target]
+    lanes = fused.vector_lanes()
     try:
-        expected = outputs(fused, wide)
-        for got in (outputs(clone, False), outputs(clone, True)):
-            for a, b in zip(expected, got):
+        expected = outputs(fused, lanes)
+        for width in (16, 8, 4):
+            for a, b in zip(expected, outputs(clone, width)):
                 assert torch.equal(a, b)
     finally:
-        fused.wide_vectors(wide)
+        fused.vector_lanes(lanes)

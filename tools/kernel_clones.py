@@ -1,17 +1,18 @@
 """Time the native kernels (``modules/_fused.c``) as each instruction set's clone runs
 them, on this one CPU: the extension built once per target with every function compiled
-for that target alone (in place of GCC's ``target_clones``), and the 16-lane or half-row
-choice (``wide_vectors``) set as a CPU of that kind makes it. So a machine with AVX-512
-shows what an AVX2 machine's code does, without one (the memory system and clock stay
-this machine's: the ratios compare code, not CPUs). Prints JSON::
+for that target alone (in place of GCC's ``target_clones``), and the width of the dots'
+kernels (``vector_lanes``: 16, 8 or 4 lanes) set as a CPU of that kind sets it. So a
+machine with AVX-512 shows what an AVX2 machine's code does, or a CPU with SSE alone,
+without one (the memory system and clock stay this machine's: the ratios compare code,
+not CPUs). Prints JSON::
 
     python tools/kernel_clones.py [--targets avx512f,avx2,default] [--before REV] [--rounds 7]
 
 ``--emulate TARGET -- COMMAND ...`` runs COMMAND with the whole software stack on
-TARGET's code: the extension built for TARGET alone (and, below AVX-512, its half-row
-kernels chosen, as that CPU's import chooses them) imported in its place, ATen's kernels
+TARGET's code: the extension built for TARGET alone (and its kernels' width chosen as
+that CPU's import chooses it) imported in its place, ATen's kernels
 held to TARGET (``ATEN_CPU_CAPABILITY``) and oneDNN's too (``ONEDNN_MAX_CPU_ISA``); FBGEMM
-picks its own. With ``--before REV``, REV's ``_fused.c``. For example::
+picks its own. With ``--before REV``, REV's ``_fused.c`` (and header). For example::
 
     python tools/kernel_clones.py --emulate avx2 -- towerrec bench train --json --precisions fp32
 
@@ -54,27 +55,62 @@ CLONES = '#define DOTS_CLONES __attribute__((target_clones("avx512f", "avx2", "d
 FLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-Wno-psabi", "-pthread", "-fopenmp"]
 
 
-def revision_source(revision: str) -> str:
-    """``_fused.c``'s text at git revision ``revision``."""
-    return subprocess.run(
-        ["git", "show", f"{revision}:src/towerrec/modules/_fused.c"],
-        cwd=SOURCE.parent, check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
+# The extension's files: the source and the header it includes (its kernels per width).
+FILES = ("_fused.c", "_fused_lanes.h")
+# The lanes of the dots' kernels a CPU of each target gets at import (``_fused.c``, the
+# note at ``lanes``).
+TARGET_LANES = {"avx512f": 16, "avx2": 8, "default": 4}
+Source = dict[str, str]  # file name -> text
 
 
-def build(source: str, target: str, folder: Path) -> ModuleType:
-    """``source`` (``_fused.c``'s text) with every cloned function compiled for ``target``
-    alone, loaded into ``folder``."""
-    if CLONES not in source:
+def current_source() -> Source:
+    """The working tree's ``_fused.c`` and the header it includes."""
+    return {
+        name: (SOURCE.parent / name).read_text()
+        for name in FILES
+        if (SOURCE.parent / name).exists()
+    }
+
+
+def revision_source(revision: str) -> Source:
+    """``_fused.c`` and the header it includes at git revision ``revision`` (revisions
+    from before the header have the source alone)."""
+    files = {}
+    for name in FILES:
+        shown = subprocess.run(
+            ["git", "show", f"{revision}:src/towerrec/modules/{name}"],
+            cwd=SOURCE.parent, capture_output=True, text=True,
+        )  # fmt: skip
+        if shown.returncode == 0:
+            files[name] = shown.stdout
+        elif name == "_fused.c":
+            raise SystemExit(f"no _fused.c at {revision}: {shown.stderr.strip()}")
+    return files
+
+
+def set_lanes(module: ModuleType, target: str) -> None:
+    """The width of the dots' kernels that a CPU of ``target``'s kind gets at import:
+    ``vector_lanes``, or ``wide_vectors`` (16 lanes or 8) in builds from before it."""
+    if hasattr(module, "vector_lanes"):
+        module.vector_lanes(TARGET_LANES[target])
+    elif hasattr(module, "wide_vectors"):
+        module.wide_vectors(target.startswith("avx512"))
+
+
+def build(source: Source, target: str, folder: Path) -> ModuleType:
+    """``source`` (``_fused.c`` and its header) with every cloned function compiled for
+    ``target`` alone, loaded from ``folder``, its width set as on a CPU of that kind."""
+    if CLONES not in source["_fused.c"]:
         raise SystemExit(f"_fused.c no longer defines DOTS_CLONES as {CLONES!r}; update this tool")
     folder.mkdir(parents=True)
-    pinned = folder / "_fused.c"
     pinned_clones = (
         "#define DOTS_CLONES"  # the baseline: the compiler's defaults
         if target == "default"
         else f'#define DOTS_CLONES __attribute__((target("{target}")))'
     )
-    pinned.write_text(source.replace(CLONES, pinned_clones))
+    for name, text in source.items():
+        (folder / name).write_text(text.replace(CLONES, pinned_clones))
+    pinned = folder / "_fused.c"
     library = folder / target / ("_fused" + sysconfig.get_config_var("EXT_SUFFIX"))
     library.parent.mkdir()
     include = sysconfig.get_paths()["include"]
@@ -86,8 +122,7 @@ def build(source: str, target: str, folder: Path) -> ModuleType:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if hasattr(module, "wide_vectors"):  # what the import sets on a CPU of that kind
-        module.wide_vectors(target.startswith("avx512"))
+    set_lanes(module, target)
     return module
 
 
@@ -232,13 +267,15 @@ import torch  # first, as towerrec.modules.native imports it: the extension bind
 spec = importlib.util.spec_from_file_location("towerrec.modules._fused", {library!r})
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-if hasattr(module, "wide_vectors"):
+if hasattr(module, "vector_lanes"):
+    module.vector_lanes({lanes})
+elif hasattr(module, "wide_vectors"):
     module.wide_vectors(False)
 sys.modules["towerrec.modules._fused"] = module
 """
 
 
-def emulate(target: str, source: str, command: list[str], folder: Path) -> int:
+def emulate(target: str, source: Source, command: list[str], folder: Path) -> int:
     """Run ``command`` with the software stack on ``target``'s code (module doc)."""
     if target not in EMULATED:
         raise SystemExit(f"--emulate takes one of {', '.join(EMULATED)}, not {target!r}")
@@ -249,7 +286,9 @@ def emulate(target: str, source: str, command: list[str], folder: Path) -> int:
     library = next((folder / "build" / target).glob("_fused*"))
     boot = folder / "boot"
     boot.mkdir()
-    (boot / "sitecustomize.py").write_text(BOOT.format(library=str(library)))
+    (boot / "sitecustomize.py").write_text(
+        BOOT.format(library=str(library), lanes=TARGET_LANES[target])
+    )
     env = dict(os.environ, ATEN_CPU_CAPABILITY=aten, ONEDNN_MAX_CPU_ISA=onednn)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(boot), env.get("PYTHONPATH")) if p)
     return subprocess.run(command, env=env).returncode
@@ -265,14 +304,14 @@ def main() -> None:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     if args.emulate:
-        source = revision_source(args.before) if args.before else SOURCE.read_text()
+        source = revision_source(args.before) if args.before else current_source()
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         with tempfile.TemporaryDirectory() as tmp:
             raise SystemExit(emulate(args.emulate, source, command, Path(tmp)))
     torch.set_num_threads(2)
     reuse_freed_memory()
     targets = args.targets.split(",")
-    sources = {"": SOURCE.read_text()}
+    sources = {"": current_source()}
     if args.before:
         sources[f"{args.before}:"] = revision_source(args.before)
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,8 +22,9 @@
  * the whole batch, which is split among up to `threads` threads (this one included)
  * where it holds enough work; each sample's sums run in the same order on any split.
  * Each function is compiled for AVX-512, AVX2 and the baseline and chosen at load time
- * (GCC's target_clones) where the compiler supports it; the dots' kernels that hold many
- * vectors take half rows where the CPU has no AVX-512 (the note at v8), the same bits.
+ * (GCC's target_clones) where the compiler supports it; the dots' kernels come in rows of
+ * 16, 8 and 4 lanes (_fused_lanes.h), the widest the CPU's registers hold chosen at
+ * import (the notes at v8 and `lanes`), the same bits at every width.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -44,6 +45,7 @@ typedef int32_t vi __attribute__((vector_size(LANES * sizeof(int32_t))));
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define DOTS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define CLONED 1
 #else
 #define DOTS_CLONES
 #endif
@@ -56,15 +58,18 @@ static inline __attribute__((always_inline)) vf load(const float *p) {
 
 static inline __attribute__((always_inline)) void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* Half a row of 16 lanes. Where the CPU has no 512-bit registers (AVX2 and below), GCC
- * splits a 16-lane vector into two or four registers, and in a kernel that holds many
+/* Rows of 8 and 4 lanes. Where the CPU has no 512-bit registers, GCC splits a 16-lane
+ * vector into two (AVX2) or four (SSE, NEON) registers, and in a kernel that holds many
  * of them at once it keeps them on the stack, where each scalar times a vector is built
  * lane by lane: the dots' backward took 13.4 ms in the AVX2 clone for the Criteo-Kaggle
- * batch, against 0.31 in half rows (tools/kernel_clones.py). The kernels that hold many
- * vectors take half rows there (the twins named ...8, and sample_grad_triu16, as fast in
- * half rows on AVX-512); the lanes' arithmetic is the same either way, so are the bits. */
+ * batch against 0.31 ms in rows of 8 lanes, and 10.3 ms in the baseline (SSE) clone
+ * (tools/kernel_clones.py). So the dots' kernels and the lookup's row loops come in three
+ * widths (_fused_lanes.h), each lane's arithmetic and order the same in all three, so are
+ * the bits; `lanes` picks one. */
 typedef float v8 __attribute__((vector_size(8 * sizeof(float))));
 typedef int32_t vi8 __attribute__((vector_size(8 * sizeof(int32_t))));
+typedef float v4 __attribute__((vector_size(4 * sizeof(float))));
+typedef int32_t vi4 __attribute__((vector_size(4 * sizeof(int32_t))));
 
 static inline __attribute__((always_inline)) v8 load8(const float *p) {
     v8 v;
@@ -76,10 +81,24 @@ static inline __attribute__((always_inline)) void store8(float *p, v8 v) {
     memcpy(p, &v, sizeof v);
 }
 
-/* Whether this CPU has AVX-512 (set once at import): the dots' 16-lane kernels
- * (sample_dots, sample_grad, sample_grad_pairs) where it does, their half-row twins where
- * it does not (on AVX-512 the 16-lane ones are up to 1.5x faster). */
-static int wide_vectors = 0;
+static inline __attribute__((always_inline)) v4 load4(const float *p) {
+    v4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __attribute__((always_inline)) void store4(float *p, v4 v) {
+    memcpy(p, &v, sizeof v);
+}
+
+/* The width of the dots' kernels, set once at import to the widest vector the running
+ * code holds in registers: 16 lanes with AVX-512, 8 with AVX2, 4 elsewhere (x86's
+ * baseline, AArch64's NEON and other 128-bit vector units). Where GCC clones the
+ * functions per instruction set (DOTS_CLONES), the CPU's flags choose, as they choose the
+ * clone; elsewhere the instruction set the file was compiled for. On AVX-512 the 16-lane
+ * dots are up to 1.5x faster than rows of 8; the lookup's row loops and the four-row
+ * backward take rows of 8 there too (as fast), and of 4 where `lanes` is 4. */
+static int lanes = 4;
 
 /* Lane k of the result: the sum of the 16 lanes of a[k] (a is overwritten). */
 static inline __attribute__((always_inline)) vf reduce16(vf *a) {
@@ -105,33 +124,6 @@ static inline __attribute__((always_inline)) vf reduce16(vf *a) {
     return __builtin_shuffle(a[0], a[1], m1a) + __builtin_shuffle(a[0], a[1], m1b);
 }
 
-/* One sample's pairs: the D / 16 products of each pair's two vectors summed lane by
- * lane, then the lanes of 16 pairs summed at once (reduce16). off: each pair's two
- * vectors' offsets into the sample, the pairs padded to a multiple of 16 with (0, 0)
- * (whose sums are not written). DIM16: dim is 16 (one vector a row, the default). */
-static inline __attribute__((always_inline)) void sample_dots(const float *s,
-                                                              const Py_ssize_t *off, float *o,
-                                                              Py_ssize_t dim, Py_ssize_t pairs,
-                                                              int dim16) {
-    for (Py_ssize_t p0 = 0; p0 < pairs; p0 += LANES) {
-        vf acc[LANES];
-#pragma GCC unroll 16
-        for (int k = 0; k < LANES; k++) {
-            const float *u = s + off[2 * (p0 + k)], *v = s + off[2 * (p0 + k) + 1];
-            vf a = load(u) * load(v);
-            if (!dim16)
-                for (Py_ssize_t d = LANES; d < dim; d += LANES) a += load(u + d) * load(v + d);
-            acc[k] = a;
-        }
-        vf sums = reduce16(acc);
-        if (pairs - p0 >= LANES) {
-            store(o + p0, sums);
-        } else {
-            for (Py_ssize_t k = 0; k < pairs - p0; k++) o[p0 + k] = sums[k];
-        }
-    }
-}
-
 /* Lane k of the result: the sum of the 8 lanes of q[k] (q is overwritten), the pairs of
  * lanes added in reduce16's order from its second level on. */
 static inline __attribute__((always_inline)) v8 reduce8(v8 *q) {
@@ -147,45 +139,52 @@ static inline __attribute__((always_inline)) v8 reduce8(v8 *q) {
     return __builtin_shuffle(q[0], q[1], m1a) + __builtin_shuffle(q[0], q[1], m1b);
 }
 
-/* sample_dots in half rows, eight pairs at a time: each pair's products summed lane by
- * lane in its two halves, the halves added (reduce16's first level), then reduce8: the
- * same sums in the same order, without 16-lane vectors (the note at v8). */
-static inline __attribute__((always_inline)) void sample_dots8(const float *s,
-                                                               const Py_ssize_t *off, float *o,
-                                                               Py_ssize_t dim,
-                                                               Py_ssize_t pairs) {
-    for (Py_ssize_t p0 = 0; p0 < pairs; p0 += 8) {
-        v8 q[8];
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) {
-            const float *u = s + off[2 * (p0 + k)], *v = s + off[2 * (p0 + k) + 1];
-            v8 lo = load8(u) * load8(v), hi = load8(u + 8) * load8(v + 8);
-            for (Py_ssize_t d = LANES; d < dim; d += LANES) {
-                lo += load8(u + d) * load8(v + d);
-                hi += load8(u + d + 8) * load8(v + d + 8);
-            }
-            q[k] = lo + hi;
-        }
-        v8 sums = reduce8(q);
-        if (pairs - p0 >= 8) {
-            store8(o + p0, sums);
-        } else {
-            for (Py_ssize_t k = 0; k < pairs - p0; k++) o[p0 + k] = sums[k];
-        }
-    }
+/* Lane k of the result: the sum of the 4 lanes of q[k] (q is overwritten), in reduce16's
+ * order from its third level on. */
+static inline __attribute__((always_inline)) v4 reduce4(v4 *q) {
+    const vi4 m2a = {0, 1, 6, 7}, m2b = {2, 3, 4, 5};
+    const vi4 m1a = {0, 5, 2, 7}, m1b = {1, 4, 3, 6};
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++)
+        q[k] = __builtin_shuffle(q[k], q[k + 2], m2a) + __builtin_shuffle(q[k], q[k + 2], m2b);
+    return __builtin_shuffle(q[0], q[1], m1a) + __builtin_shuffle(q[0], q[1], m1b);
 }
 
-/* One sample's dots: 16-lane sums where the CPU has AVX-512, else half rows. */
+#define NV 16
+#define VEC vf
+#define LOADV load
+#define STOREV store
+#define REDUCEV reduce16
+#define FN(name) name##_16
+#include "_fused_lanes.h"
+
+#define NV 8
+#define VEC v8
+#define LOADV load8
+#define STOREV store8
+#define REDUCEV reduce8
+#define FN(name) name##_8
+#include "_fused_lanes.h"
+
+#define NV 4
+#define VEC v4
+#define LOADV load4
+#define STOREV store4
+#define REDUCEV reduce4
+#define FN(name) name##_4
+#include "_fused_lanes.h"
+
+/* One sample's dots at the width `lanes` picks. */
 static inline __attribute__((always_inline)) void sample_dots_any(const float *s,
                                                                   const Py_ssize_t *off,
                                                                   float *o, Py_ssize_t dim,
                                                                   Py_ssize_t pairs) {
-    if (!wide_vectors)
-        sample_dots8(s, off, o, dim, pairs);
-    else if (dim == LANES)
-        sample_dots(s, off, o, LANES, pairs, 1);
+    if (lanes == 16)
+        dim == 16 ? sample_dots_16(s, off, o, 16, pairs) : sample_dots_16(s, off, o, dim, pairs);
+    else if (lanes == 8)
+        dim == 16 ? sample_dots_8(s, off, o, 16, pairs) : sample_dots_8(s, off, o, dim, pairs);
     else
-        sample_dots(s, off, o, dim, pairs, 0);
+        dim == 16 ? sample_dots_4(s, off, o, 16, pairs) : sample_dots_4(s, off, o, dim, pairs);
 }
 
 DOTS_CLONES
@@ -196,224 +195,6 @@ static void dots_forward(const float *x, const Py_ssize_t *off, float *out, Py_s
         sample_dots_any(x + b * stride, off, out + b * pairs, dim, pairs);
 }
 
-/* One sample's gradient rows t = S X, S the symmetric [F, F] matrix of the pairs'
- * gradients: S[i, j] = g[pos[i F + j]] for the pair (i, j) or (j, i), where gl is the
- * sample's g with a zero after it (pos = P where no pair holds i and j), a self pair's
- * twice (`selfs`). Each row of t is summed over the F vectors in order, four vectors of
- * 16 lanes at a time held in registers: one load and one multiply-add a lane group and
- * vector, where adding each pair's two products into t took three loads and a store.
- * The pairs must be distinct (dots_backward checks; `sample_grad_pairs` takes any). */
-static inline __attribute__((always_inline)) void sample_grad(const float *s, const float *g,
-                                                              float *t, const int32_t *pos,
-                                                              float *gl, int selfs,
-                                                              Py_ssize_t features,
-                                                              Py_ssize_t dim, Py_ssize_t pairs) {
-    memcpy(gl, g, (size_t)pairs * sizeof(float));
-    gl[pairs] = 0.0f;
-    for (Py_ssize_t i = 0; i < features; i++) {
-        const int32_t *row = pos + i * features;
-        float *out = t + i * dim;
-        const float twice = selfs ? gl[row[i]] : 0.0f; /* the self pair's second term */
-        const float *xi = s + i * dim;
-        Py_ssize_t d = 0;
-        for (; d + 4 * LANES <= dim; d += 4 * LANES) {
-            vf a0 = twice * load(xi + d), a1 = twice * load(xi + d + LANES),
-               a2 = twice * load(xi + d + 2 * LANES), a3 = twice * load(xi + d + 3 * LANES);
-            for (Py_ssize_t j = 0; j < features; j++) {
-                const float w = gl[row[j]], *x = s + j * dim + d;
-                a0 += w * load(x);
-                a1 += w * load(x + LANES);
-                a2 += w * load(x + 2 * LANES);
-                a3 += w * load(x + 3 * LANES);
-            }
-            store(out + d, a0);
-            store(out + d + LANES, a1);
-            store(out + d + 2 * LANES, a2);
-            store(out + d + 3 * LANES, a3);
-        }
-        for (; d < dim; d += LANES) {
-            vf a = twice * load(xi + d);
-            for (Py_ssize_t j = 0; j < features; j++) a += gl[row[j]] * load(s + j * dim + d);
-            store(out + d, a);
-        }
-    }
-}
-
-/* One sample's gradient rows t += S X pair by pair (t zeroed by the caller), any pairs,
- * repeated ones too: the first vector's gradient is summed in a register while
- * consecutive pairs share that vector and added when it changes, so the row-major order
- * the interaction lists them in adds it once a row. Faster than sample_grad at dim 16,
- * where a row is one register and building S costs as much as the products. */
-static inline __attribute__((always_inline)) void sample_grad_pairs(
-    const float *s, const float *g, float *t, const int32_t *pi, const int32_t *pj,
-    Py_ssize_t dim, Py_ssize_t pairs) {
-    for (Py_ssize_t d = 0; d < dim; d += LANES) {
-        Py_ssize_t cur = pi[0] * dim + d;
-        vf a = (vf){0};
-        for (Py_ssize_t p = 0; p < pairs; p++) {
-            const Py_ssize_t i = pi[p] * dim + d, j = pj[p] * dim + d;
-            if (i != cur) {
-                store(t + cur, load(t + cur) + a);
-                a = (vf){0};
-                cur = i;
-            }
-            const float w = g[p];
-            a += w * load(s + j);
-            store(t + j, load(t + j) + w * load(s + i));
-        }
-        store(t + cur, load(t + cur) + a);
-    }
-}
-
-/* sample_grad in half rows (the note at v8): the same sums in the same order. */
-static inline __attribute__((always_inline)) void sample_grad8(const float *s, const float *g,
-                                                               float *t, const int32_t *pos,
-                                                               float *gl, int selfs,
-                                                               Py_ssize_t features,
-                                                               Py_ssize_t dim, Py_ssize_t pairs) {
-    memcpy(gl, g, (size_t)pairs * sizeof(float));
-    gl[pairs] = 0.0f;
-    for (Py_ssize_t i = 0; i < features; i++) {
-        const int32_t *row = pos + i * features;
-        float *out = t + i * dim;
-        const float twice = selfs ? gl[row[i]] : 0.0f; /* the self pair's second term */
-        const float *xi = s + i * dim;
-        Py_ssize_t d = 0;
-        for (; d + 4 * LANES <= dim; d += 4 * LANES) {
-            v8 a0 = twice * load8(xi + d), a1 = twice * load8(xi + d + 8),
-               a2 = twice * load8(xi + d + 16), a3 = twice * load8(xi + d + 24),
-               a4 = twice * load8(xi + d + 32), a5 = twice * load8(xi + d + 40),
-               a6 = twice * load8(xi + d + 48), a7 = twice * load8(xi + d + 56);
-            for (Py_ssize_t j = 0; j < features; j++) {
-                const float w = gl[row[j]], *x = s + j * dim + d;
-                a0 += w * load8(x);
-                a1 += w * load8(x + 8);
-                a2 += w * load8(x + 16);
-                a3 += w * load8(x + 24);
-                a4 += w * load8(x + 32);
-                a5 += w * load8(x + 40);
-                a6 += w * load8(x + 48);
-                a7 += w * load8(x + 56);
-            }
-            store8(out + d, a0);
-            store8(out + d + 8, a1);
-            store8(out + d + 16, a2);
-            store8(out + d + 24, a3);
-            store8(out + d + 32, a4);
-            store8(out + d + 40, a5);
-            store8(out + d + 48, a6);
-            store8(out + d + 56, a7);
-        }
-        for (; d < dim; d += 8) {
-            v8 a = twice * load8(xi + d);
-            for (Py_ssize_t j = 0; j < features; j++) a += gl[row[j]] * load8(s + j * dim + d);
-            store8(out + d, a);
-        }
-    }
-}
-
-/* sample_grad_pairs in half rows (the note at v8). */
-static inline __attribute__((always_inline)) void sample_grad_pairs8(
-    const float *s, const float *g, float *t, const int32_t *pi, const int32_t *pj,
-    Py_ssize_t dim, Py_ssize_t pairs) {
-    for (Py_ssize_t d = 0; d < dim; d += 8) {
-        Py_ssize_t cur = pi[0] * dim + d;
-        v8 a = (v8){0};
-        for (Py_ssize_t p = 0; p < pairs; p++) {
-            const Py_ssize_t i = pi[p] * dim + d, j = pj[p] * dim + d;
-            if (i != cur) {
-                store8(t + cur, load8(t + cur) + a);
-                a = (v8){0};
-                cur = i;
-            }
-            const float w = g[p];
-            a += w * load8(s + j);
-            store8(t + j, load8(t + j) + w * load8(s + i));
-        }
-        store8(t + cur, load8(t + cur) + a);
-    }
-}
-
-/* sample_grad_pairs's sums at dim 16 for the pairs (0, 1), (0, 2), ..., (0, F-1),
- * (1, 2), ..., (F-2, F-1), the upper triangle in row-major order (DotInteraction's): the
- * rows taken four at a time, so that each later row's vector and gradient are loaded and
- * stored once for the four, and the pairs' positions computed rather than read; in half
- * rows (the note at v8), one half after the other. Every gradient row gets the same
- * additions in the same order as in sample_grad_pairs (t zeroed by the caller): row i's
- * own sum a_i (pairs (i, j), j ascending) added last, after the terms of the pairs
- * (r, i), r ascending. */
-static inline __attribute__((always_inline)) void sample_grad_triu16(const float *s,
-                                                                     const float *g, float *t,
-                                                                     Py_ssize_t features) {
-    const Py_ssize_t rows = features - 1; /* the rows that lead a pair */
-/* row i's half h, and the gradient of the pair (i, j) */
-#define HALF(base, i) ((base) + (i) * LANES + h)
-#define PAIRS_OF(i) (g + (i) * (2 * features - (i) - 1) / 2 - ((i) + 1))
-    Py_ssize_t i0 = 0;
-    for (; i0 + 4 <= rows; i0 += 4) {
-        const float *g0 = PAIRS_OF(i0), *g1 = PAIRS_OF(i0 + 1), *g2 = PAIRS_OF(i0 + 2),
-                    *g3 = PAIRS_OF(i0 + 3);
-        for (Py_ssize_t h = 0; h < LANES; h += 8) {
-            const v8 s0 = load8(HALF(s, i0)), s1 = load8(HALF(s, i0 + 1)),
-                     s2 = load8(HALF(s, i0 + 2)), s3 = load8(HALF(s, i0 + 3));
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            /* the pairs among the four rows */
-            v8 sj = load8(HALF(s, i0 + 1)), tj = load8(HALF(t, i0 + 1));
-            a0 += g0[i0 + 1] * sj;
-            tj += g0[i0 + 1] * s0;
-            store8(HALF(t, i0 + 1), tj);
-            sj = load8(HALF(s, i0 + 2));
-            tj = load8(HALF(t, i0 + 2));
-            a0 += g0[i0 + 2] * sj;
-            tj += g0[i0 + 2] * s0;
-            a1 += g1[i0 + 2] * sj;
-            tj += g1[i0 + 2] * s1;
-            store8(HALF(t, i0 + 2), tj);
-            sj = load8(HALF(s, i0 + 3));
-            tj = load8(HALF(t, i0 + 3));
-            a0 += g0[i0 + 3] * sj;
-            tj += g0[i0 + 3] * s0;
-            a1 += g1[i0 + 3] * sj;
-            tj += g1[i0 + 3] * s1;
-            a2 += g2[i0 + 3] * sj;
-            tj += g2[i0 + 3] * s2;
-            store8(HALF(t, i0 + 3), tj);
-            /* the later rows */
-            for (Py_ssize_t j = i0 + 4; j < features; j++) {
-                sj = load8(HALF(s, j));
-                tj = load8(HALF(t, j));
-                a0 += g0[j] * sj;
-                tj += g0[j] * s0;
-                a1 += g1[j] * sj;
-                tj += g1[j] * s1;
-                a2 += g2[j] * sj;
-                tj += g2[j] * s2;
-                a3 += g3[j] * sj;
-                tj += g3[j] * s3;
-                store8(HALF(t, j), tj);
-            }
-            store8(HALF(t, i0), load8(HALF(t, i0)) + a0);
-            store8(HALF(t, i0 + 1), load8(HALF(t, i0 + 1)) + a1);
-            store8(HALF(t, i0 + 2), load8(HALF(t, i0 + 2)) + a2);
-            store8(HALF(t, i0 + 3), load8(HALF(t, i0 + 3)) + a3);
-        }
-    }
-    for (; i0 < rows; i0++) {
-        const float *gr = PAIRS_OF(i0);
-        for (Py_ssize_t h = 0; h < LANES; h += 8) {
-            const v8 si = load8(HALF(s, i0));
-            v8 a = {0};
-            for (Py_ssize_t j = i0 + 1; j < features; j++) {
-                a += gr[j] * load8(HALF(s, j));
-                store8(HALF(t, j), load8(HALF(t, j)) + gr[j] * si);
-            }
-            store8(HALF(t, i0), load8(HALF(t, i0)) + a);
-        }
-    }
-#undef HALF
-#undef PAIRS_OF
-}
-
 /* idx: the call's pair tables (pair_tables); gl: this thread's P + 1 floats. */
 DOTS_CLONES
 static void dots_backward(const float *x, const int32_t *idx, const float *grad, float *gx,
@@ -422,34 +203,38 @@ static void dots_backward(const float *x, const int32_t *idx, const float *grad,
     const Py_ssize_t stride = features * dim;
     const int32_t *pos = idx + 2 * pairs + 3, *pi = idx + 3, *pj = idx + 3 + pairs;
     const int distinct = idx[0], selfs = idx[1], triu = idx[2];
-    const int wide = wide_vectors;
-    if (dim == LANES && triu)
-        for (Py_ssize_t b = 0; b < batch; b++) {
-            memset(gx + b * stride, 0, (size_t)stride * sizeof(float));
-            sample_grad_triu16(x + b * stride, grad + b * pairs, gx + b * stride, features);
-        }
-    else if (dim == LANES || !distinct)
-        /* each sample's rows zeroed just before they are summed into, in the core's cache */
-        for (Py_ssize_t b = 0; b < batch; b++) {
-            memset(gx + b * stride, 0, (size_t)stride * sizeof(float));
-            if (!wide)
-                sample_grad_pairs8(x + b * stride, grad + b * pairs, gx + b * stride, pi, pj,
-                                   dim, pairs);
-            else if (dim == LANES)
-                sample_grad_pairs(x + b * stride, grad + b * pairs, gx + b * stride, pi, pj,
-                                  LANES, pairs);
-            else
-                sample_grad_pairs(x + b * stride, grad + b * pairs, gx + b * stride, pi, pj, dim,
-                                  pairs);
-        }
-    else
-        for (Py_ssize_t b = 0; b < batch; b++)
-            if (wide)
-                sample_grad(x + b * stride, grad + b * pairs, gx + b * stride, pos, gl, selfs,
-                            features, dim, pairs);
-            else
-                sample_grad8(x + b * stride, grad + b * pairs, gx + b * stride, pos, gl, selfs,
-                             features, dim, pairs);
+    const int width = lanes;
+#define SAMPLES(call)                                           \
+    for (Py_ssize_t b = 0; b < batch; b++) {                    \
+        const float *s = x + b * stride, *g = grad + b * pairs; \
+        float *t = gx + b * stride;                             \
+        call;                                                   \
+    }
+/* each sample's rows zeroed just before they are summed into, in the core's cache */
+#define ZEROED(call) SAMPLES(memset(t, 0, (size_t)stride * sizeof(float)); call)
+    if (dim == 16 && triu) {
+        if (width == 4)
+            ZEROED(sample_grad_triu_4(s, g, t, features))
+        else
+            ZEROED(sample_grad_triu_8(s, g, t, features))
+    } else if (dim == 16 || !distinct) {
+        if (width == 4)
+            ZEROED(sample_grad_pairs_4(s, g, t, pi, pj, dim, pairs))
+        else if (width == 8)
+            ZEROED(sample_grad_pairs_8(s, g, t, pi, pj, dim, pairs))
+        else if (dim == 16)
+            ZEROED(sample_grad_pairs_16(s, g, t, pi, pj, 16, pairs))
+        else
+            ZEROED(sample_grad_pairs_16(s, g, t, pi, pj, dim, pairs))
+    } else if (width == 4) {
+        SAMPLES(sample_grad_4(s, g, t, pos, gl, selfs, features, dim, pairs))
+    } else if (width == 8) {
+        SAMPLES(sample_grad_8(s, g, t, pos, gl, selfs, features, dim, pairs))
+    } else {
+        SAMPLES(sample_grad_16(s, g, t, pos, gl, selfs, features, dim, pairs))
+    }
+#undef ZEROED
+#undef SAMPLES
 }
 
 /* One thread's share of a call: samples [lo, hi). */
@@ -580,12 +365,12 @@ static inline __attribute__((always_inline)) void prefetch_row(const float *row,
         __builtin_prefetch(p + bytes - 1, 0);
 }
 
-/* Bags [lo, hi) of bag_sum (below). */
-DOTS_CLONES
-static void bag_sum_range(const float *weight, const int64_t *ids, const int64_t *offsets,
-                          const float *weights, int mean, float *out, Py_ssize_t features,
-                          Py_ssize_t batch, Py_ssize_t dim, Py_ssize_t first, Py_ssize_t last) {
-    const int vector = dim % LANES == 0;
+/* Bags [first, last) of bag_sum (below); `vector`: the lanes of the row loop (8 or 4),
+ * 0 for a dim that is not a multiple of 16, a constant in each call. */
+static inline __attribute__((always_inline)) void bag_sum_bags(
+    const float *weight, const int64_t *ids, const int64_t *offsets, const float *weights,
+    int mean, float *out, Py_ssize_t features, Py_ssize_t batch, Py_ssize_t dim,
+    Py_ssize_t first, Py_ssize_t last, int vector) {
     const int64_t end = offsets[last];
     for (Py_ssize_t j = first; j < last; j++) {
         const Py_ssize_t f = j / batch, b = j % batch;
@@ -595,15 +380,12 @@ static void bag_sum_range(const float *weight, const int64_t *ids, const int64_t
             if (k + PREFETCH < end) prefetch_row(weight + ids[k + PREFETCH] * dim, dim, 0);
         float *o = out + (b * features + f) * dim;
         const float length = (float)(hi - lo);
-        if (vector) { /* in half rows (the note at v8) */
-            for (Py_ssize_t d = 0; d < dim; d += 8) {
-                v8 acc = (v8){0};
-                for (int64_t k = lo; k < hi; k++) {
-                    const v8 row = load8(weight + ids[k] * dim + d);
-                    acc += weights == NULL ? row : weights[k] * row;
-                }
-                store8(o + d, mean && hi > lo ? acc / length : acc);
-            }
+        if (vector == 8) {
+            bag_rows_8(weight, ids, weights, lo, hi, mean, length, o, dim);
+            continue;
+        }
+        if (vector == 4) {
+            bag_rows_4(weight, ids, weights, lo, hi, mean, length, o, dim);
             continue;
         }
         for (Py_ssize_t d = 0; d < dim; d++) o[d] = 0.0f;
@@ -615,6 +397,23 @@ static void bag_sum_range(const float *weight, const int64_t *ids, const int64_t
         if (mean && hi > lo)
             for (Py_ssize_t d = 0; d < dim; d++) o[d] /= length;
     }
+}
+
+/* bag_sum_bags in rows of 8 lanes, or of 4 on 128-bit vectors (the note at v8). */
+DOTS_CLONES
+static void bag_sum_range(const float *weight, const int64_t *ids, const int64_t *offsets,
+                          const float *weights, int mean, float *out, Py_ssize_t features,
+                          Py_ssize_t batch, Py_ssize_t dim, Py_ssize_t first, Py_ssize_t last) {
+#define BAGS(vector)                                                                    \
+    bag_sum_bags(weight, ids, offsets, weights, mean, out, features, batch, dim, first, \
+                 last, vector)
+    if (dim % LANES)
+        BAGS(0);
+    else if (lanes == 4)
+        BAGS(4);
+    else
+        BAGS(8);
+#undef BAGS
 }
 
 /* Rows a thread must gather for its start to pay. */
@@ -656,18 +455,17 @@ static void bag_sum(const float *weight, const int64_t *ids, const int64_t *offs
 }
 
 /* row += one id's share of its bag's gradient g: g divided by the bag's length under
- * mean pooling, then times the id's weight where given. */
+ * mean pooling, then times the id's weight where given; `vector`: the lanes of the row
+ * loop (8 or 4), 0 for a dim that is not a multiple of 16. */
 static inline __attribute__((always_inline)) void add_share(float *row, const float *g,
                                                             float length, float w, int mean,
                                                             int weighted, Py_ssize_t dim,
                                                             int vector) {
-    if (vector) { /* in half rows (the note at v8) */
-        for (Py_ssize_t d = 0; d < dim; d += 8) {
-            v8 v = load8(g + d);
-            if (mean) v = v / length;
-            if (weighted) v = v * w;
-            store8(row + d, load8(row + d) + v);
-        }
+    if (vector) { /* rows of `vector` lanes (the note at v8) */
+        if (vector == 4)
+            share_rows_4(row, g, length, w, mean, weighted, dim);
+        else
+            share_rows_8(row, g, length, w, mean, weighted, dim);
         return;
     }
     for (Py_ssize_t d = 0; d < dim; d++) {
@@ -681,7 +479,7 @@ DOTS_CLONES
 static void bag_grad(const int64_t *ids, const int64_t *offsets, const float *grad,
                      const float *weights, int mean, float *out, Py_ssize_t features,
                      Py_ssize_t batch, Py_ssize_t dim) {
-    const int vector = dim % LANES == 0;
+    const int vector = dim % LANES ? 0 : lanes == 4 ? 4 : 8; /* add_share's row width */
     FOR_BAGS(features, batch, j, f, b) {
         const int64_t lo = offsets[j], hi = offsets[j + 1];
         const float *g = grad + (b * features + f) * dim;
@@ -733,7 +531,7 @@ static Py_ssize_t table_sums(const int64_t *ids, const int64_t *offsets, const f
                              Py_ssize_t features, Py_ssize_t batch, Py_ssize_t dim,
                              Py_ssize_t first, Py_ssize_t count, Entry *hash, int64_t *rows,
                              float *sums, const float *momentum, float *state) {
-    const int vector = dim % LANES == 0;
+    const int vector = dim % LANES ? 0 : lanes == 4 ? 4 : 8; /* add_share's row width */
     const int bits = hash_bits(count);
     const size_t mask = ((size_t)1 << bits) - 1;
     Py_ssize_t distinct = 0;
@@ -958,7 +756,7 @@ static Py_ssize_t *pair_offsets(const int64_t *rows, const int64_t *cols, Py_ssi
 
 /* The backward's tables of the pairs (int32): [0] whether they are distinct, [1] whether
  * any is a self pair, [2] whether they are the upper triangle without the diagonal in
- * row-major order (sample_grad_triu16), then their rows, their cols, and pos [F, F]: the
+ * row-major order (sample_grad_triu), then their rows, their cols, and pos [F, F]: the
  * pair holding i and j (either order), P where none does. */
 static int32_t *pair_tables(const int64_t *rows, const int64_t *cols, Py_ssize_t pairs,
                             Py_ssize_t features) {
@@ -1552,14 +1350,19 @@ static PyObject *py_flush_subnormals(PyObject *self, PyObject *args) {
     return PyBool_FromLong(supported);
 }
 
-/* wide_vectors([flag]): whether the forward takes 16-lane sums (the note at v8); `flag`
- * sets it, so that a test can run both ways on one CPU. */
-static PyObject *py_wide_vectors(PyObject *self, PyObject *args) {
-    int flag = -1;
-    if (!PyArg_ParseTuple(args, "|p", &flag)) return NULL;
-    const int was = wide_vectors;
-    if (flag >= 0) wide_vectors = flag;
-    return PyBool_FromLong(was);
+/* vector_lanes([lanes]): the width of the dots' kernels (the note at `lanes`); given 16,
+ * 8 or 4, sets it (so that a test can run every width on one CPU) and returns the width
+ * before. */
+static PyObject *py_vector_lanes(PyObject *self, PyObject *args) {
+    int want = 0;
+    if (!PyArg_ParseTuple(args, "|i", &want)) return NULL;
+    if (want != 0 && want != 16 && want != 8 && want != 4) {
+        PyErr_Format(PyExc_ValueError, "vector_lanes takes 16, 8 or 4, got %d", want);
+        return NULL;
+    }
+    const int was = lanes;
+    if (want) lanes = want;
+    return PyLong_FromLong(was);
 }
 
 static PyMethodDef dots_methods[] = {
@@ -1592,9 +1395,9 @@ static PyMethodDef dots_methods[] = {
     {"adagrad_rows", py_adagrad_rows, METH_VARARGS,
      "adagrad_rows(weight, momentum, rows, sums, state, factor, count, dim): "
      "momentum[rows[u]] = state[u] and weight[rows[u]] -= sums[u] * factor[u]"},
-    {"wide_vectors", py_wide_vectors, METH_VARARGS,
-     "wide_vectors([flag]): whether the dots' forward takes 16-lane vectors (AVX-512) or "
-     "half rows; given flag, sets it and returns the setting before"},
+    {"vector_lanes", py_vector_lanes, METH_VARARGS,
+     "vector_lanes([lanes]): the lanes of the dots' vectors (16 with AVX-512, 8 with AVX2, "
+     "4 elsewhere); given 16, 8 or 4, sets it and returns the width before"},
     {"row_statistics", py_row_statistics, METH_VARARGS,
      "row_statistics(sums, state, count, dim): state[u] += the mean of sums[u]'s squares"},
     {NULL, NULL, 0, NULL},
@@ -1606,9 +1409,13 @@ static struct PyModuleDef dots_module = {
 };
 
 PyMODINIT_FUNC PyInit__fused(void) {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#if defined(CLONED)
     __builtin_cpu_init();
-    wide_vectors = __builtin_cpu_supports("avx512f") != 0;
+    lanes = __builtin_cpu_supports("avx512f") ? 16 : __builtin_cpu_supports("avx2") ? 8 : 4;
+#elif defined(__AVX512F__)
+    lanes = 16;
+#elif defined(__AVX2__)
+    lanes = 8;
 #endif
     PyObject *m = PyModule_Create(&dots_module);
     if (m != NULL && PyModule_AddIntConstant(m, "LANES", LANES) < 0) {

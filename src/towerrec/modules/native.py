@@ -26,9 +26,9 @@ except ImportError:  # not built here
 
 
 def native_lanes() -> int | None:
-    """The lanes of the vectors the fused kernels hold a row in on this CPU: 16 with
-    AVX-512, 8 (half rows) without (``_fused.c``, the note at ``v8``); None where the
-    extension is not built."""
+    """The lanes of the vectors the fused dots' kernels hold a row in on this CPU: 16
+    with AVX-512, 8 with AVX2, 4 on 128-bit vector units (x86's baseline, AArch64's NEON)
+    (``_fused.c``, the note at ``lanes``); None where the extension is not built."""
     if fused is None:
         return None
-    return 16 if fused.wide_vectors() else 8
+    return int(fused.vector_lanes())
