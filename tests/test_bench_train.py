@@ -275,8 +275,8 @@ def test_the_default_row_runs_the_kernel_auto_measured(monkeypatch, tmp_path):
         "time_backend_steps",
         lambda workload, backends, **_: {b: seconds[b.value] for b in backends},
     )
-    # injected: the two precisions equal, so auto keeps fp32 (where the CPU has bf16 units)
-    monkeypatch.setattr(choices, "time_precisions", lambda *a, **k: {"fp32": 1.0, "bf16": 1.0})
+    # injected: fp32 clearly faster, so auto keeps it (where the CPU has bf16 units)
+    monkeypatch.setattr(choices, "time_precisions", lambda *a, **k: {"fp32": 0.5, "bf16": 1.0})
     picked = default_choices(SHAPE, 16)
     assert picked["backend"].value == "torch" and picked["backend"].how == "measured"
     assert picked["backend"].seconds == seconds

@@ -201,10 +201,13 @@ def _candidates():
     [
         ({"fp32": 2.0, "bf16": 1.0}, "bf16"),
         ({"fp32": 1.01, "bf16": 1.0}, "bf16"),
-        ({"fp32": 0.99, "bf16": 1.0}, "fp32"),
+        ({"fp32": 1.0, "bf16": 1.0}, "bf16"),  # a tie takes bf16
+        ({"fp32": 0.98, "bf16": 1.0}, "bf16"),  # within the timing's spread
+        ({"fp32": 0.96, "bf16": 1.0}, "fp32"),
+        ({"fp32": 0.5, "bf16": 1.0}, "fp32"),
     ],
 )
-def test_auto_precision_is_bf16_only_when_timed_at_least_as_fast(
+def test_auto_precision_is_bf16_unless_fp32_times_clearly_faster(
     monkeypatch, measuring, seconds, expected
 ):
     monkeypatch.setattr(choices, "bf16_units", lambda device: "avx512_bf16")
@@ -467,7 +470,7 @@ def test_a_noisy_precision_timing_is_used_but_not_cached(monkeypatch, measuring,
     assert not measuring.exists()
     _, made = resolve_choices(config, _schema(config), CPU)
     assert made["precision"].how == "measured" and starved.calls == 2  # measured anew
-    quiet = ClockedTimer({"fp32": 1.0, "bf16": 1.0}, wall_s=1.0, cpu_s=1.0)
+    quiet = ClockedTimer({"fp32": 0.9, "bf16": 1.0}, wall_s=1.0, cpu_s=1.0)
     monkeypatch.setattr(choices, "time_precisions", quiet.precisions)
     resolve_choices(config, _schema(config), CPU)
     entry = next(iter(json.loads(measuring.read_text())["entries"].values()))
