@@ -152,7 +152,7 @@ def test_each_row_reports_its_precisions_roofline_and_the_default_row_its_choice
     assert (precision["value"], precision["ms_per_step"], precision["took_s"]) == ("fp32", {}, 0.0)
     assert (precision["how"], precision["why"]) in (
         ("rule", "TOWERREC_MEASURE=0"),
-        ("only", "no bf16 units on this CPU (no amx_bf16 or avx512_bf16)"),
+        ("only", "no bf16 units on this CPU (no amx_bf16, avx512_bf16 or AArch64 bf16)"),
     )
     assert out["default_row"] == DEFAULT_ROW
     assert set(out["rooflines"]) == {"fp32", "bf16"}

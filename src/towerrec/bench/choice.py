@@ -22,7 +22,7 @@ import torch
 from towerrec.bench.common import Benchmark
 from towerrec.bench.train import CRITEO_SHAPE, PLANTED_SHAPE, shape_inputs
 from towerrec.build.choices import TimingRounds, kernel_workload, time_backend_steps
-from towerrec.hardware import cpu_flags, cpu_model
+from towerrec.hardware import VECTOR_FLAG_PREFIXES, cpu_flags, cpu_model
 from towerrec.modules.kernel_timing import supported_backends
 from towerrec.train.step import autocast_dtype
 
@@ -86,7 +86,7 @@ def _run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(previous)
     return {
         "cpu": cpu_model(),
-        "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
+        "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(VECTOR_FLAG_PREFIXES)),
         "aten_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": args.threads or previous,
         "batch_size": args.batch_size,

@@ -27,7 +27,7 @@ kernel (``embedding.backend``) and the dense part's precision (``train.precision
   tables (``embedding.kind`` other than ``full``) keep the rule of
   ``modules/kernels/backend.py`` (their kernels' tables are not the data's).
 - Precision: bf16 is a candidate only where the device has bf16 units
-  (``towerrec.hardware.bf16_units``: AMX or AVX-512 BF16 on a CPU, a CUDA GPU with
+  (``towerrec.hardware.bf16_units``: AMX, AVX-512 BF16 or AArch64's BF16 on a CPU, a CUDA GPU with
   bf16); elsewhere fp32 without timing. The workload is the run's model with small
   tables (its dense part is the run's) at the batch per rank; forward and backward
   steps in fp32 and under bf16 autocast are timed round-robin, ``PRECISION_BLOCK`` steps of
@@ -477,7 +477,11 @@ def choose_precision(
         return Choice(config.train.precision, "forced", "train.precision")
     units = bf16_units(device)
     if units is None:
-        what = "this GPU" if device.type == "cuda" else "this CPU (no amx_bf16 or avx512_bf16)"
+        what = (
+            "this GPU"
+            if device.type == "cuda"
+            else "this CPU (no amx_bf16, avx512_bf16 or AArch64 bf16)"
+        )
         return Choice("fp32", "only", f"no bf16 units on {what}")
     if not measuring():
         return Choice("fp32", "rule", f"{MEASURE_ENV}=0")

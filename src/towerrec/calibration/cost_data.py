@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from towerrec import hardware
 from towerrec.calibration.kernels import build_device, random_table
 from towerrec.calibration.machine import machine_info
 from towerrec.distributed.launch import spawn_world
@@ -39,20 +40,17 @@ __all__ = ["collect_cost_data", "cpu_flags", "random_dims", "random_split_device
 
 log = logging.getLogger("towerrec")
 
-_SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+# x86's, then AArch64's (NEON, SVE, its bf16 and int8 dots)
+_SIMD_FLAGS = (
+    "sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16",
+    "asimd", "sve", "bf16", "i8mm",
+)  # fmt: skip
 
 
 def cpu_flags() -> list[str]:
     """The SIMD flags of /proc/cpuinfo that matter to embedding kernels."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return [flag for flag in _SIMD_FLAGS if flag in have]
-    except OSError:
-        pass
-    return []
+    have = hardware.cpu_flags()
+    return [flag for flag in _SIMD_FLAGS if flag in have]
 
 
 def random_split_device(
