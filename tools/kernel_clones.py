@@ -269,8 +269,9 @@ module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 if hasattr(module, "vector_lanes"):
     module.vector_lanes({lanes})
-elif hasattr(module, "wide_vectors"):
+elif hasattr(module, "wide_vectors"):  # a build from before vector_lanes (--before)
     module.wide_vectors(False)
+    module.vector_lanes = lambda: 16 if module.wide_vectors() else 8
 sys.modules["towerrec.modules._fused"] = module
 """
 
