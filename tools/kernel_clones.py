@@ -161,6 +161,9 @@ def cases() -> dict[str, Callable[[ModuleType, int], None]]:
     found = torch.empty(tables * batch, dtype=torch.int64)
     sums = torch.empty(tables * batch, dim)
     state = torch.empty(tables * batch)
+    # the joined input's calls: x, the pooled rows and the pairs; its shape, fp32, 2 threads
+    joined_inputs = (bottom.numpy(), pooled.numpy(), r, c)
+    joined_shape = (batch, tables, dim, pairs, width, False, 2)
     return {
         "dots_forward": lambda m, i: m.forward(
             x.numpy(), r, c, dots.numpy(), batch, features, dim, pairs, 2
@@ -169,34 +172,10 @@ def cases() -> dict[str, Callable[[ModuleType, int], None]]:
             x.numpy(), r, c, grad.numpy(), gx.numpy(), batch, features, dim, pairs, 2
         ),
         "concat_forward": lambda m, i: m.concat_forward(
-            bottom.numpy(),
-            pooled.numpy(),
-            r,
-            c,
-            joined.numpy(),
-            batch,
-            tables,
-            dim,
-            pairs,
-            width,
-            False,
-            2,
+            *joined_inputs, joined.numpy(), *joined_shape
         ),
         "concat_backward": lambda m, i: m.concat_backward(
-            bottom.numpy(),
-            pooled.numpy(),
-            r,
-            c,
-            upstream.numpy(),
-            g_bottom.numpy(),
-            g_pooled.numpy(),
-            batch,
-            tables,
-            dim,
-            pairs,
-            width,
-            False,
-            2,
+            *joined_inputs, upstream.numpy(), g_bottom.numpy(), g_pooled.numpy(), *joined_shape
         ),
         "bag_sum": lambda m, i: m.bag_sum(
             weight.numpy(),
