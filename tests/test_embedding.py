@@ -677,3 +677,63 @@ def test_native_update_with_torchs_statistics_matches_the_pytorch_path(monkeypat
     assert calls  # the update asked, and took torch's operators
     for got, want in zip((*native[0], native[1], native[2]), (*reference[0], *reference[1:])):
         _assert_equal(got, want)
+
+
+def test_native_global_ids_match_the_pytorch_path(monkeypatch):
+    """The lookup's ids in the concatenated rows (``_global_ids``) in one native pass
+    (``_fused.c``: global_ids) against repeat_interleave and an add, on bags of 0-4 ids
+    with two features on one table; offsets that do not run from 0 to the ids' count, or
+    that fall, are refused by name."""
+    from towerrec.modules.kernels import base
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    tables = [
+        TableConfig("a", 20, 8),
+        TableConfig("b", 500, 8),
+        TableConfig("c", 70, 8, feature_names=("c", "again")),
+    ]
+    kernel = EmbeddingBagCollection(tables, backend="torch")._kernels[0]
+    gen = torch.Generator().manual_seed(5)
+    batch = 33
+    lengths = torch.randint(0, 5, (4 * batch,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    values = torch.randint(0, 20, (int(offsets[-1]),), generator=gen)
+    native = kernel._global_ids(values, offsets)
+    monkeypatch.setattr(base, "fused", None)
+    expected = kernel._global_ids(values, offsets)
+    assert torch.equal(native, expected) and native.dtype == torch.int64
+    out = torch.empty_like(values)
+    rows = kernel.feature_row_base.numpy()
+    with pytest.raises(ValueError, match="must run from 0 to the"):
+        fused.global_ids(values.numpy(), (offsets + 1).numpy(), rows, out.numpy(), 4, batch)
+    falling = offsets.clone()
+    falling[5] = falling[6] + 1
+    with pytest.raises(ValueError, match="must not fall"):
+        fused.global_ids(values.numpy(), falling.numpy(), rows, out.numpy(), 4, batch)
+
+
+def test_native_id_range_check_matches_the_pytorch_path(monkeypatch):
+    """The id range check in one native pass (``_fused.c``: ids_in_range) against each
+    feature's largest id in PyTorch, at each feature's edges: its last row, one past it, -1,
+    and a feature with no ids; starts that fall are refused by name."""
+    from towerrec.modules import embedding_bag
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    rows = torch.tensor([5, 1, 300, 7], dtype=torch.int64)
+    starts = torch.tensor([0, 4, 4, 9, 12], dtype=torch.int64)  # feature 1 has no ids
+    base = torch.tensor([0, 4, 1, 3, 0, 299, 8, 150, 2, 6, 0, 1])
+    cases = [base]
+    for position, value in [(3, 5), (4, 299), (5, 300), (11, 7), (0, -1), (9, -1), (11, 6)]:
+        case = base.clone()
+        case[position] = value
+        cases.append(case)
+    native = [embedding_bag._in_range(c, starts, rows) for c in cases]
+    monkeypatch.setattr(embedding_bag, "fused", None)
+    assert native == [embedding_bag._in_range(c, starts, rows) for c in cases]
+    assert native == [True, False, True, False, False, False, False, True]
+    with pytest.raises(ValueError, match="must rise within the 12 ids"):
+        fused.ids_in_range(base.numpy(), torch.tensor([0, 4, 3, 9, 12]).numpy(), rows.numpy(), 4)

@@ -251,3 +251,68 @@ def test_exported_mlp_holds_torch_operators():
     targets = {str(node.target) for node in exported.graph.nodes}
     assert any("addmm" in t or "linear" in t for t in targets), targets
     torch.testing.assert_close(exported.module()(x), mlp(x))
+
+
+def test_relu_backward_gives_threshold_backwards_bits():
+    """The native ReLU gradient (``_fused.c``: relu_grad) on bfloat16 against ATen's
+    threshold_backward, signed zeros, infinities, NaNs of both signs and subnormals
+    included, on a size that splits between threads at no multiple of 64 (and float32,
+    which keeps ATen's)."""
+    from towerrec.modules import mlp as mlp_module
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    gen = torch.Generator().manual_seed(3)
+    for dtype, width in itertools.product((torch.bfloat16, torch.float32), (1, 37, 512)):
+        out = torch.randn(300, width, generator=gen).to(dtype)
+        grad = torch.randn(300, width, generator=gen).to(dtype)
+        special = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 1e-40]
+        flat = out.view(-1)
+        flat[: len(special)] = torch.tensor(special[: flat.numel()]).to(dtype)
+        expected = torch.ops.aten.threshold_backward(grad, out, 0)
+        got = mlp_module.relu_backward(grad, out)
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.view(bits), expected.view(bits)), (dtype, width)
+        assert got.data_ptr() != grad.data_ptr()  # the incoming gradient is left alone
+    with pytest.raises(ValueError, match="dst holds"):
+        g = torch.zeros(4, dtype=torch.bfloat16)
+        fused.relu_grad(g.view(torch.int16).numpy(), g.view(torch.int16).numpy(),
+                        g[:3].view(torch.int16).numpy(), 4, 2)  # fmt: skip
+
+
+def test_fused_relu_linear_is_taken_only_where_the_first_call_finds_the_same_bits(monkeypatch):
+    """The bfloat16 layer with its ReLU fused into one oneDNN call: checked against
+    ``addmm`` and ``relu_`` on each shape's first call, taken after where they agree, and
+    never for a shape where they do not."""
+    from towerrec.modules import mlp as mlp_module
+
+    if not mlp_module._fused_relu_available():
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(mlp_module, "_FUSED_RELU_BITS", {})
+    calls = []
+    real = mlp_module._pointwise_relu
+
+    def counted(h, weight, bias):
+        calls.append(h.shape)
+        return real(h, weight, bias)
+
+    monkeypatch.setattr(mlp_module, "_pointwise_relu", counted)
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(64, 40, generator=gen).bfloat16()
+    weight, bias = torch.randn(24, 40, generator=gen).bfloat16(), torch.randn(24).bfloat16()
+    expected = torch.relu(torch.addmm(bias, h, weight.t()))
+    for _ in range(2):
+        assert torch.equal(mlp_module.relu_linear(h, weight, bias), expected)
+    assert len(calls) == 2 and mlp_module._FUSED_RELU_BITS == {(64, 24, 40): True}
+
+    def off_by_one_ulp(h, weight, bias):
+        out = real(h, weight, bias)
+        return (out.view(torch.int16) + 1).view(torch.bfloat16)
+
+    monkeypatch.setattr(mlp_module, "_pointwise_relu", off_by_one_ulp)
+    other = torch.randn(32, 40, generator=gen).bfloat16()
+    for _ in range(2):
+        want = torch.relu(torch.addmm(bias, other, weight.t()))
+        assert torch.equal(mlp_module.relu_linear(other, weight, bias), want)
+    assert mlp_module._FUSED_RELU_BITS[(32, 24, 40)] is False

@@ -1,9 +1,10 @@
 """The native extension's instruction-set clones give the same bits: ``_fused.c`` built
 for AVX2 alone and for the compiler's baseline (``tools/kernel_clones.py``, as a CPU
 without AVX-512 runs it) against the installed build, forward and backward of the dots
-and of the top MLP's joined input, and the pooled lookup. Each clone runs on this CPU;
-the AVX-512 clone is the installed one wherever the CPU has AVX-512. Each at every width
-of the dots' kernels (16, 8 and 4 lanes)."""
+and of the top MLP's joined input, the pooled lookup, row-wise Adagrad's statistics and
+the ReLU's gradient. Each clone runs on this CPU; the AVX-512 clone is the installed one
+wherever the CPU has AVX-512. Each at every width of the dots' kernels (16, 8 and 4
+lanes)."""
 
 import importlib.util
 import shutil
@@ -68,7 +69,16 @@ def outputs(module, lanes: int) -> list[torch.Tensor]:
         weight.numpy(), ids.numpy(), offsets.numpy(), pooled_out.numpy(), None, True,
         tables, batch, dim, tables * 50,
     )  # fmt: skip
-    results = (dots, gx, joined, g_bottom, g_pooled, pooled_out)
+    sums, state = torch.randn(batch * tables, dim) * 30, torch.rand(batch * tables)
+    module.row_statistics(sums.numpy(), state.numpy(), batch * tables, dim)
+    relu_out = torch.randn(batch, 300)
+    relu_out[relu_out.abs() < 0.05] = -0.0
+    relu_grad, relu_in = torch.empty(batch, 300), torch.randn(batch, 300)
+    module.relu_grad(relu_in.numpy(), relu_out.numpy(), relu_grad.numpy(), batch * 300, 4)
+    half_out, half_in = relu_out.bfloat16().view(torch.int16), relu_in.bfloat16().view(torch.int16)
+    half_grad = torch.empty_like(half_in)
+    module.relu_grad(half_in.numpy(), half_out.numpy(), half_grad.numpy(), batch * 300, 2)
+    results = (dots, gx, joined, g_bottom, g_pooled, pooled_out, state, relu_grad, half_grad)
     return [t.contiguous().view(torch.int32) for t in results]
 
 

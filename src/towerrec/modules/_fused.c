@@ -634,6 +634,16 @@ static Py_ssize_t distinct_sums(const int64_t *ids, const int64_t *offsets, cons
  * (native_row_statistics) and takes torch's operators where they are not. */
 static inline __attribute__((always_inline)) float row_statistic(const float *g, Py_ssize_t dim,
                                                                  float old) {
+    if (dim % 8 == 0) { /* the same adds, eight accumulators as one vector's lanes */
+        v8 x = load8(g), sq = x * x;
+        for (Py_ssize_t i = 8; i < dim; i += 8) {
+            x = load8(g + i);
+            sq = sq + x * x;
+        }
+        float sum = sq[0];
+        for (int j = 1; j < 8; j++) sum = sum + sq[j];
+        return old + sum / (float)dim;
+    }
     float acc[8] = {0};
     const Py_ssize_t k = dim < 8 ? dim : 8;
     for (Py_ssize_t j = 0; j < k; j++) acc[j] = g[j] * g[j];
@@ -699,6 +709,87 @@ static void statistics_update(const float *sums, float *state, Py_ssize_t distin
     {
         const Py_ssize_t k = omp_get_thread_num(), m = omp_get_num_threads();
         statistics_range(sums, state, dim, distinct * k / m, distinct * (k + 1) / m);
+    }
+#endif
+}
+
+/* The lookup's ids in the tables' concatenated rows: out[k] = ids[k] + base[f] for the
+ * ids k of feature f (its `batch` bags, offsets[f * batch] to offsets[(f + 1) * batch]). */
+static void global_ids(const int64_t *ids, const int64_t *offsets, const int64_t *base,
+                       int64_t *out, Py_ssize_t features, Py_ssize_t batch) {
+    for (Py_ssize_t f = 0; f < features; f++) {
+        const int64_t add = base[f];
+        for (int64_t k = offsets[f * batch]; k < offsets[(f + 1) * batch]; k++)
+            out[k] = ids[k] + add;
+    }
+}
+
+/* Whether every id of feature f (ids[starts[f]] to ids[starts[f + 1]]) lies in
+ * [0, rows[f]): each feature's smallest and largest id, without a branch per id. */
+static int ids_in_range(const int64_t *ids, const int64_t *starts, const int64_t *rows,
+                        Py_ssize_t features) {
+    for (Py_ssize_t f = 0; f < features; f++) {
+        int64_t low = 0, high = -1;
+        for (int64_t k = starts[f]; k < starts[f + 1]; k++) {
+            low = ids[k] < low ? ids[k] : low;
+            high = ids[k] > high ? ids[k] : high;
+        }
+        if (low < 0 || high >= rows[f]) return 0;
+    }
+    return 1;
+}
+
+/* The gradient through a ReLU, from its output: dst[i] = out[i] <= 0 ? 0 : grad[i], as
+ * ATen's threshold_backward(grad, out, 0) gives it (a selection: the same bits), on the
+ * values' bit patterns (bfloat16 as 16-bit, float32 as 32-bit integers): a value is > 0,
+ * or NaN, where its pattern as a signed integer is > 0 or its magnitude's is above
+ * infinity's. Each element depends on itself alone: the same on any split. */
+DOTS_CLONES
+static void relu_grad16(const uint16_t *grad, const uint16_t *out, uint16_t *dst,
+                        Py_ssize_t lo, Py_ssize_t hi) {
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        const int16_t v = (int16_t)out[i], magnitude = (int16_t)(v & 0x7fff);
+        const int16_t keep = (int16_t)((v > 0) | (magnitude > 0x7f80)); /* no branch */
+        dst[i] = grad[i] & (uint16_t)-keep;
+    }
+}
+
+DOTS_CLONES
+static void relu_grad32(const uint32_t *grad, const uint32_t *out, uint32_t *dst,
+                        Py_ssize_t lo, Py_ssize_t hi) {
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        const int32_t v = (int32_t)out[i], magnitude = v & 0x7fffffff;
+        const int32_t keep = (v > 0) | (magnitude > 0x7f800000); /* no branch */
+        dst[i] = grad[i] & (uint32_t)-keep;
+    }
+}
+
+/* Elements a thread must take for its start to pay. */
+#define MIN_RELU_PER_THREAD 65536
+
+static void relu_grad_range(const void *grad, const void *out, void *dst, Py_ssize_t size,
+                            Py_ssize_t lo, Py_ssize_t hi) {
+    if (size == 2)
+        relu_grad16(grad, out, dst, lo, hi);
+    else
+        relu_grad32(grad, out, dst, lo, hi);
+}
+
+static void relu_grad(const void *grad, const void *out, void *dst, Py_ssize_t count,
+                      Py_ssize_t size) {
+    const int n = threads_for(count, MIN_RELU_PER_THREAD);
+    if (n == 1) {
+        relu_grad_range(grad, out, dst, size, 0, count);
+        return;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n)
+    {
+        /* splits at multiples of 64 elements: no cache line written by two threads */
+        const Py_ssize_t k = omp_get_thread_num(), m = omp_get_num_threads();
+        const Py_ssize_t lo = count * k / m / 64 * 64;
+        const Py_ssize_t hi = k + 1 == m ? count : count * (k + 1) / m / 64 * 64;
+        relu_grad_range(grad, out, dst, size, lo, hi);
     }
 #endif
 }
@@ -1309,6 +1400,117 @@ done:
     return result;
 }
 
+/* global_ids(ids, offsets, base, out, features, batch): out[k] = ids[k] + base[f] for
+ * feature f's ids; the offsets checked to rise from 0 to the ids' count. */
+static PyObject *py_global_ids(PyObject *self, PyObject *args) {
+    Py_buffer ids, offsets, base, out;
+    Py_ssize_t features, batch;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*nn", &ids, &offsets, &base, &out, &features, &batch))
+        return NULL;
+    PyObject *result = NULL;
+    if (features < 0 || batch < 0) {
+        PyErr_Format(PyExc_ValueError, "global_ids needs features >= 0 and batch >= 0, got %zd, %zd",
+                     features, batch);
+        goto done;
+    }
+    const Py_ssize_t count = ids.len / 8;
+    if (check(&offsets, (features * batch + 1) * 8, "offsets") ||
+        check(&base, features * 8, "base") || check(&out, count * 8, "out"))
+        goto done;
+    const int64_t *off = offsets.buf;
+    const Py_ssize_t bags = features * batch;
+    if (off[0] != 0 || off[bags] != count) {
+        PyErr_Format(PyExc_ValueError,
+                     "global_ids: offsets must run from 0 to the %zd ids, got %lld to %lld",
+                     count, (long long)off[0], (long long)off[bags]);
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < bags; j++) {
+        if (off[j] > off[j + 1]) {
+            PyErr_Format(PyExc_ValueError,
+                         "global_ids: offsets must not fall, got %lld then %lld at bag %zd",
+                         (long long)off[j], (long long)off[j + 1], j);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    global_ids(ids.buf, off, base.buf, out.buf, features, batch);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&base);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/* ids_in_range(ids, starts, rows, features): whether feature f's ids (ids[starts[f]] to
+ * ids[starts[f + 1]]) all lie in [0, rows[f]); the starts checked to rise within the ids. */
+static PyObject *py_ids_in_range(PyObject *self, PyObject *args) {
+    Py_buffer ids, starts, rows;
+    Py_ssize_t features;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*n", &ids, &starts, &rows, &features)) return NULL;
+    PyObject *result = NULL;
+    if (features < 0) {
+        PyErr_Format(PyExc_ValueError, "ids_in_range needs features >= 0, got %zd", features);
+        goto done;
+    }
+    if (check(&starts, (features + 1) * 8, "starts") || check(&rows, features * 8, "rows"))
+        goto done;
+    const int64_t *at = starts.buf;
+    const Py_ssize_t count = ids.len / 8;
+    for (Py_ssize_t f = 0; f < features; f++) {
+        if (at[f] < 0 || at[f] > at[f + 1] || at[f + 1] > count) {
+            PyErr_Format(PyExc_ValueError,
+                         "ids_in_range: starts must rise within the %zd ids, got %lld then "
+                         "%lld at feature %zd", count, (long long)at[f], (long long)at[f + 1], f);
+            goto done;
+        }
+    }
+    int in_range;
+    Py_BEGIN_ALLOW_THREADS
+    in_range = ids_in_range(ids.buf, at, rows.buf, features);
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(in_range);
+done:
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&rows);
+    return result;
+}
+
+/* relu_grad(grad, out, dst, count, size): dst = threshold_backward(grad, out, 0) over
+ * `count` elements of `size` bytes (2: bfloat16, 4: float32); dst may be grad. */
+static PyObject *py_relu_grad(PyObject *self, PyObject *args) {
+    Py_buffer grad, out, dst;
+    Py_ssize_t count, size;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*w*nn", &grad, &out, &dst, &count, &size)) return NULL;
+    PyObject *result = NULL;
+    if (count < 0 || (size != 2 && size != 4)) {
+        PyErr_Format(PyExc_ValueError,
+                     "relu_grad needs count >= 0 and size 2 or 4, got %zd, %zd", count, size);
+        goto done;
+    }
+    if (check(&grad, count * size, "grad") || check(&out, count * size, "out") ||
+        check(&dst, count * size, "dst"))
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    relu_grad(grad.buf, out.buf, dst.buf, count, size);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&grad);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 /* The calling thread's flush-to-zero and denormals-are-zero modes (x86's MXCSR bits 15
  * and 6, AArch64's FPCR.FZ): subnormal results and operands become zeros. Returns 0
  * where the CPU has no such mode. */
@@ -1400,6 +1602,15 @@ static PyMethodDef dots_methods[] = {
      "4 elsewhere); given 16, 8 or 4, sets it and returns the width before"},
     {"row_statistics", py_row_statistics, METH_VARARGS,
      "row_statistics(sums, state, count, dim): state[u] += the mean of sums[u]'s squares"},
+    {"global_ids", py_global_ids, METH_VARARGS,
+     "global_ids(ids, offsets, base, out, features, batch): out[k] = ids[k] + base[f] for "
+     "the ids of feature f"},
+    {"ids_in_range", py_ids_in_range, METH_VARARGS,
+     "ids_in_range(ids, starts, rows, features): whether feature f's ids, ids[starts[f]] to "
+     "ids[starts[f + 1]], all lie in [0, rows[f])"},
+    {"relu_grad", py_relu_grad, METH_VARARGS,
+     "relu_grad(grad, out, dst, count, size): dst = threshold_backward(grad, out, 0) over "
+     "count elements of size bytes (2: bfloat16, 4: float32)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -163,6 +163,24 @@ class EmbeddingKernel(nn.Module):
         if len(self.tables) == 1:
             return values
         batch = (offsets.numel() - 1) // self.num_features
+        if (
+            fused is not None
+            and values.device.type == "cpu"
+            and offsets.dtype == torch.int64
+            and not torch.jit.is_tracing()
+            and not torch.compiler.is_compiling()
+        ):  # one native pass in place of repeat_interleave and an add
+            values, offsets = values.contiguous(), offsets.contiguous()
+            out = torch.empty_like(values)
+            fused.global_ids(
+                values.numpy(),
+                offsets.numpy(),
+                self.feature_row_base.numpy(),
+                out.numpy(),
+                self.num_features,
+                batch,
+            )
+            return out
         per_feature = offsets[::batch].diff()
         base = torch.repeat_interleave(
             self.feature_row_base, per_feature, output_size=values.numel()
