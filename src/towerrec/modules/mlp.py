@@ -21,6 +21,7 @@ threshold_backward's bits, 1.5-2.8x faster than ATen's on bfloat16).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -68,6 +69,7 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 _FUSED_RELU_BITS: dict[tuple[int, ...], bool] = {}
 
 
+@functools.cache
 def _fused_relu_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
