@@ -289,7 +289,9 @@ class TorchKernel(EmbeddingKernel):
             fused.row_statistics(sums.numpy(), state.numpy(), distinct, dim)
         else:
             state = state.add_(rowwise_statistic(sums))
-        factor = self.lr / state.sqrt().add_(self.optimizer.eps)
+        # lr / x is reciprocal(x) * lr in torch (Tensor.__rdiv__): the same two operators
+        # in place
+        factor = state.sqrt().add_(self.optimizer.eps).reciprocal_().mul_(self.lr)
         fused.adagrad_rows(
             self.weight.numpy(),
             momentum.numpy(),
