@@ -96,10 +96,11 @@ def relu_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
     return out
 
 
-def relu_backward(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def relu_backward(grad: torch.Tensor, out: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``threshold_backward(grad, out, 0)``: the gradient through a ReLU of output
     ``out``; on bfloat16 in one native pass (``_fused.c``: ``relu_grad``) where the
-    extension is built, the same bits."""
+    extension is built, the same bits, written over ``grad`` with ``in_place`` (a
+    gradient the caller made itself: no fresh buffer to fault into the caches)."""
     if (
         fused is None
         or grad.dtype != torch.bfloat16
@@ -109,7 +110,7 @@ def relu_backward(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         or not out.is_contiguous()
     ):
         return cast(torch.Tensor, torch.ops.aten.threshold_backward(grad, out, 0))
-    dst = torch.empty_like(grad)
+    dst = grad if in_place else torch.empty_like(grad)
     fused.relu_grad(
         grad.view(torch.int16).numpy(),
         out.view(torch.int16).numpy(),
@@ -167,7 +168,7 @@ class _LayerStack(torch.autograd.Function):
         grads: list[torch.Tensor | None] = [None] * (2 * layers)
         for i in reversed(range(layers)):
             if i < layers - 1 or ctx.relu_last:
-                g = relu_backward(g, outputs[i])
+                g = relu_backward(g, outputs[i], in_place=g is not grad)
             weight_grad = g.t().mm(inputs[i])[:, : ctx.in_widths[i]]
             grads[2 * i] = weight_grad.to(ctx.param_dtypes[2 * i])
             grads[2 * i + 1] = g.sum(0).to(ctx.param_dtypes[2 * i + 1])
