@@ -289,6 +289,10 @@ def test_fused_relu_linear_is_taken_only_where_the_first_call_finds_the_same_bit
 
     if not mlp_module._fused_relu_available():
         pytest.skip("this torch build has no oneDNN")
+    try:
+        mlp_module._pointwise_relu(*(torch.ones(2, 2, dtype=torch.bfloat16),) * 2 + (None,))
+    except RuntimeError:
+        pytest.skip("oneDNN has no bfloat16 linear for this CPU (no AVX-512)")
     monkeypatch.setattr(mlp_module, "_FUSED_RELU_BITS", {})
     calls = []
     real = mlp_module._pointwise_relu
@@ -316,3 +320,25 @@ def test_fused_relu_linear_is_taken_only_where_the_first_call_finds_the_same_bit
         want = torch.relu(torch.addmm(bias, other, weight.t()))
         assert torch.equal(mlp_module.relu_linear(other, weight, bias), want)
     assert mlp_module._FUSED_RELU_BITS[(32, 24, 40)] is False
+
+
+def test_relu_linear_takes_the_two_operators_where_onednn_refuses_bf16(monkeypatch):
+    """Without AVX-512, oneDNN has no bfloat16 kernel for the fused call and raises: the
+    layer takes ``addmm`` and ``relu_`` for that shape, on its first call and after."""
+    from towerrec.modules import mlp as mlp_module
+
+    if not mlp_module._fused_relu_available():
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(mlp_module, "_FUSED_RELU_BITS", {})
+
+    def refused(h, weight, bias):
+        raise RuntimeError("could not create a primitive descriptor")
+
+    monkeypatch.setattr(mlp_module, "_pointwise_relu", refused)
+    gen = torch.Generator().manual_seed(6)
+    weight, bias = torch.randn(24, 40, generator=gen).bfloat16(), torch.randn(24).bfloat16()
+    h = torch.randn(16, 40, generator=gen).bfloat16()
+    for _ in range(2):
+        want = torch.relu(torch.addmm(bias, h, weight.t()))
+        assert torch.equal(mlp_module.relu_linear(h, weight, bias), want)
+    assert mlp_module._FUSED_RELU_BITS == {(16, 24, 40): False}

@@ -81,19 +81,24 @@ def _pointwise_relu(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
 def relu_linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``relu_(addmm(bias, h, weight.t()))``, as one oneDNN call with the ReLU fused on
     bfloat16 where the first call of the shape finds the two give the same bits (module
-    doc); the two operators elsewhere."""
+    doc); the two operators elsewhere, and where oneDNN has no bfloat16 kernel for the
+    CPU (without AVX-512 it refuses the call)."""
     if h.dtype != torch.bfloat16 or not _fused_relu_available():
         return torch.relu_(torch.addmm(bias, h, weight.t()))
     key = (h.shape[0], *weight.shape)
     same = _FUSED_RELU_BITS.get(key)
     if same is False:
         return torch.relu_(torch.addmm(bias, h, weight.t()))
-    out = _pointwise_relu(h, weight, bias)
     if same is None:
         plain = torch.relu_(torch.addmm(bias, h, weight.t()))
-        _FUSED_RELU_BITS[key] = torch.equal(out.view(torch.int16), plain.view(torch.int16))
+        try:
+            out = _pointwise_relu(h, weight, bias)
+        except RuntimeError:  # no primitive for this CPU, dtype or shape
+            _FUSED_RELU_BITS[key] = False
+        else:
+            _FUSED_RELU_BITS[key] = torch.equal(out.view(torch.int16), plain.view(torch.int16))
         return plain
-    return out
+    return _pointwise_relu(h, weight, bias)
 
 
 def relu_backward(grad: torch.Tensor, out: torch.Tensor, in_place: bool = False) -> torch.Tensor:
