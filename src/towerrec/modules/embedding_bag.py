@@ -79,8 +79,9 @@ class IdPolicy(StrEnum):
 def _in_range(values: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether every id is in its feature's ``[0, rows)``, by each feature's smallest and
     largest id (3x faster on the CPU than a limit per id, which the error message and the
-    other policies still build; in one native pass where the extension is built, 5x faster
-    again on the Criteo-Kaggle batch). Ids are key-major, feature f's from ``starts[f]``."""
+    other policies still build; in one native pass where the extension is built, 2.7x
+    faster again on the Criteo-Kaggle batch). Ids are key-major, feature f's from
+    ``starts[f]``."""
     if (
         fused is not None
         and values.dtype == torch.int64
