@@ -278,7 +278,7 @@ def test_relu_backward_gives_threshold_backwards_bits():
     with pytest.raises(ValueError, match="dst holds"):
         g = torch.zeros(4, dtype=torch.bfloat16)
         fused.relu_grad(g.view(torch.int16).numpy(), g.view(torch.int16).numpy(),
-                        g[:3].view(torch.int16).numpy(), 4, 2)  # fmt: skip
+                        g[:3].view(torch.int16).numpy(), 4)  # fmt: skip
 
 
 def test_fused_relu_linear_is_taken_only_where_the_first_call_finds_the_same_bits(monkeypatch):

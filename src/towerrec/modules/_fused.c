@@ -739,11 +739,11 @@ static int ids_in_range(const int64_t *ids, const int64_t *starts, const int64_t
     return 1;
 }
 
-/* The gradient through a ReLU, from its output: dst[i] = out[i] <= 0 ? 0 : grad[i], as
+/* The gradient through a ReLU of bfloat16 output: dst[i] = out[i] <= 0 ? 0 : grad[i], as
  * ATen's threshold_backward(grad, out, 0) gives it (a selection: the same bits), on the
- * values' bit patterns (bfloat16 as 16-bit, float32 as 32-bit integers): a value is > 0,
- * or NaN, where its pattern as a signed integer is > 0 or its magnitude's is above
- * infinity's. Each element depends on itself alone: the same on any split. */
+ * values' 16-bit patterns: a value is > 0, or NaN, where its pattern as a signed integer
+ * is > 0 or its magnitude's is above infinity's. (In float32 ATen's is as fast: the
+ * caller keeps it there.) Each element depends on itself alone: the same on any split. */
 DOTS_CLONES
 static void relu_grad16(const uint16_t *grad, const uint16_t *out, uint16_t *dst,
                         Py_ssize_t lo, Py_ssize_t hi) {
@@ -754,32 +754,14 @@ static void relu_grad16(const uint16_t *grad, const uint16_t *out, uint16_t *dst
     }
 }
 
-DOTS_CLONES
-static void relu_grad32(const uint32_t *grad, const uint32_t *out, uint32_t *dst,
-                        Py_ssize_t lo, Py_ssize_t hi) {
-    for (Py_ssize_t i = lo; i < hi; i++) {
-        const int32_t v = (int32_t)out[i], magnitude = v & 0x7fffffff;
-        const int32_t keep = (v > 0) | (magnitude > 0x7f800000); /* no branch */
-        dst[i] = grad[i] & (uint32_t)-keep;
-    }
-}
-
 /* Elements a thread must take for its start to pay. */
 #define MIN_RELU_PER_THREAD 65536
 
-static void relu_grad_range(const void *grad, const void *out, void *dst, Py_ssize_t size,
-                            Py_ssize_t lo, Py_ssize_t hi) {
-    if (size == 2)
-        relu_grad16(grad, out, dst, lo, hi);
-    else
-        relu_grad32(grad, out, dst, lo, hi);
-}
-
-static void relu_grad(const void *grad, const void *out, void *dst, Py_ssize_t count,
-                      Py_ssize_t size) {
+static void relu_grad(const uint16_t *grad, const uint16_t *out, uint16_t *dst,
+                      Py_ssize_t count) {
     const int n = threads_for(count, MIN_RELU_PER_THREAD);
     if (n == 1) {
-        relu_grad_range(grad, out, dst, size, 0, count);
+        relu_grad16(grad, out, dst, 0, count);
         return;
     }
 #ifdef _OPENMP
@@ -789,7 +771,7 @@ static void relu_grad(const void *grad, const void *out, void *dst, Py_ssize_t c
         const Py_ssize_t k = omp_get_thread_num(), m = omp_get_num_threads();
         const Py_ssize_t lo = count * k / m / 64 * 64;
         const Py_ssize_t hi = k + 1 == m ? count : count * (k + 1) / m / 64 * 64;
-        relu_grad_range(grad, out, dst, size, lo, hi);
+        relu_grad16(grad, out, dst, lo, hi);
     }
 #endif
 }
@@ -1483,24 +1465,23 @@ done:
     return result;
 }
 
-/* relu_grad(grad, out, dst, count, size): dst = threshold_backward(grad, out, 0) over
- * `count` elements of `size` bytes (2: bfloat16, 4: float32); dst may be grad. */
+/* relu_grad(grad, out, dst, count): dst = threshold_backward(grad, out, 0) over `count`
+ * bfloat16 elements (their 16-bit patterns); dst may be grad. */
 static PyObject *py_relu_grad(PyObject *self, PyObject *args) {
     Py_buffer grad, out, dst;
-    Py_ssize_t count, size;
+    Py_ssize_t count;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*w*nn", &grad, &out, &dst, &count, &size)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*y*w*n", &grad, &out, &dst, &count)) return NULL;
     PyObject *result = NULL;
-    if (count < 0 || (size != 2 && size != 4)) {
-        PyErr_Format(PyExc_ValueError,
-                     "relu_grad needs count >= 0 and size 2 or 4, got %zd, %zd", count, size);
+    if (count < 0) {
+        PyErr_Format(PyExc_ValueError, "relu_grad needs count >= 0, got %zd", count);
         goto done;
     }
-    if (check(&grad, count * size, "grad") || check(&out, count * size, "out") ||
-        check(&dst, count * size, "dst"))
+    if (check(&grad, count * 2, "grad") || check(&out, count * 2, "out") ||
+        check(&dst, count * 2, "dst"))
         goto done;
     Py_BEGIN_ALLOW_THREADS
-    relu_grad(grad.buf, out.buf, dst.buf, count, size);
+    relu_grad(grad.buf, out.buf, dst.buf, count);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
@@ -1609,8 +1590,8 @@ static PyMethodDef dots_methods[] = {
      "ids_in_range(ids, starts, rows, features): whether feature f's ids, ids[starts[f]] to "
      "ids[starts[f + 1]], all lie in [0, rows[f])"},
     {"relu_grad", py_relu_grad, METH_VARARGS,
-     "relu_grad(grad, out, dst, count, size): dst = threshold_backward(grad, out, 0) over "
-     "count elements of size bytes (2: bfloat16, 4: float32)"},
+     "relu_grad(grad, out, dst, count): dst = threshold_backward(grad, out, 0) over count "
+     "bfloat16 elements"},
     {NULL, NULL, 0, NULL},
 };
 

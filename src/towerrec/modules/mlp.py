@@ -122,7 +122,6 @@ def relu_backward(grad: torch.Tensor, out: torch.Tensor, in_place: bool = False)
         out.view(torch.int16).numpy(),
         dst.view(torch.int16).numpy(),
         grad.numel(),
-        2,
     )
     return dst
 
