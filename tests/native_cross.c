@@ -75,7 +75,7 @@ static void lookup(Py_ssize_t batch, Py_ssize_t features, Py_ssize_t dim, int me
     fill(w, (size_t)bags * 3);
     fill(grad, (size_t)(bags * dim));
     bag_sum_range(table, ids, offsets, w, mean, out, features, batch, dim, 0, bags);
-    bag_grad(ids, offsets, grad, w, mean, summed, features, batch, dim);
+    bag_grad(ids, offsets, grad, w, mean, summed, features, batch, dim, rows);
     emit(out, (size_t)(bags * dim) * 4);
     emit(summed, (size_t)(rows * dim) * 4);
     free(offsets), free(ids), free(table), free(w), free(out), free(grad), free(summed);

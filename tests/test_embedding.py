@@ -275,22 +275,30 @@ def test_per_id_weights_with_mean_pooling_are_refused_on_every_backend(backend):
 
 def _dense_path_run(monkeypatch, rows_per_id, weighted, native=True):
     """Six steps of two small tables (ids of 40 samples, up to 4 per bag) with the dense
-    update allowed up to ``rows_per_id`` rows per id (its row gradients from the native
-    extension or PyTorch); the collection and the number of dense updates."""
+    update allowed up to ``rows_per_id`` rows per id (its row gradients and update from
+    the native extension or PyTorch); the collection and the dense updates taken
+    ("native" or "torch" each)."""
     from towerrec.modules.kernels import base, torch_kernel
     from towerrec.optim import sparse
 
     monkeypatch.setattr(sparse, "DENSE_ROWS_PER_ID", rows_per_id)
     if not native:
         monkeypatch.setattr(base, "fused", None)
+        monkeypatch.setattr(torch_kernel, "fused", None)
     calls = []
     real = torch_kernel.dense_rowwise_update
+    real_native = torch_kernel.TorchKernel._native_dense_update
 
     def counted(*args, **kwargs):
-        calls.append(1)
+        calls.append("torch")
         real(*args, **kwargs)
 
+    def counted_native(*args, **kwargs):
+        calls.append("native")
+        real_native(*args, **kwargs)
+
     monkeypatch.setattr(torch_kernel, "dense_rowwise_update", counted)
+    monkeypatch.setattr(torch_kernel.TorchKernel, "_native_dense_update", counted_native)
     pooling = "sum" if weighted else "mean"  # per-id weights need sum pooling
     tables = [TableConfig("a", 50, 8), TableConfig("c", 30, 8, pooling=pooling)]
     ebc = EmbeddingBagCollection(tables, EmbeddingOptimizerConfig(lr=0.1), backend="torch")
@@ -302,7 +310,7 @@ def _dense_path_run(monkeypatch, rows_per_id, weighted, native=True):
         out = ebc(KeyedJaggedTensor(["a", "c"], values, lengths, weights)).values()
         out.backward(torch.randn(out.shape, generator=gen))
     monkeypatch.undo()
-    return ebc, len(calls)
+    return ebc, calls
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -312,14 +320,16 @@ def test_small_tables_take_the_dense_update_with_the_same_result_bit_for_bit(
 ):
     """Row-wise Adagrad over every row of a small table (no dedup) against the update of
     the touched rows alone: the same weights and statistics, bit for bit, with the row
-    gradients from the native extension (where built) and from PyTorch."""
+    gradients and the update from the native extension (where built) and from PyTorch."""
+    from towerrec.modules.kernels.torch_kernel import native_row_statistics
     from towerrec.modules.native import fused
 
     if native and fused is None:
         pytest.skip("the native extension _fused is not built here")
     dense, dense_calls = _dense_path_run(monkeypatch, 1.0, weighted, native)
     sparse, sparse_calls = _dense_path_run(monkeypatch, 0.0, weighted)
-    assert dense_calls > 0 and sparse_calls == 0
+    path = "native" if native and native_row_statistics(8) else "torch"
+    assert dense_calls and set(dense_calls) == {path} and not sparse_calls
     for name, w in dense.table_weights().items():
         assert torch.equal(w, sparse.table_weights()[name]), name
     theirs = sparse.optimizer_state_dict()
@@ -498,6 +508,51 @@ def test_native_rowwise_adagrad_does_not_depend_on_the_thread_count(monkeypatch)
         assert torch.equal(a, b)
     assert torch.equal(results[0][1], results[1][1])
     assert torch.equal(results[0][2], results[1][2])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_native_bag_grad_split_among_threads_matches_a_numpy_oracle(weighted):
+    """bag_grad splits the rows among torch's threads, each reading every id and adding
+    those in its rows (about 20,000 ids here: enough for 3 threads): on 1 and 3 threads
+    the sums np.add.at gives, each row's shares added in the ids' order."""
+    import numpy as np
+
+    from towerrec.modules.native import fused
+
+    if fused is None:
+        pytest.skip("the native extension _fused is not built here")
+    gen = torch.Generator().manual_seed(6)
+    features, batch, dim, rows = 4, 2048, 16, 700
+    lengths = torch.randint(0, 5, (features * batch,), generator=gen)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    # skewed ids: most in the first rows, so that the threads' shares differ
+    ids = (torch.rand(int(offsets[-1]), generator=gen) ** 3 * rows).long()
+    grad = torch.randn(batch, features * dim, generator=gen)
+    weights = torch.rand(ids.shape, generator=gen) if weighted else None
+
+    want = np.zeros((rows, dim), np.float32)
+    ids_np, off_np, grad_np = ids.numpy(), offsets.numpy(), grad.numpy()
+    for f in range(features):
+        for b in range(batch):
+            lo, hi = off_np[f * batch + b], off_np[f * batch + b + 1]
+            g = grad_np[b, f * dim : (f + 1) * dim]
+            for k in range(lo, hi):
+                share = g * weights[k].numpy() if weights is not None else g
+                np.add.at(want, ids_np[k], share)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            out = torch.zeros(rows, dim)
+            fused.bag_grad(
+                out.numpy(), ids.numpy(), offsets.numpy(), grad.numpy(),
+                None if weights is None else weights.numpy(), False, features, batch, dim,
+                rows,
+            )  # fmt: skip
+            np.testing.assert_array_equal(out.numpy(), want)
+    finally:
+        torch.set_num_threads(threads)
+    assert ids.numel() > 3 * 4096  # three threads' worth (MIN_ROWS_PER_THREAD)
 
 
 @pytest.mark.parametrize("mean,weighted", [(False, False), (True, True)])

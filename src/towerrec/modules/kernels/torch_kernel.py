@@ -5,14 +5,18 @@ On the CPU, where the native extension is built (``_fused.c``), the lookup is on
 that pools the feature-major bags straight into the sample-major ``[B, F*D]`` the model
 reads, so neither direction copies through a transpose, its bags split among torch's
 intra-op threads (OpenMP). The gradient arrives in that layout and the update reads it
-there: small tables' dense update (``dense_gradient``), and row-wise Adagrad without
-weight decay on larger tables in two calls (``_fused.c``: ``row_sums``, the distinct
-ids' summed gradients and statistics, table by table on torch's threads;
-``adagrad_rows``, each row's update on torch's threads) around the per-row arithmetic
-(the rows' mean squares in one native pass, ``row_statistics``, where a check at first
-use finds it gives torch's bits for the dim; the factors in PyTorch's operators), in
-place of the transposing copy, the sort, the segment sums and the gathers and scatters
-of ``sparse_update``, with the same bits."""
+there. Row-wise Adagrad without weight decay runs in native calls around the per-row
+arithmetic (the rows' mean squares in one native pass, ``row_statistics``, where a check
+at first use finds it gives torch's bits for the dim; the factors in PyTorch's
+operators), in place of the transposing copy, the sort, the segment sums and the
+gathers and scatters of ``sparse_update``, with the same bits:
+
+- small tables, every row updated: ``bag_grad`` (every row's summed gradient, the rows
+  split among torch's threads), ``row_statistics``, the factors, and ``adagrad_rows``
+  over every row;
+- larger tables: ``row_sums`` (the distinct ids' summed gradients and statistics, table
+  by table on torch's threads), ``row_statistics``, the factors, and ``adagrad_rows``
+  (each touched row's update on torch's threads)."""
 
 from __future__ import annotations
 
@@ -190,6 +194,7 @@ class TorchKernel(EmbeddingKernel):
         # Leaf that makes autograd call backward; not a parameter of any model.
         self._trigger = torch.zeros(0, device=self.device, requires_grad=True)
         self._every_row_grad: torch.Tensor | None = None  # dense_adam's, made on first use
+        self._all_rows: torch.Tensor | None = None  # 0 .. R - 1, for the native dense update
 
     def split_weights(self) -> list[torch.Tensor]:
         return [self.weight[a:b] for a, b in zip(self.row_offsets, self.row_offsets[1:])]
@@ -303,6 +308,28 @@ class TorchKernel(EmbeddingKernel):
             dim,
         )
 
+    def _native_dense_update(self, summed: torch.Tensor) -> None:
+        """``dense_rowwise_update`` over every row in two native passes around the factor
+        in PyTorch's operators: the statistic added in place (``row_statistics``), then
+        each row's step (``adagrad_rows`` over rows 0 to R - 1, the statistic written back
+        unchanged), the same bits (``lr / x`` is ``reciprocal(x) * lr`` in torch)."""
+        assert fused is not None
+        momentum, (rows, dim) = self.state["momentum1"], self.weight.shape
+        if self._all_rows is None or self._all_rows.numel() != rows:
+            self._all_rows = torch.arange(rows)
+        fused.row_statistics(summed.numpy(), momentum.numpy(), rows, dim)
+        factor = momentum.sqrt().add_(self.optimizer.eps).reciprocal_().mul_(self.lr)
+        fused.adagrad_rows(
+            self.weight.numpy(),
+            momentum.numpy(),
+            self._all_rows.numpy(),
+            summed.numpy(),
+            momentum.numpy(),
+            factor.numpy(),
+            rows,
+            dim,
+        )
+
     @torch.no_grad()
     def apply_gradient(
         self,
@@ -319,7 +346,10 @@ class TorchKernel(EmbeddingKernel):
         ):  # small tables: no dedup (optim/sparse.py); on CUDA index_add_ is not deterministic
             rows = self.weight.shape[0]
             summed = dense_gradient(ids, offsets, weights, grad, self.pooling, rows, features)
-            dense_rowwise_update(self.optimizer, self.weight, self.state, summed, self.lr)
+            if self._native_rowwise(grad, weights) and native_row_statistics(dim):
+                self._native_dense_update(summed)
+            else:
+                dense_rowwise_update(self.optimizer, self.weight, self.state, summed, self.lr)
             return
         if self.optimizer.kind is EmbeddingOptimizer.DENSE_ADAM and not ids.is_cuda:
             # every row moves: no dedup (optim/sparse.py); the table-sized gradient kept
