@@ -79,6 +79,35 @@ def test_oracle_auc_is_high_and_labels_follow_teacher():
     assert abs(auc(np.random.default_rng(0).permutation(probs), labels) - 0.5) < 0.03
 
 
+def test_teacher_scores_follow_their_definitions():
+    """Each order's raw score against its definition over the teacher's field vectors
+    (the dense projection and the tables' rows, pooled bags averaged): the first order
+    the dense weights plus the rows' biases, the pairwise sum_ij C_ij <f_i, f_j> through
+    the Gram matrices, the higher order the triples' products."""
+    src = SyntheticSource(SMALL)
+    teacher = src._teacher
+    dense, sparse, orders, fields = src._raw_block("train", 2, with_fields=True)
+    assert fields.shape == (BLOCK, 4, SMALL.teacher_dim)
+    np.testing.assert_allclose(fields[:, 0], dense.astype(np.float64) @ teacher.dense_proj)
+    first = dense.astype(np.float64) @ teacher.dense_weight
+    for t, (lengths, ids) in enumerate(sparse):
+        owner = np.repeat(np.arange(BLOCK), lengths)
+        pooled = np.zeros((BLOCK, SMALL.teacher_dim))
+        np.add.at(pooled, owner, teacher.embeddings[t][ids])
+        np.testing.assert_allclose(fields[:, t + 1], pooled / SMALL.pooling(t), rtol=1e-12)
+        first += np.bincount(owner, teacher.biases[t][ids], minlength=BLOCK) / SMALL.pooling(t)
+    gram = np.einsum("bik,bjk->bij", fields, fields)
+    pairwise = np.einsum("bij,ij->b", gram, teacher.pair_coef)
+    higher = sum(
+        c * (fields[:, i] * fields[:, j] * fields[:, m]).sum(1)
+        for (i, j, m), c in zip(teacher.triples, teacher.triple_coef)
+    )
+    np.testing.assert_allclose(orders[:, 0], first, rtol=1e-12)
+    np.testing.assert_allclose(orders[:, 1], pairwise, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(orders[:, 2], higher, rtol=1e-10, atol=1e-12)
+    assert np.abs(orders[:, 1]).max() > 0.1  # every order carries signal here
+
+
 def test_eval_split_is_disjoint_from_train_and_rank_split():
     src = SyntheticSource(SMALL)
     train, _ = src.samples("train", 0, 100)

@@ -404,8 +404,9 @@ class SyntheticSource:
         teacher = self._teacher if teacher is None else teacher
         rng = np.random.default_rng(self._block_seed(split, block))
         dense = rng.standard_normal((BLOCK, cfg.num_dense), dtype=np.float32)
-        fields = np.empty((BLOCK, cfg.num_tables + 1, cfg.teacher_dim))
-        fields[:, 0] = dense @ teacher.dense_proj
+        # the field vectors field-major, [T+1, BLOCK, k]: each field's rows written whole
+        fields = np.empty((cfg.num_tables + 1, BLOCK, cfg.teacher_dim))
+        fields[0] = dense @ teacher.dense_proj
         first = dense @ teacher.dense_weight
         sparse = []
         for t in range(cfg.num_tables):
@@ -414,26 +415,36 @@ class SyntheticSource:
                 lengths = 1 + rng.poisson(pooling - 1, size=BLOCK)
             else:
                 lengths = np.ones(BLOCK, dtype=np.int64)
-            ranks = np.searchsorted(teacher.cdfs[t], rng.random(int(lengths.sum())))
+            # torch's search: the same ranks (exact comparisons), 4x faster than numpy's
+            draws = torch.from_numpy(rng.random(int(lengths.sum())))
+            ranks = torch.searchsorted(torch.from_numpy(teacher.cdfs[t]), draws).numpy()
             ids = teacher.perms[t][np.minimum(ranks, len(teacher.perms[t]) - 1)]
             sparse.append((lengths.astype(np.int64), ids.astype(np.int64)))
             if pooling > 1:
                 owner = np.repeat(np.arange(BLOCK), lengths)
-                pooled = np.zeros((BLOCK, cfg.teacher_dim))
-                np.add.at(pooled, owner, teacher.embeddings[t][ids])
-                fields[:, t + 1] = pooled / pooling
+                rows = teacher.embeddings[t][ids]
+                for c in range(rows.shape[1]):  # each bag's rows added in order (np.add.at's)
+                    fields[t + 1, :, c] = np.bincount(owner, rows[:, c], minlength=BLOCK)
+                fields[t + 1] /= pooling
                 bias = np.bincount(owner, teacher.biases[t][ids], minlength=BLOCK) / pooling
             else:
-                fields[:, t + 1] = teacher.embeddings[t][ids]
+                np.take(teacher.embeddings[t], ids, axis=0, out=fields[t + 1])
                 bias = teacher.biases[t][ids]
             first = first + bias
-        gram = np.einsum("bik,bjk->bij", fields, fields)
-        pairwise = np.einsum("bij,ij->b", gram, teacher.pair_coef)
+        # sum_ij C_ij <f_i, f_j> = sum over fields and k of F * (C F), F [T+1, BLOCK k]: one
+        # matrix product (13x faster than the Gram matrices' einsum on the default data),
+        # in torch's BLAS: it runs on torch's threads, where numpy's OpenBLAS would start
+        # threads of its own to spin beside the training step's (2x slower steps on 2 cores)
+        flat = torch.from_numpy(fields.reshape(cfg.num_tables + 1, -1))
+        mixed = torch.from_numpy(teacher.pair_coef) @ flat
+        pairwise = (flat * mixed).view(cfg.num_tables + 1, BLOCK, -1).sum((0, 2)).numpy()
         higher = np.zeros(BLOCK)
         for (i, j, m), coef in zip(teacher.triples, teacher.triple_coef):
-            higher += coef * np.einsum("bk,bk,bk->b", fields[:, i], fields[:, j], fields[:, m])
+            higher += coef * np.einsum("bk,bk,bk->b", fields[i], fields[j], fields[m])
         orders = np.stack([first, pairwise, higher], axis=1)
-        return (dense, sparse, orders, fields) if with_fields else (dense, sparse, orders)
+        if with_fields:
+            return dense, sparse, orders, fields.transpose(1, 0, 2)
+        return dense, sparse, orders
 
     def _make_block(self, split: str, block: int, period: int = 0):
         teacher = self._stream_teacher(period)
