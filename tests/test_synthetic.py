@@ -144,3 +144,63 @@ def test_stream_seed_redraws_training_samples_only():
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SyntheticConfig(**kwargs)
+
+
+@pytest.mark.multiprocess
+def test_a_process_forked_after_torchs_threads_ran_draws_the_same_blocks():
+    """The data is drawn in numpy alone: a process forked after torch's OpenMP threads
+    ran (a service or a worker started with fork) draws blocks, where a parallel torch
+    operator would wait forever on threads the fork did not copy; and the same ones."""
+    import multiprocessing
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(512, 512)
+        (x @ x).sum()  # a parallel region in this process
+        src = SyntheticSource(SMALL)
+        want = src._make_block("train", 1)[2]
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+
+        def draw():
+            queue.put(SyntheticSource(SMALL)._make_block("train", 1)[2])
+
+        child = ctx.Process(target=draw, daemon=True)
+        child.start()
+        try:
+            got = queue.get(timeout=60)
+            child.join(60)
+        finally:
+            if child.is_alive():
+                child.kill()
+    finally:
+        torch.set_num_threads(threads)
+    assert child.exitcode == 0
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 50, 1000, 20000])
+def test_the_rank_grid_gives_the_searchs_ranks(rows):
+    """_ranks against np.searchsorted on Zipf CDFs, with draws at the edges: 0, the CDF's
+    own entries and their neighbours, the grid's bucket boundaries, the last double
+    below 1, and uniform draws."""
+    from towerrec.data.synthetic import _rank_grid, _ranks
+
+    weights = 1.0 / np.arange(1, rows + 1) ** 1.1
+    cdf = np.cumsum(weights) / weights.sum()
+    grid = _rank_grid(cdf)
+    buckets = len(grid) - 1
+    edges = np.concatenate(
+        [
+            [0.0, np.nextafter(1.0, 0.0)],
+            cdf[cdf < 1],
+            np.nextafter(cdf[cdf < 1], 0.0),
+            np.nextafter(cdf[cdf < 1], 1.0),
+            np.arange(buckets) / buckets,
+            np.nextafter(np.arange(1, buckets) / buckets, 0.0),
+            np.random.default_rng(rows).random(50_000),
+        ]
+    )
+    edges = edges[(edges >= 0) & (edges < 1)]
+    np.testing.assert_array_equal(_ranks(cdf, grid, edges), np.searchsorted(cdf, edges))
