@@ -48,6 +48,15 @@ def fake_roofline(dtype, clock):
     return Roofline("cpu", str(dtype), PEAKS[dtype] * scale, 1e8 * scale)
 
 
+MATMULS_S = {torch.float32: 0.003, torch.bfloat16: 0.001}  # fake seconds of the step's matmuls
+SHAPE_LAYERS = [(5, 16, False), (16, 8, True), (4 * 3 // 2 + 8, 8, True), (8, 1, True)]
+
+
+def fake_matmuls(layers, batch, dtype):
+    assert list(layers) == SHAPE_LAYERS and batch == 16  # SHAPE's MLPs at the run's batch
+    return MATMULS_S[dtype]
+
+
 def test_roofline_is_flops_at_the_peak_plus_bytes_at_the_bandwidth():
     work = StepWork(flops=2e9, embedding_bytes=5e7)
     wall = Roofline("cpu", "float32", matmul_flops=1e9, bandwidth=1e8)  # 2 s + 0.5 s
@@ -58,6 +67,14 @@ def test_roofline_is_flops_at_the_peak_plus_bytes_at_the_bandwidth():
         "roofline_fraction": 0.5,
         "cpu_roofline_ms": 550.0,
         "cpu_roofline_fraction": 0.5,
+    }
+    # with the step's matmuls timed alone (0.75 s): the shapes' bound adds the bytes (0.5 s)
+    shapes = roofline_fields(work, step_s=5.0, cpu_s=1.1, wall=wall, cpu=cpu, matmuls_s=0.75)
+    assert shapes == {
+        **got,
+        "shapes_matmul_ms": 750.0,
+        "shapes_bound_ms": 1250.0,
+        "shapes_bound_fraction": 0.25,
     }
 
 
@@ -121,6 +138,7 @@ def test_each_row_reports_its_precisions_roofline_and_the_default_row_its_choice
         rounds=2,
         precisions=("fp32", "bf16"),
         measure=fake_roofline,
+        measure_matmuls=fake_matmuls,
     )
     results = out["results"]
     peers = {"plain_fused", "plain_fused_bf16", "plain_per_table", "plain_per_table_bf16"}
@@ -142,6 +160,12 @@ def test_each_row_reports_its_precisions_roofline_and_the_default_row_its_choice
         assert row["roofline_ms"] == pytest.approx(wall_s * 1e3, abs=1e-3)
         assert row["cpu_roofline_ms"] == pytest.approx(wall_s / 2 * 1e3, abs=1e-3)
         assert row["roofline_fraction"] == pytest.approx(wall_s * 1e3 / row["step_ms"], rel=1e-2)
+        shapes_s = MATMULS_S[dtype] + nbytes / 1e8
+        assert row["shapes_matmul_ms"] == MATMULS_S[dtype] * 1e3
+        assert row["shapes_bound_ms"] == pytest.approx(shapes_s * 1e3, abs=1e-3)
+        assert row["shapes_bound_fraction"] == pytest.approx(
+            shapes_s * 1e3 / row["step_ms"], rel=1e-2
+        )
         assert row["backend"] == "torch" or name == DEFAULT_ROW
     assert results["towerrec_torch_bf16"]["precision"] == "bf16"
     default = results[DEFAULT_ROW]
@@ -157,6 +181,7 @@ def test_each_row_reports_its_precisions_roofline_and_the_default_row_its_choice
     assert out["default_row"] == DEFAULT_ROW
     assert set(out["rooflines"]) == {"fp32", "bf16"}
     assert out["rooflines"]["bf16"]["wall"]["matmul_peak_gflops"] == 4.0
+    assert out["shapes_matmul_ms"] == {"fp32": 3.0, "bf16": 1.0}
     machine = out["machine"]
     assert machine["aten_capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(machine["cpu_flags"]) <= cpu_flags() and "cpu" in machine
@@ -182,6 +207,7 @@ def test_profile_splits_the_step_into_its_phases(one_thread):
         default_row=False,
         profile_steps=2,
         measure=fake_roofline,
+        measure_matmuls=fake_matmuls,
     )
     assert out["default_row"] is None and DEFAULT_ROW not in out["results"]
     profile = out["profile"]["towerrec_torch"]

@@ -7,6 +7,8 @@ from towerrec.bench.precision import quality_verdict
 from towerrec.bench.roofline import (
     Roofline,
     embedding_step_bytes,
+    layer_matmul_seconds,
+    layer_matmuls,
     matmul_peak,
     memory_bandwidth,
 )
@@ -27,6 +29,40 @@ def test_measured_peaks_are_positive_and_finite(one_thread):
     flops = matmul_peak("cpu", torch.float32, seconds=0.01, shapes=((64, 64, 64),))
     bandwidth = memory_bandwidth("cpu", seconds=0.01, nbytes=1 << 20)
     assert 0 < flops < float("inf") and 0 < bandwidth < float("inf")
+
+
+def test_layer_matmuls_are_a_steps_three_products_on_the_mlps_padded_widths():
+    # 13 inputs: no padding (below 64); 67: padded to 72, as the step's MLP runs it
+    layers = [(13, 32, False), (67, 24, True)]
+    ops = dict(layer_matmuls(layers, batch=16, dtype=torch.float32))
+    assert list(ops) == [
+        "layer 0 13x32 forward",
+        "layer 0 13x32 weight grad",
+        "layer 1 67x24 forward",
+        "layer 1 67x24 weight grad",
+        "layer 1 67x24 input grad",
+    ]
+    shapes = {name: tuple(op().shape) for name, op in ops.items()}
+    assert shapes["layer 0 13x32 forward"] == (16, 32)
+    assert shapes["layer 0 13x32 weight grad"] == (32, 13)
+    assert shapes["layer 1 67x24 forward"] == (16, 24)
+    assert shapes["layer 1 67x24 weight grad"] == (24, 72)
+    assert shapes["layer 1 67x24 input grad"] == (16, 72)
+    assert ops["layer 1 67x24 forward"]().dtype == torch.float32
+    assert dict(layer_matmuls(layers, 16, torch.bfloat16))["layer 0 13x32 forward"]().dtype == (
+        torch.bfloat16
+    )
+
+
+def test_layer_matmul_seconds_sums_each_products_time():
+    # a clock that moves one second a reading: each product is timed over one call of one
+    # second, so the sum is the number of products
+    ticks = iter(range(10**6))
+    seconds = layer_matmul_seconds(
+        [(13, 32, False), (67, 24, True)], 16, torch.float32, seconds=0.5,
+        clock=lambda: float(next(ticks)),
+    )  # fmt: skip
+    assert seconds == pytest.approx(5.0)
 
 
 def _runs(aucs):

@@ -155,7 +155,7 @@ def test_dense_optimizers_are_fused_on_cpu():
 
 
 def test_bench_train_reports_wall_and_cpu_ratios_side_by_side():
-    from towerrec.bench.roofline import measure_roofline
+    from towerrec.bench.roofline import layer_matmul_seconds, measure_roofline
     from towerrec.bench.train import run_train_benchmark
 
     shape = {
@@ -175,10 +175,14 @@ def test_bench_train_reports_wall_and_cpu_ratios_side_by_side():
         rounds=2,
         threads=1,
         measure=lambda dtype, clock: measure_roofline("cpu", dtype, 0.05, clock),  # short
+        measure_matmuls=lambda layers, batch, dtype: layer_matmul_seconds(
+            layers, batch, dtype, seconds=0.05
+        ),
     )
     ours = result["results"]["towerrec_torch"]
     assert ours["samples_per_s"] > 0 and ours["cpu_ms_per_step"] > 0
     assert ours["cpu_roofline_fraction"] > 0 and ours["roofline_fraction"] > 0
+    assert ours["shapes_bound_fraction"] > 0 and ours["shapes_matmul_ms"] > 0
     if "samples_per_s" in result["results"].get("torchrec", {}):
         # TorchRec both ways (under DMP and its fused collection alone); ratios against
         # the faster of the two

@@ -15,6 +15,11 @@ A step's roofline time is the time of its two kinds of work at their measured pe
   the looked-up rows gathered in forward, and each touched row's weights and optimizer
   state read and written back by the update.
 - ``Roofline``: the two peaks of one device and dtype; ``seconds(flops, bytes)``.
+- ``layer_matmul_seconds(layers, batch, dtype)``: the matmuls of one training step of a
+  model's linear layers, each timed alone at its own shape: what the BLAS does at those
+  shapes, where the peak is what it does at its best shapes. Small layers (a few dozen
+  inputs or outputs) run far below the peak, so this is the tighter of the two bounds on
+  a step's dense part; a benchmark reports it beside the roofline.
 
 Both peaks run on whatever ``device`` is given (CPU, or CUDA with the timing
 synchronised), so a benchmark on either compares its rows with the same bounds.
@@ -33,6 +38,8 @@ __all__ = [
     "MATMUL_SHAPES",
     "Roofline",
     "embedding_step_bytes",
+    "layer_matmul_seconds",
+    "layer_matmuls",
     "matmul_peak",
     "measure_roofline",
     "memory_bandwidth",
@@ -85,6 +92,51 @@ def matmul_peak(
         rate = _best_rate(work, 2 * m * k * n, device, seconds / len(shapes), clock)
         best = max(best, rate)
     return best
+
+
+def layer_matmuls(
+    layers: Sequence[tuple[int, int, bool]],
+    batch: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    """The matmuls one training step of linear layers runs, as calls on random operands:
+    for each layer ``(in_features, out_features, input_grad)``, the forward ``x W^T + b``
+    (``addmm``), the weight's gradient ``g^T x`` and, where ``input_grad``, the input's
+    ``g W``, in ``dtype`` at ``batch`` rows, on the zero-padded widths the step's MLP runs
+    (``mlp.padding_for``). Each comes with a name, ``layer <i> <in>x<out> <part>``."""
+    from towerrec.modules.mlp import padding_for  # the step's own widths
+
+    device = torch.device(device)
+    ops: list[tuple[str, Callable[[], torch.Tensor]]] = []
+    for i, (fan_in, fan_out, input_grad) in enumerate(layers):
+        width = fan_in + padding_for(fan_in)
+        x = torch.randn(batch, width, device=device).to(dtype)
+        weight = torch.randn(fan_out, width, device=device).to(dtype)
+        bias = torch.randn(fan_out, device=device).to(dtype)
+        grad = torch.randn(batch, fan_out, device=device).to(dtype)
+        name = f"layer {i} {fan_in}x{fan_out}"
+        ops.append((f"{name} forward", functools.partial(torch.addmm, bias, x, weight.t())))
+        ops.append((f"{name} weight grad", functools.partial(torch.mm, grad.t(), x)))
+        if input_grad:
+            ops.append((f"{name} input grad", functools.partial(torch.mm, grad, weight)))
+    return ops
+
+
+def layer_matmul_seconds(
+    layers: Sequence[tuple[int, int, bool]],
+    batch: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seconds: float = 1.0,
+    clock: Clock = time.perf_counter,
+) -> float:
+    """Seconds of ``layer_matmuls(layers, batch, dtype, device)``, each call timed alone
+    (repeated for its share of ``seconds``) and the times summed."""
+    ops = layer_matmuls(layers, batch, dtype, device)
+    device = torch.device(device)
+    share = seconds / max(len(ops), 1)
+    return sum(1.0 / _best_rate(work, 1.0, device, share, clock) for _, work in ops)
 
 
 def memory_bandwidth(

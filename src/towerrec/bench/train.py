@@ -29,7 +29,7 @@ from towerrec.bench.common import (
 )
 from towerrec.bench.device_train import PRECISIONS, run_device_train_benchmark
 from towerrec.bench.plain_dlrm import plain_dlrm, plain_step
-from towerrec.bench.roofline import Roofline, measure_roofline
+from towerrec.bench.roofline import Roofline, layer_matmul_seconds, measure_roofline
 from towerrec.bench.torchrec_ref import (
     quiet_torchrec_logs,
     single_process_group,
@@ -186,10 +186,30 @@ def _towerrec_row(shape: dict, backend: str) -> tuple[DLRM, torch.optim.Optimize
 
 
 Measure = Callable[[torch.dtype, Callable[[], float]], Roofline]
+# (layers, batch, dtype) -> seconds of the step's linear-layer matmuls, each alone
+MeasureMatmuls = Callable[[Sequence[tuple[int, int, bool]], int, torch.dtype], float]
 
 
 def _measure(dtype: torch.dtype, clock: Callable[[], float]) -> Roofline:
     return measure_roofline("cpu", dtype, 1.0, clock)
+
+
+def _measure_matmuls(
+    layers: Sequence[tuple[int, int, bool]], batch: int, dtype: torch.dtype
+) -> float:
+    return layer_matmul_seconds(layers, batch, dtype)
+
+
+def dlrm_layers(model: DLRM) -> list[tuple[int, int, bool]]:
+    """The DLRM's linear layers, bottom MLP then top: ``(in, out, input_grad)``, the
+    bottom MLP's first without its input's gradient (the dense features need none)."""
+    layers = []
+    for mlp, first_grad in ((model.bottom, False), (model.top, True)):
+        linears = [m for m in (mlp or ()) if isinstance(m, torch.nn.Linear)]
+        layers += [
+            (m.in_features, m.out_features, i > 0 or first_grad) for i, m in enumerate(linears)
+        ]
+    return layers
 
 
 def _best(a: Roofline, b: Roofline) -> Roofline:
@@ -214,6 +234,7 @@ def run_train_benchmark(
     default_row: bool = True,
     profile_steps: int = 0,
     measure: Measure = _measure,
+    measure_matmuls: MeasureMatmuls = _measure_matmuls,
 ) -> dict:
     """Every row trained on the same batches, round-robin; each row's roofline at its
     precision and ratios against TorchRec's fastest configuration and against the fastest
@@ -223,7 +244,9 @@ def run_train_benchmark(
     autocast, as for towerrec's rows): TorchRec under DMP and without it (``torchrec``),
     and the plain PyTorch DLRM with one ``nn.EmbeddingBag`` for every table or one per
     table (``plain``, ``plain_dlrm.py``). ``measure(dtype, clock)``: the roofline's peaks
-    (a test passes fake ones); ``profile_steps``: each towerrec row's phase table
+    (a test passes fake ones); ``measure_matmuls(layers, batch, dtype)``: the seconds of
+    the step's linear-layer matmuls, each alone (the shapes' bound, ``train_report.py``);
+    ``profile_steps``: each towerrec row's phase table
     (``train_profile.py``) over that many steps after the timing."""
     set_threads(threads)
     unknown = sorted(set(precisions) - set(PRECISION_DTYPES))
@@ -238,6 +261,7 @@ def run_train_benchmark(
     models: dict[str, tuple[DLRM, torch.optim.Optimizer, torch.dtype | None]] = {}
     rows: dict[str, dict[str, Any]] = {}  # what each row runs
     train_flops = 0
+    layers: list[tuple[int, int, bool]] = []
     named = [
         (_row_name(f"towerrec_{b}", p), b, p)
         for b in selected_backends(backends, results)
@@ -251,6 +275,7 @@ def run_train_benchmark(
         model, optimizer = _towerrec_row(shape, backend)
         dtype = autocast_dtype(precision)
         train_flops = 3 * model.flops_per_sample()  # forward + backward (2x) of the dense part
+        layers = dlrm_layers(model)
         models[name] = (model, optimizer, dtype)
         rows[name] = {"backend": backend, "precision": precision}
         systems[name] = lambda i, m=model, o=optimizer, d=dtype: train_step(
@@ -298,12 +323,18 @@ def run_train_benchmark(
         used = sorted({r["precision"] for r in rows.values()}, key=list(PRECISION_DTYPES).index)
         clocks = {"wall": time.perf_counter, "cpu": time.process_time}
         roofs = {(p, c): measure(PRECISION_DTYPES[p], clocks[c]) for p in used for c in clocks}
+        layers = layers or dlrm_layers(_towerrec_row(shape, "torch")[0])  # no towerrec row
+        matmuls = {p: measure_matmuls(layers, batch_size, PRECISION_DTYPES[p]) for p in used}
         cpu_seconds: dict[str, float] = {}
         seconds = time_interleaved(
             systems, rounds, max(steps // rounds, 1), warmup, cpu_seconds=cpu_seconds
         )
         roofs = {
             (p, c): _best(r, measure(PRECISION_DTYPES[p], clocks[c])) for (p, c), r in roofs.items()
+        }
+        matmuls = {  # the lesser of two, as the peaks the greater
+            p: min(s, measure_matmuls(layers, batch_size, PRECISION_DTYPES[p]))
+            for p, s in matmuls.items()
         }
     work = StepWork(
         train_flops * batch_size, batch_embedding_bytes(batches, shape["embedding_dim"])
@@ -316,7 +347,12 @@ def run_train_benchmark(
             "step_ms": round(s * 1e3, 3),
             "cpu_ms_per_step": round(cpu_seconds[name] * 1e3, 3),
             **roofline_fields(
-                work, s, cpu_seconds[name], roofs[precision, "wall"], roofs[precision, "cpu"]
+                work,
+                s,
+                cpu_seconds[name],
+                roofs[precision, "wall"],
+                roofs[precision, "cpu"],
+                matmuls[precision],
             ),
         }
     if choices:
@@ -334,6 +370,7 @@ def run_train_benchmark(
         "steps": steps,
         "rounds": rounds,
         "rooflines": {p: {c: roofs[p, c].as_dict() for c in clocks} for p in used},
+        "shapes_matmul_ms": {p: round(matmuls[p] * 1e3, 3) for p in used},
         "train_flops_per_step": work.flops,
         "embedding_bytes_per_step": round(work.embedding_bytes),
         "results": results,

@@ -19,6 +19,14 @@ wall-clock peaks; ``cpu_roofline_fraction`` the same in CPU seconds of this proc
 against the peaks per CPU second (with one thread, one core's bound however busy the
 machine is). 1 is the bound.
 
+Beside it, the bound of the step's own shapes (``roofline.layer_matmul_seconds``): the
+MLPs' matmuls of one step (forward, the weights' gradients, the inputs' gradients but the
+bottom MLP's first) each timed alone at its shape and precision, plus the embedding bytes
+at the bandwidth: ``shapes_matmul_ms``, ``shapes_bound_ms`` and ``shapes_bound_fraction``
+(= that bound / measured step time). Where the roofline's fraction is low, this one tells
+how much of the gap the matmuls' shapes explain (a small MLP's matmuls run far below the
+peak whoever calls them) and how much is the rest of the step.
+
 Ratios, all from the same round-robin run: each row's samples/s over the fastest TorchRec
 row's, at any precision (``vs_torchrec``), and over the fastest peer's, TorchRec or the
 plain PyTorch DLRM (``vs_strongest_peer``); the CPU time per step of the TorchRec row, or
@@ -84,17 +92,30 @@ class StepWork:
 
 
 def roofline_fields(
-    work: StepWork, step_s: float, cpu_s: float, wall: Roofline, cpu: Roofline
+    work: StepWork,
+    step_s: float,
+    cpu_s: float,
+    wall: Roofline,
+    cpu: Roofline,
+    matmuls_s: float | None = None,
 ) -> dict[str, float]:
-    """A row's roofline, by the wall clock and in CPU seconds (module doc)."""
+    """A row's roofline, by the wall clock and in CPU seconds, and with ``matmuls_s`` (the
+    step's linear-layer matmuls timed alone at their shapes) its shapes' bound (module
+    doc)."""
     roof_s = wall.seconds(work.flops, work.embedding_bytes)
     cpu_roof_s = cpu.seconds(work.flops, work.embedding_bytes)
-    return {
+    fields = {
         "roofline_ms": round(roof_s * 1e3, 3),
         "roofline_fraction": round(roof_s / step_s, 4),
         "cpu_roofline_ms": round(cpu_roof_s * 1e3, 3),
         "cpu_roofline_fraction": round(cpu_roof_s / cpu_s, 4) if cpu_s > 0 else 0.0,
     }
+    if matmuls_s is not None:
+        bound_s = matmuls_s + work.embedding_bytes / wall.bandwidth
+        fields["shapes_matmul_ms"] = round(matmuls_s * 1e3, 3)
+        fields["shapes_bound_ms"] = round(bound_s * 1e3, 3)
+        fields["shapes_bound_fraction"] = round(bound_s / step_s, 4)
+    return fields
 
 
 def ratios_to(results: dict, reference: str) -> dict[str, float]:
