@@ -38,6 +38,7 @@ from towerrec.distributed.mesh import Topology
 from towerrec.distributed.parallelize import parallelize, uniform_plan
 from towerrec.models.dlrm import DLRM
 from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_parameters
+from towerrec.optim.adam import Adam
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sharding import ShardingType
 from towerrec.sparse import KeyedJaggedTensor
@@ -89,7 +90,7 @@ def _towerrec_model(shape: dict, kind: str, topology: Topology, codecs: CommCode
     model = parallelize(
         model, mesh, uniform_plan(table_configs(shape), topology, kind), codecs=codecs
     )
-    optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=DENSE_LR, fused=True)
+    optimizer = Adam([p for _, p in dense_parameters(model)], lr=DENSE_LR, fused=True)
     return model, optimizer
 
 

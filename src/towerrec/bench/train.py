@@ -54,6 +54,7 @@ from towerrec.modules.embedding_bag import EmbeddingBagCollection, dense_paramet
 from towerrec.modules.kernels import fbgemm_available
 from towerrec.modules.native import native_lanes
 from towerrec.modules.tables import TableConfig
+from towerrec.optim.adam import Adam
 from towerrec.optim.sparse import EmbeddingOptimizerConfig
 from towerrec.sparse import KeyedJaggedTensor
 from towerrec.train.step import autocast_dtype, train_step
@@ -181,7 +182,8 @@ def _towerrec_row(shape: dict, backend: str) -> tuple[DLRM, torch.optim.Optimize
     )
     torch.manual_seed(0)
     model = DLRM(ebc, shape["num_dense"], shape["bottom_mlp"], shape["top_mlp"])
-    optimizer = torch.optim.Adam([p for _, p in dense_parameters(model)], lr=DENSE_LR, fused=True)
+    # towerrec's dense optimizer (build/optimizers.py), at the peers' settings
+    optimizer = Adam([p for _, p in dense_parameters(model)], lr=DENSE_LR, fused=True)
     return model, optimizer
 
 

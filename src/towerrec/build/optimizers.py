@@ -4,8 +4,9 @@ per ``optimizer.name``.
 The embedding rows have their own optimizer, fused into the lookup's backward
 (``embedding.optimizer``); this is the one of the MLPs, interactions and towers. Where
 every parameter is a CPU or CUDA float tensor, torch's fused kernel steps them all at
-once; sharded parameters (``distributed.dense = "fsdp"``) are fused by Adam only, and a
-mix of sharded and whole ones steps tensor by tensor. The distillation adapter gets a
+once (Adam's step without torch's per-step Python where it can, ``optim/adam.py``);
+sharded parameters (``distributed.dense = "fsdp"``) are fused by Adam only, and a mix of
+sharded and whole ones steps tensor by tensor. The distillation adapter gets a
 parameter group of its own at ``distill.adapter_lr`` (``split_adapter_group``).
 """
 
@@ -23,6 +24,7 @@ from towerrec.distributed.fsdp import is_sharded
 from towerrec.distributed.sum_reduce import GroupReducer
 from towerrec.models.distill_heads import distill_heads
 from towerrec.modules.embedding_bag import dense_parameters
+from towerrec.optim.adam import Adam
 from towerrec.optim.dance import Dance
 from towerrec.optim.pb_lbfgs import ProgressiveBatchLBFGS
 from towerrec.optim.shampoo import BlockExchange, Shampoo
@@ -70,7 +72,7 @@ class DenseOptimizerEntry:
 
 
 def _adam(config: OptimizerConfig, params, kernel: Kernel, _: Placement):
-    return torch.optim.Adam(  # weight decay decoupled from the gradient, as AdamW
+    return Adam(  # weight decay decoupled from the gradient, as AdamW; optim/adam.py
         params,
         lr=config.lr,
         weight_decay=config.weight_decay,
