@@ -100,6 +100,43 @@ def test_auto_backend_is_the_faster_kernel_and_is_measured_once(monkeypatch, mea
     assert made["backend"].how == "cached" and timer.calls == 1  # read, not timed again
 
 
+class SequenceTimer:
+    """Stands in for a kernel timing that sees a different machine each time it runs:
+    its calls return ``timings`` in turn."""
+
+    def __init__(self, *timings: dict[str, float]) -> None:
+        self.timings, self.calls = timings, 0
+
+    def backends(self, workload, backends, **_):
+        seconds = self.timings[self.calls]
+        self.calls += 1
+        return {b: seconds[b.value] for b in backends}
+
+
+@needs_fbgemm
+@pytest.mark.parametrize(
+    ("timings", "calls", "expected"),
+    [
+        # a busy moment put FBGEMM 3 % ahead; timed again, the torch kernel wins
+        (({"torch": 3.52, "fbgemm": 3.41}, {"torch": 2.60, "fbgemm": 3.00}), 2, "torch"),
+        # still close the second time: each kernel's faster step, no third timing
+        (({"torch": 1.00, "fbgemm": 1.03}, {"torch": 1.02, "fbgemm": 0.99}), 2, "fbgemm"),
+        # a clear margin (1.06x) is timed once
+        (({"torch": 1.00, "fbgemm": 1.06}, {"torch": 9.0, "fbgemm": 0.1}), 1, "torch"),
+    ],
+)
+def test_a_close_kernel_timing_is_taken_again(monkeypatch, measuring, timings, calls, expected):
+    timer = SequenceTimer(*timings)
+    monkeypatch.setattr(choices, "time_backend_steps", timer.backends)
+    config = _config()
+    resolved, made = resolve_choices(config, _schema(config), CPU)
+    assert resolved.embedding.backend is Backend(expected) and timer.calls == calls
+    both = {name: min(t[name] for t in timings[:calls]) for name in ("torch", "fbgemm")}
+    assert made["backend"].seconds == both
+    entry = next(iter(json.loads(measuring.read_text())["entries"].values()))
+    assert entry["choice"] == expected  # kept, as any quiet timing
+
+
 @needs_fbgemm
 def test_the_kernel_is_measured_again_for_another_model(monkeypatch, measuring):
     """Whole steps are timed, so the choice is kept per model as well as per tables."""
