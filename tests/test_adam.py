@@ -34,11 +34,22 @@ def _same(a: torch.optim.Optimizer, b: torch.optim.Optimizer, ma: nn.Module, mb:
             assert torch.equal(sa[key], sb[key]), key
 
 
-def _pair(**kwargs):
-    ours_model, torch_model = _model(), _model()
-    ours = Adam(ours_model.parameters(), fused=True, **kwargs)
-    ref = torch.optim.Adam(torch_model.parameters(), fused=True, **kwargs)
+def _pair(dtype: torch.dtype = torch.float32, **kwargs):
+    ours_model, torch_model = _model(dtype=dtype), _model(dtype=dtype)
+    kwargs.setdefault("fused", True)
+    ours = Adam(ours_model.parameters(), **kwargs)
+    ref = torch.optim.Adam(torch_model.parameters(), **kwargs)
     return ours, ref, ours_model, torch_model
+
+
+def _train(ours, ref, ours_model, torch_model, steps: range) -> None:
+    """Both optimizers stepped on the same gradients, then compared."""
+    for step in steps:
+        _grads(ours_model, step)
+        _grads(torch_model, step)
+        ours.step()
+        ref.step()
+    _same(ours, ref, ours_model, torch_model)
 
 
 def _short_steps(optimizer: Adam) -> list[int]:
@@ -81,16 +92,9 @@ def test_steps_match_torch_bit_for_bit(kwargs):
 
 
 def test_bfloat16_parameters_match_torch():
-    ours_model, torch_model = _model(dtype=torch.bfloat16), _model(dtype=torch.bfloat16)
-    ours = Adam(ours_model.parameters(), lr=1e-2, fused=True)
-    ref = torch.optim.Adam(torch_model.parameters(), lr=1e-2, fused=True)
-    taken = _short_steps(ours)
-    for step in range(4):
-        _grads(ours_model, step)
-        _grads(torch_model, step)
-        ours.step()
-        ref.step()
-    _same(ours, ref, ours_model, torch_model)
+    pair = _pair(torch.bfloat16, lr=1e-2)
+    taken = _short_steps(pair[0])
+    _train(*pair, range(4))
     assert len(taken) == 3
 
 
@@ -146,22 +150,13 @@ def test_hooks_run_once_on_either_path():
 
 def test_closure_and_state_dict_round_trip():
     ours, ref, ours_model, torch_model = _pair(lr=1e-2, weight_decay=0.01)
-    for step in range(3):
-        _grads(ours_model, step)
-        _grads(torch_model, step)
-        ours.step()
-        ref.step()
+    _train(ours, ref, ours_model, torch_model, range(3))
     # a resume: our state into a fresh one of ours, and torch's into torch's
     resumed_model = copy.deepcopy(ours_model)
     resumed = Adam(resumed_model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     resumed.load_state_dict(ours.state_dict())
     taken = _short_steps(resumed)
-    for step in range(3, 6):
-        _grads(resumed_model, step)
-        _grads(torch_model, step)
-        resumed.step()
-        ref.step()
-    _same(resumed, ref, resumed_model, torch_model)
+    _train(resumed, ref, resumed_model, torch_model, range(3, 6))
     assert len(taken) == 3
     loss = resumed.step(lambda: torch.tensor(1.5))  # a closure: torch's step, its loss
     ref.step()
@@ -171,16 +166,9 @@ def test_closure_and_state_dict_round_trip():
 
 def test_unfused_and_amsgrad_take_torchs_step():
     for kwargs in ({"fused": False}, {"fused": True, "amsgrad": True}):
-        ours_model, torch_model = _model(), _model()
-        ours = Adam(ours_model.parameters(), lr=1e-2, **kwargs)
-        ref = torch.optim.Adam(torch_model.parameters(), lr=1e-2, **kwargs)
-        taken = _short_steps(ours)
-        for step in range(3):
-            _grads(ours_model, step)
-            _grads(torch_model, step)
-            ours.step()
-            ref.step()
-        _same(ours, ref, ours_model, torch_model)
+        pair = _pair(lr=1e-2, **kwargs)
+        taken = _short_steps(pair[0])
+        _train(*pair, range(3))
         assert taken == []
 
 
